@@ -1,0 +1,23 @@
+"""nanocolossal: the ideas of the Colossal-AI tutorials, in plain PyTorch.
+
+    import nanocolossal as nc
+    nc.launch_from_torch(config="config.py")       # torchrun --nproc_per_node 2 train.py
+    nc.gpc.config.BATCH_SIZE, nc.gpc.rank, nc.gpc.data_group
+    loader = nc.get_dataloader(dataset, shuffle=True, batch_size=nc.gpc.config.BATCH_SIZE)
+
+One module per idea: config, context (gpc), launch, logging, data, metrics, amp, run.
+"""
+from . import amp, config, data, metrics
+from .amp import AMP_TYPE
+from .config import Config, ConfigError, load_config
+from .context import gpc
+from .data import DistributedSampler, get_dataloader
+from .launch import (LaunchError, get_default_parser, launch, launch_from_openmpi, launch_from_slurm,
+                     launch_from_torch)
+from .logging import get_dist_logger
+
+__all__ = [
+    "AMP_TYPE", "Config", "ConfigError", "DistributedSampler", "LaunchError", "amp", "config", "data",
+    "get_dataloader", "get_default_parser", "get_dist_logger", "gpc", "launch", "launch_from_openmpi",
+    "launch_from_slurm", "launch_from_torch", "load_config", "metrics",
+]

@@ -1,0 +1,158 @@
+"""The job description: a Python file of plain assignments, as in Colossal-AI.
+
+    # config.py
+    BATCH_SIZE = 128
+    NUM_EPOCHS = 2
+    parallel = dict(pipeline=2)
+    fp16 = dict(mode=AMP_TYPE.TORCH)
+
+`load_config` turns such a file (or a dict, or a Config) into a `Config`: a dict whose
+keys are also attributes (`cfg.parallel.pipeline`), with nested dicts converted too.
+Every global of the file that is not a module, a class or a dunder becomes a key, so
+`from nanocolossal.amp import AMP_TYPE` in the file is fine.
+
+A config is checked when it is loaded, not when a feature first reads it: a key we do
+not implement (ZeRO, tensor parallelism, ...) or a value of the wrong type is an error
+that says what to change, never silently ignored.
+"""
+from __future__ import annotations
+
+import inspect
+import numbers
+import os
+import runpy
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+from .amp import AMP_TYPE
+
+
+class ConfigError(ValueError):
+    """A config file or value that nanocolossal cannot use."""
+
+
+class Config(dict):
+    """A dict with attribute access; nested dicts become Configs."""
+
+    def __init__(self, data: Mapping[str, Any] | None = None, **kwargs: Any):
+        super().__init__()
+        for key, value in {**(data or {}), **kwargs}.items():
+            self[key] = value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if isinstance(value, Mapping) and not isinstance(value, Config):
+            value = Config(value)
+        super().__setitem__(key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"config has no key {name!r} (keys: {sorted(self)})") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        del self[name]
+
+    def update(self, other: Mapping[str, Any] = (), **kwargs: Any) -> None:  # type: ignore[override]
+        for key, value in {**dict(other), **kwargs}.items():
+            self[key] = value
+
+    @staticmethod
+    def from_file(path: Union[str, os.PathLike]) -> "Config":
+        """Run a .py config file and keep its globals (not modules, classes or dunders)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {str(path)!r} not found (working directory {os.getcwd()})")
+        if path.suffix != ".py":
+            raise ConfigError(f"config file {str(path)!r} must be a Python file ending in .py")
+        try:
+            namespace = runpy.run_path(str(path), run_name="__nanocolossal_config__")
+        except SyntaxError as e:
+            line = (e.text or "").rstrip()
+            raise ConfigError(f"syntax error in config file {e.filename}, line {e.lineno}: {e.msg}\n    {line}") from None
+        except Exception as e:
+            raise ConfigError(f"config file {str(path)!r} raised {type(e).__name__}: {e}") from e
+        return Config({k: v for k, v in namespace.items()
+                       if not k.startswith("__") and not inspect.ismodule(v) and not inspect.isclass(v)})
+
+
+ConfigLike = Union[str, os.PathLike, Mapping[str, Any], Config, None]
+
+
+def load_config(config: ConfigLike) -> Config:
+    """A path to a .py file, a dict, a Config or None (empty) -> a validated Config."""
+    if config is None:
+        cfg = Config()
+    elif isinstance(config, (str, os.PathLike)):
+        cfg = Config.from_file(config)
+    elif isinstance(config, Mapping):
+        cfg = Config(config)
+    else:
+        raise ConfigError(f"config must be a path to a .py file, a dict or a Config, not {type(config).__name__}")
+    validate_config(cfg)
+    return cfg
+
+
+# Colossal-AI keys that this project deliberately does not implement, with what to do instead.
+_UNSUPPORTED = {
+    "zero": "ZeRO is not implemented; remove `zero` (plain data parallelism shards nothing)",
+    "gradient_handler": "custom gradient handlers are not supported; data-parallel all-reduce is built in",
+    "tensor_parallel": "tensor parallelism is not implemented; remove it",
+}
+_PARALLEL_KEYS = ("pipeline", "data", "tensor", "sequence")
+
+
+def _positive_int(cfg: Mapping, key: str, where: str) -> None:
+    value = cfg.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{where}{key} must be a positive integer, got {value!r}")
+
+
+def _parallel_size(value: Any, key: str) -> int:
+    """`tensor=4` and `tensor=dict(size=4, mode='2d')` are both Colossal-AI spellings."""
+    size = value.get("size", 1) if isinstance(value, Mapping) else value
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"parallel.{key} must be a positive integer (or dict(size=N)), got {value!r}")
+    return size
+
+
+def validate_config(cfg: Config) -> None:
+    """Raise ConfigError for any key we understand but cannot honour."""
+    for key, hint in _UNSUPPORTED.items():
+        if key in cfg:
+            raise ConfigError(f"config key {key!r} is not supported: {hint}")
+
+    parallel = cfg.get("parallel")
+    if parallel is not None:
+        if not isinstance(parallel, Mapping):
+            raise ConfigError(f"parallel must be a dict such as dict(pipeline=2), got {parallel!r}")
+        unknown = set(parallel) - set(_PARALLEL_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown parallel key(s) {sorted(unknown)}; supported: pipeline (data size is world // pipeline)")
+        for key in ("tensor", "sequence"):
+            if key in parallel and _parallel_size(parallel[key], key) > 1:
+                raise ConfigError(f"parallel.{key} size {_parallel_size(parallel[key], key)} is not supported: "
+                                  f"only pipeline and data parallelism are implemented; remove parallel.{key}")
+        if "pipeline" in parallel:
+            _parallel_size(parallel["pipeline"], "pipeline")
+        if "data" in parallel:
+            _parallel_size(parallel["data"], "data")
+
+    fp16 = cfg.get("fp16")
+    if fp16 is not None:
+        if not isinstance(fp16, Mapping) or "mode" not in fp16:
+            raise ConfigError(f"fp16 must be a dict with a mode, e.g. dict(mode=AMP_TYPE.TORCH), got {fp16!r}")
+        try:
+            AMP_TYPE.parse(fp16["mode"])
+        except ValueError as e:
+            raise ConfigError(f"fp16.mode: {e}") from None
+
+    for key in ("gradient_accumulation", "NUM_MICRO_BATCHES", "NUM_CHUNKS", "BATCH_SIZE", "NUM_EPOCHS"):
+        _positive_int(cfg, key, "")
+    for key in ("clip_grad_norm", "timeout"):
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0):
+            raise ConfigError(f"{key} must be a positive number, got {value!r}")

@@ -1,0 +1,196 @@
+"""Data for data parallelism: each replica sees its own shard of every epoch.
+
+DistributedSampler shuffles the whole index list with one seed (seed + epoch) that every
+rank shares, then deals it out like cards:
+
+    epoch order  [7 2 9 0 4 1 8 3 6 5]          R = 3 replicas
+    rank 0        7     0     8     5           indices[0::3]
+    rank 1          2     4     3  (7)          indices[1::3]  + padding
+    rank 2            9     1     6  (2)        indices[2::3]  + padding
+
+Training wants equal shards (every rank must run the same number of steps, or the
+all-reduces stop matching), so by default the list is padded by repeating its start
+(`pad=True`, exactly torch's sampler) or cut (`drop_last=True`). Evaluation wants every
+sample exactly once, so `pad=False` gives uneven, non-overlapping shards; counts summed
+over ranks (metrics.Accuracy) are then exact. Call `set_epoch(e)` each epoch (the Trainer
+does) or every epoch repeats the same order.
+
+The dataset builders load the real CIFAR-10/MNIST with torchvision (root from the argument,
+else $DATA, else ./data). Where the files are absent and cannot be downloaded, they say so
+in one line on rank 0 and return a synthetic dataset of the same shape and classes that a
+small model can learn, so every script runs offline.
+"""
+from __future__ import annotations
+
+import math
+import os
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Sized
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .context import gpc
+from .logging import get_dist_logger
+
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)
+
+
+class DistributedSampler(Sampler[int]):
+    """Shard a dataset over the data-parallel ranks (defaults from gpc)."""
+
+    def __init__(self, dataset: Sized, num_replicas: Optional[int] = None, rank: Optional[int] = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, pad: bool = True) -> None:
+        self.num_replicas = gpc.data_size if num_replicas is None else num_replicas
+        self.rank = gpc.data_rank if rank is None else rank
+        if self.num_replicas < 1 or not 0 <= self.rank < self.num_replicas:
+            raise ValueError(f"[rank {gpc.rank}] sampler rank {self.rank} is not in [0, num_replicas={self.num_replicas})")
+        self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
+        self.drop_last, self.pad = drop_last, pad
+        self.epoch = 0
+        n, R = len(dataset), self.num_replicas
+        if drop_last:
+            self.total_size = (n // R) * R
+        elif pad:
+            self.total_size = math.ceil(n / R) * R
+        else:
+            self.total_size = n
+        # Uneven only when neither padding nor dropping: the first n % R ranks get one more.
+        self.num_samples = len(range(self.rank, self.total_size, R))
+
+    def __iter__(self) -> Iterator[int]:
+        n = len(self.dataset)
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(n, generator=g).tolist()
+        else:
+            indices = list(range(n))
+        if self.total_size > n:  # pad by repeating from the start (as often as needed for tiny sets)
+            indices += (indices * math.ceil((self.total_size - n) / n))[: self.total_size - n]
+        indices = indices[: self.total_size]
+        return iter(indices[self.rank: self.total_size: self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use a new order this epoch (same on all ranks, since they share seed + epoch)."""
+        self.epoch = epoch
+
+
+def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, add_sampler: bool = True,
+                   drop_last: bool = False, pin_memory: bool = False, pad: bool = True, **kwargs) -> DataLoader:
+    """A DataLoader giving this data-parallel rank its shard; `batch_size` is per rank.
+
+    With more than one data-parallel rank (and `add_sampler`), a DistributedSampler shards
+    the data; `pad=False` makes exact, uneven evaluation shards.
+    """
+    pin_memory = pin_memory and torch.cuda.is_available()  # pinning without a GPU only warns
+    if add_sampler and gpc.data_size > 1:
+        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, pad=pad)
+        return DataLoader(dataset, sampler=sampler, drop_last=drop_last, pin_memory=pin_memory, **kwargs)
+    generator = torch.Generator().manual_seed(seed) if shuffle else None
+    return DataLoader(dataset, shuffle=shuffle, generator=generator, drop_last=drop_last,
+                      pin_memory=pin_memory, **kwargs)
+
+
+class SyntheticImages(Dataset):
+    """Learnable stand-in for an image dataset: class template + noise, made on demand.
+
+    Each class has a fixed smooth random template; sample i is its class's template plus
+    Gaussian noise, both derived from (seed, i), so any rank can make any sample and the
+    data costs no memory. Values look like normalised images (about zero mean, unit scale).
+    """
+
+    def __init__(self, size: int, shape: tuple[int, ...], num_classes: int, seed: int = 0,
+                 noise: float = 1.0) -> None:
+        if size < 1 or num_classes < 2:
+            raise ValueError(f"synthetic dataset needs size >= 1 and num_classes >= 2, got {size}, {num_classes}")
+        self.size, self.shape, self.num_classes = size, tuple(shape), num_classes
+        self.seed, self.noise = seed, noise
+        g = torch.Generator().manual_seed(1234567 + num_classes)  # templates shared by train and test
+        if len(self.shape) == 3:  # images: upsample a coarse pattern so templates are smooth, like pictures
+            coarse = torch.randn(num_classes, shape[0], max(1, shape[1] // 4), max(1, shape[2] // 4), generator=g)
+            self.templates = torch.nn.functional.interpolate(coarse, size=shape[1:], mode="bilinear",
+                                                             align_corners=False)
+        else:
+            self.templates = torch.randn(num_classes, *shape, generator=g)
+        self.targets = torch.randint(num_classes, (size,), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if not -self.size <= i < self.size:
+            raise IndexError(f"index {i} out of range for synthetic dataset of size {self.size}")
+        i %= self.size
+        label = int(self.targets[i])
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i + 1)
+        return self.templates[label] + self.noise * torch.randn(self.shape, generator=g), label
+
+
+def synthetic_images(size: int, shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10,
+                     seed: int = 0, noise: float = 1.0) -> SyntheticImages:
+    return SyntheticImages(size, shape, num_classes, seed, noise)
+
+
+def data_root(root: Optional[str] = None) -> str:
+    """The data directory: the argument, else $DATA, else ./data."""
+    return str(root or os.environ.get("DATA") or "./data")
+
+
+@contextmanager
+def _local_rank0_first() -> Iterator[None]:
+    """Let local rank 0 download/unpack first so ranks do not race on the same files."""
+    barrier = gpc.is_initialized and gpc.world_size > 1
+    if barrier and gpc.local_rank != 0:
+        dist.barrier()
+    try:
+        yield
+    finally:
+        if barrier and gpc.local_rank == 0:
+            dist.barrier()
+
+
+def _load_or_synthesize(name: str, build: Callable[[], Dataset], root: str, download: bool, size: int,
+                        shape: tuple[int, ...], train: bool, synthetic_size: Optional[int]) -> Dataset:
+    with _local_rank0_first():
+        try:
+            return build()
+        except (RuntimeError, OSError) as e:  # not on disk ("Dataset not found"), or download failed
+            reason = "download failed" if download else "pass --download to fetch it"
+            n = synthetic_size or size
+            get_dist_logger().warning(
+                f"{name} not found under {os.path.abspath(root)} ({reason}: {str(e).splitlines()[0]}); "
+                f"using a synthetic {name}-shaped dataset instead ({n} images {'x'.join(map(str, shape))}, "
+                f"10 classes)", ranks=[0])
+            return synthetic_images(n, shape, 10, seed=0 if train else 1)
+
+
+def cifar10(root: Optional[str] = None, train: bool = True, download: bool = False,
+            transform: Optional[Callable] = None, synthetic_size: Optional[int] = None) -> Dataset:
+    """CIFAR-10 with the tutorials' transforms (crop + flip for training), or a synthetic stand-in."""
+    from torchvision import datasets, transforms
+
+    if transform is None:
+        augment = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if train else []
+        transform = transforms.Compose(augment + [transforms.ToTensor(),
+                                                  transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)])
+    root = data_root(root)
+    return _load_or_synthesize("CIFAR-10", lambda: datasets.CIFAR10(root, train=train, download=download,
+                                                                     transform=transform),
+                               root, download, 50000 if train else 10000, (3, 32, 32), train, synthetic_size)
+
+
+def mnist(root: Optional[str] = None, train: bool = True, download: bool = False,
+          transform: Optional[Callable] = None, synthetic_size: Optional[int] = None) -> Dataset:
+    """MNIST as the DDP tutorial loads it (ToTensor only), or a synthetic stand-in."""
+    from torchvision import datasets, transforms
+
+    transform = transform or transforms.ToTensor()
+    root = data_root(root)
+    return _load_or_synthesize("MNIST", lambda: datasets.MNIST(root, train=train, download=download,
+                                                                transform=transform),
+                               root, download, 60000 if train else 10000, (1, 28, 28), train, synthetic_size)

@@ -1,0 +1,210 @@
+"""Launch: turn N independent processes into one job.
+
+Every distributed job needs each process to know four things -- its `rank`, the
+`world_size`, and the `host:port` where rank 0 listens (the rendezvous) -- plus a config.
+Launchers differ only in *where* those come from:
+
+    launch(config, rank, world_size, host, port)     you pass them (get_default_parser)
+    launch_from_torch(config)                        torchrun / nanocolossal run:  RANK, WORLD_SIZE,
+                                                     LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+    launch_from_slurm(config, host, port)            srun:    SLURM_PROCID, SLURM_NPROCS, SLURM_LOCALID
+    launch_from_openmpi(config, host, port)          mpirun:  OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK
+
+All of them end in the same place: `torch.distributed.init_process_group` (rank 0 opens a
+TCP store at host:port, the others connect and exchange addresses), then `gpc.init` builds
+the data and pipeline groups, and every rank seeds its RNGs identically so that models are
+born equal.
+
+Backend: nccl when CUDA is available, else gloo. Device: cuda:local_rank with nccl, cpu with
+gloo. Every wait is bounded by `timeout` (config `timeout`, default 300 s).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigLike, load_config
+from .context import gpc
+from .logging import get_dist_logger
+
+DEFAULT_TIMEOUT_S = 300
+
+
+class LaunchError(RuntimeError):
+    """The job could not be started; the message says what to change."""
+
+
+def get_default_parser() -> argparse.ArgumentParser:
+    """The arguments `launch` needs; add your own with `parser.add_argument`."""
+    parser = argparse.ArgumentParser(add_help=True)
+    parser.add_argument("--config", type=str, default=None, help="path to the config .py file")
+    parser.add_argument("--host", type=str, default=None, help="address of the rank-0 node")
+    parser.add_argument("--port", type=int, default=None, help="free port on the rank-0 node")
+    parser.add_argument("--rank", type=int, default=None, help="global rank of this process")
+    parser.add_argument("--world_size", type=int, default=None, help="number of processes in the job")
+    parser.add_argument("--local_rank", type=int, default=None, help="rank on this node (selects the GPU)")
+    parser.add_argument("--backend", type=str, default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
+    return parser
+
+
+def _pick_backend(backend: Optional[str], rank: int) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend.lower()
+    if backend not in ("nccl", "gloo"):
+        raise LaunchError(f"[rank {rank}] unknown backend {backend!r}; use 'nccl' (GPUs) or 'gloo' (CPU)")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise LaunchError(f"[rank {rank}] backend 'nccl' needs CUDA, which is not available here; "
+                          f"use --backend gloo (or leave it unset)")
+    return backend
+
+
+def _pick_device(backend: str, rank: int, local_rank: int) -> torch.device:
+    if backend != "nccl":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise LaunchError(f"[rank {rank}] local_rank {local_rank} needs GPU {local_rank}, but this node has "
+                          f"{count} visible GPU(s); start at most {count} processes per node "
+                          f"(--nproc_per_node {count}) or check CUDA_VISIBLE_DEVICES")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        import numpy as np
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def _init_process_group(backend: str, init_method: str, rank: int, world_size: int,
+                        timeout: timedelta, where: str) -> None:
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timeout)
+    except (RuntimeError, ValueError, OSError) as e:
+        text = str(e)
+        if "in use" in text.lower() or "EADDRINUSE" in text:
+            hint = f"port at {where} is already in use: choose a free one (--port / --master_port)"
+        elif "timed out" in text.lower() or "timeout" in text.lower():
+            hint = (f"could not meet the other processes at {where} within {timeout.total_seconds():.0f} s: "
+                    f"is rank 0 running, is the host reachable, do all ranks agree on world_size={world_size}?")
+        else:
+            hint = f"could not join the job at {where}"
+        raise LaunchError(f"[rank {rank}] {hint} ({type(e).__name__}: {text.splitlines()[0] if text else ''})") from e
+
+
+def _launch(config: ConfigLike, rank: int, world_size: int, local_rank: Optional[int], init_method: str,
+            where: str, backend: Optional[str], seed: int, timeout: Optional[float]) -> None:
+    """Validate everything that can be checked alone, then meet the other ranks."""
+    cfg = load_config(config)
+    if gpc.is_initialized:
+        raise LaunchError(f"[rank {gpc.rank}] already launched; call gpc.destroy() before launching again")
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise LaunchError(f"{name} must be an integer, got {value!r}; pass --{name}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise LaunchError(f"[rank {rank}] rank must be in [0, world_size={world_size}); check --rank/--world_size")
+    local_rank = rank if local_rank is None else local_rank
+    gpc.parallel_sizes(cfg, world_size)  # a world that does not fit fails here, before any waiting
+    backend = _pick_backend(backend, rank)
+    device = _pick_device(backend, rank, local_rank)
+    seconds = timeout if timeout is not None else cfg.get("timeout", DEFAULT_TIMEOUT_S)
+    td = timedelta(seconds=seconds)
+
+    _init_process_group(backend, init_method, rank, world_size, td, where)
+    gpc.init(cfg, rank, world_size, local_rank, device, backend, td)
+    _seed_everything(seed)
+    get_dist_logger().info(
+        f"launched {world_size} process(es): backend {backend}, device {device.type}, "
+        f"pipeline {gpc.pipeline_size} x data {gpc.data_size}, timeout {seconds:g} s")
+
+
+def _check_port(port, rank: int) -> int:
+    if isinstance(port, str) and port.isdigit():
+        port = int(port)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise LaunchError(f"[rank {rank}] port must be an integer in 1..65535, got {port!r}; pass --port")
+    return port
+
+
+def launch(config: ConfigLike, rank: int, world_size: int, host: str, port: int,
+           backend: Optional[str] = None, local_rank: Optional[int] = None, seed: int = 1024,
+           timeout: Optional[float] = None) -> None:
+    """Start this process as `rank` of `world_size`, meeting the others at host:port."""
+    if not host:
+        raise LaunchError(f"[rank {rank}] no host given: pass --host with the address of the rank-0 node")
+    port = _check_port(port, rank)
+    _launch(config, rank, world_size, local_rank, f"tcp://{host}:{port}", f"{host}:{port}", backend, seed, timeout)
+
+
+def _read_env(names: dict[str, str], launcher: str, command: str) -> dict[str, int | str]:
+    """Read {role: "VAR" or "VAR|ALTERNATIVE"}; one error listing everything missing and how to launch."""
+    values: dict[str, int | str] = {}
+    missing = []
+    for role, spelling in names.items():
+        var = next((v for v in spelling.split("|") if v in os.environ), None)
+        if var is None:
+            missing.append(spelling.replace("|", " (or ") + (")" if "|" in spelling else ""))
+            continue
+        raw = os.environ[var]
+        try:
+            values[role] = raw if role == "host" else int(raw)
+        except ValueError:
+            raise LaunchError(f"launch_from_{launcher}: {var}={raw!r} is not an integer") from None
+    if missing:
+        raise LaunchError(f"launch_from_{launcher}: environment variable(s) {', '.join(missing)} not set. "
+                          f"Start this script with {command}")
+    return values
+
+
+def _host_port(host: Optional[str], port: Optional[int], rank: int, launcher: str) -> tuple[str, int]:
+    """host/port arguments, else MASTER_ADDR/MASTER_PORT, else a clear error."""
+    host = host or os.environ.get("MASTER_ADDR")
+    port = port or os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise LaunchError(f"[rank {rank}] launch_from_{launcher} needs the rank-0 node's address: pass "
+                          f"--host <node> --port <port> (or set MASTER_ADDR and MASTER_PORT)")
+    return host, _check_port(port, rank)
+
+
+def launch_from_torch(config: ConfigLike, backend: Optional[str] = None, seed: int = 1024,
+                      timeout: Optional[float] = None) -> None:
+    """Launch under torchrun (or `nanocolossal run`), which sets everything in the environment."""
+    env = _read_env({"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK",
+                     "host": "MASTER_ADDR", "port": "MASTER_PORT"},
+                    "torch", "`torchrun --nproc_per_node N script.py` or `nanocolossal run --nproc_per_node N script.py`")
+    where = f"{env['host']}:{env['port']}"
+    # env:// lets torchrun's agent share its own store with the workers.
+    _launch(config, env["rank"], env["world_size"], env["local_rank"], "env://", where, backend, seed, timeout)
+
+
+def launch_from_slurm(config: ConfigLike, host: Optional[str] = None, port: Optional[int] = None,
+                      backend: Optional[str] = None, seed: int = 1024, timeout: Optional[float] = None) -> None:
+    """Launch under `srun`: rank and world size come from SLURM_PROCID and SLURM_NPROCS/SLURM_NTASKS."""
+    env = _read_env({"rank": "SLURM_PROCID", "world_size": "SLURM_NPROCS|SLURM_NTASKS", "local_rank": "SLURM_LOCALID"},
+                    "slurm", "`srun python script.py --host <first node> --port 29500`")
+    host, port = _host_port(host, port, env["rank"], "slurm")
+    _launch(config, env["rank"], env["world_size"], env["local_rank"], f"tcp://{host}:{port}",
+            f"{host}:{port}", backend, seed, timeout)
+
+
+def launch_from_openmpi(config: ConfigLike, host: Optional[str] = None, port: Optional[int] = None,
+                        backend: Optional[str] = None, seed: int = 1024, timeout: Optional[float] = None) -> None:
+    """Launch under `mpirun`: rank, size and local rank come from OMPI_COMM_WORLD_*."""
+    env = _read_env({"rank": "OMPI_COMM_WORLD_RANK", "world_size": "OMPI_COMM_WORLD_SIZE",
+                     "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK"},
+                    "openmpi", "`mpirun -np N python script.py --host <rank-0 node> --port 29500`")
+    host, port = _host_port(host, port, env["rank"], "openmpi")
+    _launch(config, env["rank"], env["world_size"], env["local_rank"], f"tcp://{host}:{port}",
+            f"{host}:{port}", backend, seed, timeout)

@@ -1,0 +1,84 @@
+"""A logger that knows its rank.
+
+With N processes, N copies of every message is noise, and one message with no rank is a
+mystery. So:
+
+    logger = get_dist_logger()
+    logger.info("epoch 1 done")                 # rank 0 only (pass ranks=[...] for others)
+    logger.info("my shard", ranks=None)          # every rank
+    logger.warning("loss is nan")                # every rank: problems are never hidden
+
+and every line says who wrote it:
+
+    2026-11-21 10:00:00 [rank 1] WARNING nanocolossal: loss is nan
+
+The rank is read when the message is written, so a logger made before `launch` is fine.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Iterable, Optional
+
+from .context import gpc
+
+_FORMAT = "%(asctime)s [rank %(rank)s] %(levelname)s %(name)s: %(message)s"
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever sys.stdout is *now* (pytest and tqdm swap it)."""
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+class DistributedLogger:
+    def __init__(self, name: str) -> None:
+        self._logger = logging.getLogger(name)
+        self._logger.propagate = False
+        self._logger.setLevel(logging.INFO)
+        if not self._logger.handlers:
+            handler = _StdoutHandler()
+            handler.setFormatter(logging.Formatter(_FORMAT, "%Y-%m-%d %H:%M:%S"))
+            self._logger.addHandler(handler)
+
+    def _log(self, level: int, msg: str, ranks: Optional[Iterable[int]]) -> None:
+        if ranks is None or gpc.rank in ranks:
+            self._logger.log(level, msg, extra={"rank": gpc.rank})
+
+    def debug(self, msg: str, ranks: Optional[Iterable[int]] = (0,)) -> None:
+        self._log(logging.DEBUG, msg, ranks)
+
+    def info(self, msg: str, ranks: Optional[Iterable[int]] = (0,)) -> None:
+        """Log on the given global ranks (default rank 0; None means every rank)."""
+        self._log(logging.INFO, msg, ranks)
+
+    def warning(self, msg: str, ranks: Optional[Iterable[int]] = None) -> None:
+        self._log(logging.WARNING, msg, ranks)
+
+    def error(self, msg: str, ranks: Optional[Iterable[int]] = None) -> None:
+        self._log(logging.ERROR, msg, ranks)
+
+    def set_level(self, level: int | str) -> None:
+        self._logger.setLevel(level)
+
+    def log_to_file(self, path: str) -> None:
+        """Also append every message this rank logs to `path` (use a per-rank name)."""
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter(_FORMAT, "%Y-%m-%d %H:%M:%S"))
+        self._logger.addHandler(handler)
+
+
+_loggers: dict[str, DistributedLogger] = {}
+
+
+def get_dist_logger(name: str = "nanocolossal") -> DistributedLogger:
+    """The process-wide logger called `name` (created on first use)."""
+    if name not in _loggers:
+        _loggers[name] = DistributedLogger(name)
+    return _loggers[name]

@@ -1,0 +1,86 @@
+"""Metrics over data-parallel ranks that equal the single-process numbers exactly.
+
+Averaging per-rank accuracies is wrong whenever shards differ in size (the last batch, or
+an evaluation sampler with pad=False): 3/3 on one rank and 1/2 on the other is 80%, not
+the 75% a mean of ratios gives. So Accuracy keeps integer *counts* and all-reduces them:
+
+    rank 0: correct=3, total=3  \\
+                                  all_reduce(SUM) -> correct=4, total=5 -> 0.8 on every rank
+    rank 1: correct=1, total=2  /
+
+Integers sum exactly, so the result is bit-identical to one process on the whole set.
+`compute()` and `all_reduce_mean()` are collectives: every rank of the group must call them.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .context import gpc
+
+
+def _reduce_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """The group to reduce over, or None when this process is alone in it."""
+    if not gpc.is_initialized:
+        return None
+    group = group if group is not None else gpc.data_group
+    return group if dist.get_world_size(group) > 1 else None
+
+
+class Accuracy:
+    """Top-1 accuracy, exact across data-parallel ranks."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.group = group
+        self.reset()
+
+    def reset(self) -> None:
+        self.correct = 0
+        self.total = 0
+
+    @torch.no_grad()
+    def update(self, output: torch.Tensor, target: torch.Tensor) -> None:
+        """output: logits (N, C) or predicted labels (N,); target: labels (N,)."""
+        pred = output.argmax(dim=-1) if output.dim() == target.dim() + 1 else output
+        if pred.shape != target.shape:
+            raise ValueError(f"[rank {gpc.rank}] Accuracy.update: predictions of shape {tuple(pred.shape)} "
+                             f"do not match targets of shape {tuple(target.shape)}")
+        self.correct += int((pred == target).sum())
+        self.total += target.numel()
+
+    def compute(self) -> float:
+        """Global correct / global total (a collective over the data-parallel group)."""
+        counts = torch.tensor([self.correct, self.total], dtype=torch.int64, device=gpc.device)
+        group = _reduce_group(self.group)
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+        correct, total = counts.tolist()
+        if total == 0:
+            raise ValueError("Accuracy.compute: no samples were seen on any rank; call update() first")
+        return correct / total
+
+
+Number = Union[float, int, torch.Tensor]
+
+
+def all_reduce_mean(values: Union[Mapping[str, Number], Number], group: Optional[dist.ProcessGroup] = None,
+                    weight: Optional[float] = None) -> Union[dict[str, float], float]:
+    """Mean over the ranks of `group` (default: data-parallel) of a scalar or a dict of scalars.
+
+    With `weight` (e.g. this rank's sample count) the mean is weighted: sum(w*v) / sum(w),
+    which is the exact whole-dataset mean when each value is a per-rank mean over w samples.
+    All values travel in one collective; the dict must have the same keys on every rank.
+    """
+    keys = list(values) if isinstance(values, Mapping) else None
+    scalars = [values[k] for k in keys] if keys is not None else [values]
+    w = 1.0 if weight is None else float(weight)
+    packed = torch.tensor([float(v) * w for v in scalars] + [w], dtype=torch.float64)
+    group = _reduce_group(group)
+    if group is not None:
+        packed = packed.to(gpc.device)
+        dist.all_reduce(packed, group=group)
+        packed = packed.cpu()
+    means = (packed[:-1] / packed[-1]).tolist()
+    return dict(zip(keys, means)) if keys is not None else means[0]

@@ -1,0 +1,95 @@
+import textwrap
+
+import pytest
+
+from nanocolossal.amp import AMP_TYPE
+from nanocolossal.config import Config, ConfigError, load_config
+
+
+def write(tmp_path, text, name="config.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_config_attribute_access_and_nested_dicts():
+    cfg = Config({"BATCH_SIZE": 8, "parallel": {"pipeline": 2}})
+    assert cfg.BATCH_SIZE == 8 and cfg["BATCH_SIZE"] == 8
+    assert isinstance(cfg.parallel, Config) and cfg.parallel.pipeline == 2
+    cfg.fp16 = {"mode": AMP_TYPE.TORCH}
+    assert cfg.fp16.mode is AMP_TYPE.TORCH
+    with pytest.raises(AttributeError, match="no key 'missing'"):
+        cfg.missing
+
+
+def test_load_config_from_python_file_keeps_globals_not_modules_or_classes(tmp_path):
+    path = write(tmp_path, """
+        import os
+        from nanocolossal.amp import AMP_TYPE
+        BATCH_SIZE = 128
+        learning_rate = 3e-3
+        parallel = dict(pipeline=2)
+        fp16 = dict(mode=AMP_TYPE.TORCH)
+        _scratch = BATCH_SIZE * 2
+    """)
+    cfg = load_config(str(path))
+    assert cfg.BATCH_SIZE == 128 and cfg.learning_rate == 3e-3 and cfg._scratch == 256
+    assert cfg.parallel.pipeline == 2 and cfg.fp16.mode is AMP_TYPE.TORCH
+    assert "os" not in cfg and "AMP_TYPE" not in cfg and "__builtins__" not in cfg
+    assert load_config(path) == cfg  # pathlib paths work too
+
+
+def test_load_config_from_dict_and_config():
+    cfg = load_config({"NUM_EPOCHS": 2, "fp16": {"mode": "torch"}})
+    assert cfg.NUM_EPOCHS == 2 and cfg.fp16.mode == "torch"
+    assert load_config(cfg) == cfg
+    assert load_config(None) == Config()
+
+
+def test_missing_config_file_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.py"):
+        load_config(str(tmp_path / "nope.py"))
+
+
+def test_config_syntax_error_shows_file_and_line(tmp_path):
+    path = write(tmp_path, "BATCH_SIZE = 8\nparallel = dict(pipeline=2\nNUM_EPOCHS = 1\n")
+    with pytest.raises(ConfigError, match=r"config\.py, line [23]"):
+        load_config(str(path))
+
+
+def test_config_file_that_raises_is_reported(tmp_path):
+    path = write(tmp_path, "BATCH_SIZE = undefined_name\n")
+    with pytest.raises(ConfigError, match="NameError.*undefined_name"):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"zero": {"level": 2}}, "'zero' is not supported"),
+    ({"gradient_handler": [dict(type="X")]}, "'gradient_handler' is not supported"),
+    ({"parallel": {"tensor": {"size": 4, "mode": "2d"}}}, "parallel.tensor size 4 is not supported"),
+    ({"parallel": {"tensor": 2}}, "parallel.tensor size 2"),
+    ({"parallel": {"sequence": 2}}, "parallel.sequence size 2"),
+    ({"parallel": {"pipline": 2}}, r"unknown parallel key\(s\) \['pipline'\]"),
+    ({"parallel": {"pipeline": 0}}, "parallel.pipeline must be a positive integer"),
+    ({"parallel": 2}, "parallel must be a dict"),
+    ({"fp16": {"mode": "fp8"}}, "unknown fp16 mode 'fp8'.*AMP_TYPE.TORCH"),
+    ({"fp16": {}}, "fp16 must be a dict with a mode"),
+    ({"gradient_accumulation": 0}, "gradient_accumulation must be a positive integer"),
+    ({"NUM_MICRO_BATCHES": 2.5}, "NUM_MICRO_BATCHES must be a positive integer"),
+    ({"clip_grad_norm": -1.0}, "clip_grad_norm must be a positive number"),
+    ({"timeout": "10"}, "timeout must be a positive number"),
+])
+def test_unsupported_or_bad_config_is_a_clear_error(config, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(config)
+
+
+def test_supported_spellings_pass():
+    load_config({"parallel": {"pipeline": 2, "tensor": {"size": 1, "mode": None}}, "fp16": {"mode": AMP_TYPE.NAIVE},
+                 "gradient_accumulation": 4, "clip_grad_norm": 1.0, "timeout": 30})
+
+
+def test_config_file_must_be_python(tmp_path):
+    path = write(tmp_path, "BATCH_SIZE: 8\n", name="config.yaml")
+    with pytest.raises(ConfigError, match="must be a Python file"):
+        load_config(str(path))
