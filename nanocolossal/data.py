@@ -99,17 +99,18 @@ def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, ad
 class SyntheticImages(Dataset):
     """Learnable stand-in for an image dataset: class template + noise, made on demand.
 
-    Each class has a fixed smooth random template; sample i is its class's template plus
-    Gaussian noise, both derived from (seed, i), so any rank can make any sample and the
-    data costs no memory. Values look like normalised images (about zero mean, unit scale).
+    Each class has a fixed smooth random template; sample i is its class's template, shifted
+    by up to `max_shift` pixels and scaled in contrast, plus Gaussian noise, all derived from
+    (seed, i), so any rank can make any sample and the data costs no memory. Values look like
+    normalised images (about zero mean, unit scale). A small CNN learns it in an epoch or two.
     """
 
     def __init__(self, size: int, shape: tuple[int, ...], num_classes: int, seed: int = 0,
-                 noise: float = 1.0) -> None:
+                 noise: float = 1.0, max_shift: int = 4) -> None:
         if size < 1 or num_classes < 2:
             raise ValueError(f"synthetic dataset needs size >= 1 and num_classes >= 2, got {size}, {num_classes}")
         self.size, self.shape, self.num_classes = size, tuple(shape), num_classes
-        self.seed, self.noise = seed, noise
+        self.seed, self.noise, self.max_shift = seed, noise, max_shift
         g = torch.Generator().manual_seed(1234567 + num_classes)  # templates shared by train and test
         if len(self.shape) == 3:  # images: upsample a coarse pattern so templates are smooth, like pictures
             coarse = torch.randn(num_classes, shape[0], max(1, shape[1] // 4), max(1, shape[2] // 4), generator=g)
@@ -128,7 +129,11 @@ class SyntheticImages(Dataset):
         i %= self.size
         label = int(self.targets[i])
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i + 1)
-        return self.templates[label] + self.noise * torch.randn(self.shape, generator=g), label
+        x = self.templates[label]
+        if len(self.shape) == 3:  # shift and contrast vary per sample, so a linear model is not enough
+            dy, dx = (int(v) for v in torch.randint(-self.max_shift, self.max_shift + 1, (2,), generator=g))
+            x = torch.roll(x, shifts=(dy, dx), dims=(1, 2)) * (0.5 + torch.rand((), generator=g))
+        return x + self.noise * torch.randn(self.shape, generator=g), label
 
 
 def synthetic_images(size: int, shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10,

@@ -1,0 +1,159 @@
+import os
+import pickle
+import struct
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data.distributed as torch_dist_data
+from torchvision import transforms
+
+import nanocolossal as nc
+from nanocolossal.data import DistributedSampler, SyntheticImages, cifar10, mnist, synthetic_images
+
+
+# ---- DistributedSampler -------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, replicas", [(10, 3), (12, 4), (5, 2), (2, 4)])
+def test_sampler_without_padding_covers_dataset_exactly_once(n, replicas):
+    shards = [list(DistributedSampler(range(n), replicas, r, shuffle=True, seed=3, pad=False)) for r in range(replicas)]
+    union = [i for shard in shards for i in shard]
+    assert sorted(union) == list(range(n)), "every sample exactly once: no duplicates, none missing"
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    assert [len(DistributedSampler(range(n), replicas, r, pad=False)) for r in range(replicas)] == list(map(len, shards))
+
+
+@pytest.mark.parametrize("n, replicas", [(10, 3), (12, 4), (5, 2), (2, 4), (7, 7)])
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_sampler_with_padding_equals_torch(n, replicas, shuffle, drop_last):
+    for epoch in (0, 1):
+        for rank in range(replicas):
+            ours = DistributedSampler(range(n), replicas, rank, shuffle=shuffle, seed=5, drop_last=drop_last)
+            theirs = torch_dist_data.DistributedSampler(range(n), replicas, rank, shuffle=shuffle, seed=5,
+                                                        drop_last=drop_last)
+            ours.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert list(ours) == list(theirs) and len(ours) == len(theirs)
+
+
+def test_sampler_set_epoch_changes_the_order_the_same_way_on_every_rank():
+    a = DistributedSampler(range(100), 2, 0, seed=0)
+    first = list(a)
+    a.set_epoch(1)
+    second = list(a)
+    assert first != second
+    b = DistributedSampler(range(100), 2, 1, seed=0)
+    b.set_epoch(1)
+    assert sorted(second + list(b)) == list(range(100)), "ranks of one epoch still partition the data"
+
+
+def test_sampler_bad_rank_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"sampler rank 2 is not in \[0, num_replicas=2\)"):
+        DistributedSampler(range(4), num_replicas=2, rank=2)
+
+
+def test_get_dataloader_in_one_process_reads_everything_reproducibly():
+    data = list(range(20))
+    first = torch.cat(list(nc.get_dataloader(data, shuffle=True, seed=7, batch_size=6))).tolist()
+    again = torch.cat(list(nc.get_dataloader(data, shuffle=True, seed=7, batch_size=6))).tolist()
+    assert sorted(first) == data and first == again and first != data
+
+
+# ---- real on-disk formats -------------------------------------------------------------------
+
+def _write_cifar(root, per_batch=4):
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    written = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        data = rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8)
+        labels = rng.integers(0, 10, size=per_batch).tolist()
+        with open(folder / name, "wb") as f:
+            pickle.dump({"data": data, "labels": labels, "batch_label": name}, f)
+        written[name] = (data, labels)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
+                                     "ship", "truck"]}, f)
+    return written
+
+
+@pytest.fixture
+def skip_md5(monkeypatch):
+    """Our tiny files cannot have the real archive's MD5s; everything else is the real loader."""
+    import torchvision.datasets.cifar as tv_cifar
+    monkeypatch.setattr(tv_cifar, "check_integrity", lambda path, md5=None: os.path.isfile(path))
+
+
+def test_cifar10_loads_real_pickled_batches(tmp_path, skip_md5):
+    written = _write_cifar(tmp_path)
+    train = cifar10(str(tmp_path), train=True, transform=transforms.PILToTensor())
+    test = cifar10(str(tmp_path), train=False, transform=transforms.PILToTensor())
+    assert len(train) == 20 and len(test) == 4 and train.classes[0] == "airplane"
+    data, labels = written["data_batch_2"]
+    image, label = train[4]  # first sample of the second batch
+    assert label == labels[0]
+    assert torch.equal(image, torch.from_numpy(data[0].reshape(3, 32, 32)))
+    image, _ = cifar10(str(tmp_path), train=True)[0]  # default: the tutorial's crop/flip/normalise
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32
+
+
+def test_cifar10_reads_root_from_DATA(tmp_path, monkeypatch, skip_md5):
+    _write_cifar(tmp_path)
+    monkeypatch.setenv("DATA", str(tmp_path))
+    assert len(cifar10(train=False)) == 4
+
+
+def _write_idx(path, array):
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + b"".join(struct.pack(">I", d) for d in array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def test_mnist_loads_real_idx_files(tmp_path):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, size=(6, 28, 28))
+    labels = rng.integers(0, 10, size=6)
+    for split in ("train", "t10k"):
+        _write_idx(raw / f"{split}-images-idx3-ubyte", images)
+        _write_idx(raw / f"{split}-labels-idx1-ubyte", labels)
+    train = mnist(str(tmp_path), train=True)
+    assert len(train) == 6
+    image, label = train[3]
+    assert label == labels[3] and image.shape == (1, 28, 28)
+    torch.testing.assert_close(image, torch.from_numpy(images[3]).float().div(255).unsqueeze(0))
+
+
+# ---- offline fallback -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("builder, shape", [(cifar10, (3, 32, 32)), (mnist, (1, 28, 28))])
+def test_missing_data_falls_back_to_synthetic_with_one_line(tmp_path, capsys, builder, shape):
+    data = builder(str(tmp_path / "empty"), train=True, synthetic_size=64)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1 and "synthetic" in lines[0] and "--download" in lines[0] and "[rank 0]" in lines[0]
+    assert isinstance(data, SyntheticImages) and len(data) == 64
+    image, label = data[5]
+    assert image.shape == shape and 0 <= label < 10
+    assert torch.equal(data[5][0], image), "samples are deterministic"
+    assert len(builder(str(tmp_path / "empty"), train=False)) == 10000  # full-size stand-in by default
+
+
+def test_synthetic_images_are_learnable_by_a_small_model():
+    torch.manual_seed(0)
+    train, test = synthetic_images(2000, seed=0), synthetic_images(500, seed=1)
+    x = torch.stack([train[i][0] for i in range(len(train))])
+    xt = torch.stack([test[i][0] for i in range(len(test))])
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                                torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(3):
+        for i in range(0, len(x), 50):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[i:i + 50]), train.targets[i:i + 50]).backward()
+            opt.step()
+    with torch.no_grad():
+        accuracy = (model(xt).argmax(1) == test.targets).float().mean().item()
+    assert accuracy > 0.5, f"accuracy {accuracy:.2f} on 10 classes (chance 0.1)"
