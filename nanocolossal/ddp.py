@@ -1,0 +1,186 @@
+"""Data parallelism: every rank holds the whole model, sees a different slice of the batch,
+and averages gradients with its peers before the optimizer step, so all replicas take the
+same step -- the step one process would take on the concatenated batch.
+
+Averaging after backward would leave the network idle during backward and the CPU/GPU idle
+during communication. Instead gradients are packed into flat buckets (~25 MB) in *reverse*
+parameter order, because backward produces the last layers' gradients first. A hook on each
+parameter copies its gradient into its bucket the moment it is accumulated; when a bucket is
+full its all-reduce starts asynchronously while backward carries on:
+
+    backward   | grad L4 L3 | grad L2 L1 | grad L0 |
+    all-reduce              |  bucket 0  |  bucket 1  | bucket 2 |
+                                                                 ^ end-of-backward callback:
+                                                                   wait, write .grad back
+
+Rules that keep every rank's collectives matched (a mismatch is a hang):
+  * buckets are launched in the same fixed order everywhere: a ready bucket waits for the
+    ones before it;
+  * parameters that got no gradient this iteration (an unused branch) are not waited for:
+    at the end of backward their slots are zero and the remaining buckets are launched.
+    Each bucket also carries one "used" flag per parameter, reduced with the gradients, so
+    every rank learns which parameters were used anywhere: those get the averaged gradient
+    on all ranks, those used nowhere keep grad=None -- exactly what one process would see.
+
+`no_sync()` skips the communication (gradient accumulation); gradients keep accumulating in
+`.grad` and the next synchronised backward averages the accumulated sum.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .context import gpc
+
+
+class _Bucket:
+    """A flat buffer for some parameters' gradients, followed by one 'used' flag per parameter."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.offsets, total = [], 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self.buffer = torch.zeros(total + len(params), dtype=params[0].dtype, device=params[0].device)
+        self.work: Optional[dist.Work] = None
+        self.ready = 0
+
+    def view(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+
+    def flags(self) -> torch.Tensor:
+        return self.buffer[self.numel:]
+
+
+def _coalesced_broadcast(tensors: list[torch.Tensor], src: int, group) -> None:
+    """Broadcast many tensors as one flat message per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group_tensors in by_dtype.values():
+        flat = _flatten_dense_tensors([t.data for t in group_tensors])
+        dist.broadcast(flat, src=src, group=group)
+        for t, synced in zip(group_tensors, _unflatten_dense_tensors(flat, group_tensors)):
+            t.data.copy_(synced)
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap `module` so that backward averages gradients over `process_group` (default gpc's data group)."""
+
+    def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
+                 bucket_cap_mb: float = 25, broadcast_buffers: bool = True) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("DistributedDataParallel needs a launched job: call nanocolossal.launch* first")
+        self.module = module
+        self.process_group = process_group if process_group is not None else (gpc.data_group or dist.group.WORLD)
+        self.world_size = dist.get_world_size(self.process_group)
+        self.src_rank = dist.get_global_rank(self.process_group, 0)
+        self.broadcast_buffers = broadcast_buffers
+        self.require_sync = True
+
+        self._check_same_structure()
+        _coalesced_broadcast(list(module.parameters()) + list(module.buffers()), self.src_rank, self.process_group)
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = self._make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))
+        self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._next_launch = 0           # buckets are launched strictly in order
+        self._callback_queued = False
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    # -- construction ---------------------------------------------------------------------
+    def _check_same_structure(self) -> None:
+        """Different models on different ranks would reduce garbage or hang: refuse early."""
+        mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in self.module.named_parameters()]
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        ranks = dist.get_process_group_ranks(self.process_group)
+        for rank, theirs in zip(ranks, everyone):
+            if theirs != mine:
+                diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
+                detail = (f"first difference: {diff[0]} here vs {diff[1]} on rank {rank}" if diff else
+                          f"{len(mine)} parameters here vs {len(theirs)} on rank {rank}")
+                raise RuntimeError(f"[rank {gpc.rank}] DistributedDataParallel: the model on rank {gpc.rank} differs "
+                                   f"from the model on rank {rank} ({detail}); build the same model on every rank")
+
+    @staticmethod
+    def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
+        buckets, current, size = [], [], 0
+        for p in params:
+            if current and (size + p.numel() * p.element_size() > cap_bytes
+                            or p.dtype != current[0].dtype or p.device != current[0].device):
+                buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+        if current:
+            buckets.append(_Bucket(current))
+        return buckets
+
+    # -- forward / backward ---------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self.world_size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                _coalesced_broadcast(buffers, self.src_rank, self.process_group)
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate local gradients; the next one outside averages them."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        if not self.require_sync:
+            return
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._callback_queued = True
+        bucket, i = self._where[param]
+        bucket.view(i).copy_(param.grad)
+        bucket.flags()[i] = 1
+        bucket.ready += 1
+        self._launch_ready()
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.buffer.div_(self.world_size)  # average = sum of (grad / N): no overflow in low precision
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.ready < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _finish(self) -> None:
+        """End of backward: launch what is left (unused slots are zero), wait, write grads back."""
+        for bucket in self.buckets[self._next_launch:]:
+            self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            used = bucket.flags() > 0
+            for i, p in enumerate(bucket.params):
+                if used[i]:
+                    if p.grad is None:
+                        p.grad = bucket.view(i).clone()
+                    else:
+                        p.grad.copy_(bucket.view(i))
+            bucket.buffer.zero_()
+            bucket.work, bucket.ready = None, 0
+        self._next_launch, self._callback_queued = 0, False

@@ -1,0 +1,169 @@
+"""DDP gives what one process gives on the whole batch, and what torch's DDP gives."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing import assert_close
+
+import nanocolossal as nc
+from nanocolossal.context import gpc
+from nanocolossal.ddp import DistributedDataParallel as DDP
+from dist_helpers import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+MICRO = 4  # samples per rank per step
+
+
+class Net(nn.Module):
+    """An MLP with a branch only some inputs use and a branch nothing uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+        self.extra = nn.Linear(32, 32)   # used only when asked
+        self.never = nn.Linear(32, 32)   # never used
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        h = self.body(x)
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.head(h)
+
+
+def _data(step: int, world_size: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(world_size * MICRO, 8, generator=g), torch.randint(0, 3, (world_size * MICRO,), generator=g)
+
+
+def _optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+
+def _launch(rank, world_size, port):
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+
+
+def _train_step(model, opt, x, y, use_extra):
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x, use_extra), y).backward()
+    opt.step()
+
+
+def _reference_step(model, opt, x, y, world_size, extra_ranks):
+    """One process, whole batch: the mean loss over all samples, slices routed as each rank routes them."""
+    opt.zero_grad()
+    losses = [nn.functional.cross_entropy(model(x[r * MICRO:(r + 1) * MICRO], r in extra_ranks),
+                                          y[r * MICRO:(r + 1) * MICRO], reduction="sum") for r in range(world_size)]
+    (sum(losses) / len(y)).backward()
+    opt.step()
+
+
+def _equivalence_worker(rank, world_size, port, bucket_cap_mb, extra_ranks):
+    _launch(rank, world_size, port)
+    torch.manual_seed(0)
+    base = Net()
+    ours, theirs, single = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    ddp = DDP(ours, bucket_cap_mb=bucket_cap_mb)
+    torch_ddp = nn.parallel.DistributedDataParallel(theirs, find_unused_parameters=True,
+                                                    bucket_cap_mb=bucket_cap_mb)
+    opts = [_optimizer(m) for m in (ddp, torch_ddp, single)]
+    use_extra = rank in extra_ranks
+    for step in range(4):
+        x, y = _data(step, world_size)
+        mine = slice(rank * MICRO, (rank + 1) * MICRO)
+        _train_step(ddp, opts[0], x[mine], y[mine], use_extra)
+        _train_step(torch_ddp, opts[1], x[mine], y[mine], use_extra)
+        _reference_step(single, opts[2], x, y, world_size, extra_ranks)
+    for (name, p), q, s in zip(ours.named_parameters(), theirs.parameters(), single.parameters()):
+        assert_close(p, q, msg=lambda m: f"{name} vs torch DDP: {m}")
+        assert_close(p, s, msg=lambda m: f"{name} vs one process: {m}")
+        assert (p.grad is None) == (s.grad is None), f"{name}: grad None-ness differs from one process"
+    assert ours.never.weight.grad is None  # unused everywhere: untouched, as in one process
+    if extra_ranks:
+        assert ours.extra.weight.grad is not None  # used on some rank: averaged grad on every rank
+    return len(ddp.buckets)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gloo_ddp_equals_torch_ddp_and_one_process(world_size):
+    buckets = run_ranks(_equivalence_worker, world_size, 25, (), timeout=90)
+    assert buckets == [1] * world_size
+
+
+def test_gloo_ddp_many_buckets_and_unused_parameters():
+    # 1 KB buckets put almost every parameter in its own bucket; "extra" runs on rank 0 only.
+    buckets = run_ranks(_equivalence_worker, 2, 0.001, (0,), timeout=90)
+    assert buckets[0] == buckets[1] > 5
+
+
+def _no_sync_worker(rank, world_size, port, k):
+    _launch(rank, world_size, port)
+    torch.manual_seed(0)
+    model, single = Net(), Net()
+    single.load_state_dict(model.state_dict())
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    opt, opt_single = _optimizer(ddp), _optimizer(single)
+    for step in range(2):
+        xs, ys = zip(*(_data(10 * step + i, world_size) for i in range(k)))
+        opt.zero_grad()
+        for i in range(k):  # k micro-batches: communicate only on the last
+            mine = slice(rank * MICRO, (rank + 1) * MICRO)
+            if i < k - 1:
+                with ddp.no_sync():
+                    (nn.functional.cross_entropy(ddp(xs[i][mine]), ys[i][mine]) / k).backward()
+            else:
+                (nn.functional.cross_entropy(ddp(xs[i][mine]), ys[i][mine]) / k).backward()
+        opt.step()
+        opt_single.zero_grad()
+        nn.functional.cross_entropy(single(torch.cat(xs)), torch.cat(ys)).backward()
+        opt_single.step()
+    for (name, p), s in zip(model.named_parameters(), single.parameters()):
+        assert_close(p, s, msg=lambda m: f"{name}: {m}")
+
+
+def test_gloo_ddp_no_sync_accumulation_equals_one_big_step():
+    run_ranks(_no_sync_worker, 2, 3)
+
+
+def _buffers_worker(rank, world_size, port):
+    _launch(rank, world_size, port)
+    torch.manual_seed(rank)  # deliberately different weights on each rank
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    ddp = DDP(model)
+    start = [p.detach().clone() for p in model.parameters()]
+    model[1].running_mean.fill_(float(rank + 1))  # rank-specific statistics...
+    ddp.eval()
+    ddp(torch.randn(3, 4))                          # ...replaced by rank 0's before forward
+    return start, model[1].running_mean.clone()
+
+
+def test_gloo_ddp_broadcasts_parameters_and_buffers_from_rank0():
+    (params0, mean0), (params1, mean1) = run_ranks(_buffers_worker, 2)
+    for a, b in zip(params0, params1):
+        assert_close(a, b, rtol=0, atol=0)
+    assert torch.equal(mean0, torch.ones(6)) and torch.equal(mean1, torch.ones(6))
+
+
+def _mismatch_worker(rank, world_size, port):
+    _launch(rank, world_size, port)
+    model = nn.Linear(4, 4 + rank)  # rank 1 built a different model
+    try:
+        DDP(model)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_gloo_ddp_rejects_models_that_differ_across_ranks():
+    messages = run_ranks(_mismatch_worker, 2, timeout=60)
+    assert "[rank 0] DistributedDataParallel: the model on rank 0 differs from the model on rank 1" in messages[0]
+    assert "weight" in messages[0] and "(4, 4)" in messages[0] and "(5, 4)" in messages[0]
+    assert "[rank 1]" in messages[1] and "differs from the model on rank 0" in messages[1]
+
+
+def test_ddp_needs_a_launched_job():
+    with pytest.raises(RuntimeError, match="call nanocolossal.launch"):
+        DDP(nn.Linear(2, 2))
