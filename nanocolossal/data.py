@@ -159,19 +159,24 @@ def _local_rank0_first() -> Iterator[None]:
             dist.barrier()
 
 
+_announced: set[tuple[str, str]] = set()
+
+
 def _load_or_synthesize(name: str, build: Callable[[], Dataset], root: str, download: bool, size: int,
                         shape: tuple[int, ...], train: bool, synthetic_size: Optional[int]) -> Dataset:
     with _local_rank0_first():
         try:
             return build()
         except (RuntimeError, OSError) as e:  # not on disk ("Dataset not found"), or download failed
-            reason = "download failed" if download else "pass --download to fetch it"
-            n = synthetic_size or size
-            get_dist_logger().warning(
-                f"{name} not found under {os.path.abspath(root)} ({reason}: {str(e).splitlines()[0]}); "
-                f"using a synthetic {name}-shaped dataset instead ({n} images {'x'.join(map(str, shape))}, "
-                f"10 classes)", ranks=[0])
-            return synthetic_images(n, shape, 10, seed=0 if train else 1)
+            where = os.path.abspath(root)
+            if (name, where) not in _announced:  # one line per dataset, not one per split
+                _announced.add((name, where))
+                cause = f"could not be downloaded ({str(e).splitlines()[0]})" if download else "is not on disk"
+                get_dist_logger().warning(
+                    f"{name} {cause} under {where}: using a synthetic {name}-shaped stand-in "
+                    f"({'x'.join(map(str, shape))}, 10 classes); use --data DIR or --download for the real one",
+                    ranks=[0])
+            return synthetic_images(synthetic_size or size, shape, 10, seed=0 if train else 1)
 
 
 def cifar10(root: Optional[str] = None, train: bool = True, download: bool = False,

@@ -178,12 +178,23 @@ def _host_port(host: Optional[str], port: Optional[int], rank: int, launcher: st
     return host, _check_port(port, rank)
 
 
+_TORCHRUN_VARS = {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK",
+                  "host": "MASTER_ADDR", "port": "MASTER_PORT"}
+
+
 def launch_from_torch(config: ConfigLike, backend: Optional[str] = None, seed: int = 1024,
-                      timeout: Optional[float] = None) -> None:
-    """Launch under torchrun (or `nanocolossal run`), which sets everything in the environment."""
-    env = _read_env({"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK",
-                     "host": "MASTER_ADDR", "port": "MASTER_PORT"},
-                    "torch", "`torchrun --nproc_per_node N script.py` or `nanocolossal run --nproc_per_node N script.py`")
+                      timeout: Optional[float] = None, allow_single_process: bool = False) -> None:
+    """Launch under torchrun (or `nanocolossal run`), which sets everything in the environment.
+
+    With `allow_single_process=True`, a script started as plain `python script.py` (none of the
+    torchrun variables set) runs as a job of one process instead of failing.
+    """
+    if allow_single_process and not any(var in os.environ for var in _TORCHRUN_VARS.values()):
+        # Port 0: the OS picks a free one; nobody else needs to find it.
+        _launch(config, 0, 1, 0, "tcp://127.0.0.1:0", "127.0.0.1 (single process)", backend, seed, timeout)
+        return
+    env = _read_env(_TORCHRUN_VARS, "torch",
+                    "`torchrun --nproc_per_node N script.py` or `nanocolossal run --nproc_per_node N script.py`")
     where = f"{env['host']}:{env['port']}"
     # env:// lets torchrun's agent share its own store with the workers.
     _launch(config, env["rank"], env["world_size"], env["local_rank"], "env://", where, backend, seed, timeout)

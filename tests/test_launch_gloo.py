@@ -182,3 +182,14 @@ def test_gloo_logger_labels_ranks_and_filters_info():
     for rank, text in enumerate(out):
         assert f"[rank {rank}] INFO nanocolossal: everyone says this" in text
         assert f"[rank {rank}] WARNING nanocolossal: a warning" in text
+
+
+def test_gloo_launch_from_torch_can_run_as_a_single_process(monkeypatch):
+    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"]:
+        monkeypatch.delenv(var, raising=False)
+    nc.launch_from_torch({"BATCH_SIZE": 3}, allow_single_process=True)
+    assert (gpc.rank, gpc.world_size, gpc.config.BATCH_SIZE) == (0, 1, 3) and dist.is_initialized()
+    gpc.destroy()
+    monkeypatch.setenv("RANK", "0")  # half a torchrun environment is still an error
+    with pytest.raises(nc.LaunchError, match="WORLD_SIZE"):
+        nc.launch_from_torch({}, allow_single_process=True)
