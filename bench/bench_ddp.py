@@ -1,0 +1,134 @@
+"""Benchmark: nanocolossal DDP vs torch.nn.parallel.DistributedDataParallel, same run, same data.
+
+    python bench/bench_ddp.py [--steps 10 --rounds 5 --width 2048 --depth 4 --batch 64]
+
+Starts itself on 2 ranks (gloo, one thread each) with `nanocolossal run`. Both wrappers get
+identical copies of a ~17M-parameter MLP and identical batches; they take turns in A/B
+rounds (which one goes first alternates) after a warm-up, and the median step time of each
+is reported. Rank 0 then times the same model with no DDP at all, alone, for scaling
+efficiency (= single-process step time / DDP step time at the same per-rank batch). Finally
+the two DDP models' parameters are compared: they took the same steps, so they must agree.
+
+Prints a table and writes bench/results/ddp.json.
+"""
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import nanocolossal as nc  # noqa: E402
+from nanocolossal.context import gpc  # noqa: E402
+from nanocolossal.ddp import DistributedDataParallel  # noqa: E402
+
+
+def mlp(width: int, depth: int) -> nn.Module:
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def timed_steps(model, optimizer, batches) -> list[float]:
+    times = []
+    for x, y in batches:
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round per implementation")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=64, help="per rank")
+    parser.add_argument("--out", type=str, default=str(Path(__file__).parent / "results" / "ddp.json"))
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    nc.launch_from_torch({}, backend="gloo")
+    torch.manual_seed(0)
+    base = mlp(args.width, args.depth)
+    n_params = sum(p.numel() for p in base.parameters())
+    ours = DistributedDataParallel(copy.deepcopy(base))
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    opt = {"ours": torch.optim.SGD(ours.parameters(), lr=0.01, momentum=0.9),
+           "torch": torch.optim.SGD(theirs.parameters(), lr=0.01, momentum=0.9)}
+    models = {"ours": ours, "torch": theirs}
+
+    g = torch.Generator().manual_seed(1 + gpc.rank)
+    def batches(n):
+        return [(torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
+                for _ in range(n)]
+
+    warm = batches(args.warmup)
+    for name in models:
+        timed_steps(models[name], opt[name], warm)
+    times = {"ours": [], "torch": []}
+    for r in range(args.rounds):
+        data = batches(args.steps)
+        for name in (["ours", "torch"] if r % 2 == 0 else ["torch", "ours"]):
+            dist.barrier()
+            times[name] += timed_steps(models[name], opt[name], data)
+
+    max_diff = max((p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.parameters()))
+
+    dist.barrier()
+    single_times = []
+    if gpc.rank == 0:  # the other rank waits, so rank 0 has the machine to itself as in a 1-rank run
+        single = copy.deepcopy(base)
+        single_opt = torch.optim.SGD(single.parameters(), lr=0.01, momentum=0.9)
+        timed_steps(single, single_opt, warm)
+        single_times = timed_steps(single, single_opt, batches(args.steps * 2))
+    dist.barrier()
+
+    if gpc.rank == 0:
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        single_ms = statistics.median(single_times) * 1e3
+        result = dict(
+            benchmark="ddp", world_size=gpc.world_size, backend=gpc.backend, threads_per_rank=1,
+            model=f"MLP {args.depth}x Linear({args.width}) + head", params=n_params, batch_per_rank=args.batch,
+            steps_timed=len(times["ours"]), ours_ms=round(med["ours"], 2), torch_ms=round(med["torch"], 2),
+            ratio_ours_over_torch=round(med["ours"] / med["torch"], 3), single_rank_ms=round(single_ms, 2),
+            scaling_efficiency_ours=round(single_ms / med["ours"], 3),
+            scaling_efficiency_torch=round(single_ms / med["torch"], 3),
+            max_param_diff=max_diff, torch_version=torch.__version__, machine=platform.machine(),
+            cpus=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
+        rows = [("step time, nanocolossal DDP", f"{med['ours']:.1f} ms"),
+                ("step time, torch DDP", f"{med['torch']:.1f} ms"),
+                ("ratio ours / torch", f"{result['ratio_ours_over_torch']:.3f}"),
+                ("step time, 1 rank without DDP", f"{single_ms:.1f} ms"),
+                ("scaling efficiency ours / torch", f"{result['scaling_efficiency_ours']:.2f} / "
+                                                    f"{result['scaling_efficiency_torch']:.2f}"),
+                ("max |param ours - param torch|", f"{max_diff:.2e}")]
+        print(f"\nDDP benchmark: {result['model']}, {n_params / 1e6:.1f}M params, batch {args.batch}/rank, "
+              f"{gpc.world_size} gloo ranks x 1 thread, {len(times['ours'])} timed steps each")
+        for label, value in rows:
+            print(f"  {label:<34} {value:>14}")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"  wrote {args.out}")
+    gpc.destroy()
+
+
+if __name__ == "__main__":
+    if "RANK" not in os.environ:  # started by hand: re-run on 2 ranks through our own launcher
+        from nanocolossal.run import main as run
+        sys.exit(run(["--nproc_per_node", "2", "--master_port", os.environ.get("MASTER_PORT", "29511"),
+                      __file__, *sys.argv[1:]]))
+    main()
