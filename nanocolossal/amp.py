@@ -1,17 +1,43 @@
-"""Mixed precision: the AMP modes a config can ask for.
+"""Mixed precision: compute in 16 bits, keep what accumulates in 32.
 
-A config selects mixed precision with ``fp16 = dict(mode=AMP_TYPE.TORCH)``, as in the
-Colossal-AI tutorials. The three modes:
+fp16 halves memory traffic and runs on tensor cores, but it has a narrow range: gradients
+below ~6e-8 flush to zero. Loss scaling fixes that by the chain rule -- multiply the loss by
+S and every gradient is multiplied by S, lifting small gradients into range:
 
-    TORCH  autocast around forward, fp32 weights, dynamic loss scaling   (~ apex O1)
-    APEX   apex-like opt levels O0-O3 chosen with ``opt_level``
-    NAIVE  fp16 model, fp32 master weights the optimizer updates         (~ apex O2)
+    loss * S --backward--> grads * S --unscale (/ S)--> true grads --> optimizer.step()
 
-A mode may also be written as its string value ("torch", "apex", "naive").
+S must be as large as possible without overflowing. DynamicLossScaler searches for it: on
+an inf/nan gradient it skips the step and halves S (backoff); after `growth_interval` clean
+steps it doubles S. Every rank must make the same decision, so the overflow flag is
+all-reduced (MAX) over the whole job before anyone steps. bfloat16 has fp32's range, so it
+needs no scaling.
+
+The opt levels (as apex):
+    O0  fp32 everything                                              (reference)
+    O1  fp32 weights, forward under autocast (fp16/bf16 per op)      = AMP_TYPE.TORCH
+    O2  fp16 model except normalisation layers, fp32 master weights  = AMP_TYPE.NAIVE
+        that the optimizer updates and copies back after each step
+    O3  fp16 everything, no master weights                           (speed baseline)
+Model outputs come back in fp32 so the loss is computed in full precision.
+
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.clip_grad_norm(1.0)   # optional: acts on unscaled gradients
+    optimizer.step()                # skipped (and S backed off) on overflow
 """
 from __future__ import annotations
 
+import math
+from contextlib import contextmanager
 from enum import Enum
+from typing import Any, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .context import gpc
 
 
 class AMP_TYPE(Enum):
@@ -30,3 +56,240 @@ class AMP_TYPE(Enum):
                     return member
         choices = ", ".join(f"AMP_TYPE.{m.name}" for m in cls)
         raise ValueError(f"unknown fp16 mode {mode!r}; use one of {choices}")
+
+
+class DynamicLossScaler:
+    """The loss scale S and its update rule (same sequence as torch.amp.GradScaler when hysteresis=1).
+
+    hysteresis: overflows tolerated before backing off (refilled at each growth).
+    max_consecutive_overflows: at min_scale, this many overflowing steps in a row raise an
+    error -- the loss itself is then inf/nan, which no scale can fix.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, hysteresis: int = 1, min_scale: float = 1.0,
+                 max_scale: float = 2.0**24, max_consecutive_overflows: int = 32) -> None:
+        if not (growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1 and hysteresis >= 1
+                and 0 < min_scale <= init_scale <= max_scale):
+            raise ValueError("DynamicLossScaler needs growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, "
+                             f"hysteresis >= 1 and 0 < min_scale <= init_scale <= max_scale; got {locals()}")
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.hysteresis, self.min_scale, self.max_scale = hysteresis, min_scale, max_scale
+        self.max_consecutive_overflows = max_consecutive_overflows
+        self.growth_tracker, self.hysteresis_tracker, self.consecutive_overflows, self.steps = 0, hysteresis, 0, 0
+
+    def update(self, found_inf: bool) -> None:
+        self.steps += 1
+        if found_inf:
+            self.growth_tracker = 0
+            self.consecutive_overflows += 1
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker <= 0:
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            if self.scale <= self.min_scale and self.consecutive_overflows >= self.max_consecutive_overflows:
+                raise FloatingPointError(
+                    f"[rank {gpc.rank}] step {self.steps}: gradients overflowed {self.consecutive_overflows} steps in a "
+                    f"row and the loss scale is down to min_scale={self.min_scale:g}; the loss is probably NaN/inf "
+                    f"(check the inputs, the learning rate, or a division by zero in the loss)")
+            return
+        self.consecutive_overflows = 0
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            self.growth_tracker = 0
+            self.hysteresis_tracker = self.hysteresis
+            self.scale = min(self.scale * self.growth_factor, self.max_scale)
+
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("scale", "growth_tracker", "hysteresis_tracker",
+                                               "consecutive_overflows", "steps")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in a (nested) tensor/list/tuple/dict."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm))
+
+
+def _cast_io(module: nn.Module, input_dtype: torch.dtype, output_dtype: torch.dtype) -> None:
+    """Hooks that cast a module's floating inputs and outputs (state_dict is untouched)."""
+    module.register_forward_pre_hook(lambda m, args: _cast_floats(args, input_dtype))
+    module.register_forward_hook(lambda m, args, out: _cast_floats(out, output_dtype))
+
+
+class _Autocast:
+    """Enter autocast before the model's forward and leave it after (even if forward raises)."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype) -> None:
+        self.device_type, self.dtype, self.active = device_type, dtype, []
+
+    def enter(self, module, args) -> None:
+        ctx = torch.autocast(self.device_type, dtype=self.dtype)
+        ctx.__enter__()
+        self.active.append(ctx)
+
+    def exit(self, module, args, output) -> Any:
+        self.active.pop().__exit__(None, None, None)
+        return _cast_floats(output, torch.float32)
+
+
+class MixedPrecisionOptimizer:
+    """Wraps a torch optimizer with loss scaling, overflow skipping and (O2) fp32 master weights."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: Optional[DynamicLossScaler] = None,
+                 master_weights: bool = False) -> None:
+        self.optimizer, self.scaler = optimizer, scaler
+        self._copies: list[tuple[nn.Parameter, nn.Parameter]] = []  # (model half param, fp32 master)
+        if master_weights:
+            for group in optimizer.param_groups:  # same group dicts, so LR schedulers keep working
+                masters = []
+                for p in group["params"]:
+                    if p.dtype == torch.float32:
+                        masters.append(p)
+                    else:
+                        master = nn.Parameter(p.detach().float())
+                        self._copies.append((p, master))
+                        masters.append(master)
+                group["params"] = masters
+        self._unscaled, self._found_inf = False, False
+        self.last_step_skipped = False
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def params(self) -> Iterator[nn.Parameter]:
+        """The parameters the optimizer updates (fp32 masters under O2)."""
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for model_param, _ in self._copies:
+            model_param.grad = None
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.loss_scale).backward() if self.scaler is not None else loss.backward()
+
+    def unscale_(self) -> bool:
+        """Turn scaled gradients into true ones (once per step); True if any rank overflowed."""
+        if self._unscaled or self.scaler is None:
+            return self._found_inf
+        for model_param, master in self._copies:
+            master.grad = None if model_param.grad is None else model_param.grad.float()
+        grads = [p.grad for p in self.params() if p.grad is not None]
+        found = torch.zeros(1, device=grads[0].device if grads else gpc.device)
+        inv_scale = torch.full((1,), 1.0 / self.scaler.scale, device=found.device)
+        by_device: dict[tuple, list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault((g.device, g.dtype), []).append(g)
+        for group in by_device.values():  # fused: one kernel per (device, dtype) unscales and checks
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
+        if gpc.is_initialized and gpc.world_size > 1:  # every rank must skip or step together
+            found = found.to(gpc.device)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        self._unscaled, self._found_inf = True, bool(found.item())
+        return self._found_inf
+
+    def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None) -> float:
+        """Clip unscaled gradients to a global norm; `group`: ranks holding *other* parameters (pipeline)."""
+        if self.unscale_():
+            return math.inf
+        grads = [p.grad for p in self.params() if p.grad is not None]
+        device = grads[0].device if grads else gpc.device
+        sq = torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads)]).sum() if grads else \
+            torch.zeros((), device=device)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(sq, group=group)
+        total = sq.sqrt()
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # same formula as torch.nn.utils.clip_grad_norm_
+        if grads:
+            torch._foreach_mul_(grads, coef.to(device))
+        return total.item()
+
+    def step(self) -> bool:
+        """Unscale, then step unless some rank overflowed; returns whether a step was taken."""
+        found_inf = self.unscale_()
+        if not found_inf:
+            self.optimizer.step()
+            with torch.no_grad():
+                for model_param, master in self._copies:
+                    model_param.copy_(master)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        self._unscaled, self._found_inf = False, False
+        self.last_step_skipped = found_inf
+        return not found_inf
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "masters": [master.detach().clone() for _, master in self._copies]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "optimizer" not in state:  # a plain torch optimizer's state
+            self.optimizer.load_state_dict(state)
+            return
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        with torch.no_grad():
+            for (model_param, master), saved in zip(self._copies, state.get("masters", [])):
+                master.copy_(saved)
+                model_param.copy_(saved)
+
+
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: str = "O1",
+               loss_scale: Union[str, float, None] = "dynamic", dtype: torch.dtype = torch.float16,
+               device_type: Optional[str] = None, **scaler_kwargs: Any) -> tuple[nn.Module, MixedPrecisionOptimizer]:
+    """Prepare `model` in place for `opt_level` and wrap `optimizer` (apex's amp.initialize)."""
+    if opt_level not in OPT_LEVELS:
+        raise ValueError(f"[rank {gpc.rank}] unknown opt_level {opt_level!r}; use one of {', '.join(OPT_LEVELS)}")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"[rank {gpc.rank}] amp dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    device_type = device_type or next(model.parameters()).device.type
+    if opt_level == "O1":
+        autocast = _Autocast(device_type, dtype)
+        model.register_forward_pre_hook(autocast.enter)
+        model.register_forward_hook(autocast.exit, always_call=True)
+    elif opt_level in ("O2", "O3"):
+        model.to(dtype)
+        if opt_level == "O2":  # normalisation statistics need fp32's precision
+            for module in model.modules():
+                if _is_norm(module):
+                    module.float()
+                    _cast_io(module, torch.float32, dtype)
+        _cast_io(model, dtype, torch.float32)
+    # Scaling is for fp16's narrow range only; fp32 and bf16 don't need it.
+    use_scaler = opt_level != "O0" and dtype == torch.float16 and loss_scale is not None
+    if use_scaler and loss_scale != "dynamic":  # a fixed scale: never grows, never backs off
+        scaler_kwargs = dict(init_scale=float(loss_scale), min_scale=float(loss_scale), max_scale=float(loss_scale),
+                             growth_interval=2**62)
+    scaler = DynamicLossScaler(**scaler_kwargs) if use_scaler else None
+    return model, MixedPrecisionOptimizer(optimizer, scaler, master_weights=opt_level == "O2")
+
+
+@contextmanager
+def scale_loss(loss: torch.Tensor, optimizer: MixedPrecisionOptimizer) -> Iterator[torch.Tensor]:
+    """Yield loss * S for backward; gradients stay scaled until optimizer.step() / unscale_()."""
+    yield loss * optimizer.loss_scale

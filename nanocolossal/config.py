@@ -24,8 +24,6 @@ import runpy
 from pathlib import Path
 from typing import Any, Mapping, Union
 
-from .amp import AMP_TYPE
-
 
 class ConfigError(ValueError):
     """A config file or value that nanocolossal cannot use."""
@@ -145,6 +143,7 @@ def validate_config(cfg: Config) -> None:
     if fp16 is not None:
         if not isinstance(fp16, Mapping) or "mode" not in fp16:
             raise ConfigError(f"fp16 must be a dict with a mode, e.g. dict(mode=AMP_TYPE.TORCH), got {fp16!r}")
+        from .amp import AMP_TYPE  # here, not at the top: amp needs gpc, which needs this module
         try:
             AMP_TYPE.parse(fp16["mode"])
         except ValueError as e:

@@ -1,0 +1,179 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from nanocolossal import amp
+from nanocolossal.amp import DynamicLossScaler
+
+PATTERN = [False] * 7 + [True] + [False] * 3 + [True, True] + [False] * 10 + [True] + [False] * 9
+
+
+def _grad_scaler_sequence(pattern, **kwargs) -> list[float]:
+    """Drive torch.amp.GradScaler through real steps whose gradient is inf where pattern says so."""
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", **kwargs)
+    scales = []
+    for overflow in pattern:
+        scaler.scale(p.sum()).backward()  # grad = scale
+        if overflow:
+            p.grad.fill_(float("inf"))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_scaler_sequence_equals_torch_grad_scaler():
+    settings = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    ours = DynamicLossScaler(**settings)
+    sequence = []
+    for overflow in PATTERN:
+        ours.update(overflow)
+        sequence.append(ours.scale)
+    assert sequence == _grad_scaler_sequence(PATTERN, **settings)
+    assert len(set(sequence)) > 3  # the pattern really exercises growth and backoff
+
+
+def test_scaler_hysteresis_tolerates_overflows_until_refilled_by_growth():
+    s = DynamicLossScaler(init_scale=8.0, growth_interval=2, hysteresis=2)
+    scales = []
+    for overflow in [True, True, True, False, False, True, False]:
+        s.update(overflow)
+        scales.append(s.scale)
+    # 1st overflow tolerated; 2nd and 3rd back off; growth after 2 clean steps refills hysteresis;
+    # the next overflow is tolerated again.
+    assert scales == [8.0, 4.0, 2.0, 2.0, 4.0, 4.0, 4.0]
+
+
+def test_scaler_respects_min_and_max():
+    s = DynamicLossScaler(init_scale=4.0, growth_interval=1, min_scale=2.0, max_scale=16.0)
+    for _ in range(5):
+        s.update(False)
+    assert s.scale == 16.0
+    for _ in range(5):
+        s.update(True)
+    assert s.scale == 2.0
+
+
+def test_scaler_state_dict_round_trip():
+    settings = dict(init_scale=64.0, growth_interval=3, hysteresis=2)
+    s = DynamicLossScaler(**settings)
+    for overflow in [False, True, False, False]:
+        s.update(overflow)
+    t = DynamicLossScaler(**settings)
+    t.load_state_dict(copy.deepcopy(s.state_dict()))
+    for overflow in [True, True, False, False, False, True]:  # restored, it continues identically
+        s.update(overflow)
+        t.update(overflow)
+        assert t.state_dict() == s.state_dict()
+
+
+def test_scaler_raises_when_the_loss_itself_is_nan():
+    s = DynamicLossScaler(init_scale=4.0, min_scale=1.0, max_consecutive_overflows=5)
+    for _ in range(4):
+        s.update(True)
+    with pytest.raises(FloatingPointError, match=r"step 5: gradients overflowed 5 steps in a row .* probably NaN/inf"):
+        s.update(True)
+
+
+def test_scaler_rejects_bad_settings():
+    with pytest.raises(ValueError, match="backoff_factor"):
+        DynamicLossScaler(backoff_factor=2.0)
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _train(model, opt, steps=30, use_scale_loss=False):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(16, 4, generator=g)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(32, 16, generator=g)
+        y = x @ w
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        if use_scale_loss:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        else:
+            loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_o2_keeps_fp32_masters_half_model_and_fp32_batchnorm():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2")
+    assert model[0].weight.dtype == torch.float16 and model[3].weight.dtype == torch.float16
+    assert model[1].weight.dtype == torch.float32 and model[1].running_mean.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in opt.params())
+    _train(model, opt, steps=5)
+    masters = {id(half): master for half, master in opt._copies}
+    assert len(masters) == 4
+    for p in model.parameters():
+        if p.dtype == torch.float16:
+            assert torch.equal(p, masters[id(p)].half()), "half weights are the rounded masters"
+
+
+@pytest.mark.parametrize("opt_level, dtype", [("O1", torch.float16), ("O2", torch.float16),
+                                             ("O1", torch.bfloat16), ("O3", torch.float16)])
+def test_mixed_precision_training_tracks_fp32(opt_level, dtype):
+    reference = _net()
+    ref_losses = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9))
+    model = _net()
+    scaling = {} if dtype == torch.bfloat16 else {"init_scale": 256.0}  # a scale this loss never overflows
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), opt_level,
+                                dtype=dtype, **scaling)
+    losses = _train(model, opt, use_scale_loss=True)
+    assert losses[-1] < 0.2 * losses[0], "it learns"
+    assert abs(losses[-1] - ref_losses[-1]) < 0.01 * ref_losses[-1], (losses[-1], ref_losses[-1])
+    assert (opt.scaler is None) == (dtype == torch.bfloat16), "bf16 needs no loss scaling"
+    assert opt.scaler is None or opt.scaler.consecutive_overflows == 0 and opt.loss_scale == 256.0
+
+
+def test_overflow_skips_the_step_and_backs_off():
+    model = nn.Linear(4, 2)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", init_scale=1024.0)
+    before = copy.deepcopy(model.state_dict())
+    opt.backward(model(torch.randn(3, 4)).sum())
+    model.weight.grad[0, 0] = float("nan")
+    assert opt.step() is False and opt.last_step_skipped
+    assert opt.loss_scale == 512.0
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    opt.zero_grad()
+    opt.backward(model(torch.randn(3, 4)).sum())
+    assert opt.step() is True and not torch.equal(model.weight, before["weight"])
+
+
+def test_clip_grad_norm_acts_on_unscaled_gradients():
+    torch.manual_seed(0)
+    plain = nn.Linear(8, 8)
+    model = copy.deepcopy(plain)
+    x = torch.randn(4, 8)
+    (plain(x) ** 2).sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5).item()
+    opt = amp.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      DynamicLossScaler(init_scale=2.0**12))
+    opt.backward((model(x) ** 2).sum())  # gradients are 4096x too large until unscaled
+    assert opt.clip_grad_norm(0.5) == pytest.approx(expected, rel=1e-6)
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert_close(q.grad, p.grad)
+
+
+def test_initialize_rejects_unknown_opt_level_and_dtype():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="unknown opt_level 'O4'"):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O4")
+    with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", dtype=torch.float64)
