@@ -5,19 +5,21 @@
     nc.gpc.config.BATCH_SIZE, nc.gpc.rank, nc.gpc.data_group
     loader = nc.get_dataloader(dataset, shuffle=True, batch_size=nc.gpc.config.BATCH_SIZE)
 
-One module per idea: config, context (gpc), launch, logging, data, metrics, amp, run.
+One module per idea: config, context (gpc), launch, logging, data, metrics, ddp, syncbn, amp,
+engine, trainer, checkpoint, run.
 """
 from . import amp, config, data, metrics
 from .amp import AMP_TYPE
 from .config import Config, ConfigError, load_config
 from .context import gpc
 from .data import DistributedSampler, get_dataloader
+from .engine import Engine, initialize
 from .launch import (LaunchError, get_default_parser, launch, launch_from_openmpi, launch_from_slurm,
                      launch_from_torch)
 from .logging import get_dist_logger
 
 __all__ = [
-    "AMP_TYPE", "Config", "ConfigError", "DistributedSampler", "LaunchError", "amp", "config", "data",
+    "AMP_TYPE", "Config", "ConfigError", "DistributedSampler", "Engine", "LaunchError", "initialize", "amp", "config", "data",
     "get_dataloader", "get_default_parser", "get_dist_logger", "gpc", "launch", "launch_from_openmpi",
     "launch_from_slurm", "launch_from_torch", "load_config", "metrics",
 ]

@@ -1,0 +1,161 @@
+"""Engine: model + optimizer + criterion behind the five calls of a PyTorch training loop.
+
+    engine, train_dl, test_dl, lr_scheduler = nc.initialize(model, optimizer, criterion, train_dl, test_dl)
+    for img, label in train_dl:
+        engine.zero_grad()
+        output = engine(img)                 # forward (DDP, autocast, device placement)
+        loss = engine.criterion(output, label)
+        engine.backward(loss)                # loss scaling, accumulation, no_sync
+        engine.step()                        # unscale, clip, overflow check, optimizer step
+
+`initialize` reads gpc.config and assembles the features in the one order that works:
+
+    model -> SyncBN (sync_bn=True) -> mixed precision (fp16=...) -> DDP (data size > 1)
+
+(AMP O2 changes parameter dtypes, and DDP must bucket the final ones.)
+
+Gradient accumulation (gradient_accumulation=N): each backward adds loss / N; the first
+N - 1 run under DDP's no_sync, so communication happens once; zero_grad and step only act
+on the N-th call (the Trainer's per-iteration LR hook steps only then too). The result is
+one step on N times the batch. clip_grad_norm clips the unscaled gradients to a global norm (after DDP's
+average every data-parallel rank holds the same gradients; pipeline stages add theirs).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from . import amp
+from .amp import AMP_TYPE, MixedPrecisionOptimizer
+from .config import ConfigError
+from .context import gpc
+from .ddp import DistributedDataParallel
+from .logging import get_dist_logger
+from .syncbn import convert_sync_batchnorm
+
+
+def _to_device(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(gpc.device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v) for k, v in obj.items()}
+    return obj
+
+
+class Engine:
+    def __init__(self, model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Optional[Callable] = None,
+                 forward_module: Optional[nn.Module] = None, gradient_accumulation: int = 1,
+                 clip_grad_norm: float = 0.0) -> None:
+        self.model = model                              # the user's model: prefix-free state_dict
+        self.optimizer = optimizer
+        self._criterion = criterion
+        self._forward = forward_module or model         # what forward runs through (DDP wrapper)
+        self.gradient_accumulation = gradient_accumulation
+        self.clip_grad_norm = clip_grad_norm
+        self.last_grad_norm: Optional[float] = None
+        self._micro = 0                                 # backward calls since the last real step
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(*_to_device(args), **_to_device(kwargs))
+
+    def criterion(self, output: Any, label: Any) -> torch.Tensor:
+        if self._criterion is None:
+            raise RuntimeError(f"[rank {gpc.rank}] no criterion: pass one to nanocolossal.initialize")
+        return self._criterion(output, _to_device(label))
+
+    def train(self) -> None:
+        self._forward.train()
+
+    def eval(self) -> None:
+        self._forward.eval()
+
+    @property
+    def is_accumulating(self) -> bool:
+        """True between the micro-steps of one accumulated step."""
+        return 0 < self._micro < self.gradient_accumulation
+
+    def zero_grad(self) -> None:
+        if self._micro == 0:  # mid-accumulation gradients must survive
+            self.optimizer.zero_grad()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._micro += 1
+        loss = loss / self.gradient_accumulation
+        if self._micro < self.gradient_accumulation and isinstance(self._forward, DistributedDataParallel):
+            with self._forward.no_sync():
+                self.optimizer.backward(loss)
+        else:
+            self.optimizer.backward(loss)
+
+    def step(self) -> bool:
+        """Take the optimizer step once every `gradient_accumulation` calls; True if a step was taken."""
+        if self._micro < self.gradient_accumulation:
+            return False
+        self._micro = 0
+        if self.clip_grad_norm:
+            group = gpc.pipeline_group if gpc.pipeline_size > 1 else None
+            self.last_grad_norm = self.optimizer.clip_grad_norm(self.clip_grad_norm, group)
+        return self.optimizer.step()
+
+    def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
+        """One iteration on `batch` = (inputs, label): forward, loss and (unless forward_only) backward."""
+        inputs, label = batch
+        output = self(inputs)
+        loss = self.criterion(output, label) if return_loss else None
+        if not forward_only:
+            self.backward(loss)
+        return output, _to_device(label), loss
+
+
+def _amp_settings(fp16: dict) -> tuple[str, dict]:
+    """fp16=dict(mode=AMP_TYPE.X, ...) -> (opt_level, keyword arguments for amp.initialize)."""
+    fp16 = dict(fp16)
+    mode = AMP_TYPE.parse(fp16.pop("mode"))
+    if "initial_scale" in fp16:  # Colossal-AI's spelling for the naive mode
+        fp16["init_scale"] = fp16.pop("initial_scale")
+    fp16.pop("enabled", None)
+    opt_level = {AMP_TYPE.TORCH: "O1", AMP_TYPE.NAIVE: "O2"}.get(mode) or fp16.pop("opt_level", "O1")
+    fp16.pop("opt_level", None)
+    if isinstance(fp16.get("dtype"), str):
+        fp16["dtype"] = getattr(torch, fp16["dtype"])
+    return opt_level, fp16
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Optional[Callable] = None,
+               train_dataloader: Optional[DataLoader] = None, test_dataloader: Optional[DataLoader] = None,
+               lr_scheduler: Any = None, verbose: bool = True):
+    """Apply gpc.config to the training components; returns (engine, train_dl, test_dl, lr_scheduler)."""
+    cfg = gpc.config
+    if gpc.pipeline_size > 1:
+        raise ConfigError(f"[rank {gpc.rank}] parallel.pipeline={gpc.pipeline_size}: pipeline parallelism is not "
+                          f"available in initialize yet; remove parallel.pipeline")
+    model = model.to(gpc.device)
+    features = []
+    if cfg.get("sync_bn"):
+        model = convert_sync_batchnorm(model)
+        features.append("SyncBN")
+    if cfg.get("fp16") is not None:
+        opt_level, kwargs = _amp_settings(cfg.fp16)
+        model, optimizer = amp.initialize(model, optimizer, opt_level, device_type=gpc.device.type, **kwargs)
+        features.append(f"AMP {opt_level} ({AMP_TYPE.parse(cfg.fp16.mode).name})")
+    else:
+        optimizer = MixedPrecisionOptimizer(optimizer)  # fp32: no scaling, same interface
+    forward_module = model
+    if gpc.data_size > 1:
+        forward_module = DistributedDataParallel(model)
+        features.append(f"DDP x{gpc.data_size}")
+    accumulation = cfg.get("gradient_accumulation", 1)
+    if accumulation > 1:
+        features.append(f"gradient accumulation x{accumulation}")
+    clip = cfg.get("clip_grad_norm", 0.0)
+    if clip:
+        features.append(f"clip_grad_norm={clip}")
+    if verbose:
+        get_dist_logger().info(f"initialize: {', '.join(features) or 'plain fp32, single process'}")
+    engine = Engine(model, optimizer, criterion, forward_module, accumulation, clip)
+    return engine, train_dataloader, test_dataloader, lr_scheduler

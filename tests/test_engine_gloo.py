@@ -1,0 +1,109 @@
+"""The Engine on 2 gloo ranks gives what one process gives on the whole batch."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import nanocolossal as nc
+from nanocolossal.amp import AMP_TYPE
+from nanocolossal.context import gpc
+from dist_helpers import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+B = 3  # samples per rank per micro-batch
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batch(step, n):
+    g = torch.Generator().manual_seed(50 + step)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def _engine(config, rank, world_size, port, lr=0.1):
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    engine, *_ = nc.initialize(model, opt, nn.CrossEntropyLoss(), verbose=False)
+    return engine
+
+
+def _accumulation_worker(rank, world_size, port, n_accum, clip):
+    config = {"gradient_accumulation": n_accum, **({"clip_grad_norm": clip} if clip else {})}
+    engine = _engine(config, rank, world_size, port)
+    single = _model()
+    single_opt = torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
+    norms = []
+    for step in range(3):
+        xs, ys = _batch(step, world_size * n_accum * B)
+        stepped = []
+        for micro in range(n_accum):  # this rank's b samples of each micro-batch
+            lo = (micro * world_size + rank) * B
+            engine.zero_grad()
+            loss = engine.criterion(engine(xs[lo:lo + B]), ys[lo:lo + B])
+            engine.backward(loss)
+            stepped.append(engine.step())
+        assert stepped == [False] * (n_accum - 1) + [True]
+        single_opt.zero_grad()
+        nn.functional.cross_entropy(single(xs), ys).backward()
+        if clip:
+            norms.append((engine.last_grad_norm, torch.nn.utils.clip_grad_norm_(single.parameters(), clip).item()))
+        single_opt.step()
+    for (name, p), q in zip(engine.model.named_parameters(), single.parameters()):
+        assert_close(p, q, msg=lambda m: f"{name}: {m}")
+    return norms, list(engine.model.state_dict())
+
+
+def test_gloo_engine_gradient_accumulation_equals_one_big_step():
+    (_, keys), _ = run_ranks(_accumulation_worker, 2, 4, 0.0)
+    assert keys == list(_model().state_dict()), "engine.model.state_dict() has no wrapper prefixes"
+
+
+def test_gloo_engine_clipping_uses_the_whole_batch_norm():
+    for norms, _ in run_ranks(_accumulation_worker, 2, 1, 0.05):
+        for ours, single in norms:
+            assert ours == pytest.approx(single, rel=1e-5)
+        assert all(single > 0.05 for _, single in norms), "the clip really clipped"
+
+
+def _overflow_worker(rank, world_size, port):
+    engine = _engine({"fp16": {"mode": AMP_TYPE.TORCH, "init_scale": 1024.0}}, rank, world_size, port)
+    before = copy.deepcopy(engine.model.state_dict())
+    x, y = _batch(0, 2 * B)
+    engine.zero_grad()
+    engine.backward(engine.criterion(engine(x[rank * B:(rank + 1) * B]), y[rank * B:(rank + 1) * B]))
+    if rank == 1:  # after DDP's all-reduce: only rank 1 knows
+        engine.model[0].weight.grad[0, 0] = float("inf")
+    stepped = engine.step()
+    unchanged = all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
+    return stepped, engine.optimizer.loss_scale, unchanged
+
+
+def test_gloo_engine_overflow_on_one_rank_skips_on_all():
+    assert run_ranks(_overflow_worker, 2, timeout=60) == [(False, 512.0, True), (False, 512.0, True)]
+
+
+def _config_worker(rank, world_size, port):
+    engine = _engine({"sync_bn": True, "fp16": {"mode": "naive"}}, rank, world_size, port)
+    return type(engine._forward).__name__, engine.model[0].weight.dtype, engine.optimizer.scaler is not None
+
+
+def test_gloo_initialize_applies_config():
+    for wrapper, dtype, scaled in run_ranks(_config_worker, 2):
+        assert wrapper == "DistributedDataParallel" and dtype == torch.float16 and scaled
+
+
+def test_initialize_without_launch_is_plain_single_process():
+    model = _model()
+    engine, train_dl, test_dl, sched = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                      nn.CrossEntropyLoss(), [1], None, "sched")
+    assert engine.model is model and engine._forward is model and train_dl == [1] and sched == "sched"
+    x, y = _batch(0, 4)
+    output, label, loss = engine.execute_schedule((x, y))
+    assert output.shape == (4, 4) and torch.equal(label, y) and loss.requires_grad
+    assert engine.step() is True
