@@ -1,0 +1,153 @@
+"""Checkpoints that survive crashes and load anywhere.
+
+What is saved: model (keys exactly the plain model's), optimizer (with the AMP loss scaler
+and fp32 master weights), LR scheduler, epoch, anything passed as **extra (e.g. step), and
+the RNG states of every data-parallel rank, so a resumed run draws the same random numbers
+(dropout, shuffling, augmentation) as one that never stopped.
+
+Who writes: data-parallel rank 0 of each pipeline stage, one file per stage
+(`ckpt.pt` -> `ckpt-stage0.pt`, `ckpt-stage1.pt` when pipeline > 1). Replicas are identical,
+so one copy suffices; everyone waits at a barrier until the file exists.
+
+How: write to `ckpt.pt.tmp-PID`, fsync, then `os.replace` it over `ckpt.pt`. A rename is
+atomic, so a crash at any moment leaves either the old checkpoint or the new one, whole.
+
+Loading strips `module.` (DDP), `model.` (wrappers) and `_orig_mod.` (torch.compile)
+prefixes and maps tensors to this rank's device. Files are written with torch.save and read
+with weights_only=False: load only checkpoints you trust.
+"""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .context import gpc
+
+PREFIXES = ("module.", "model.", "_orig_mod.")
+PathLike = Union[str, os.PathLike]
+
+
+def strip_prefixes(state_dict: dict) -> dict:
+    """Remove wrapper prefixes shared by *every* key (a submodule really called 'model' is kept)."""
+    changed = True
+    while changed and state_dict:
+        changed = False
+        for prefix in PREFIXES:
+            if all(k.startswith(prefix) for k in state_dict):
+                state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
+                changed = True
+    return state_dict
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP / torch.compile wrappers."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def stage_path(path: PathLike, stage: Optional[int] = None) -> Path:
+    """The file of a pipeline stage: ckpt.pt stays ckpt.pt without pipelines, else ckpt-stage{r}.pt."""
+    path = Path(path)
+    if gpc.pipeline_size == 1 and stage is None:
+        return path
+    stage = gpc.pipeline_rank if stage is None else stage
+    return path.with_name(f"{path.stem}-stage{stage}{path.suffix}")
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+
+
+def atomic_save(obj: Any, path: PathLike) -> None:
+    """torch.save to a temp file beside `path`, fsync, rename over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():  # the rename did not happen: leave the old checkpoint as it was
+            tmp.unlink()
+
+
+def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None,
+                    **extra: Any) -> None:
+    """Save (collective when launched: every rank must call it)."""
+    rng = [_rng_state()]
+    if gpc.is_initialized and gpc.data_size > 1:
+        rng = [None] * gpc.data_size
+        dist.all_gather_object(rng, _rng_state(), group=gpc.data_group)
+    if gpc.data_rank == 0:
+        state = {"epoch": epoch, "model": strip_prefixes(unwrap(model).state_dict()),
+                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                 "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                 "rng": rng, "extra": extra,
+                 "pipeline": {"rank": gpc.pipeline_rank, "size": gpc.pipeline_size}}
+        atomic_save(state, stage_path(path))
+    if gpc.is_initialized and gpc.world_size > 1:
+        dist.barrier()
+
+
+def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None,
+                    map_location: Any = None, strict: bool = True, restore_rng: bool = True) -> dict:
+    """Load into model/optimizer/scheduler; returns {"epoch": ..., **extra}."""
+    file = stage_path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"[rank {gpc.rank}] checkpoint {str(file)!r} not found")
+    state = torch.load(file, map_location=map_location or gpc.device, weights_only=False)
+    saved = state.get("pipeline", {"size": 1})
+    if saved["size"] != gpc.pipeline_size:
+        raise ValueError(f"[rank {gpc.rank}] {file} was saved with pipeline size {saved['size']}, this job has "
+                         f"{gpc.pipeline_size}; merge it with merge_pipeline_checkpoint or launch the same layout")
+    unwrap(model).load_state_dict(strip_prefixes(state["model"]), strict=strict)
+    if optimizer is not None and state.get("optimizer") is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if lr_scheduler is not None and state.get("lr_scheduler") is not None:
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+    rng = state.get("rng") or []
+    if restore_rng and gpc.data_rank < len(rng):
+        _set_rng_state(rng[gpc.data_rank])
+    return {"epoch": state["epoch"], **state.get("extra", {})}
+
+
+def merge_pipeline_checkpoint(paths: list[PathLike]) -> dict:
+    """The plain model's state_dict from the per-stage files (their keys never overlap)."""
+    merged: dict = {}
+    for path in paths:
+        part = strip_prefixes(torch.load(path, map_location="cpu", weights_only=False)["model"])
+        overlap = sorted(set(part) & set(merged))
+        if overlap:
+            raise ValueError(f"{path} repeats keys of an earlier stage ({overlap[:3]}...): pass each stage once")
+        merged.update(part)
+    return merged

@@ -1,0 +1,188 @@
+"""Trainer hooks: small objects called at fixed points of the training loop.
+
+    before_train
+      before_train_epoch
+        before_train_iter -> [zero_grad, forward, loss, backward, step] -> after_train_iter(output, label, loss)
+      after_train_epoch
+      before_test_epoch
+        before_test_iter  -> [forward, loss]                             -> after_test_iter(output, label, loss)
+      after_test_epoch
+    after_train
+
+At every point hooks run in ascending `priority`, so metric hooks (0) have filled
+`trainer.states["metrics"]` before the logging hooks (10) print it and the checkpoint hook
+(20) saves. Metrics are all-reduced over the data-parallel ranks: the numbers logged are
+those of the whole dataset, identical on every rank.
+"""
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any, Optional
+
+import torch
+
+from .checkpoint import save_checkpoint
+from .context import gpc
+from .metrics import Accuracy, all_reduce_mean
+
+
+class BaseHook:
+    """Override any of the hook points; `trainer.states` is shared state between hooks."""
+
+    def __init__(self, priority: int = 10) -> None:
+        self.priority = priority
+
+    def before_train(self, trainer) -> None: ...
+    def after_train(self, trainer) -> None: ...
+    def before_train_epoch(self, trainer) -> None: ...
+    def after_train_epoch(self, trainer) -> None: ...
+    def before_train_iter(self, trainer) -> None: ...
+    def after_train_iter(self, trainer, output: Any, label: Any, loss: Optional[torch.Tensor]) -> None: ...
+    def before_test_epoch(self, trainer) -> None: ...
+    def after_test_epoch(self, trainer) -> None: ...
+    def before_test_iter(self, trainer) -> None: ...
+    def after_test_iter(self, trainer, output: Any, label: Any, loss: Optional[torch.Tensor]) -> None: ...
+
+
+class LossHook(BaseHook):
+    """Mean loss per sample over the epoch and all ranks -> metrics['train'|'test']['loss'].
+
+    Each iteration's loss is a batch mean, so it is weighted by the batch size: uneven last
+    batches and uneven evaluation shards then give exactly the whole-dataset mean.
+    """
+
+    def __init__(self, priority: int = 0) -> None:
+        super().__init__(priority)
+        self._sum, self._count = 0.0, 0
+
+    def _reset(self, trainer) -> None:
+        self._sum, self._count = 0.0, 0
+
+    def _add(self, trainer, output, label, loss) -> None:
+        if loss is not None:
+            self._sum += loss.item() * trainer.last_batch_size
+            self._count += trainer.last_batch_size
+
+    def _publish(self, split: str, trainer) -> None:
+        mean = all_reduce_mean(self._sum / max(self._count, 1), weight=self._count)
+        trainer.states["metrics"][split]["loss"] = mean
+
+    before_train_epoch = before_test_epoch = _reset
+    after_train_iter = after_test_iter = _add
+
+    def after_train_epoch(self, trainer) -> None:
+        self._publish("train", trainer)
+
+    def after_test_epoch(self, trainer) -> None:
+        self._publish("test", trainer)
+
+
+class AccuracyHook(BaseHook):
+    """Exact test accuracy (summed counts over ranks) -> metrics['test']['accuracy']."""
+
+    def __init__(self, accuracy_func: Optional[Accuracy] = None, priority: int = 0) -> None:
+        super().__init__(priority)
+        self.accuracy = accuracy_func if accuracy_func is not None else Accuracy()
+
+    def before_test_epoch(self, trainer) -> None:
+        self.accuracy.reset()
+
+    def after_test_iter(self, trainer, output, label, loss) -> None:
+        if output is not None:  # pipelines: only the last stage has outputs
+            self.accuracy.update(output, label)
+
+    def after_test_epoch(self, trainer) -> None:
+        trainer.states["metrics"]["test"]["accuracy"] = self.accuracy.compute()
+
+
+class LRSchedulerHook(BaseHook):
+    """Step the scheduler per epoch, or per optimizer step (not per accumulation micro-step)."""
+
+    def __init__(self, lr_scheduler: Any, by_epoch: bool = True, store_lr_in_state: bool = True,
+                 priority: int = 1) -> None:
+        super().__init__(priority)
+        self.lr_scheduler, self.by_epoch, self.store_lr = lr_scheduler, by_epoch, store_lr_in_state
+
+    def before_train_epoch(self, trainer) -> None:
+        if self.store_lr:
+            trainer.states["metrics"]["train"]["lr"] = self.lr_scheduler.get_last_lr()[0]
+
+    def after_train_iter(self, trainer, output, label, loss) -> None:
+        if not self.by_epoch and trainer.last_step_taken:
+            self.lr_scheduler.step()
+
+    def after_train_epoch(self, trainer) -> None:
+        if self.by_epoch:
+            self.lr_scheduler.step()
+
+
+class ThroughputHook(BaseHook):
+    """Samples per second over all data-parallel ranks -> metrics['train']['throughput']."""
+
+    def __init__(self, priority: int = 2) -> None:
+        super().__init__(priority)
+        self._start, self._samples = 0.0, 0
+
+    def before_train_epoch(self, trainer) -> None:
+        self._start, self._samples = time.perf_counter(), 0
+
+    def after_train_iter(self, trainer, output, label, loss) -> None:
+        self._samples += trainer.last_batch_size
+
+    def after_train_epoch(self, trainer) -> None:
+        elapsed = time.perf_counter() - self._start
+        per_rank = all_reduce_mean(float(self._samples))
+        trainer.states["metrics"]["train"]["throughput"] = per_rank * gpc.data_size / max(elapsed, 1e-9)
+
+
+def _format(metrics: dict) -> str:
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+
+
+class LogMetricByEpochHook(BaseHook):
+    """Log the epoch's metrics on rank 0 every `interval` epochs."""
+
+    def __init__(self, logger, interval: int = 1, priority: int = 10) -> None:
+        super().__init__(priority)
+        self.logger, self.interval = logger, interval
+
+    def _due(self, trainer) -> bool:
+        return (trainer.cur_epoch + 1) % self.interval == 0
+
+    def after_train_epoch(self, trainer) -> None:
+        if self._due(trainer):
+            self.logger.info(f"epoch {trainer.cur_epoch + 1} train: {_format(trainer.states['metrics']['train'])}")
+
+    def after_test_epoch(self, trainer) -> None:
+        if self._due(trainer):
+            self.logger.info(f"epoch {trainer.cur_epoch + 1} test: {_format(trainer.states['metrics']['test'])}")
+
+
+class LogMemoryByEpochHook(BaseHook):
+    """Log peak memory: CUDA allocator's peak on GPUs, the process's peak RSS on CPU."""
+
+    def __init__(self, logger, priority: int = 10) -> None:
+        super().__init__(priority)
+        self.logger = logger
+
+    def after_train_epoch(self, trainer) -> None:
+        if gpc.device.type == "cuda":
+            used = f"peak CUDA memory {torch.cuda.max_memory_allocated(gpc.device) / 2**20:.0f} MiB"
+        else:  # ru_maxrss is in KiB on Linux
+            used = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
+        self.logger.info(f"epoch {trainer.cur_epoch + 1} memory: {used}", ranks=None)
+
+
+class SaveCheckpointHook(BaseHook):
+    """Save model, optimizer (and scheduler) every `interval` epochs; `epoch` = epochs completed."""
+
+    def __init__(self, checkpoint_path: str, interval: int = 1, lr_scheduler: Any = None, priority: int = 20) -> None:
+        super().__init__(priority)
+        self.path, self.interval, self.lr_scheduler = checkpoint_path, interval, lr_scheduler
+
+    def after_train_epoch(self, trainer) -> None:
+        done = trainer.cur_epoch + 1
+        if done % self.interval == 0:
+            save_checkpoint(self.path, done, trainer.engine.model, trainer.engine.optimizer, self.lr_scheduler,
+                            step=trainer.cur_step)

@@ -1,0 +1,105 @@
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import nanocolossal as nc
+from nanocolossal import checkpoint
+from nanocolossal.amp import AMP_TYPE
+from nanocolossal.checkpoint import load_checkpoint, merge_pipeline_checkpoint, save_checkpoint
+from nanocolossal.trainer import Trainer, hooks
+from dist_helpers import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _setup(rank, world_size, port):
+    """DDP + fp16 loss scaling + dropout + shuffled sampler + momentum + LR schedule: all state that must resume."""
+    nc.launch({"fp16": {"mode": AMP_TYPE.TORCH, "init_scale": 2.0**20, "growth_interval": 3}},
+              rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 6, generator=g)
+    data = nc.get_dataloader(TensorDataset(x, (x.sum(1) > 0).long() + (x[:, 0] > 1).long()), shuffle=True,
+                             batch_size=4)
+    engine, data, _, sched = nc.initialize(model, opt, nn.CrossEntropyLoss(), data, lr_scheduler=sched, verbose=False)
+    return engine, data, sched
+
+
+def _train_worker(rank, world_size, port, path, epochs, resume):
+    engine, data, sched = _setup(rank, world_size, port)
+    trainer = Trainer(engine)
+    if resume:
+        assert trainer.resume(path, sched)["epoch"] == 1 and trainer.cur_step == 6
+    trainer.fit(data, epochs=epochs, hooks=[hooks.LRSchedulerHook(sched, by_epoch=True),
+                                            hooks.SaveCheckpointHook(path, lr_scheduler=sched)])
+    return {k: v.clone() for k, v in engine.model.state_dict().items()}, engine.optimizer.loss_scale
+
+
+def test_gloo_resume_from_checkpoint_equals_uninterrupted_training(tmp_path):
+    straight = run_ranks(_train_worker, 2, str(tmp_path / "a.pt"), 2, False)
+    run_ranks(_train_worker, 2, str(tmp_path / "b.pt"), 1, False)
+    resumed = run_ranks(_train_worker, 2, str(tmp_path / "b.pt"), 2, True)  # new processes
+    for (a, scale_a), (b, scale_b) in zip(straight, resumed):
+        assert scale_a == scale_b and scale_a != 2.0**20, "the loss scaler moved and was restored"
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+    saved = torch.load(tmp_path / "b.pt", weights_only=False)
+    assert saved["epoch"] == 2 and saved["extra"]["step"] == 12 and len(saved["rng"]) == 2
+    assert list(saved["model"]) == ["0.weight", "0.bias", "3.weight", "3.bias"]
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    model = nn.Linear(3, 3)
+    save_checkpoint(path, 1, model)
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+
+    def crash(src, dst):
+        raise KeyboardInterrupt("killed between write and rename")
+    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, 2, model)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["ckpt.pt"], "no temp file left behind"
+    fresh = nn.Linear(3, 3)
+    assert load_checkpoint(path, fresh)["epoch"] == 1
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, old[key])
+
+
+def test_checkpoint_keys_are_prefix_free_and_wrapped_files_load(tmp_path):
+    model = nn.Sequential(nn.Linear(2, 2))
+    wrapped = {f"module._orig_mod.{k}": v for k, v in model.state_dict().items()}
+    torch.save({"epoch": 3, "model": wrapped}, tmp_path / "w.pt")
+    fresh = nn.Sequential(nn.Linear(2, 2))
+    assert load_checkpoint(tmp_path / "w.pt", fresh, map_location="cpu")["epoch"] == 3
+    assert torch.equal(fresh[0].weight, model[0].weight)
+    # a submodule that really is called "model" keeps its name
+    assert list(checkpoint.strip_prefixes({"model.w": 1, "head.b": 2})) == ["model.w", "head.b"]
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"\[rank 0\] checkpoint .*nope.pt' not found"):
+        load_checkpoint(tmp_path / "nope.pt", nn.Linear(1, 1))
+
+
+def test_merge_pipeline_checkpoint_gives_the_plain_models_state(tmp_path):
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    state = full.state_dict()
+    checkpoint.atomic_save({"model": {k: v for k, v in state.items() if k.startswith("0.")}}, tmp_path / "s0.pt")
+    checkpoint.atomic_save({"model": {k: v for k, v in state.items() if k.startswith("2.")}}, tmp_path / "s1.pt")
+    merged = merge_pipeline_checkpoint([tmp_path / "s0.pt", tmp_path / "s1.pt"])
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    plain.load_state_dict(merged, strict=True)
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in state.items())
+    with pytest.raises(ValueError, match="repeats keys"):
+        merge_pipeline_checkpoint([tmp_path / "s0.pt", tmp_path / "s0.pt"])

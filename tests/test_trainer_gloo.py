@@ -1,0 +1,111 @@
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import nanocolossal as nc
+from nanocolossal.context import gpc
+from nanocolossal.metrics import Accuracy
+from nanocolossal.trainer import Trainer, hooks
+from dist_helpers import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _data(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 5, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def _engine(config=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine, *_ = nc.initialize(model, opt, nn.CrossEntropyLoss(), verbose=False)
+    return engine, opt
+
+
+class Recorder(hooks.BaseHook):
+    POINTS = ["before_train", "after_train", "before_train_epoch", "after_train_epoch", "before_train_iter",
+              "after_train_iter", "before_test_epoch", "after_test_epoch", "before_test_iter", "after_test_iter"]
+
+    def __init__(self, name, log, priority):
+        super().__init__(priority)
+        for point in self.POINTS:
+            setattr(self, point, lambda trainer, *args, _p=point: log.append((_p, name)))
+
+
+class EpochSampler(torch.utils.data.SequentialSampler):
+    def __init__(self, data, log):
+        super().__init__(data)
+        self.log = log
+
+    def set_epoch(self, epoch):
+        self.log.append(epoch)
+
+
+def test_trainer_calls_hooks_in_order_and_by_priority_and_sets_epochs():
+    engine, _ = _engine()
+    log, epochs = [], []
+    train = torch.utils.data.DataLoader(_data(6), batch_size=3, sampler=EpochSampler(_data(6), epochs))
+    test = torch.utils.data.DataLoader(_data(2, seed=1), batch_size=2)
+    Trainer(engine).fit(train, epochs=2, test_dataloader=test,
+                        hooks=[Recorder("late", log, priority=5), Recorder("early", log, priority=1)])
+    assert epochs == [0, 1]
+    names = [name for _, name in log]
+    assert names == ["early", "late"] * (len(log) // 2), "lower priority first at every point"
+    points = [point for point, name in log if name == "early"]
+    one_epoch = (["before_train_epoch"] + ["before_train_iter", "after_train_iter"] * 2 + ["after_train_epoch"]
+                 + ["before_test_epoch", "before_test_iter", "after_test_iter", "after_test_epoch"])
+    assert points == ["before_train"] + one_epoch * 2 + ["after_train"]
+
+
+def test_trainer_max_steps_stops_early_and_still_finishes():
+    engine, _ = _engine()
+    log = []
+    trainer = Trainer(engine)
+    trainer.fit(torch.utils.data.DataLoader(_data(20), batch_size=2), epochs=5, max_steps=3,
+                hooks=[Recorder("r", log, 0)])
+    assert trainer.cur_step == 3 and trainer.cur_epoch == 1
+    assert [p for p, _ in log].count("after_train_iter") == 3 and log[-1][0] == "after_train"
+
+
+def test_trainer_lr_hook_steps_per_optimizer_step_under_accumulation():
+    nc.gpc.config = nc.Config({"gradient_accumulation": 2})
+    try:
+        engine, opt = _engine()
+    finally:
+        nc.gpc.config = nc.Config()
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    trainer = Trainer(engine)
+    trainer.fit(torch.utils.data.DataLoader(_data(8), batch_size=2), epochs=1,
+                hooks=[hooks.LRSchedulerHook(scheduler, by_epoch=False)])
+    assert trainer.cur_step == 4 and scheduler.last_epoch == 2 and opt.param_groups[0]["lr"] == 0.125
+
+
+def _fit_worker(rank, world_size, port):
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    engine, _ = _engine()
+    train = nc.get_dataloader(_data(16), shuffle=True, batch_size=4)
+    test = nc.get_dataloader(_data(7, seed=1), pad=False, batch_size=2)  # uneven shards: 4 and 3
+    trainer = Trainer(engine)
+    trainer.fit(train, epochs=2, test_dataloader=test,
+                hooks=[hooks.LossHook(), hooks.AccuracyHook(Accuracy()), hooks.ThroughputHook(),
+                       hooks.LogMetricByEpochHook(nc.get_dist_logger())])
+    # what one process computes on the whole test set with the trained model
+    x, y = _data(7, seed=1).tensors
+    with torch.no_grad():
+        logits = engine.model(x)
+    single_accuracy = int((logits.argmax(1) == y).sum()) / len(y)
+    single_loss = nn.functional.cross_entropy(logits, y).item()
+    return trainer.states["metrics"], single_accuracy, single_loss
+
+
+def test_gloo_trainer_metrics_are_exact_over_ranks():
+    # Test shards are uneven (4 and 3 samples, one batch of 1): summed counts and sample-weighted
+    # losses still give exactly what one process computes on all 7.
+    for metrics, single_accuracy, single_loss in run_ranks(_fit_worker, 2):
+        assert metrics["test"]["accuracy"] == pytest.approx(single_accuracy, abs=1e-12)
+        assert metrics["test"]["loss"] == pytest.approx(single_loss, rel=1e-5)
+        assert metrics["train"]["throughput"] > 0 and metrics["train"]["loss"] > 0
