@@ -8,7 +8,7 @@
 One module per idea: config, context (gpc), launch, logging, data, metrics, ddp, syncbn, amp,
 engine, trainer, checkpoint, run.
 """
-from . import amp, config, data, metrics
+from . import amp, checkpoint, config, data, ddp, hooks, metrics, syncbn, trainer
 from .amp import AMP_TYPE
 from .config import Config, ConfigError, load_config
 from .context import gpc
@@ -19,7 +19,8 @@ from .launch import (LaunchError, get_default_parser, launch, launch_from_openmp
 from .logging import get_dist_logger
 
 __all__ = [
-    "AMP_TYPE", "Config", "ConfigError", "DistributedSampler", "Engine", "LaunchError", "initialize", "amp", "config", "data",
+    "AMP_TYPE", "Config", "ConfigError", "DistributedSampler", "Engine", "LaunchError", "initialize", "amp",
+    "checkpoint", "config", "data", "ddp", "hooks", "syncbn", "trainer",
     "get_dataloader", "get_default_parser", "get_dist_logger", "gpc", "launch", "launch_from_openmpi",
     "launch_from_slurm", "launch_from_torch", "load_config", "metrics",
 ]

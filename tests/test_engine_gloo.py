@@ -72,7 +72,8 @@ def test_gloo_engine_clipping_uses_the_whole_batch_norm():
 
 
 def _overflow_worker(rank, world_size, port):
-    engine = _engine({"fp16": {"mode": AMP_TYPE.TORCH, "init_scale": 1024.0}}, rank, world_size, port)
+    engine = _engine({"fp16": {"mode": AMP_TYPE.TORCH, "init_scale": 1024.0, "dtype": "float16"}}, rank, world_size,
+                     port)
     before = copy.deepcopy(engine.model.state_dict())
     x, y = _batch(0, 2 * B)
     engine.zero_grad()
@@ -88,14 +89,19 @@ def test_gloo_engine_overflow_on_one_rank_skips_on_all():
     assert run_ranks(_overflow_worker, 2, timeout=60) == [(False, 512.0, True), (False, 512.0, True)]
 
 
-def _config_worker(rank, world_size, port):
-    engine = _engine({"sync_bn": True, "fp16": {"mode": "naive"}}, rank, world_size, port)
+def _config_worker(rank, world_size, port, fp16):
+    engine = _engine({"sync_bn": True, "fp16": fp16}, rank, world_size, port)
     return type(engine._forward).__name__, engine.model[0].weight.dtype, engine.optimizer.scaler is not None
 
 
 def test_gloo_initialize_applies_config():
-    for wrapper, dtype, scaled in run_ranks(_config_worker, 2):
+    for wrapper, dtype, scaled in run_ranks(_config_worker, 2, {"mode": "naive", "dtype": "float16"}):
         assert wrapper == "DistributedDataParallel" and dtype == torch.float16 and scaled
+
+
+def test_gloo_initialize_picks_bfloat16_for_fp16_on_cpu():
+    for _, dtype, scaled in run_ranks(_config_worker, 2, {"mode": AMP_TYPE.NAIVE}):
+        assert dtype == torch.bfloat16 and not scaled  # bf16 has fp32's range: nothing to scale
 
 
 def test_initialize_without_launch_is_plain_single_process():

@@ -1,0 +1,11 @@
+# The Engine/Trainer tutorial's config (seed 004). The tutorial trains for 200 epochs; 2 keeps a
+# first run short -- pass --epochs to train longer.
+from nanocolossal.amp import AMP_TYPE
+
+BATCH_SIZE = 128          # per data-parallel rank
+NUM_EPOCHS = 2
+
+# Mixed precision with PyTorch's autocast (apex O1). On CPU it computes in bfloat16.
+fp16 = dict(
+    mode=AMP_TYPE.TORCH,
+)
