@@ -113,3 +113,15 @@ def test_initialize_without_launch_is_plain_single_process():
     output, label, loss = engine.execute_schedule((x, y))
     assert output.shape == (4, 4) and torch.equal(label, y) and loss.requires_grad
     assert engine.step() is True
+
+
+@pytest.mark.parametrize("fp16, opt_level, kwargs", [
+    ({"mode": AMP_TYPE.TORCH, "dtype": "float16"}, "O1", {"dtype": torch.float16}),
+    ({"mode": AMP_TYPE.NAIVE, "initial_scale": 2.0**12, "dtype": "float16"}, "O2",
+     {"init_scale": 2.0**12, "dtype": torch.float16}),
+    ({"mode": AMP_TYPE.APEX, "opt_level": "O3", "dtype": torch.bfloat16}, "O3", {"dtype": torch.bfloat16}),
+    ({"mode": "apex"}, "O1", {"dtype": torch.bfloat16}),  # CPU default
+])
+def test_fp16_config_maps_to_opt_level(fp16, opt_level, kwargs):
+    from nanocolossal.engine import _amp_settings
+    assert _amp_settings(fp16) == (opt_level, kwargs)
