@@ -268,18 +268,20 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"[rank {gpc.rank}] amp dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     device_type = device_type or next(model.parameters()).device.type
-    if opt_level == "O1":
-        autocast = _Autocast(device_type, dtype)
-        model.register_forward_pre_hook(autocast.enter)
-        model.register_forward_hook(autocast.exit, always_call=True)
-    elif opt_level in ("O2", "O3"):
-        model.to(dtype)
-        if opt_level == "O2":  # normalisation statistics need fp32's precision
-            for module in model.modules():
-                if _is_norm(module):
-                    module.float()
-                    _cast_io(module, torch.float32, dtype)
-        _cast_io(model, dtype, torch.float32)
+    # a ModuleList (pipeline chunks) has no forward of its own: each chunk gets the hooks
+    for part in (model if isinstance(model, nn.ModuleList) else [model]):
+        if opt_level == "O1":
+            autocast = _Autocast(device_type, dtype)
+            part.register_forward_pre_hook(autocast.enter)
+            part.register_forward_hook(autocast.exit, always_call=True)
+        elif opt_level in ("O2", "O3"):
+            part.to(dtype)
+            if opt_level == "O2":  # normalisation statistics need fp32's precision
+                for module in part.modules():
+                    if _is_norm(module):
+                        module.float()
+                        _cast_io(module, torch.float32, dtype)
+            _cast_io(part, dtype, torch.float32)
     # Scaling is for fp16's narrow range only; fp32 and bf16 don't need it.
     use_scaler = opt_level != "O0" and dtype == torch.float16 and loss_scale is not None
     if use_scaler and loss_scale != "dynamic":  # a fixed scale: never grows, never backs off

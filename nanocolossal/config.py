@@ -151,6 +151,13 @@ def validate_config(cfg: Config) -> None:
 
     for key in ("gradient_accumulation", "NUM_MICRO_BATCHES", "NUM_CHUNKS", "BATCH_SIZE", "NUM_EPOCHS"):
         _positive_int(cfg, key, "")
+    schedule = cfg.get("PIPELINE_SCHEDULE")
+    if schedule is not None and schedule not in ("1f1b", "gpipe", "interleaved"):
+        raise ConfigError(f"PIPELINE_SCHEDULE must be '1f1b', 'gpipe' or 'interleaved', got {schedule!r}")
+    shape = cfg.get("TENSOR_SHAPE")
+    if shape is not None and (not isinstance(shape, (list, tuple)) or
+                              not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+        raise ConfigError(f"TENSOR_SHAPE must be a list of positive ints (one micro-batch's activation), got {shape!r}")
     for key in ("clip_grad_norm", "timeout"):
         value = cfg.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0):

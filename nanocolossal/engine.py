@@ -12,7 +12,10 @@
 
     model -> SyncBN (sync_bn=True) -> mixed precision (fp16=...) -> DDP (data size > 1)
 
-(AMP O2 changes parameter dtypes, and DDP must bucket the final ones.)
+(AMP O2 changes parameter dtypes, and DDP must bucket the final ones.) With
+parallel=dict(pipeline=P) the model is this rank's stage (build_pipeline_model); the config's
+NUM_MICRO_BATCHES, NUM_CHUNKS and PIPELINE_SCHEDULE pick the schedule, each chunk gets its
+own DDP over its data group, and `execute_schedule(batch)` runs whole batches.
 
 Gradient accumulation (gradient_accumulation=N): each backward adds loss / N; the first
 N - 1 run under DDP's no_sync, so communication happens once; zero_grad and step only act
@@ -50,7 +53,7 @@ def _to_device(obj: Any) -> Any:
 class Engine:
     def __init__(self, model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Optional[Callable] = None,
                  forward_module: Optional[nn.Module] = None, gradient_accumulation: int = 1,
-                 clip_grad_norm: float = 0.0) -> None:
+                 clip_grad_norm: float = 0.0, schedule: Any = None, chunks: Optional[list] = None) -> None:
         self.model = model                              # the user's model: prefix-free state_dict
         self.optimizer = optimizer
         self._criterion = criterion
@@ -59,8 +62,16 @@ class Engine:
         self.clip_grad_norm = clip_grad_norm
         self.last_grad_norm: Optional[float] = None
         self._micro = 0                                 # backward calls since the last real step
+        self.schedule = schedule                        # pipeline schedule, when pipeline > 1
+        self._chunks = chunks                           # what the schedule runs (DDP-wrapped chunks)
+
+    def _no_pipeline(self, what: str) -> None:
+        if self.schedule is not None:
+            raise RuntimeError(f"[rank {gpc.rank}] engine.{what} does not apply to a pipeline stage; "
+                               f"run whole batches with engine.execute_schedule(batch) (the Trainer does)")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._no_pipeline("__call__ (forward)")
         return self._forward(*_to_device(args), **_to_device(kwargs))
 
     def criterion(self, output: Any, label: Any) -> torch.Tensor:
@@ -69,10 +80,10 @@ class Engine:
         return self._criterion(output, _to_device(label))
 
     def train(self) -> None:
-        self._forward.train()
+        self.model.train()
 
     def eval(self) -> None:
-        self._forward.eval()
+        self.model.eval()
 
     @property
     def is_accumulating(self) -> bool:
@@ -84,6 +95,7 @@ class Engine:
             self.optimizer.zero_grad()
 
     def backward(self, loss: torch.Tensor) -> None:
+        self._no_pipeline("backward")
         self._micro += 1
         loss = loss / self.gradient_accumulation
         if self._micro < self.gradient_accumulation and isinstance(self._forward, DistributedDataParallel):
@@ -103,7 +115,16 @@ class Engine:
         return self.optimizer.step()
 
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
-        """One iteration on `batch` = (inputs, label): forward, loss and (unless forward_only) backward."""
+        """One iteration on `batch` = (inputs, label): forward, loss and (unless forward_only) backward.
+
+        With pipeline parallelism the schedule runs the batch as micro-batches through the
+        stages; output and label are returned on the last stage (None elsewhere), the mean loss
+        on every stage."""
+        if self.schedule is not None:
+            if not forward_only:
+                self._micro += 1
+            return self.schedule.forward_backward_step(self._chunks, batch, self._criterion, forward_only, return_loss,
+                                                       loss_scale=self.optimizer.loss_scale)
         inputs, label = batch
         output = self(inputs)
         loss = self.criterion(output, label) if return_loss else None
@@ -132,14 +153,36 @@ def _amp_settings(fp16: dict) -> tuple[str, dict]:
     return opt_level, fp16
 
 
+def _pipeline_schedule(model: nn.Module):
+    """The schedule gpc.config asks for, after checking the model is a pipeline stage."""
+    from .pipeline import PipelineChunks, PipelineStage, make_schedule
+    cfg = gpc.config
+    if not isinstance(model, (PipelineStage, PipelineChunks)):
+        raise ConfigError(f"[rank {gpc.rank}] parallel.pipeline={gpc.pipeline_size} but the model is a whole "
+                          f"{type(model).__name__}; pass build_pipeline_model(model) (this rank's stage) to initialize")
+    if "NUM_MICRO_BATCHES" not in cfg:
+        raise ConfigError(f"[rank {gpc.rank}] parallel.pipeline={gpc.pipeline_size} needs NUM_MICRO_BATCHES in the "
+                          f"config (at least {gpc.pipeline_size})")
+    if cfg.get("gradient_accumulation", 1) > 1:
+        raise ConfigError(f"[rank {gpc.rank}] gradient_accumulation is not combined with pipelines: micro-batches "
+                          f"already accumulate; raise NUM_MICRO_BATCHES (and the batch size) instead")
+    chunks = len(model) if isinstance(model, PipelineChunks) else 1
+    if cfg.get("NUM_CHUNKS", 1) != chunks:
+        raise ConfigError(f"[rank {gpc.rank}] NUM_CHUNKS={cfg.get('NUM_CHUNKS', 1)} but the stage has {chunks} "
+                          f"chunk(s); pass num_chunks=NUM_CHUNKS to build_pipeline_model")
+    name = cfg.get("PIPELINE_SCHEDULE", "interleaved" if chunks > 1 else "1f1b")
+    try:
+        return make_schedule(name, cfg.NUM_MICRO_BATCHES, chunks, cfg.get("TENSOR_SHAPE"))
+    except ValueError as e:  # PlanError: already names the rank
+        raise ConfigError(str(e)) from None
+
+
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Optional[Callable] = None,
                train_dataloader: Optional[DataLoader] = None, test_dataloader: Optional[DataLoader] = None,
                lr_scheduler: Any = None, verbose: bool = True):
     """Apply gpc.config to the training components; returns (engine, train_dl, test_dl, lr_scheduler)."""
     cfg = gpc.config
-    if gpc.pipeline_size > 1:
-        raise ConfigError(f"[rank {gpc.rank}] parallel.pipeline={gpc.pipeline_size}: pipeline parallelism is not "
-                          f"available in initialize yet; remove parallel.pipeline")
+    schedule = _pipeline_schedule(model) if gpc.pipeline_size > 1 else None
     model = model.to(gpc.device)
     features = []
     if cfg.get("sync_bn"):
@@ -151,8 +194,16 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Op
         features.append(f"AMP {opt_level} ({AMP_TYPE.parse(cfg.fp16.mode).name})")
     else:
         optimizer = MixedPrecisionOptimizer(optimizer)  # fp32: no scaling, same interface
-    forward_module = model
-    if gpc.data_size > 1:
+    forward_module, chunks = model, None
+    if schedule is not None:  # each chunk is its own DDP unit, averaged over its data group
+        chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
+        if gpc.data_size > 1:
+            chunks = [DistributedDataParallel(chunk) for chunk in chunks]
+        features.insert(0, f"pipeline {schedule.name} x{gpc.pipeline_size} stages, "
+                           f"{schedule.num_microbatches} micro-batches, {schedule.num_chunks} chunk(s)")
+        if gpc.data_size > 1:
+            features.append(f"data parallel x{gpc.data_size}")
+    elif gpc.data_size > 1:
         forward_module = DistributedDataParallel(model)
         features.append(f"DDP x{gpc.data_size}")
     accumulation = cfg.get("gradient_accumulation", 1)
@@ -163,5 +214,5 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Op
         features.append(f"clip_grad_norm={clip}")
     if verbose:
         get_dist_logger().info(f"initialize: {', '.join(features) or 'plain fp32, single process'}")
-    engine = Engine(model, optimizer, criterion, forward_module, accumulation, clip)
+    engine = Engine(model, optimizer, criterion, forward_module, accumulation, clip, schedule, chunks)
     return engine, train_dataloader, test_dataloader, lr_scheduler

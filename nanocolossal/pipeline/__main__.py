@@ -1,0 +1,34 @@
+"""python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--chunks 2] [--schedule 1f1b|gpipe|interleaved]
+
+Prints a schedule's timeline (one row per rank) and its bubble, and checks the plan by
+simulating it. No processes are started.
+"""
+import argparse
+import sys
+
+from .plan import PlanError, all_plans, render, simulate
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanocolossal.pipeline", description=__doc__.splitlines()[2])
+    parser.add_argument("--show", action="store_true", help="print the timeline (the default action)")
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--chunks", type=int, default=1)
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default=None,
+                        help="default: interleaved when --chunks > 1, else 1f1b")
+    args = parser.parse_args(argv)
+    schedule = args.schedule or ("interleaved" if args.chunks > 1 else "1f1b")
+    try:
+        print(render(schedule, args.stages, args.microbatches, args.chunks))
+        held = simulate(all_plans(schedule, args.stages, args.microbatches, args.chunks), args.stages,
+                        args.chunks)["max_in_flight"]
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("micro-batches in flight per rank (peak): " + ", ".join(f"rank {r}: {n}" for r, n in enumerate(held)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Point-to-point transfers between pipeline stages.
+
+A plan's communication step is a batch of sends and receives, posted together with
+`torch.distributed.batch_isend_irecv` and then waited on: two neighbours that send to each
+other at the same moment both make progress (with blocking send/recv, or NCCL ops queued
+one after another, each would wait for the other's receive forever).
+
+A receiver must allocate a buffer of the right shape and dtype before data arrives. Unless
+the shape is given (TENSOR_SHAPE / tensor_shape), the first transfer across each stage
+boundary is preceded by a small metadata message [dtype, ndim, *shape]; later micro-batches
+must match it, and a stage whose output changes shape is stopped with an error naming both
+ranks. Gradients cross a boundary backwards with the shape of its activation, which both
+sides already know.
+
+Within a batch, operations are ordered by (kind, source, destination, micro-batch) on both
+sides and tagged, so a message is matched with its own receive on gloo (tags) and on NCCL
+(first in, first out per pair of ranks).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..context import gpc
+from .plan import Transfer
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
+           torch.bool]
+_META_LEN = 10  # dtype code, ndim, up to 8 dimensions
+
+
+def _key(t: Transfer) -> tuple:
+    return (t.what, t.src, t.dst, t.mb)
+
+
+def _tag(t: Transfer, meta: bool = False) -> int:
+    """A distinct 31-bit tag: message kind (2 bits), source virtual stage (9), micro-batch (20)."""
+    return ((2 if meta else (1 if t.what == "grad" else 0)) << 29) | ((t.src % 512) << 20) | (t.mb % 2**20)
+
+
+class StageComm:
+    """One rank's pipeline messaging: P stages, boundaries between virtual stages v -> v + 1."""
+
+    def __init__(self, tensor_shape: Optional[Sequence[int]] = None, dtype: torch.dtype = torch.float32) -> None:
+        self.P = gpc.pipeline_size
+        self.fixed = (tuple(tensor_shape), dtype) if tensor_shape is not None else None
+        self.shapes: dict[int, tuple] = {}  # boundary (source virtual stage) -> (shape, dtype)
+
+    def _rank(self, virtual_stage: int) -> int:
+        return gpc.pipeline_ranks[virtual_stage % self.P]
+
+    def _meta_of(self, boundary: int) -> Optional[tuple]:
+        return self.fixed or self.shapes.get(boundary)
+
+    def _wait(self, ops: list, where: str) -> None:
+        if not ops:
+            return
+        try:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        except RuntimeError as e:
+            peers = sorted({op.peer for op in ops})
+            raise RuntimeError(f"[rank {gpc.rank}] pipeline transfer with rank(s) {peers} failed at {where} "
+                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); a peer may have "
+                               f"stopped or timed out (timeout {gpc.timeout.total_seconds():.0f} s)") from e
+
+    def _handshake(self, sends: dict, recvs: Sequence[Transfer], where: str) -> None:
+        """Announce/learn the shapes of first-time activation transfers."""
+        ops, incoming = [], []
+        for t in sorted(sends, key=_key):
+            if t.what == "act" and self._meta_of(t.src) is None:
+                x = sends[t]
+                self.shapes[t.src] = (tuple(x.shape), x.dtype)
+                meta = torch.zeros(_META_LEN, dtype=torch.int64)
+                meta[:2 + x.dim()] = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape])
+                ops.append(dist.P2POp(dist.isend, meta.to(gpc.device), self._rank(t.dst), tag=_tag(t, True)))
+        for t in sorted(recvs, key=_key):
+            if t.what == "act" and self._meta_of(t.src) is None:
+                meta = torch.zeros(_META_LEN, dtype=torch.int64, device=gpc.device)
+                incoming.append((t, meta))
+                ops.append(dist.P2POp(dist.irecv, meta, self._rank(t.src), tag=_tag(t, True)))
+        self._wait(ops, f"{where} (shape handshake)")
+        for t, meta in incoming:
+            code, ndim, *dims = meta.tolist()
+            self.shapes[t.src] = (tuple(dims[:ndim]), _DTYPES[code])
+
+    def exchange(self, sends: dict, recvs: Sequence[Transfer], where: str) -> dict:
+        """Post all sends ({Transfer: tensor}) and receives together; returns {Transfer: tensor}."""
+        for t, x in sends.items():
+            if t.what == "act" and x.dim() + 2 > _META_LEN:
+                raise ValueError(f"[rank {gpc.rank}] stage output has {x.dim()} dimensions; at most {_META_LEN - 2}")
+            if t.what == "act" and x.dtype not in _DTYPES:
+                raise ValueError(f"[rank {gpc.rank}] stage output dtype {x.dtype} cannot be sent between stages")
+        self._handshake(sends, recvs, where)
+        ops, received = [], {}
+        for t in sorted(sends, key=_key):
+            x = sends[t]
+            shape, dtype = self._meta_of(t.src if t.what == "act" else t.dst)
+            if tuple(x.shape) != shape or x.dtype != dtype:
+                peer = self._rank(t.dst)
+                raise RuntimeError(
+                    f"[rank {gpc.rank}] {where}: the {t.what} of micro-batch {t.mb} for rank {peer} has shape "
+                    f"{tuple(x.shape)} and dtype {x.dtype}, but rank {gpc.rank} and rank {peer} agreed on "
+                    f"{shape} {dtype} on the first micro-batch; every micro-batch must give the same shape "
+                    f"(equal micro-batch sizes, drop_last=True) or set TENSOR_SHAPE correctly")
+            ops.append(dist.P2POp(dist.isend, x.contiguous(), self._rank(t.dst), tag=_tag(t)))
+        for t in sorted(recvs, key=_key):
+            shape, dtype = self._meta_of(t.src if t.what == "act" else t.dst)
+            buffer = torch.empty(shape, dtype=dtype, device=gpc.device)
+            received[t] = buffer
+            ops.append(dist.P2POp(dist.irecv, buffer, self._rank(t.src), tag=_tag(t)))
+        self._wait(ops, where)
+        return received

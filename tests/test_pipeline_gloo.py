@@ -1,0 +1,178 @@
+"""Pipelines on real gloo processes give what one process gives on the whole batch."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import nanocolossal as nc
+from nanocolossal.checkpoint import merge_pipeline_checkpoint, save_checkpoint
+from nanocolossal.context import gpc
+from nanocolossal.pipeline import build_pipeline_model, make_schedule
+from dist_helpers import run_ranks
+
+pytestmark = pytest.mark.timeout(150)
+BATCH, M = 16, 4
+
+
+def _model(n_linear=8):
+    """BatchNorm-free, so micro-batching changes nothing mathematically."""
+    torch.manual_seed(0)
+    layers = []
+    for i in range(n_linear):
+        layers += [nn.Linear(12, 12), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(12, 5))
+
+
+def _batch(seed=0, n=BATCH):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+def _chunks(stage):
+    return list(stage) if isinstance(stage, nn.ModuleList) else [stage]
+
+
+def _equivalence_worker(rank, world_size, port):
+    nc.launch({"parallel": {"pipeline": world_size}}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    x, y = _batch()
+    reference = _model()
+    ref_out = reference(x)
+    ref_loss = nn.functional.cross_entropy(ref_out, y)
+    ref_loss.backward()
+    ref_grads = {k: p.grad for k, p in reference.named_parameters()}
+    report = {}
+    for name, chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]:
+        stage = build_pipeline_model(_model(), num_chunks=chunks, partition="uniform")
+        schedule = make_schedule(name, M, chunks)
+        out, label, loss = schedule.forward_backward_step(stage, (x, y), nn.CrossEntropyLoss())
+        assert_close(loss, ref_loss.detach(), msg=lambda m: f"{name} loss: {m}")
+        for chunk in _chunks(stage):
+            for key, p in chunk.named_parameters():
+                assert_close(p.grad, ref_grads[key], msg=lambda m: f"{name} grad {key}: {m}")
+        if gpc.is_last_stage():
+            assert_close(out, ref_out.detach())
+            assert torch.equal(label, y)
+        else:
+            assert out is None and label is None
+        # evaluation: forward only, no activations kept, same outputs
+        with torch.no_grad():
+            out, _, eval_loss = schedule.forward_backward_step(stage, (x, y), nn.CrossEntropyLoss(), forward_only=True)
+        assert schedule.max_in_flight == 0
+        assert_close(eval_loss, ref_loss.detach())
+        if gpc.is_last_stage():
+            assert_close(out, ref_out.detach())
+        report[name] = sum(p.numel() for c in _chunks(stage) for p in c.parameters())
+    return report
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gloo_pipeline_schedules_equal_one_process(world_size):
+    reports = run_ranks(_equivalence_worker, world_size, timeout=120)
+    total = sum(p.numel() for p in _model().parameters())
+    for name in ("gpipe", "1f1b", "interleaved"):
+        assert sum(r[name] for r in reports) == total, "the stages hold the whole model, once"
+
+
+def _pipe_data_worker(rank, world_size, port, path):
+    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": M, "clip_grad_norm": 0.5},
+              rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    stage = build_pipeline_model(_model(), partition="parameters")
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    engine, *_ = nc.initialize(stage, opt, nn.CrossEntropyLoss(), verbose=False)
+    single = _model()
+    single_opt = torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(3):
+        x, y = _batch(seed=step, n=2 * BATCH)           # the global batch; data rank d takes half d
+        mine = slice(gpc.data_rank * BATCH, (gpc.data_rank + 1) * BATCH)
+        engine.zero_grad()
+        _, _, loss = engine.execute_schedule((x[mine], y[mine]))
+        assert engine.step()
+        losses.append(loss.item())
+        single_opt.zero_grad()
+        nn.functional.cross_entropy(single(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(single.parameters(), 0.5)
+        single_opt.step()
+    expected = dict(single.named_parameters())
+    for key, p in engine.model.named_parameters():
+        assert_close(p, expected[key], msg=lambda m: f"{key}: {m}")
+    save_checkpoint(path, 1, engine.model, engine.optimizer)
+    if rank == 0:  # the stage files merge into the unsplit model
+        plain = _model()
+        plain.load_state_dict(merge_pipeline_checkpoint([path.replace(".pt", f"-stage{s}.pt") for s in (0, 1)]))
+        for key, p in plain.named_parameters():
+            assert_close(p, expected[key])
+    return losses
+
+
+def test_gloo_pipeline_times_data_parallel_equals_one_process(tmp_path):
+    losses = run_ranks(_pipe_data_worker, 4, str(tmp_path / "ckpt.pt"), timeout=120)
+    assert losses[0] == losses[1] and losses[2] == losses[3], "the loss reaches every stage of a pipeline"
+
+
+def _bad_batch_worker(rank, world_size, port):
+    nc.launch({"parallel": {"pipeline": 2}}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    stage = build_pipeline_model(_model(), partition="uniform")
+    try:
+        make_schedule("1f1b", M).forward_backward_step(stage, _batch(n=10), nn.CrossEntropyLoss())
+    except ValueError as e:
+        return str(e)
+
+
+def test_gloo_batch_not_divisible_by_micro_batches():
+    for rank, message in enumerate(run_ranks(_bad_batch_worker, 2, timeout=60)):
+        assert f"[rank {rank}] batch size 10 is not divisible by NUM_MICRO_BATCHES=4" in message
+
+
+class ShapeShifter(nn.Module):
+    """Returns a different width from its third call on: an unannounced shape change."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x if self.calls < 3 else torch.cat([x, x], dim=1)
+
+
+def _shape_worker(rank, world_size, port):
+    nc.launch({"parallel": {"pipeline": 2}, "timeout": 20}, rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
+    stage = build_pipeline_model(nn.Sequential(nn.Linear(12, 12), ShapeShifter(), nn.Linear(12, 5)), partition=[2, 1])
+    try:
+        make_schedule("gpipe", M).forward_backward_step(stage, _batch(), nn.CrossEntropyLoss())
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_gloo_stage_changing_its_output_shape_is_an_error_on_both_ranks():
+    sender, receiver = run_ranks(_shape_worker, 2, timeout=60)
+    assert "[rank 0] gpipe step" in sender and "(4, 24)" in sender and "agreed on (4, 12)" in sender
+    assert "rank 0 and rank 1" in sender
+    assert "[rank 1] pipeline transfer with rank(s) [0] failed" in receiver
+
+
+def _config_worker(rank, world_size, port, config, whole_model):
+    nc.launch({"parallel": {"pipeline": 2}, **config}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    model = _model() if whole_model else build_pipeline_model(_model(), num_chunks=config.get("NUM_CHUNKS", 1))
+    try:
+        nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), verbose=False)
+    except nc.ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("config, whole_model, message", [
+    ({"NUM_MICRO_BATCHES": 4}, True, "the model is a whole Sequential; pass build_pipeline_model(model)"),
+    ({}, False, "needs NUM_MICRO_BATCHES in the config"),
+    ({"NUM_MICRO_BATCHES": 1}, False, "NUM_MICRO_BATCHES=1 is smaller than the pipeline size 2"),
+    ({"NUM_MICRO_BATCHES": 3, "NUM_CHUNKS": 2}, False, "multiple of the pipeline size: M=3, P=2; use M=4"),
+    ({"NUM_MICRO_BATCHES": 4, "gradient_accumulation": 2}, False, "raise NUM_MICRO_BATCHES"),
+])
+def test_gloo_pipeline_config_errors(config, whole_model, message):
+    for rank, text in enumerate(run_ranks(_config_worker, 2, config, whole_model, timeout=60)):
+        assert f"[rank {rank}]" in text and message in text

@@ -1,0 +1,171 @@
+"""Pipeline plans and partitioning, checked without starting any process."""
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from nanocolossal.context import gpc
+from nanocolossal.pipeline import (PlanError, all_plans, balanced_split, build_pipeline_model, compute_order,
+                                   render, simulate)
+from nanocolossal.pipeline.__main__ import main as show_main
+from nanocolossal.pipeline.plan import Comm, Compute, timeline
+
+GRID = [(s, P, M, V) for s in ("gpipe", "1f1b", "interleaved") for P in (2, 3, 4) for V in (1, 2)
+        for M in range(P, 3 * P + 1) if (s == "interleaved" or V == 1) and (s != "interleaved" or M % P == 0)]
+
+
+def _fifo(plans, P):
+    """Per ordered pair of ranks, the sequence of messages as the sender posts them and as the receiver does."""
+    sent, got = {}, {}
+    for r, plan in enumerate(plans):
+        for step in plan:
+            if isinstance(step, Comm):
+                key = lambda t: (t.what, t.src, t.dst, t.mb)  # noqa: E731  (the order p2p.py posts in)
+                for t in sorted(step.sends, key=key):
+                    sent.setdefault((r, t.dst % P), []).append(t)
+                for t in sorted(step.recvs, key=key):
+                    got.setdefault((t.src % P, r), []).append(t)
+    return sent, got
+
+
+@pytest.mark.parametrize("schedule, P, M, V", GRID)
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_plans_match_every_send_and_finish_without_deadlock(schedule, P, M, V, forward_only):
+    plans = all_plans(schedule, P, M, V, forward_only)
+    sent, got = _fifo(plans, P)
+    assert sent == got, "each receive matches a send, in the same order per pair of ranks (NCCL is FIFO)"
+    result = simulate(plans, P, V)
+    assert result["transfers"] == sum(len(v) for v in sent.values())
+    for r, plan in enumerate(plans):
+        computes = Counter((s.kind, s.chunk, s.mb) for s in plan if isinstance(s, Compute))
+        kinds = ["F"] if forward_only else ["F", "B"]
+        assert computes == Counter(itertools.product(kinds, range(V), range(M))), "each step exactly once"
+
+
+@pytest.mark.parametrize("schedule, P, M, V", [g for g in GRID if g[0] != "gpipe"])
+def test_warmup_counts_follow_the_formulas(schedule, P, M, V):
+    for r in range(P):
+        order = compute_order(schedule, P, M, V, r)
+        forwards_before_first_backward = next(i for i, s in enumerate(order) if s.kind == "B")
+        if schedule == "1f1b":
+            warmup = min(P - r - 1, M)
+        else:  # Megatron's formula; with M == P everything is warm-up
+            warmup = M * V if M == P else min((P - r - 1) * 2 + (V - 1) * P, M * V)
+        # after the warm-up, each backward is preceded by its paired forward
+        assert forwards_before_first_backward == (warmup if warmup == M * V else warmup + 1)
+
+
+@pytest.mark.parametrize("schedule, P, M, V", GRID)
+def test_in_flight_activations_stay_within_the_bound(schedule, P, M, V):
+    held = simulate(all_plans(schedule, P, M, V), P, V)["max_in_flight"]
+    for r in range(P):
+        if schedule == "1f1b":
+            assert held[r] == min(P - r, M)
+        elif schedule == "gpipe":
+            assert held[r] == M
+        else:  # warm-up forwards plus the one in flight in steady state (M == P: all warm-up)
+            warmup = M * V if M == P else (P - r - 1) * 2 + (V - 1) * P
+            assert held[r] <= min(warmup + 1, M * V)
+
+
+@pytest.mark.parametrize("schedule, P, M, V", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 4, 1),
+                                                ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 2)])
+def test_bubble_equals_the_formula(schedule, P, M, V):
+    assert timeline(schedule, P, M, V)["bubble"] == pytest.approx((P - 1) / (V * M + P - 1))
+
+
+@pytest.mark.parametrize("args, message", [
+    (("1f1b", 4, 3, 1), "NUM_MICRO_BATCHES=3 is smaller than the pipeline size 4"),
+    (("interleaved", 4, 6, 2), "multiple of the pipeline size: M=6, P=4; use M=8"),
+    (("1f1b", 2, 4, 2), "use the interleaved schedule for NUM_CHUNKS=2"),
+    (("zigzag", 2, 4, 1), "unknown schedule 'zigzag'"),
+])
+def test_impossible_plans_are_clear_errors(args, message):
+    with pytest.raises(PlanError, match=message):
+        all_plans(*args)
+
+
+def test_show_prints_a_timeline(capsys):
+    assert show_main(["--show", "--stages", "2", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 |F0F1....B0B0F2B1B1F3B2B2..B3B3|" in out and "bubble 20.0%" in out
+    assert "rank 0: 2, rank 1: 1" in out
+    assert show_main(["--stages", "4", "--microbatches", "6", "--chunks", "2"]) == 2
+    assert "use M=8" in capsys.readouterr().err
+    assert "F0a" in render("interleaved", 2, 4, 2) and "F0b" in render("interleaved", 2, 4, 2)
+
+
+# ---- partitioning ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("costs, parts", [([5, 1, 1, 1, 1, 5], 3), ([1] * 7, 3), ([9, 1, 1, 1], 2), ([3, 3, 3], 3)])
+def test_balanced_split_is_optimal(costs, parts):
+    sizes = balanced_split(costs, parts)
+    assert sum(sizes) == len(costs) and min(sizes) >= 1
+
+    def worst(sz):
+        out, i = [], 0
+        for s in sz:
+            out.append(sum(costs[i:i + s]))
+            i += s
+        return max(out)
+    best = min(worst(c) for c in itertools.product(range(1, len(costs) + 1), repeat=parts) if sum(c) == len(costs))
+    assert worst(sizes) == best
+
+
+def _layers(n=8):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(4, 4) if i % 2 == 0 else nn.Tanh() for i in range(n)])
+
+
+@pytest.fixture
+def two_stages(monkeypatch):
+    """Pretend to be a 2-stage pipeline (partitioning only reads these fields)."""
+    def at(rank):
+        monkeypatch.setattr(gpc, "pipeline_size", 2)
+        monkeypatch.setattr(gpc, "pipeline_rank", rank)
+    return at
+
+
+def test_stage_state_dict_keys_are_the_sequentials(two_stages):
+    full = _layers()
+    keys = []
+    for rank in (0, 1):
+        two_stages(rank)
+        stage = build_pipeline_model(_layers(), partition="uniform")
+        keys.append(list(stage.state_dict()))
+    assert keys == [["0.weight", "0.bias", "2.weight", "2.bias"], ["4.weight", "4.bias", "6.weight", "6.bias"]]
+    two_stages(1)
+    chunks = build_pipeline_model(_layers(), num_chunks=2, partition="uniform")  # parts 1 and 3
+    assert list(chunks.state_dict()) == ["2.weight", "2.bias", "6.weight", "6.bias"]
+    chunks.load_state_dict({k: v for k, v in full.state_dict().items() if k[0] in "26"})
+    assert torch.equal(chunks[1].get_submodule("6").weight, full[6].weight)
+
+
+def test_parameters_partition_balances_parameter_counts(two_stages):
+    two_stages(0)
+    layers = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 10), nn.Linear(10, 10), nn.Linear(10, 10))
+    assert list(build_pipeline_model(layers, partition="parameters").state_dict())[0] == "0.weight"
+    assert len(list(build_pipeline_model(layers, partition="parameters").children())) == 1  # the big layer alone
+
+
+def test_profile_partition_times_layers(two_stages):
+    two_stages(0)
+    slow = nn.Sequential(nn.Linear(256, 256), *[nn.Linear(256, 256) for _ in range(3)])
+    stage = build_pipeline_model(slow, partition="profile", sample_input=torch.randn(64, 256))
+    assert 1 <= len(list(stage.children())) <= 3
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(layers=nn.Linear(2, 2)), TypeError, "needs an nn.Sequential"),
+    (dict(layers=nn.Sequential(nn.Linear(2, 2)), num_chunks=1), ValueError, "has 1 layers but the pipeline needs 2"),
+    (dict(partition=[1, 2]), ValueError, r"partition \[1, 2\] must be 2 positive layer counts summing to 8"),
+    (dict(partition="size"), ValueError, "unknown partition 'size'"),
+    (dict(partition="profile"), ValueError, "needs sample_input"),
+])
+def test_partition_errors(two_stages, kwargs, error, message):
+    two_stages(0)
+    kwargs.setdefault("layers", _layers())
+    with pytest.raises(error, match=message):
+        build_pipeline_model(**kwargs)
