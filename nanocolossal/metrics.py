@@ -9,6 +9,8 @@ the 75% a mean of ratios gives. So Accuracy keeps integer *counts* and all-reduc
     rank 1: correct=1, total=2  /
 
 Integers sum exactly, so the result is bit-identical to one process on the whole set.
+With pipelines only the last stage sees outputs, so the default group is then the whole
+world: other stages add zero counts and every rank (rank 0 logs) learns the result.
 `compute()` and `all_reduce_mean()` are collectives: every rank of the group must call them.
 """
 from __future__ import annotations
@@ -22,10 +24,12 @@ from .context import gpc
 
 
 def _reduce_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """The group to reduce over, or None when this process is alone in it."""
+    """The group to reduce over (default: data-parallel ranks; every rank when pipelined), or None
+    when this process is alone in it."""
     if not gpc.is_initialized:
         return None
-    group = group if group is not None else gpc.data_group
+    if group is None:
+        group = dist.group.WORLD if gpc.pipeline_size > 1 else gpc.data_group
     return group if dist.get_world_size(group) > 1 else None
 
 

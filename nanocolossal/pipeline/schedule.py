@@ -18,6 +18,7 @@ from the last stage, so every stage can log it; outputs and labels come back on 
 """
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from typing import Any, Callable, Optional, Sequence
 
@@ -45,6 +46,7 @@ class _Schedule:
         self.num_microbatches, self.num_chunks, self.tensor_shape = num_microbatches, num_chunks, tensor_shape
         self._comm: Optional[StageComm] = None
         self.max_in_flight = 0  # most micro-batches whose activations were held at once (last call)
+        self.recorder: Optional[Callable[[str, float, float], None]] = None  # (step, start, end) wall times
 
     def plan(self, rank: Optional[int] = None, stages: Optional[int] = None, forward_only: bool = False) -> list:
         """This schedule's steps for `rank` of `stages` (default: this process), as plain data."""
@@ -70,64 +72,90 @@ class _Schedule:
         if len(chunks) != V:
             raise ValueError(f"[rank {gpc.rank}] {self.name} schedule expects {V} model chunk(s), got {len(chunks)}; "
                              f"build the model with build_pipeline_model(..., num_chunks={V})")
-        last = P * V - 1
-        is_last = [c * P + gpc.pipeline_rank == last for c in range(V)]
-        if any(is_last) and criterion is None and (return_loss or not forward_only):
-            raise ValueError(f"[rank {gpc.rank}] the last pipeline stage needs a criterion to compute the loss")
         if self._comm is None:
             self._comm = StageComm(self.tensor_shape)
         x_mb, y_mb, _, labels = self._split(batch)
-        plan = self.plan(forward_only=forward_only)
-        last_backward = {step.chunk: i for i, step in enumerate(plan) if isinstance(step, Compute) and step.kind == "B"}
-        held: dict[tuple, tuple] = {}            # (chunk, mb) -> (input, output or scaled loss)
-        outbox: dict[Transfer, torch.Tensor] = {}
-        inbox: dict[Transfer, torch.Tensor] = {}
-        outputs, total_loss, self.max_in_flight = [], torch.zeros((), device=gpc.device), 0
-
-        for i, step in enumerate(plan):
+        run = _Run(self, chunks, criterion, forward_only, loss_scale, x_mb, y_mb)
+        if any(run.is_last) and criterion is None and (return_loss or not forward_only):
+            raise ValueError(f"[rank {gpc.rank}] the last pipeline stage needs a criterion to compute the loss")
+        for i, step in enumerate(run.plan):
+            started = time.time() if self.recorder else 0.0
             if isinstance(step, Comm):
-                sends = {t: outbox.pop(t) for t in step.sends}
-                inbox.update(self._comm.exchange(sends, step.recvs, f"{self.name} step {i} of {len(plan)}"))
-                continue
-            c, m, v = step.chunk, step.mb, step.chunk * P + gpc.pipeline_rank
-            if step.kind == "F":
-                x = x_mb[m] if v == 0 else inbox.pop(Transfer("act", v - 1, v, m))
-                if v > 0 and not forward_only and x.is_floating_point():
-                    x.requires_grad_()
-                with torch.set_grad_enabled(not forward_only):
-                    out = chunks[c](x)
-                    if is_last[c]:
-                        outputs.append(out.detach())
-                        loss = criterion(out, y_mb[m]) / M if criterion is not None else None
-                        if loss is not None:
-                            total_loss += loss.detach()
-                        out = loss
-                    elif not isinstance(out, torch.Tensor):
-                        raise TypeError(f"[rank {gpc.rank}] pipeline part {v} returned {type(out).__name__}; "
-                                        f"stages must return one tensor")
-                    else:
-                        outbox[Transfer("act", v, v + 1, m)] = out.detach()
-                if not forward_only:
-                    held[(c, m)] = (x, out)
-                    self.max_in_flight = max(self.max_in_flight, len(held))
+                sends = {t: run.outbox.pop(t) for t in step.sends}
+                run.inbox.update(self._comm.exchange(sends, step.recvs, f"{self.name} step {i} of {len(run.plan)}"))
+            elif step.kind == "F":
+                run.forward(step)
             else:
-                x, out = held.pop((c, m))
-                # DDP averages a chunk's gradients once, during its last backward
-                defer = isinstance(chunks[c], DistributedDataParallel) and i != last_backward[c]
-                with chunks[c].no_sync() if defer else nullcontext():
-                    if is_last[c]:
-                        (out * loss_scale).backward()
-                    else:
-                        torch.autograd.backward(out, inbox.pop(Transfer("grad", v + 1, v, m)))
-                if v > 0:
-                    outbox[Transfer("grad", v, v - 1, m)] = x.grad
-        assert not held and not outbox and not inbox, "plan left work undone"
+                run.backward(step, i)
+            if self.recorder:
+                self.recorder(_label(step, V), started, time.time())
+        assert not run.held and not run.outbox and not run.inbox, "plan left work undone"
+        self.max_in_flight = run.max_in_flight
 
         if P > 1:  # every stage learns the loss (for logging and LossHook)
-            dist.broadcast(total_loss, src=gpc.pipeline_ranks[-1], group=gpc.pipeline_group)
-        if not any(is_last):
-            return None, None, total_loss
-        return torch.cat(outputs), labels, total_loss
+            dist.broadcast(run.total_loss, src=gpc.pipeline_ranks[-1], group=gpc.pipeline_group)
+        if not any(run.is_last):
+            return None, None, run.total_loss
+        return torch.cat(run.outputs), labels, run.total_loss
+
+
+def _label(step, V: int) -> str:
+    if isinstance(step, Comm):
+        return "send/recv " + ", ".join(f"{t.what}{t.mb}" for t in step.sends + step.recvs)
+    return f"{step.kind}{step.mb}{'abcdefgh'[step.chunk] if V > 1 else ''}"
+
+
+class _Run:
+    """The state of one forward_backward_step: what is held, sent and received."""
+
+    def __init__(self, schedule: _Schedule, chunks: list, criterion, forward_only: bool, loss_scale: float,
+                 x_mb: list, y_mb: list) -> None:
+        P, V = gpc.pipeline_size, schedule.num_chunks
+        self.M, self.P, self.chunks, self.criterion = schedule.num_microbatches, P, chunks, criterion
+        self.forward_only, self.loss_scale, self.x_mb, self.y_mb = forward_only, loss_scale, x_mb, y_mb
+        self.is_last = [c * P + gpc.pipeline_rank == P * V - 1 for c in range(V)]
+        self.plan = schedule.plan(forward_only=forward_only)
+        self.last_backward = {s.chunk: i for i, s in enumerate(self.plan) if isinstance(s, Compute) and s.kind == "B"}
+        self.held: dict[tuple, tuple] = {}                 # (chunk, mb) -> (input, output or loss / M)
+        self.outbox: dict[Transfer, torch.Tensor] = {}
+        self.inbox: dict[Transfer, torch.Tensor] = {}
+        self.outputs: list[torch.Tensor] = []
+        self.total_loss = torch.zeros((), device=gpc.device)
+        self.max_in_flight = 0
+
+    def forward(self, step: Compute) -> None:
+        c, m, v = step.chunk, step.mb, step.chunk * self.P + gpc.pipeline_rank
+        x = self.x_mb[m] if v == 0 else self.inbox.pop(Transfer("act", v - 1, v, m))
+        if v > 0 and not self.forward_only and x.is_floating_point():
+            x.requires_grad_()
+        with torch.set_grad_enabled(not self.forward_only):
+            out = self.chunks[c](x)
+            if self.is_last[c]:
+                self.outputs.append(out.detach())
+                out = self.criterion(out, self.y_mb[m]) / self.M if self.criterion is not None else None
+                if out is not None:
+                    self.total_loss += out.detach()
+            elif not isinstance(out, torch.Tensor):
+                raise TypeError(f"[rank {gpc.rank}] pipeline part {v} returned {type(out).__name__}; "
+                                f"stages must return one tensor")
+            else:
+                self.outbox[Transfer("act", v, v + 1, m)] = out.detach()
+        if not self.forward_only:  # keep the graph until this micro-batch's backward
+            self.held[(c, m)] = (x, out)
+            self.max_in_flight = max(self.max_in_flight, len(self.held))
+
+    def backward(self, step: Compute, index: int) -> None:
+        c, m, v = step.chunk, step.mb, step.chunk * self.P + gpc.pipeline_rank
+        x, out = self.held.pop((c, m))
+        # DDP averages a chunk's gradients once, during its last backward
+        defer = isinstance(self.chunks[c], DistributedDataParallel) and index != self.last_backward[c]
+        with self.chunks[c].no_sync() if defer else nullcontext():
+            if self.is_last[c]:
+                (out * self.loss_scale).backward()
+            else:
+                torch.autograd.backward(out, self.inbox.pop(Transfer("grad", v + 1, v, m)))
+        if v > 0:
+            self.outbox[Transfer("grad", v, v - 1, m)] = x.grad
 
 
 class GPipeSchedule(_Schedule):

@@ -1,0 +1,175 @@
+"""ResNet-50 on CIFAR-10 in a 2-stage pipeline, as in the pipeline tutorial (seed 002).
+
+    torchrun --nproc_per_node 2 train_pipeline.py                       # 2 stages, 4 micro-batches, 1F1B
+    torchrun --nproc_per_node 2 train_pipeline.py --chunks 2            # interleaved 1F1B, 2 chunks per rank
+    torchrun --nproc_per_node 2 train_pipeline.py --schedule gpipe --trace trace.json
+    torchrun --nproc_per_node 4 train_pipeline.py                       # 2 stages x 2 data-parallel replicas
+
+The model is written as one nn.Sequential (stem, the 16 bottleneck blocks, classifier) so that
+`build_pipeline_model` can cut it; each rank builds the whole model with the same seed and
+keeps its part. `nc.initialize` reads NUM_MICRO_BATCHES / NUM_CHUNKS / PIPELINE_SCHEDULE from
+the config and the Trainer runs every batch through the schedule: loss on every stage,
+accuracy from the last. `--trace FILE` writes the real per-rank timings of a few training
+iterations as a Chrome/Perfetto trace (open it at ui.perfetto.dev or chrome://tracing).
+
+Without CIFAR-10 on disk (and no --download), a synthetic CIFAR-shaped dataset is used.
+"""
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torchvision.models.resnet import Bottleneck, conv1x1
+
+import nanocolossal as nc
+from nanocolossal.context import gpc
+from nanocolossal.metrics import Accuracy
+from nanocolossal.pipeline import build_pipeline_model
+from nanocolossal.trainer import Trainer, hooks
+
+
+class ResNetClassifier(nn.Module):
+    def __init__(self, expansion: int, num_classes: int) -> None:
+        super().__init__()
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(512 * expansion, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def resnet50(num_classes: int = 10) -> nn.Sequential:
+    """The tutorial's ResNet-50, with the residual stages flattened into their blocks: 18 layers
+    instead of 6, so the pipeline can be cut between any two blocks."""
+    inplanes, blocks = 64, []
+    stem = nn.Sequential(nn.Conv2d(3, inplanes, kernel_size=7, stride=2, padding=3, bias=False),
+                         nn.BatchNorm2d(inplanes), nn.ReLU(inplace=True), nn.MaxPool2d(kernel_size=3, stride=2, padding=1))
+    for planes, count, stride in [(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)]:
+        for i in range(count):
+            downsample = None
+            if i == 0 and (stride != 1 or inplanes != planes * Bottleneck.expansion):
+                downsample = nn.Sequential(conv1x1(inplanes, planes * Bottleneck.expansion, stride),
+                                           nn.BatchNorm2d(planes * Bottleneck.expansion))
+            blocks.append(Bottleneck(inplanes, planes, stride if i == 0 else 1, downsample))
+            inplanes = planes * Bottleneck.expansion
+    model = nn.Sequential(stem, *blocks, ResNetClassifier(Bottleneck.expansion, num_classes))
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.constant_(m.weight, 1)
+            nn.init.constant_(m.bias, 0)
+    return model
+
+
+def linear_warmup_lr(optimizer, total_epochs: int, warmup_epochs: int):
+    """Colossal-AI's LinearWarmupLR: linear warm-up, then linear decay to zero (stepped per epoch)."""
+    def factor(epoch: int) -> float:
+        if epoch < warmup_epochs:
+            return (epoch + 1) / (warmup_epochs + 1)
+        return max(0.0, (total_epochs - epoch) / max(1, total_epochs - warmup_epochs))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class ChromeTrace:
+    """Records the executed schedule's steps for a few iterations and writes one Chrome trace."""
+
+    def __init__(self, path: str, skip: int = 1, keep: int = 3) -> None:
+        self.path, self.skip, self.keep, self.events, self.calls = path, skip, keep, [], 0
+
+    def __call__(self, name: str, start: float, end: float) -> None:
+        self.events.append({"name": name, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
+                            "pid": gpc.rank, "tid": 0, "cat": "comm" if name.startswith("send") else "compute"})
+
+    def attach(self, schedule) -> None:
+        original = schedule.forward_backward_step
+
+        def traced(*args, **kwargs):  # record training iterations skip .. skip + keep - 1
+            training = not kwargs.get("forward_only", len(args) > 3 and args[3])
+            self.calls += training
+            schedule.recorder = self if training and self.skip < self.calls <= self.skip + self.keep else None
+            return original(*args, **kwargs)
+        schedule.forward_backward_step = traced
+
+    def write(self) -> None:
+        everyone = [None] * gpc.world_size
+        dist.all_gather_object(everyone, self.events)
+        if gpc.rank == 0:
+            meta = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
+                    for r in range(gpc.world_size)]
+            with open(self.path, "w") as f:
+                json.dump({"traceEvents": meta + [e for events in everyone for e in events]}, f)
+            nc.get_dist_logger().info(f"wrote {sum(map(len, everyone))} schedule steps to {self.path}")
+
+
+def parse_args():
+    parser = nc.get_default_parser()
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64, help="per data-parallel replica")
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--pipeline", type=int, default=2, help="stages (1 when run as a single process)")
+    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank (> 1: interleaved 1F1B)")
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default=None)
+    parser.add_argument("--partition", default="profile", help="profile, parameters, uniform or counts like 5,13")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup-epochs", type=int, default=1)
+    parser.add_argument("--data", type=str, default=None, help="dataset directory (default $DATA or ./data)")
+    parser.add_argument("--download", action="store_true")
+    parser.add_argument("--synthetic-size", type=int, default=1536, help="training images in the synthetic stand-in")
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--trace", type=str, default=None, help="write a Chrome/Perfetto trace of the schedule here")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pipeline = args.pipeline if world >= args.pipeline else 1
+    config = dict(BATCH_SIZE=args.batch_size, NUM_EPOCHS=args.epochs, NUM_MICRO_BATCHES=args.micro_batches,
+                  NUM_CHUNKS=args.chunks, parallel=dict(pipeline=pipeline))
+    if args.schedule:
+        config["PIPELINE_SCHEDULE"] = args.schedule
+    nc.launch_from_torch(config=config, backend=args.backend, allow_single_process=True)
+    logger = nc.get_dist_logger()
+    if pipeline != args.pipeline:
+        logger.warning(f"{world} process(es) cannot hold {args.pipeline} stages: training without a pipeline; "
+                       f"run torchrun --nproc_per_node {args.pipeline} train_pipeline.py", ranks=[0])
+
+    partition = [int(n) for n in args.partition.split(",")] if "," in args.partition else args.partition
+    sample = torch.randn(args.batch_size // args.micro_batches, 3, 32, 32)
+    model = build_pipeline_model(resnet50(), num_chunks=args.chunks, partition=partition, verbose=True,
+                                 sample_input=sample)
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    train_set = nc.data.cifar10(args.data, train=True, download=args.download, synthetic_size=args.synthetic_size)
+    test_set = nc.data.cifar10(args.data, train=False, download=args.download,
+                               synthetic_size=max(args.batch_size, args.synthetic_size // 3))
+    # drop_last: every batch must split into equal micro-batches
+    train_dataloader = nc.get_dataloader(train_set, shuffle=True, batch_size=args.batch_size, drop_last=True)
+    test_dataloader = nc.get_dataloader(test_set, batch_size=args.batch_size, drop_last=True)
+    lr_scheduler = linear_warmup_lr(optimizer, args.epochs, args.warmup_epochs)
+    engine, train_dataloader, test_dataloader, lr_scheduler = nc.initialize(
+        model, optimizer, criterion, train_dataloader, test_dataloader, lr_scheduler)
+
+    trace = ChromeTrace(args.trace) if args.trace and engine.schedule is not None else None
+    if trace:
+        trace.attach(engine.schedule)
+    timer: dict = {}
+    trainer = Trainer(engine=engine, timer=timer, logger=logger)
+    hook_list = [hooks.LossHook(), hooks.AccuracyHook(Accuracy()), hooks.ThroughputHook(),
+                 hooks.LogMetricByEpochHook(logger), hooks.LRSchedulerHook(lr_scheduler, by_epoch=True)]
+    start = time.perf_counter()
+    trainer.fit(train_dataloader=train_dataloader, epochs=args.epochs, test_dataloader=test_dataloader,
+                test_interval=1, hooks=hook_list, display_progress=True, max_steps=args.max_steps)
+    metrics = trainer.states["metrics"]
+    logger.info(f"done in {time.perf_counter() - start:.0f} s: final train loss {metrics['train']['loss']:.4f}, "
+                f"test accuracy {metrics['test'].get('accuracy', float('nan')):.4f}")
+    if trace:
+        trace.write()
+    gpc.destroy()
+
+
+if __name__ == "__main__":
+    main()
