@@ -1,9 +1,11 @@
 """Point-to-point transfers between pipeline stages.
 
 A plan's communication step is a batch of sends and receives, posted together with
-`torch.distributed.batch_isend_irecv` and then waited on: two neighbours that send to each
-other at the same moment both make progress (with blocking send/recv, or NCCL ops queued
-one after another, each would wait for the other's receive forever).
+`torch.distributed.batch_isend_irecv`: two neighbours that send to each other at the same
+moment both make progress (with blocking send/recv, or NCCL ops queued one after another,
+each would wait for the other's receive forever). The receives are waited on before the
+next step; the sends complete in the background and are waited on by `flush` at the end of
+the batch, so a stage never idles while its output is in transit.
 
 A receiver must allocate a buffer of the right shape and dtype before data arrives. Unless
 the shape is given (TENSOR_SHAPE / tensor_shape), the first transfer across each stage
@@ -47,6 +49,7 @@ class StageComm:
         self.P = gpc.pipeline_size
         self.fixed = (tuple(tensor_shape), dtype) if tensor_shape is not None else None
         self.shapes: dict[int, tuple] = {}  # boundary (source virtual stage) -> (shape, dtype)
+        self._sending: list[tuple] = []     # (work, tensor) of sends not yet known to be complete
 
     def _rank(self, virtual_stage: int) -> int:
         return gpc.pipeline_ranks[virtual_stage % self.P]
@@ -54,17 +57,35 @@ class StageComm:
     def _meta_of(self, boundary: int) -> Optional[tuple]:
         return self.fixed or self.shapes.get(boundary)
 
-    def _wait(self, ops: list, where: str) -> None:
+    def _post(self, ops: list, where: str, wait_sends: bool = True) -> None:
+        """Post ops as one batch; wait for the receives (and, unless told otherwise, the sends)."""
         if not ops:
             return
         try:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            works = dist.batch_isend_irecv(ops)
+            if len(works) != len(ops):  # coalesced (NCCL): one handle for the whole batch
+                wait_sends = True
+            for op, work in zip(ops, works) if len(works) == len(ops) else [(None, w) for w in works]:
+                if op is not None and op.op is dist.isend and not wait_sends:
+                    self._sending.append((work, op.tensor))  # keeps the tensor alive until sent
+                else:
+                    work.wait()
         except RuntimeError as e:
             peers = sorted({op.peer for op in ops})
             raise RuntimeError(f"[rank {gpc.rank}] pipeline transfer with rank(s) {peers} failed at {where} "
                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); a peer may have "
                                f"stopped or timed out (timeout {gpc.timeout.total_seconds():.0f} s)") from e
+
+    def flush(self, where: str = "end of batch") -> None:
+        """Wait for every send still in flight (sends are not waited for when posted: a rank goes
+        on computing while its activations travel, as only receives gate the next step)."""
+        try:
+            for work, _ in self._sending:
+                work.wait()
+        except RuntimeError as e:
+            raise RuntimeError(f"[rank {gpc.rank}] a pipeline send did not complete at {where}: {e}") from e
+        finally:
+            self._sending = []
 
     def _handshake(self, sends: dict, recvs: Sequence[Transfer], where: str) -> None:
         """Announce/learn the shapes of first-time activation transfers."""
@@ -81,7 +102,7 @@ class StageComm:
                 meta = torch.zeros(_META_LEN, dtype=torch.int64, device=gpc.device)
                 incoming.append((t, meta))
                 ops.append(dist.P2POp(dist.irecv, meta, self._rank(t.src), tag=_tag(t, True)))
-        self._wait(ops, f"{where} (shape handshake)")
+        self._post(ops, f"{where} (shape handshake)")
         for t, meta in incoming:
             code, ndim, *dims = meta.tolist()
             self.shapes[t.src] = (tuple(dims[:ndim]), _DTYPES[code])
@@ -111,5 +132,6 @@ class StageComm:
             buffer = torch.empty(shape, dtype=dtype, device=gpc.device)
             received[t] = buffer
             ops.append(dist.P2POp(dist.irecv, buffer, self._rank(t.src), tag=_tag(t)))
-        self._wait(ops, where)
+        self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
+        self._post(ops, where, wait_sends=False)
         return received

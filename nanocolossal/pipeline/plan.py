@@ -119,8 +119,11 @@ def _units(schedule: str, P: int, M: int, V: int, rank: int, forward_only: bool)
         return [[f] for f in forwards]
     warmup = warmup_count(schedule, P, M, V, rank)
     steady = len(forwards) - warmup
-    return ([[f] for f in forwards[:warmup]] + [[forwards[warmup + i], backwards[i]] for i in range(steady)]
-            + [[b] for b in backwards[steady:]])
+    order = ([[f] for f in forwards[:warmup]] + [[forwards[warmup + i], backwards[i]] for i in range(steady)]
+             + [[b] for b in backwards[steady:]])
+    if schedule != "interleaved":  # plain 1F1B communicates after every step, so activations leave at once
+        order = [[step] for unit in order for step in unit]
+    return order
 
 
 def compute_order(schedule: str, P: int, M: int, V: int, rank: int, forward_only: bool = False) -> list[Compute]:
@@ -130,9 +133,12 @@ def compute_order(schedule: str, P: int, M: int, V: int, rank: int, forward_only
 
 def build_plan(schedule: str, P: int, M: int, V: int, rank: int, forward_only: bool = False) -> list[Step]:
     """Compute steps with their communication. Between two units, one batch posts the previous
-    unit's sends together with every receive the next unit needs (Megatron's
-    send_forward_backward_recv_forward_backward): posting a backward's receive only after the
-    paired forward would let interleaved ranks wait on each other around the ring."""
+    unit's sends together with every receive the next unit needs. GPipe and 1F1B use units of
+    one step (Megatron's send_forward_recv_backward and send_backward_recv_forward), so an
+    activation leaves as soon as it is computed. Interleaved 1F1B pairs each steady-state
+    forward with its backward (Megatron's send_forward_backward_recv_forward_backward):
+    posting a backward's receive only after the paired forward would let the ranks wait on
+    each other around the ring -- the simulator finds that deadlock."""
     last = P * V - 1
     plan: list[Step] = []
     pending: list[Transfer] = []

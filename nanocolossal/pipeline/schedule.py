@@ -90,6 +90,7 @@ class _Schedule:
             if self.recorder:
                 self.recorder(_label(step, V), started, time.time())
         assert not run.held and not run.outbox and not run.inbox, "plan left work undone"
+        self._comm.flush(f"the end of a {self.name} batch")
         self.max_in_flight = run.max_in_flight
 
         if P > 1:  # every stage learns the loss (for logging and LossHook)

@@ -1,0 +1,227 @@
+"""Benchmark: nanocolossal pipeline schedules vs torch.distributed.pipelining, same split, same data.
+
+    python bench/bench_pipeline.py [--steps 6 --rounds 4 --no-resnet]
+
+Starts itself on 2 ranks (gloo, one thread each) with `nanocolossal run`; 4 stages need 4
+cores and are skipped on smaller machines. For each workload -- an 8-layer Linear(1024) MLP
+at batch 256 and 1024, and train_pipeline.py's ResNet-50 at batch 64 -- with M = 8:
+
+  (a) throughput of our 1F1B vs torch's Schedule1F1B (A/B rounds, alternating who goes
+      first, after a warm-up; medians), as a ratio;
+  (b) peak bytes of activations held for backward per rank, 1F1B vs GPipe, measured with
+      saved-tensor hooks (live saved tensors, parameters excluded, a tensor saved twice counted once);
+      the bound is P/M of GPipe's peak plus one micro-batch;
+  (c) speed-up over one process running the whole model on the whole batch, against the
+      ideal M*P/(M+P-1).
+
+Prints a table and writes bench/results/pipeline.json.
+"""
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import nanocolossal as nc  # noqa: E402
+from nanocolossal.context import gpc  # noqa: E402
+from nanocolossal.pipeline import build_pipeline_model, make_schedule  # noqa: E402
+
+M = 8
+
+
+class SavedBytes:
+    """Live bytes of tensors autograd keeps for backward (activations), and their peak."""
+
+    def __init__(self, params) -> None:
+        self.skip = {p.data_ptr() for p in params}
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def _pack(self, t):
+        ptr = t.data_ptr()  # the tensor itself: micro-batches are views of one batch storage
+        if ptr in self.skip:
+            return t
+        if ptr not in self.live:
+            self.live[ptr] = [t.numel() * t.element_size(), 0]
+            self.now += self.live[ptr][0]
+            self.peak = max(self.peak, self.now)
+        self.live[ptr][1] += 1
+        holder = _Holder(t)
+        weakref.finalize(holder, self._release, ptr)
+        return holder
+
+    def _release(self, ptr) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[ptr]
+
+    def __enter__(self):
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.t if isinstance(h, _Holder) else h)
+        self.ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.ctx.__exit__(*exc)
+
+
+class _Holder:
+    def __init__(self, t):
+        self.t = t
+
+
+def mlp(width=1024, depth=8):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def resnet():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from train_pipeline import resnet50
+    torch.manual_seed(0)
+    return resnet50()
+
+
+def data(kind, batch, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, 1024) if kind == "mlp" else (batch, 3, 32, 32)
+    return [(torch.randn(*shape, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
+
+
+class Ours:
+    def __init__(self, stage, schedule="1f1b"):
+        self.stage, self.schedule = stage, make_schedule(schedule, M)
+        self.opt = torch.optim.SGD(stage.parameters(), lr=1e-3)
+
+    def step(self, x, y):
+        self.opt.zero_grad(set_to_none=True)
+        self.schedule.forward_backward_step(self.stage, (x, y), nn.CrossEntropyLoss())
+        self.opt.step()
+
+
+class Torch:
+    def __init__(self, stage):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+        self.stage = stage
+        self.pipe = Schedule1F1B(PipelineStage(stage, gpc.pipeline_rank, gpc.pipeline_size, gpc.device), M,
+                                 loss_fn=nn.CrossEntropyLoss())
+        self.opt = torch.optim.SGD(stage.parameters(), lr=1e-3)
+
+    def step(self, x, y):
+        self.opt.zero_grad(set_to_none=True)
+        if gpc.is_first_stage():
+            self.pipe.step(x)
+        else:
+            self.pipe.step(target=y, losses=[])
+        self.opt.step()
+
+
+def timed(impl, batches):
+    times = []
+    for x, y in batches:
+        dist.barrier()
+        start = time.perf_counter()
+        impl.step(x, y)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def run_workload(kind, batch, args):
+    build = mlp if kind == "mlp" else resnet
+    full = build()
+    stage = build_pipeline_model(copy.deepcopy(full), partition="parameters" if kind == "mlp" else "profile",
+                                 sample_input=data(kind, batch // M, 1, 9)[0][0] if kind != "mlp" else None)
+    impls = {"ours": Ours(copy.deepcopy(stage)), "torch": Torch(copy.deepcopy(stage))}
+    for impl in impls.values():
+        timed(impl, data(kind, batch, 2, 1))  # warm-up (and torch's shape inference)
+    times = {k: [] for k in impls}
+    for r in range(args.rounds):
+        batches = data(kind, batch, args.steps, 100 + r)
+        for name in (["ours", "torch"] if r % 2 == 0 else ["torch", "ours"]):
+            times[name] += timed(impls[name], batches)
+    med = {k: statistics.median(v) for k, v in times.items()}
+
+    peaks = {}
+    for name in ("1f1b", "gpipe"):
+        impl = Ours(copy.deepcopy(stage), name)
+        x, y = data(kind, batch, 1, 7)[0]
+        with SavedBytes(impl.stage.parameters()) as meter:
+            impl.step(x, y)
+        peaks[name] = meter.peak
+    all_peaks = [None] * gpc.world_size
+    dist.all_gather_object(all_peaks, peaks)
+
+    dist.barrier()
+    single_ms = None
+    if gpc.rank == 0:  # the whole model, whole batch, one process (the other rank waits)
+        model = copy.deepcopy(full)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        ts = []
+        for x, y in data(kind, batch, args.steps + 1, 5):
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            ts.append(time.perf_counter() - start)
+        single_ms = statistics.median(ts[1:]) * 1e3
+    dist.barrier()
+    P = gpc.pipeline_size
+    return dict(workload=f"{kind} batch {batch}", ours_ms=round(med["ours"] * 1e3, 1),
+                torch_ms=round(med["torch"] * 1e3, 1), throughput_ratio=round(med["torch"] / med["ours"], 3),
+                peak_bytes_1f1b=[p["1f1b"] for p in all_peaks], peak_bytes_gpipe=[p["gpipe"] for p in all_peaks],
+                peak_ratio_1f1b_over_gpipe=[round(p["1f1b"] / p["gpipe"], 3) for p in all_peaks],
+                bound_ratio=round((P + 1) / M, 3),  # GPipe holds M micro-batches: P/M of it + one single_process_ms=round(single_ms, 1) if single_ms else None,
+                speedup=round(single_ms / (med["ours"] * 1e3), 2) if single_ms else None,
+                ideal_speedup=round(M * P / (M + P - 1), 2))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--no-resnet", action="store_true")
+    parser.add_argument("--out", type=str, default=str(Path(__file__).parent / "results" / "pipeline.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    nc.launch_from_torch({"parallel": {"pipeline": int(os.environ["WORLD_SIZE"])}}, backend="gloo")
+    workloads = [("mlp", 256), ("mlp", 1024)] + ([] if args.no_resnet else [("resnet", 64)])
+    results = [run_workload(kind, batch, args) for kind, batch in workloads]
+    if gpc.rank == 0:
+        skipped = [] if (os.cpu_count() or 1) >= 4 else [f"4 stages (needs 4 cores, this machine has {os.cpu_count()})"]
+        print(f"\nPipeline benchmark: {gpc.pipeline_size} stages (gloo, 1 thread each), M={M}, 1F1B unless noted")
+        print(f"  {'workload':<18}{'ours ms':>9}{'torch ms':>10}{'thrpt ours/torch':>18}{'1F1B/GPipe act.':>18}"
+              f"{'bound':>7}{'speed-up':>10}{'ideal':>7}")
+        for r in results:
+            ratios = "/".join(f"{x:.2f}" for x in r["peak_ratio_1f1b_over_gpipe"])
+            print(f"  {r['workload']:<18}{r['ours_ms']:>9.1f}{r['torch_ms']:>10.1f}{r['throughput_ratio']:>18.3f}"
+                  f"{ratios:>18}{r['bound_ratio']:>7.3f}{r['speedup']:>10.2f}{r['ideal_speedup']:>7.2f}")
+        for reason in skipped:
+            print(f"  skipped: {reason}")
+        out = dict(benchmark="pipeline", stages=gpc.pipeline_size, microbatches=M, threads_per_rank=1,
+                   results=results, skipped=skipped, torch_version=torch.__version__, machine=platform.machine(),
+                   cpus=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"  wrote {args.out}")
+    gpc.destroy()
+
+
+if __name__ == "__main__":
+    if "RANK" not in os.environ:  # started by hand: re-run on 2 ranks through our own launcher
+        from nanocolossal.run import main as run
+        sys.exit(run(["--nproc_per_node", "2", "--master_port", os.environ.get("MASTER_PORT", "29512"),
+                      __file__, *sys.argv[1:]]))
+    main()
