@@ -151,6 +151,8 @@ def validate_config(cfg: Config) -> None:
 
     for key in ("gradient_accumulation", "NUM_MICRO_BATCHES", "NUM_CHUNKS", "BATCH_SIZE", "NUM_EPOCHS"):
         _positive_int(cfg, key, "")
+    if "debug" in cfg and not isinstance(cfg.debug, bool):
+        raise ConfigError(f"debug must be True or False, got {cfg.debug!r}")
     schedule = cfg.get("PIPELINE_SCHEDULE")
     if schedule is not None and schedule not in ("1f1b", "gpipe", "interleaved"):
         raise ConfigError(f"PIPELINE_SCHEDULE must be '1f1b', 'gpipe' or 'interleaved', got {schedule!r}")

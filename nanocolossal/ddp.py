@@ -158,7 +158,18 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.buffer.div_(self.world_size)  # average = sum of (grad / N): no overflow in low precision
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        try:
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        except RuntimeError as e:
+            self._fail(bucket, e)
+
+    def _fail(self, bucket: _Bucket, error: Exception) -> None:
+        ranks = dist.get_process_group_ranks(self.process_group)
+        raise RuntimeError(
+            f"[rank {gpc.rank}] DDP gradient all-reduce of bucket {self.buckets.index(bucket) + 1} of "
+            f"{len(self.buckets)} failed ({str(error).splitlines()[0] if str(error) else type(error).__name__}): "
+            f"another rank of data-parallel group {ranks} stopped, crashed or fell more than "
+            f"{gpc.timeout.total_seconds():.0f} s behind; look for the first error on the other ranks") from error
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):
@@ -173,7 +184,10 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets[self._next_launch:]:
             self._launch(bucket)
         for bucket in self.buckets:
-            bucket.work.wait()
+            try:
+                bucket.work.wait()
+            except RuntimeError as e:
+                self._fail(bucket, e)
             used = bucket.flags() > 0
             for i, p in enumerate(bucket.params):
                 if used[i]:

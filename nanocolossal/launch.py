@@ -121,6 +121,8 @@ def _launch(config: ConfigLike, rank: int, world_size: int, local_rank: Optional
     device = _pick_device(backend, rank, local_rank)
     seconds = timeout if timeout is not None else cfg.get("timeout", DEFAULT_TIMEOUT_S)
     td = timedelta(seconds=seconds)
+    if cfg.get("debug"):  # torch then checks that every collective matches across ranks
+        os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
 
     _init_process_group(backend, init_method, rank, world_size, td, where)
     gpc.init(cfg, rank, world_size, local_rank, device, backend, td)

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from . import checkpoint, hooks
+from .checks import check_consistency, debug_barrier
 from .context import gpc
 from .engine import Engine
 from .logging import get_dist_logger
@@ -71,6 +72,7 @@ class Trainer:
             max_steps: Optional[int] = None) -> None:
         """Train from `cur_epoch` to `epochs`, testing every `test_interval` epochs."""
         self._set_hooks(hooks)
+        check_consistency(self.engine.model, train_dataloader)  # disagreeing ranks fail here, not hang later
         self._call("before_train")
         while self.cur_epoch < epochs:
             sampler = getattr(train_dataloader, "sampler", None)
@@ -79,6 +81,7 @@ class Trainer:
             stopped = self._train_epoch(train_dataloader, epochs, display_progress, max_steps)
             if test_dataloader is not None and (self.cur_epoch + 1) % test_interval == 0:
                 self._test_epoch(test_dataloader, display_progress)
+            debug_barrier(f"the end of epoch {self.cur_epoch + 1}")
             self.cur_epoch += 1
             if stopped:
                 break

@@ -1,0 +1,74 @@
+"""Checks that turn distributed hangs into errors before they happen.
+
+Most distributed hangs are not bugs in communication but disagreements between ranks:
+one rank has 11 batches and another 12, so the second waits forever in its 12th
+all-reduce; a config file edited on one node only; a model built with a different width.
+Nothing fails -- everyone waits. `check_consistency` compares these on all ranks with one
+all-gather at the start of training and fails with the full picture:
+
+    [rank 0] ranks disagree on the number of training batches per epoch: rank 0: 12, rank 1: 11.
+    Every rank must run the same number of steps ...
+
+`debug=True` in the config adds TORCH_DISTRIBUTED_DEBUG=DETAIL (torch checks that every
+collective matches across ranks) and a monitored barrier after each epoch, which names the
+ranks that did not arrive instead of waiting silently.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sized
+from typing import Any, Iterable
+
+import torch.distributed as dist
+from torch import nn
+
+from .context import gpc
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _describe(model: nn.Module) -> list[tuple]:
+    return [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+
+
+def check_consistency(model: nn.Module, train_dataloader: Iterable) -> None:
+    """Collective: raise on every rank if ranks disagree on batches per epoch, config or model."""
+    if not gpc.is_initialized or gpc.world_size == 1:
+        return
+    mine = {"batches": len(train_dataloader) if isinstance(train_dataloader, Sized) else None,
+            "config": {k: repr(v) for k, v in sorted(gpc.config.items())},
+            "model": _digest(repr(_describe(model))), "stage": gpc.pipeline_rank}
+    everyone: list[Any] = [None] * gpc.world_size
+    dist.all_gather_object(everyone, mine)
+    counts = [e["batches"] for e in everyone]
+    if len(set(counts)) > 1:
+        listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
+        raise RuntimeError(
+            f"[rank {gpc.rank}] ranks disagree on the number of training batches per epoch: {listed}. Every rank "
+            f"must run the same number of steps, or the collectives of the extra steps wait forever; shard the "
+            f"same dataset with DistributedSampler (pad=True or drop_last=True) on every rank")
+    for r, other in enumerate(everyone):
+        if other["config"] != mine["config"]:
+            keys = sorted(k for k in set(mine["config"]) | set(other["config"])
+                          if mine["config"].get(k) != other["config"].get(k))
+            raise RuntimeError(f"[rank {gpc.rank}] the config differs between rank {gpc.rank} and rank {r} in "
+                               f"{keys}; start every rank with the same config file")
+        if other["stage"] == mine["stage"] and other["model"] != mine["model"]:
+            raise RuntimeError(f"[rank {gpc.rank}] the model (stage {gpc.pipeline_rank}) differs between rank "
+                               f"{gpc.rank} and rank {r}: parameter names, shapes or dtypes do not match; build the "
+                               f"same model with the same arguments on every rank")
+
+
+def debug_barrier(where: str) -> None:
+    """With config debug=True: a barrier that names the ranks that did not arrive (gloo)."""
+    if not (gpc.is_initialized and gpc.world_size > 1 and gpc.config.get("debug")):
+        return
+    try:
+        if gpc.backend == "gloo":
+            dist.monitored_barrier(timeout=gpc.timeout, wait_all_ranks=True)
+        else:
+            dist.barrier()
+    except RuntimeError as e:
+        raise RuntimeError(f"[rank {gpc.rank}] debug barrier at {where} failed: {e}") from e

@@ -1,0 +1,121 @@
+"""Distributed failures end in errors that name the rank, within the timeout -- never in a hang."""
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import nanocolossal as nc
+from nanocolossal.pipeline import build_pipeline_model
+from nanocolossal.trainer import Trainer, hooks
+from dist_helpers import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+TIMEOUT = 8  # the job's collective timeout in these tests
+
+
+def _layers():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _engine(config, rank, world_size, port, pipeline=False):
+    nc.launch({"timeout": TIMEOUT, **config}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    model = build_pipeline_model(_layers(), partition="uniform") if pipeline else _layers()
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                               verbose=False)
+    return engine
+
+
+def _data(n):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g))
+
+
+def _fit_error(engine, loader, hook_list=None):
+    try:
+        Trainer(engine).fit(loader, epochs=1, hooks=hook_list)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _uneven_worker(rank, world_size, port):
+    engine = _engine({}, rank, world_size, port)
+    return _fit_error(engine, DataLoader(_data(12 if rank == 0 else 8), batch_size=4))  # 3 vs 2 batches
+
+
+def test_gloo_uneven_batch_counts_are_reported_before_training():
+    for rank, message in enumerate(run_ranks(_uneven_worker, 2, timeout=60)):
+        expected = f"[rank {rank}] ranks disagree on the number of training batches per epoch: rank 0: 3, rank 1: 2"
+        assert expected in message
+
+
+def _config_worker(rank, world_size, port):
+    engine = _engine({"BATCH_SIZE": 32 if rank == 0 else 64}, rank, world_size, port)
+    return _fit_error(engine, DataLoader(_data(8), batch_size=4))
+
+
+def test_gloo_config_that_differs_between_ranks_is_named():
+    for rank, message in enumerate(run_ranks(_config_worker, 2, timeout=60)):
+        assert f"[rank {rank}] the config differs between rank {rank} and rank {1 - rank} in ['BATCH_SIZE']" in message
+
+
+def _kill_worker(rank, world_size, port, pipeline):
+    config = {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2} if pipeline else {}
+    engine = _engine(config, rank, world_size, port, pipeline)
+    x, y = _data(8).tensors
+    start = time.monotonic()
+    try:
+        for step in range(20):
+            if rank == 1 and step == 3:
+                os.kill(os.getpid(), signal.SIGKILL)  # dies mid-epoch, without a word
+            engine.zero_grad()
+            if pipeline:
+                engine.execute_schedule((x, y))
+            else:
+                engine.backward(engine.criterion(engine(x), y))
+            engine.step()
+    except RuntimeError as e:
+        raise RuntimeError(f"{e} [after {time.monotonic() - start:.1f} s]") from e
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["ddp", "pipeline"])
+def test_gloo_killed_rank_makes_the_survivor_fail_clearly_and_quickly(pipeline):
+    with pytest.raises(AssertionError) as info:  # both ranks fail; the report holds both stories
+        run_ranks(_kill_worker, 2, pipeline, timeout=60, grace=TIMEOUT + 15)
+    report = str(info.value)
+    assert "--- rank 1: died with exit code -9" in report
+    if pipeline:
+        assert "[rank 0] pipeline transfer with rank(s) [1] failed at 1f1b step" in report
+    else:
+        assert "[rank 0] DDP gradient all-reduce of bucket 1 of 1 failed" in report
+        assert "data-parallel group [0, 1]" in report
+    seconds = float(re.search(r"\[after ([0-9.]+) s\]", report).group(1))
+    assert seconds < TIMEOUT + 10, f"the survivor took {seconds} s to notice"
+
+
+class Stall(hooks.BaseHook):
+    """Rank 1 stays alive but never reaches the end-of-epoch barrier in time."""
+
+    def after_train_epoch(self, trainer):
+        if nc.gpc.rank == 1:
+            time.sleep(TIMEOUT + 6)
+
+
+def _absent_worker(rank, world_size, port):
+    engine = _engine({"debug": True}, rank, world_size, port)
+    start = time.monotonic()
+    message = _fit_error(engine, DataLoader(_data(8), batch_size=4), [Stall()])
+    return message, time.monotonic() - start, os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+
+
+def test_gloo_debug_barrier_names_the_rank_that_did_not_arrive():
+    (message, seconds, debug_env), _ = run_ranks(_absent_worker, 2, timeout=90)
+    assert "[rank 0] debug barrier at the end of epoch 1 failed" in message and "1" in message.split("failed")[1]
+    assert seconds < TIMEOUT + 6, "rank 0 gave up at the timeout, before the stalled rank came back"
+    assert debug_env == "DETAIL"
