@@ -10,11 +10,14 @@ What changes from single-process training is small, and each step is marked belo
      by set_epoch; --batch-size is per rank, so the global batch is batch_size * world_size;
   3. wrap the model in DistributedDataParallel, which averages gradients during backward;
   4. report numbers over all ranks: mean train loss, and test accuracy from summed counts over
-     an un-padded sampler, so every test image is counted exactly once.
+     an un-padded sampler, so every test image is counted exactly once;
+  5. (optional) --checkpoint F --checkpoint-every N --resume: under `torchrun --max-restarts 1`
+     a crashed job restarts from its last checkpoint, mid-epoch, and ends bit-identical.
 
 Without MNIST on disk (and no --download), a synthetic MNIST-shaped dataset is used.
 """
 import argparse
+import os
 import time
 
 import torch
@@ -22,6 +25,8 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import nanocolossal as nc
+from nanocolossal.checkpoint import load_checkpoint, save_checkpoint, skip_batches
+from nanocolossal.checks import maybe_fail
 from nanocolossal.context import gpc
 from nanocolossal.ddp import DistributedDataParallel
 from nanocolossal.metrics import Accuracy, all_reduce_mean
@@ -55,6 +60,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--synthetic-size", type=int, default=12000,
                         help="training images in the synthetic stand-in (test: a sixth of it)")
+    parser.add_argument("--checkpoint", type=str, default=None, help="save model and optimizer here every epoch")
+    parser.add_argument("--checkpoint-every", type=int, default=None, help="also save every N steps")
+    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint when it exists")
     return parser.parse_args()
 
 
@@ -92,14 +100,25 @@ def main() -> None:
     logger.info(f"training on {gpc.data_size} rank(s), {len(train_loader)} steps/epoch of "
                 f"{args.batch_size} x {gpc.data_size} images, sync_bn={args.sync_bn}")
 
-    start, samples = time.perf_counter(), 0
-    for epoch in range(args.epochs):
+    # 5. survive crashes: save every N steps; a restarted job (torchrun --max-restarts) carries on
+    start_epoch, step, in_epoch, rng = 0, 0, 0, None
+    if args.resume and args.checkpoint and os.path.exists(args.checkpoint):
+        info = load_checkpoint(args.checkpoint, model, optimizer, restore_rng=False)
+        start_epoch, step, in_epoch, rng = info["epoch"], info["step"], info["step_in_epoch"], info["rng"]
+        logger.info(f"resumed from {args.checkpoint}: epoch {start_epoch + 1}, step {step}")
+
+    def save(epoch: int, step_in_epoch: int) -> None:
+        save_checkpoint(args.checkpoint, epoch, model, optimizer, step=step, step_in_epoch=step_in_epoch)
+
+    start, samples, accuracy = time.perf_counter(), 0, float("nan")
+    for epoch in range(start_epoch, args.epochs):
         model.train()
         if hasattr(train_loader.sampler, "set_epoch"):
             train_loader.sampler.set_epoch(epoch)
         loss_sum, seen = 0.0, 0
-        for images, labels in tqdm(train_loader, desc=f"epoch {epoch + 1}/{args.epochs}", disable=gpc.rank != 0,
-                                   leave=False):
+        batches = skip_batches(train_loader, in_epoch, rng)  # all of them, unless resuming mid-epoch
+        for images, labels in tqdm(batches, total=len(train_loader) - in_epoch, desc=f"epoch {epoch + 1}/{args.epochs}",
+                                   disable=gpc.rank != 0, leave=False):
             images, labels = images.to(gpc.device), labels.to(gpc.device)
             loss = criterion(model(images), labels)
             optimizer.zero_grad()
@@ -107,10 +126,17 @@ def main() -> None:
             optimizer.step()
             loss_sum += loss.item() * len(labels)
             seen += len(labels)
+            step, in_epoch = step + 1, in_epoch + 1
+            if args.checkpoint and args.checkpoint_every and step % args.checkpoint_every == 0:
+                save(epoch, in_epoch)
+            maybe_fail(step)
+        in_epoch, rng = 0, None
         train_loss = all_reduce_mean(loss_sum / max(seen, 1), weight=seen)              # 4. global numbers
         samples += seen * gpc.data_size
         accuracy = evaluate(model, test_loader)
         logger.info(f"epoch {epoch + 1}/{args.epochs}: train loss {train_loss:.4f}, test accuracy {accuracy:.4f}")
+        if args.checkpoint:
+            save(epoch + 1, 0)
 
     elapsed = time.perf_counter() - start
     logger.info(f"training complete in {elapsed:.1f} s ({samples / elapsed:.0f} samples/s over "

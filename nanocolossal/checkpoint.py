@@ -12,6 +12,9 @@ so one copy suffices; everyone waits at a barrier until the file exists.
 How: write to `ckpt.pt.tmp-PID`, fsync, then `os.replace` it over `ckpt.pt`. A rename is
 atomic, so a crash at any moment leaves either the old checkpoint or the new one, whole.
 
+Resuming mid-epoch: save with extra `step_in_epoch`, load with restore_rng=False and iterate
+`skip_batches(loader, step_in_epoch, info["rng"])` -- the Trainer and train_ddp.py do.
+
 Loading strips `module.` (DDP), `model.` (wrappers) and `_orig_mod.` (torch.compile)
 prefixes and maps tensors to this rank's device. Files are written with torch.save and read
 with weights_only=False: load only checkpoints you trust.
@@ -21,7 +24,7 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -75,7 +78,7 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
@@ -136,9 +139,28 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None, lr_
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     rng = state.get("rng") or []
-    if restore_rng and gpc.data_rank < len(rng):
-        _set_rng_state(rng[gpc.data_rank])
-    return {"epoch": state["epoch"], **state.get("extra", {})}
+    mine = rng[gpc.data_rank] if gpc.data_rank < len(rng) else None
+    if restore_rng and mine is not None:
+        set_rng_state(mine)
+    info = {"epoch": state["epoch"], **state.get("extra", {})}
+    if not restore_rng:
+        info["rng"] = mine  # for the caller to restore later (see skip_batches)
+    return info
+
+
+def skip_batches(loader: Iterable, skip: int, rng_state: Optional[dict] = None) -> Iterator:
+    """An iterator over `loader` from batch `skip` on, for resuming in the middle of an epoch.
+
+    The first `skip` batches are drawn and dropped, so the sampler and any random augmentation
+    advance exactly as they did before the checkpoint; then the RNG is set to its state at the
+    checkpoint. The rest of the epoch is then bit-identical to a run that never stopped
+    (with num_workers=0; worker processes are seeded when the iterator is created)."""
+    batches = iter(loader)
+    for _ in range(skip):
+        next(batches)
+    if rng_state is not None:
+        set_rng_state(rng_state)
+    return batches
 
 
 def merge_pipeline_checkpoint(paths: list[PathLike]) -> dict:

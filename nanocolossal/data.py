@@ -84,11 +84,12 @@ def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, ad
                    drop_last: bool = False, pin_memory: bool = False, pad: bool = True, **kwargs) -> DataLoader:
     """A DataLoader giving this data-parallel rank its shard; `batch_size` is per rank.
 
-    With more than one data-parallel rank (and `add_sampler`), a DistributedSampler shards
-    the data; `pad=False` makes exact, uneven evaluation shards.
+    With `add_sampler` a DistributedSampler shards the data over the data-parallel ranks (one
+    shard when alone) and shuffles with seed + epoch; `pad=False` makes exact, uneven evaluation
+    shards. Without it, a plain DataLoader shuffles with a generator seeded by `seed`.
     """
     pin_memory = pin_memory and torch.cuda.is_available()  # pinning without a GPU only warns
-    if add_sampler and gpc.data_size > 1:
+    if add_sampler:  # also with one replica: each epoch's order is a function of seed + epoch, so resumable
         sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, pad=pad)
         return DataLoader(dataset, sampler=sampler, drop_last=drop_last, pin_memory=pin_memory, **kwargs)
     generator = torch.Generator().manual_seed(seed) if shuffle else None

@@ -175,14 +175,24 @@ class LogMemoryByEpochHook(BaseHook):
 
 
 class SaveCheckpointHook(BaseHook):
-    """Save model, optimizer (and scheduler) every `interval` epochs; `epoch` = epochs completed."""
+    """Save model, optimizer (and scheduler) every `interval` epochs and, with `every_steps`, also
+    every that many iterations; `epoch` counts completed epochs, `step_in_epoch` the iterations done
+    in the current one, so `Trainer.resume` can continue mid-epoch."""
 
-    def __init__(self, checkpoint_path: str, interval: int = 1, lr_scheduler: Any = None, priority: int = 20) -> None:
+    def __init__(self, checkpoint_path: str, interval: int = 1, lr_scheduler: Any = None,
+                 every_steps: Optional[int] = None, priority: int = 20) -> None:
         super().__init__(priority)
-        self.path, self.interval, self.lr_scheduler = checkpoint_path, interval, lr_scheduler
+        self.path, self.interval, self.lr_scheduler, self.every_steps = checkpoint_path, interval, lr_scheduler, every_steps
+
+    def _save(self, trainer, epoch: int, step_in_epoch: int) -> None:
+        save_checkpoint(self.path, epoch, trainer.engine.model, trainer.engine.optimizer, self.lr_scheduler,
+                        step=trainer.cur_step, step_in_epoch=step_in_epoch)
+
+    def after_train_iter(self, trainer, output, label, loss) -> None:
+        if self.every_steps and trainer.cur_step % self.every_steps == 0:
+            self._save(trainer, trainer.cur_epoch, trainer.step_in_epoch)
 
     def after_train_epoch(self, trainer) -> None:
         done = trainer.cur_epoch + 1
         if done % self.interval == 0:
-            save_checkpoint(self.path, done, trainer.engine.model, trainer.engine.optimizer, self.lr_scheduler,
-                            step=trainer.cur_step)
+            self._save(trainer, done, 0)

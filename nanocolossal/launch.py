@@ -87,11 +87,28 @@ def _seed_everything(seed: int) -> None:
         pass
 
 
+def _agent_store(timeout: timedelta) -> Optional[dist.Store]:
+    """Under torchrun, the agent's store with keys of this attempt only, else None.
+
+    torchrun's static rendezvous keeps one store, with the same keys, across restarts, so the
+    processes of a restarted job could read their predecessors' addresses and fail to connect.
+    Each attempt gets its own key prefix instead."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"nanocolossal/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
 def _init_process_group(backend: str, init_method: str, rank: int, world_size: int,
                         timeout: timedelta, where: str) -> None:
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=timeout)
+        store = _agent_store(timeout) if init_method == "env://" else None
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=timeout)
     except (RuntimeError, ValueError, OSError) as e:
         text = str(e)
         if "in use" in text.lower() or "EADDRINUSE" in text:
@@ -198,7 +215,7 @@ def launch_from_torch(config: ConfigLike, backend: Optional[str] = None, seed: i
     env = _read_env(_TORCHRUN_VARS, "torch",
                     "`torchrun --nproc_per_node N script.py` or `nanocolossal run --nproc_per_node N script.py`")
     where = f"{env['host']}:{env['port']}"
-    # env:// lets torchrun's agent share its own store with the workers.
+    # env:// (or the agent's store, see _agent_store): torchrun's agent shares its store with the workers
     _launch(config, env["rank"], env["world_size"], env["local_rank"], "env://", where, backend, seed, timeout)
 
 

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from . import checkpoint, hooks
-from .checks import check_consistency, debug_barrier
+from .checks import check_consistency, debug_barrier, maybe_fail
 from .context import gpc
 from .engine import Engine
 from .logging import get_dist_logger
@@ -34,7 +34,8 @@ class Trainer:
         self.engine, self.schedule = engine, schedule
         self.timer = timer if timer is not None else {}     # seconds spent per phase, accumulated
         self.logger = logger or get_dist_logger()
-        self.cur_epoch, self.cur_step = 0, 0
+        self.cur_epoch, self.cur_step, self.step_in_epoch = 0, 0, 0
+        self._resume_at: tuple[int, Optional[dict]] = (0, None)  # (batches to skip, RNG to restore then)
         self.last_step_taken, self.last_batch_size = False, 0
         self.states: dict = {"metrics": {"train": {}, "test": {}}}
         self._hooks: list[hooks.BaseHook] = []
@@ -57,13 +58,18 @@ class Trainer:
             return self.schedule.forward_backward_step(self.engine, batch, forward_only=forward_only)
         return self.engine.execute_schedule(batch, forward_only=forward_only)
 
-    def _progress(self, loader: Iterable, desc: str, show: bool):
-        return tqdm(loader, desc=desc, leave=False, disable=not show or gpc.rank != 0)
+    def _progress(self, loader: Iterable, desc: str, show: bool, total: Optional[int] = None):
+        return tqdm(loader, desc=desc, total=total, leave=False, disable=not show or gpc.rank != 0)
 
     def resume(self, path: str, lr_scheduler: Any = None) -> dict:
-        """Load a checkpoint into the engine (and scheduler) and continue from its epoch and step."""
-        info = checkpoint.load_checkpoint(path, self.engine.model, self.engine.optimizer, lr_scheduler)
+        """Load a checkpoint into the engine (and scheduler) and continue where it was taken,
+        in the middle of an epoch if need be (see checkpoint.skip_batches)."""
+        info = checkpoint.load_checkpoint(path, self.engine.model, self.engine.optimizer, lr_scheduler,
+                                          restore_rng=False)
         self.cur_epoch, self.cur_step = info["epoch"], info.get("step", 0)
+        self._resume_at = (info.get("step_in_epoch", 0), info.get("rng"))
+        if self._resume_at[0] == 0 and info.get("rng") is not None:
+            checkpoint.set_rng_state(info["rng"])
         return info
 
     # -- loops -----------------------------------------------------------------------------
@@ -91,7 +97,11 @@ class Trainer:
         self.engine.train()
         self._call("before_train_epoch")
         start = time.perf_counter()
-        progress = self._progress(loader, f"epoch {self.cur_epoch + 1}/{epochs}", show)
+        skip, rng = self._resume_at
+        self._resume_at, self.step_in_epoch = (0, None), skip
+        batches = checkpoint.skip_batches(loader, skip, rng) if skip else loader
+        total = len(loader) - skip if hasattr(loader, "__len__") else None
+        progress = self._progress(batches, f"epoch {self.cur_epoch + 1}/{epochs}", show, total)
         stopped = False
         for batch in progress:
             self._call("before_train_iter")
@@ -101,7 +111,9 @@ class Trainer:
             self.last_step_taken = self.engine.step()
             self._time("train_iter", time.perf_counter() - iter_start)
             self.cur_step += 1
+            self.step_in_epoch += 1
             self._call("after_train_iter", output, label, loss)
+            maybe_fail(self.cur_step)
             if loss is not None:
                 progress.set_postfix(loss=f"{loss.item():.4f}")
             if max_steps is not None and self.cur_step >= max_steps:

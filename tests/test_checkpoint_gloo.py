@@ -76,6 +76,23 @@ def test_interrupted_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeyp
         assert torch.equal(value, old[key])
 
 
+def _killed_saver(rank, world_size, port, path):
+    model = nn.Linear(3, 3)
+    save_checkpoint(path, 1, model)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    checkpoint.os.replace = lambda src, dst: os.kill(os.getpid(), 9)  # dies after writing, before renaming
+    save_checkpoint(path, 2, model)
+
+
+def test_gloo_process_killed_between_write_and_rename_leaves_the_old_checkpoint(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    with pytest.raises(AssertionError, match="died with exit code -9"):
+        run_ranks(_killed_saver, 1, str(path), timeout=60)
+    assert load_checkpoint(path, nn.Linear(3, 3))["epoch"] == 1  # whole, and the old one
+    assert any(name.startswith("ckpt.pt.tmp-") for name in os.listdir(tmp_path)), "the new one was written"
+
+
 def test_checkpoint_keys_are_prefix_free_and_wrapped_files_load(tmp_path):
     model = nn.Sequential(nn.Linear(2, 2))
     wrapped = {f"module._orig_mod.{k}": v for k, v in model.state_dict().items()}
