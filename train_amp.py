@@ -89,7 +89,9 @@ def train_with_trainer(engine, train_dataloader, test_dataloader, lr_scheduler, 
 
 def main():
     args = parse_args()
-    nc.launch_from_torch(config=args.config, backend=args.backend, allow_single_process=True)
+    config = nc.load_config(args.config)
+    config.debug = args.debug or config.get("debug", False)
+    nc.launch_from_torch(config=config, backend=args.backend, allow_single_process=True)
     if args.epochs is not None:
         gpc.config.NUM_EPOCHS = args.epochs
     if args.batch_size is not None:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 import nanocolossal as nc
 from nanocolossal.checkpoint import load_checkpoint, save_checkpoint, skip_batches
-from nanocolossal.checks import maybe_fail
+from nanocolossal.checks import check_consistency, debug_barrier, maybe_fail
 from nanocolossal.context import gpc
 from nanocolossal.ddp import DistributedDataParallel
 from nanocolossal.metrics import Accuracy, all_reduce_mean
@@ -77,8 +77,9 @@ def evaluate(model: nn.Module, loader) -> float:
 
 def main() -> None:
     args = parse_args()
-    nc.launch_from_torch(config=args.config or {}, backend=args.backend, seed=args.seed,
-                         allow_single_process=True)                                     # 1. launch
+    config = nc.load_config(args.config)
+    config.debug = args.debug or config.get("debug", False)
+    nc.launch_from_torch(config=config, backend=args.backend, seed=args.seed, allow_single_process=True)  # 1. launch
     logger = nc.get_dist_logger()
     if gpc.device.type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads() // max(1, gpc.world_size)))
@@ -110,6 +111,7 @@ def main() -> None:
     def save(epoch: int, step_in_epoch: int) -> None:
         save_checkpoint(args.checkpoint, epoch, model, optimizer, step=step, step_in_epoch=step_in_epoch)
 
+    check_consistency(model, train_loader)  # ranks that disagree (data, config, model) fail now, not hang later
     start, samples, accuracy = time.perf_counter(), 0, float("nan")
     for epoch in range(start_epoch, args.epochs):
         model.train()
@@ -137,6 +139,7 @@ def main() -> None:
         logger.info(f"epoch {epoch + 1}/{args.epochs}: train loss {train_loss:.4f}, test accuracy {accuracy:.4f}")
         if args.checkpoint:
             save(epoch + 1, 0)
+        debug_barrier(f"the end of epoch {epoch + 1}")
 
     elapsed = time.perf_counter() - start
     logger.info(f"training complete in {elapsed:.1f} s ({samples / elapsed:.0f} samples/s over "

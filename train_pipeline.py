@@ -133,7 +133,7 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pipeline = args.pipeline if world >= args.pipeline else 1
     config = dict(BATCH_SIZE=args.batch_size, NUM_EPOCHS=args.epochs, NUM_MICRO_BATCHES=args.micro_batches,
-                  NUM_CHUNKS=args.chunks, parallel=dict(pipeline=pipeline))
+                  NUM_CHUNKS=args.chunks, parallel=dict(pipeline=pipeline), debug=args.debug)
     if args.schedule:
         config["PIPELINE_SCHEDULE"] = args.schedule
     nc.launch_from_torch(config=config, backend=args.backend, allow_single_process=True)

@@ -50,6 +50,9 @@ def get_default_parser() -> argparse.ArgumentParser:
     parser.add_argument("--world_size", type=int, default=None, help="number of processes in the job")
     parser.add_argument("--local_rank", type=int, default=None, help="rank on this node (selects the GPU)")
     parser.add_argument("--backend", type=str, default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
+    parser.add_argument("--debug", action="store_true",
+                        help="config debug=True: TORCH_DISTRIBUTED_DEBUG=DETAIL and a barrier after each epoch that "
+                             "names ranks that do not arrive")
     return parser
 
 
@@ -146,7 +149,8 @@ def _launch(config: ConfigLike, rank: int, world_size: int, local_rank: Optional
     _seed_everything(seed)
     get_dist_logger().info(
         f"launched {world_size} process(es): backend {backend}, device {device.type}, "
-        f"pipeline {gpc.pipeline_size} x data {gpc.data_size}, timeout {seconds:g} s")
+        f"pipeline {gpc.pipeline_size} x data {gpc.data_size}, timeout {seconds:g} s"
+        f"{', debug mode' if cfg.get('debug') else ''}")
 
 
 def _check_port(port, rank: int) -> int:

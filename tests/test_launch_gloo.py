@@ -193,3 +193,9 @@ def test_gloo_launch_from_torch_can_run_as_a_single_process(monkeypatch):
     monkeypatch.setenv("RANK", "0")  # half a torchrun environment is still an error
     with pytest.raises(nc.LaunchError, match="WORLD_SIZE"):
         nc.launch_from_torch({}, allow_single_process=True)
+
+
+def test_default_parser_has_the_launch_arguments_and_debug():
+    args = nc.get_default_parser().parse_args(["--rank", "1", "--world_size", "2", "--host", "h", "--port", "29500",
+                                               "--debug"])
+    assert (args.rank, args.world_size, args.host, args.port, args.debug, args.backend) == (1, 2, "h", 29500, True, None)
