@@ -47,7 +47,8 @@ def resnet50(num_classes: int = 10) -> nn.Sequential:
     instead of 6, so the pipeline can be cut between any two blocks."""
     inplanes, blocks = 64, []
     stem = nn.Sequential(nn.Conv2d(3, inplanes, kernel_size=7, stride=2, padding=3, bias=False),
-                         nn.BatchNorm2d(inplanes), nn.ReLU(inplace=True), nn.MaxPool2d(kernel_size=3, stride=2, padding=1))
+                         nn.BatchNorm2d(inplanes), nn.ReLU(inplace=True),
+                         nn.MaxPool2d(kernel_size=3, stride=2, padding=1))
     for planes, count, stride in [(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)]:
         for i in range(count):
             downsample = None

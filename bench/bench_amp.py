@@ -15,17 +15,15 @@ rest is listed as skipped. Prints a table and writes bench/results/amp.json.
 """
 import argparse
 import copy
-import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import write_result  # also puts the repository on sys.path
 from nanocolossal import amp  # noqa: E402
 
 
@@ -98,7 +96,7 @@ def plain_step_time(model, dtype, batches, device):
         opt.step()
         sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[2:]) * 1e3
+    return statistics.median(times[2:] or times) * 1e3  # the first steps warm up
 
 
 def main() -> None:
@@ -176,9 +174,7 @@ def main() -> None:
         print(f"  {label:<34} {value:>22}")
     for reason in skipped:
         print(f"  skipped: {reason}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"  wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

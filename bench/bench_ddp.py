@@ -13,11 +13,9 @@ Prints a table and writes bench/results/ddp.json.
 """
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import run_on_ranks, write_result  # also puts the repository on sys.path
 import nanocolossal as nc  # noqa: E402
 from nanocolossal.context import gpc  # noqa: E402
 from nanocolossal.ddp import DistributedDataParallel  # noqa: E402
@@ -120,15 +118,9 @@ def main() -> None:
               f"{gpc.world_size} gloo ranks x 1 thread, {len(times['ours'])} timed steps each")
         for label, value in rows:
             print(f"  {label:<34} {value:>14}")
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"  wrote {args.out}")
+        write_result(args.out, result)
     gpc.destroy()
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:  # started by hand: re-run on 2 ranks through our own launcher
-        from nanocolossal.run import main as run
-        sys.exit(run(["--nproc_per_node", "2", "--master_port", os.environ.get("MASTER_PORT", "29511"),
-                      __file__, *sys.argv[1:]]))
-    main()
+    run_on_ranks(main, __file__, port=29511)

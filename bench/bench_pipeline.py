@@ -18,11 +18,9 @@ Prints a table and writes bench/results/pipeline.json.
 """
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 import weakref
 from pathlib import Path
@@ -31,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import run_on_ranks, write_result  # also puts the repository on sys.path
 import nanocolossal as nc  # noqa: E402
 from nanocolossal.context import gpc  # noqa: E402
 from nanocolossal.pipeline import build_pipeline_model, make_schedule  # noqa: E402
@@ -67,7 +65,8 @@ class SavedBytes:
             del self.live[ptr]
 
     def __enter__(self):
-        self.ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.t if isinstance(h, _Holder) else h)
+        unpack = lambda h: h.t if isinstance(h, _Holder) else h  # noqa: E731
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
         self.ctx.__enter__()
         return self
 
@@ -89,7 +88,6 @@ def mlp(width=1024, depth=8):
 
 
 def resnet():
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from train_pipeline import resnet50
     torch.manual_seed(0)
     return resnet50()
@@ -183,7 +181,8 @@ def run_workload(kind, batch, args):
                 torch_ms=round(med["torch"] * 1e3, 1), throughput_ratio=round(med["torch"] / med["ours"], 3),
                 peak_bytes_1f1b=[p["1f1b"] for p in all_peaks], peak_bytes_gpipe=[p["gpipe"] for p in all_peaks],
                 peak_ratio_1f1b_over_gpipe=[round(p["1f1b"] / p["gpipe"], 3) for p in all_peaks],
-                bound_ratio=round((P + 1) / M, 3),  # GPipe holds M micro-batches: P/M of it + one single_process_ms=round(single_ms, 1) if single_ms else None,
+                bound_ratio=round((P + 1) / M, 3),  # GPipe holds M micro-batches: P/M of that, plus one
+                single_process_ms=round(single_ms, 1) if single_ms else None,
                 speedup=round(single_ms / (med["ours"] * 1e3), 2) if single_ms else None,
                 ideal_speedup=round(M * P / (M + P - 1), 2))
 
@@ -213,15 +212,9 @@ def main():
         out = dict(benchmark="pipeline", stages=gpc.pipeline_size, microbatches=M, threads_per_rank=1,
                    results=results, skipped=skipped, torch_version=torch.__version__, machine=platform.machine(),
                    cpus=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-        print(f"  wrote {args.out}")
+        write_result(args.out, out)
     gpc.destroy()
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:  # started by hand: re-run on 2 ranks through our own launcher
-        from nanocolossal.run import main as run
-        sys.exit(run(["--nproc_per_node", "2", "--master_port", os.environ.get("MASTER_PORT", "29512"),
-                      __file__, *sys.argv[1:]]))
-    main()
+    run_on_ranks(main, __file__, port=29512)

@@ -89,9 +89,9 @@ class DynamicLossScaler:
                 self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             if self.scale <= self.min_scale and self.consecutive_overflows >= self.max_consecutive_overflows:
                 raise FloatingPointError(
-                    f"[rank {gpc.rank}] step {self.steps}: gradients overflowed {self.consecutive_overflows} steps in a "
-                    f"row and the loss scale is down to min_scale={self.min_scale:g}; the loss is probably NaN/inf "
-                    f"(check the inputs, the learning rate, or a division by zero in the loss)")
+                    f"[rank {gpc.rank}] step {self.steps}: gradients overflowed {self.consecutive_overflows} steps "
+                    f"in a row and the loss scale is down to min_scale={self.min_scale:g}; the loss is probably "
+                    f"NaN/inf (check the inputs, the learning rate, or a division by zero in the loss)")
             return
         self.consecutive_overflows = 0
         self.growth_tracker += 1

@@ -70,7 +70,8 @@ class Config(dict):
             namespace = runpy.run_path(str(path), run_name="__nanocolossal_config__")
         except SyntaxError as e:
             line = (e.text or "").rstrip()
-            raise ConfigError(f"syntax error in config file {e.filename}, line {e.lineno}: {e.msg}\n    {line}") from None
+            raise ConfigError(f"syntax error in config file {e.filename}, line {e.lineno}: {e.msg}\n"
+                              f"    {line}") from None
         except Exception as e:
             raise ConfigError(f"config file {str(path)!r} raised {type(e).__name__}: {e}") from e
         return Config({k: v for k, v in namespace.items()
@@ -129,7 +130,8 @@ def validate_config(cfg: Config) -> None:
             raise ConfigError(f"parallel must be a dict such as dict(pipeline=2), got {parallel!r}")
         unknown = set(parallel) - set(_PARALLEL_KEYS)
         if unknown:
-            raise ConfigError(f"unknown parallel key(s) {sorted(unknown)}; supported: pipeline (data size is world // pipeline)")
+            raise ConfigError(f"unknown parallel key(s) {sorted(unknown)}; supported: pipeline "
+                              f"(data size is world // pipeline)")
         for key in ("tensor", "sequence"):
             if key in parallel and _parallel_size(parallel[key], key) > 1:
                 raise ConfigError(f"parallel.{key} size {_parallel_size(parallel[key], key)} is not supported: "

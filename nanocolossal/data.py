@@ -45,7 +45,8 @@ class DistributedSampler(Sampler[int]):
         self.num_replicas = gpc.data_size if num_replicas is None else num_replicas
         self.rank = gpc.data_rank if rank is None else rank
         if self.num_replicas < 1 or not 0 <= self.rank < self.num_replicas:
-            raise ValueError(f"[rank {gpc.rank}] sampler rank {self.rank} is not in [0, num_replicas={self.num_replicas})")
+            raise ValueError(f"[rank {gpc.rank}] sampler rank {self.rank} is not in "
+                             f"[0, num_replicas={self.num_replicas})")
         self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
         self.drop_last, self.pad = drop_last, pad
         self.epoch = 0

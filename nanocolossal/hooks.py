@@ -182,7 +182,8 @@ class SaveCheckpointHook(BaseHook):
     def __init__(self, checkpoint_path: str, interval: int = 1, lr_scheduler: Any = None,
                  every_steps: Optional[int] = None, priority: int = 20) -> None:
         super().__init__(priority)
-        self.path, self.interval, self.lr_scheduler, self.every_steps = checkpoint_path, interval, lr_scheduler, every_steps
+        self.path, self.interval, self.lr_scheduler = checkpoint_path, interval, lr_scheduler
+        self.every_steps = every_steps
 
     def _save(self, trainer, epoch: int, step_in_epoch: int) -> None:
         save_checkpoint(self.path, epoch, trainer.engine.model, trainer.engine.optimizer, self.lr_scheduler,

@@ -153,7 +153,8 @@ def build_pipeline_model(layers: nn.Sequential, num_chunks: int = 1,
         for k in range(P * V):
             a, b = starts[k], starts[k] + sizes[k]
             n_params = sum(p.numel() for layer in layers[a:b] for p in layer.parameters())
-            lines.append(f"  {k:>4}  {k % P:>4}  {k // P:>5}  {a:>3}-{b - 1:<5} {n_params:>10,}  {sum(costs[a:b]):>8.3g}{unit}")
+            lines.append(f"  {k:>4}  {k % P:>4}  {k // P:>5}  {a:>3}-{b - 1:<5} {n_params:>10,}  "
+                         f"{sum(costs[a:b]):>8.3g}{unit}")
         get_dist_logger().info("\n".join(lines))
     mine = [PipelineStage(layers, starts[c * P + gpc.pipeline_rank], starts[c * P + gpc.pipeline_rank]
                           + sizes[c * P + gpc.pipeline_rank]) for c in range(V)]
