@@ -6,9 +6,9 @@
     loader = nc.get_dataloader(dataset, shuffle=True, batch_size=nc.gpc.config.BATCH_SIZE)
 
 One module per idea: config, context (gpc), launch, logging, data, metrics, ddp, syncbn, amp,
-engine, trainer, checkpoint, run.
+engine, trainer, hooks, checkpoint, checks, pipeline/, run.
 """
-from . import amp, checkpoint, config, data, ddp, hooks, metrics, syncbn, trainer
+from . import amp, checkpoint, checks, config, data, ddp, hooks, metrics, pipeline, syncbn, trainer
 from .amp import AMP_TYPE
 from .config import Config, ConfigError, load_config
 from .context import gpc
@@ -20,7 +20,7 @@ from .logging import get_dist_logger
 
 __all__ = [
     "AMP_TYPE", "Config", "ConfigError", "DistributedSampler", "Engine", "LaunchError", "initialize", "amp",
-    "checkpoint", "config", "data", "ddp", "hooks", "syncbn", "trainer",
+    "checkpoint", "checks", "config", "data", "ddp", "hooks", "pipeline", "syncbn", "trainer",
     "get_dataloader", "get_default_parser", "get_dist_logger", "gpc", "launch", "launch_from_openmpi",
     "launch_from_slurm", "launch_from_torch", "load_config", "metrics",
 ]

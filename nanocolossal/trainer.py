@@ -31,7 +31,12 @@ __all__ = ["Trainer", "hooks"]
 
 class Trainer:
     def __init__(self, engine: Engine, schedule: Any = None, timer: Optional[dict] = None, logger=None) -> None:
-        self.engine, self.schedule = engine, schedule
+        if schedule is not None:  # a schedule other than the one initialize chose from the config
+            if engine.schedule is None:
+                raise ValueError(f"[rank {gpc.rank}] Trainer(schedule=...) needs a pipeline engine: set "
+                                 f"parallel=dict(pipeline=P) and pass build_pipeline_model(model) to initialize")
+            engine.schedule = schedule
+        self.engine, self.schedule = engine, engine.schedule
         self.timer = timer if timer is not None else {}     # seconds spent per phase, accumulated
         self.logger = logger or get_dist_logger()
         self.cur_epoch, self.cur_step, self.step_in_epoch = 0, 0, 0
@@ -54,8 +59,6 @@ class Trainer:
 
     def _execute(self, batch: Any, forward_only: bool):
         self.last_batch_size = len(batch[1]) if isinstance(batch, (list, tuple)) and len(batch) > 1 else 0
-        if self.schedule is not None:
-            return self.schedule.forward_backward_step(self.engine, batch, forward_only=forward_only)
         return self.engine.execute_schedule(batch, forward_only=forward_only)
 
     def _progress(self, loader: Iterable, desc: str, show: bool, total: Optional[int] = None):

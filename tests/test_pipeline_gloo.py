@@ -10,6 +10,7 @@ import nanocolossal as nc
 from nanocolossal.checkpoint import merge_pipeline_checkpoint, save_checkpoint
 from nanocolossal.context import gpc
 from nanocolossal.pipeline import build_pipeline_model, make_schedule
+from nanocolossal.trainer import Trainer
 from dist_helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(150)
@@ -81,6 +82,8 @@ def _pipe_data_worker(rank, world_size, port, path):
     stage = build_pipeline_model(_model(), partition="parameters")
     opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
     engine, *_ = nc.initialize(stage, opt, nn.CrossEntropyLoss(), verbose=False)
+    Trainer(engine, schedule=make_schedule("gpipe", M))  # Colossal's way to pick another schedule
+    assert engine.schedule.name == "gpipe"
     single = _model()
     single_opt = torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
     losses = []

@@ -61,6 +61,13 @@ def test_trainer_calls_hooks_in_order_and_by_priority_and_sets_epochs():
     assert points == ["before_train"] + one_epoch * 2 + ["after_train"]
 
 
+def test_trainer_schedule_needs_a_pipeline_engine():
+    from nanocolossal.pipeline import GPipeSchedule
+    engine, _ = _engine()
+    with pytest.raises(ValueError, match=r"\[rank 0\] Trainer\(schedule=...\) needs a pipeline engine"):
+        Trainer(engine, schedule=GPipeSchedule(4))
+
+
 def test_trainer_max_steps_stops_early_and_still_finishes():
     engine, _ = _engine()
     log = []
