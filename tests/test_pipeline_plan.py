@@ -150,11 +150,29 @@ def test_parameters_partition_balances_parameter_counts(two_stages):
     assert len(list(build_pipeline_model(layers, partition="parameters").children())) == 1  # the big layer alone
 
 
-def test_profile_partition_times_layers(two_stages):
+class Heavy(nn.Module):
+    """Lots of compute, no parameters: invisible to a parameter count, obvious to a clock."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.randn(256, 256) / 16)
+
+    def forward(self, x):
+        for _ in range(40):
+            x = torch.tanh(x @ self.w)
+        return x
+
+
+def test_profile_partition_sees_compute_that_parameters_miss(two_stages):
     two_stages(0)
-    slow = nn.Sequential(nn.Linear(256, 256), *[nn.Linear(256, 256) for _ in range(3)])
-    stage = build_pipeline_model(slow, partition="profile", sample_input=torch.randn(64, 256))
-    assert 1 <= len(list(stage.children())) <= 3
+
+    def layers():
+        torch.manual_seed(0)
+        return nn.Sequential(Heavy(), nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 256))
+    by_params = build_pipeline_model(layers(), partition="parameters")
+    by_time = build_pipeline_model(layers(), partition="profile", sample_input=torch.randn(64, 256))
+    assert [name for name, _ in by_params.named_children()] == ["0", "1"]  # Heavy counts as free
+    assert [name for name, _ in by_time.named_children()] == ["0"]         # Heavy alone on stage 0
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
