@@ -116,3 +116,12 @@ def test_gloo_trainer_metrics_are_exact_over_ranks():
         assert metrics["test"]["accuracy"] == pytest.approx(single_accuracy, abs=1e-12)
         assert metrics["test"]["loss"] == pytest.approx(single_loss, rel=1e-5)
         assert metrics["train"]["throughput"] > 0 and metrics["train"]["loss"] > 0
+
+
+def test_log_memory_hook_reports_peak_rss_on_cpu(capsys):
+    engine, _ = _engine()
+    Trainer(engine).fit(torch.utils.data.DataLoader(_data(4), batch_size=2), epochs=1,
+                        hooks=[hooks.LogMemoryByEpochHook(nc.get_dist_logger())])
+    line = next(l for l in capsys.readouterr().out.splitlines() if "memory" in l)
+    assert "[rank 0]" in line and "epoch 1 memory: peak RSS" in line
+    assert int(line.split("peak RSS ")[1].split(" MiB")[0]) > 50  # a process with torch loaded
