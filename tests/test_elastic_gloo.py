@@ -50,3 +50,13 @@ def test_gloo_pipeline_restart_after_a_killed_rank_is_bit_identical(tmp_path):
     merged = [merge_pipeline_checkpoint([tmp_path / f"{name}-stage{s}.pt" for s in (0, 1)])
               for name in ("straight", "restarted")]
     _assert_identical(*merged)
+
+
+@pytest.mark.timeout(200)
+def test_gloo_torchrun_exits_nonzero_when_a_rank_dies_without_restarts(tmp_path):
+    result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                      str(free_port()), str(ROOT / "train_ddp.py"), "--epochs", "1", "--synthetic-size", "400",
+                      "--batch-size", "50", "--data", str(tmp_path)], timeout=150, cwd=tmp_path,
+                     env={"NANOCOLOSSAL_FAIL_AT": "1:2"})
+    assert result.returncode != 0
+    assert "training complete" not in result.stdout
