@@ -76,25 +76,27 @@ def linear_warmup_lr(optimizer, total_epochs: int, warmup_epochs: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-class ChromeTrace:
-    """Records the executed schedule's steps for a few iterations and writes one Chrome trace."""
+class ChromeTrace(hooks.BaseHook):
+    """Records the schedule's steps during training iterations skip+1 .. skip+keep (the first one
+    also exchanges shapes) and writes one Chrome trace for all ranks after training."""
 
     def __init__(self, path: str, skip: int = 1, keep: int = 3) -> None:
-        self.path, self.skip, self.keep, self.events, self.calls = path, skip, keep, [], 0
+        super().__init__(priority=0)
+        self.path, self.skip, self.keep, self.events = path, skip, keep, []
 
     def __call__(self, name: str, start: float, end: float) -> None:
         self.events.append({"name": name, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
                             "pid": gpc.rank, "tid": 0, "cat": "comm" if name.startswith("send") else "compute"})
 
-    def attach(self, schedule) -> None:
-        original = schedule.forward_backward_step
+    def before_train_iter(self, trainer) -> None:
+        recording = self.skip <= trainer.cur_step < self.skip + self.keep
+        trainer.engine.schedule.recorder = self if recording else None
 
-        def traced(*args, **kwargs):  # record training iterations skip .. skip + keep - 1
-            training = not kwargs.get("forward_only", len(args) > 3 and args[3])
-            self.calls += training
-            schedule.recorder = self if training and self.skip < self.calls <= self.skip + self.keep else None
-            return original(*args, **kwargs)
-        schedule.forward_backward_step = traced
+    def after_train_iter(self, trainer, output, label, loss) -> None:
+        trainer.engine.schedule.recorder = None  # evaluation is not traced
+
+    def after_train(self, trainer) -> None:
+        self.write()
 
     def write(self) -> None:
         everyone = [None] * gpc.world_size
@@ -159,13 +161,12 @@ def main():
     engine, train_dataloader, test_dataloader, lr_scheduler = nc.initialize(
         model, optimizer, criterion, train_dataloader, test_dataloader, lr_scheduler)
 
-    trace = ChromeTrace(args.trace) if args.trace and engine.schedule is not None else None
-    if trace:
-        trace.attach(engine.schedule)
     timer: dict = {}
     trainer = Trainer(engine=engine, timer=timer, logger=logger)
     hook_list = [hooks.LossHook(), hooks.AccuracyHook(Accuracy()), hooks.ThroughputHook(),
                  hooks.LogMetricByEpochHook(logger), hooks.LRSchedulerHook(lr_scheduler, by_epoch=True)]
+    if args.trace and engine.schedule is not None:
+        hook_list.append(ChromeTrace(args.trace))
     if args.checkpoint:
         hook_list.append(hooks.SaveCheckpointHook(args.checkpoint, lr_scheduler=lr_scheduler,
                                                   every_steps=args.checkpoint_every))
@@ -178,8 +179,6 @@ def main():
     metrics = trainer.states["metrics"]
     logger.info(f"done in {time.perf_counter() - start:.0f} s: final train loss {metrics['train']['loss']:.4f}, "
                 f"test accuracy {metrics['test'].get('accuracy', float('nan')):.4f}")
-    if trace:
-        trace.write()
     gpc.destroy()
 
 

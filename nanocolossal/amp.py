@@ -186,7 +186,9 @@ class MixedPrecisionOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def backward(self, loss: torch.Tensor) -> None:
-        (loss * self.loss_scale).backward() if self.scaler is not None else loss.backward()
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale
+        loss.backward()
 
     def unscale_(self) -> bool:
         """Turn scaled gradients into true ones (once per step); True if any rank overflowed."""

@@ -99,7 +99,6 @@ def load_config(config: ConfigLike) -> Config:
 _UNSUPPORTED = {
     "zero": "ZeRO is not implemented; remove `zero` (plain data parallelism shards nothing)",
     "gradient_handler": "custom gradient handlers are not supported; data-parallel all-reduce is built in",
-    "tensor_parallel": "tensor parallelism is not implemented; remove it",
 }
 _PARALLEL_KEYS = ("pipeline", "data", "tensor", "sequence")
 

@@ -85,11 +85,6 @@ class Engine:
     def eval(self) -> None:
         self.model.eval()
 
-    @property
-    def is_accumulating(self) -> bool:
-        """True between the micro-steps of one accumulated step."""
-        return 0 < self._micro < self.gradient_accumulation
-
     def zero_grad(self) -> None:
         if self._micro == 0:  # mid-accumulation gradients must survive
             self.optimizer.zero_grad()

@@ -63,10 +63,12 @@ class StageComm:
             return
         try:
             works = dist.batch_isend_irecv(ops)
-            if len(works) != len(ops):  # coalesced (NCCL): one handle for the whole batch
-                wait_sends = True
-            for op, work in zip(ops, works) if len(works) == len(ops) else [(None, w) for w in works]:
-                if op is not None and op.op is dist.isend and not wait_sends:
+            if len(works) != len(ops):  # coalesced (NCCL): one handle for the whole batch, wait for it
+                for work in works:
+                    work.wait()
+                return
+            for op, work in zip(ops, works):
+                if op.op is dist.isend and not wait_sends:
                     self._sending.append((work, op.tensor))  # keeps the tensor alive until sent
                 else:
                     work.wait()

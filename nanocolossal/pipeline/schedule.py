@@ -54,14 +54,14 @@ class _Schedule:
         rank = gpc.pipeline_rank if rank is None else rank
         return build_plan(self.name, stages, self.num_microbatches, self.num_chunks, rank, forward_only)
 
-    def _split(self, batch: Any) -> tuple[list, list, torch.Tensor, torch.Tensor]:
+    def _split(self, batch: Any) -> tuple[list, list, torch.Tensor]:
         inputs, labels = batch
         n, M = len(inputs), self.num_microbatches
         if n % M != 0:
             raise ValueError(f"[rank {gpc.rank}] batch size {n} is not divisible by NUM_MICRO_BATCHES={M}; use a "
                              f"batch size that is a multiple of {M} (and drop_last=True in the dataloader)")
         inputs, labels = inputs.to(gpc.device, non_blocking=True), labels.to(gpc.device, non_blocking=True)
-        return list(inputs.split(n // M)), list(labels.split(n // M)), inputs, labels
+        return list(inputs.split(n // M)), list(labels.split(n // M)), labels
 
     def forward_backward_step(self, model: Any, batch: Any, criterion: Optional[Callable] = None,
                               forward_only: bool = False, return_loss: bool = True, loss_scale: float = 1.0):
@@ -74,7 +74,7 @@ class _Schedule:
                              f"build the model with build_pipeline_model(..., num_chunks={V})")
         if self._comm is None:
             self._comm = StageComm(self.tensor_shape)
-        x_mb, y_mb, _, labels = self._split(batch)
+        x_mb, y_mb, labels = self._split(batch)
         run = _Run(self, chunks, criterion, forward_only, loss_scale, x_mb, y_mb)
         if any(run.is_last) and criterion is None and (return_loss or not forward_only):
             raise ValueError(f"[rank {gpc.rank}] the last pipeline stage needs a criterion to compute the loss")
