@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .context import gpc
+from .logging import get_dist_logger
 
 
 class AMP_TYPE(Enum):
@@ -150,8 +151,10 @@ class MixedPrecisionOptimizer:
     """Wraps a torch optimizer with loss scaling, overflow skipping and (O2) fp32 master weights."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, scaler: Optional[DynamicLossScaler] = None,
-                 master_weights: bool = False) -> None:
+                 master_weights: bool = False, check_finite: Optional[bool] = None) -> None:
         self.optimizer, self.scaler = optimizer, scaler
+        # skip steps whose gradients are inf/nan on any rank; always on with a scaler
+        self.check_finite = scaler is not None if check_finite is None else (check_finite or scaler is not None)
         self._copies: list[tuple[nn.Parameter, nn.Parameter]] = []  # (model half param, fp32 master)
         if master_weights:
             for group in optimizer.param_groups:  # same group dicts, so LR schedulers keep working
@@ -166,6 +169,7 @@ class MixedPrecisionOptimizer:
                 group["params"] = masters
         self._unscaled, self._found_inf = False, False
         self.last_step_skipped = False
+        self.skipped_steps = 0
 
     @property
     def param_groups(self) -> list[dict]:
@@ -191,23 +195,29 @@ class MixedPrecisionOptimizer:
         loss.backward()
 
     def unscale_(self) -> bool:
-        """Turn scaled gradients into true ones (once per step); True if any rank overflowed."""
-        if self._unscaled or self.scaler is None:
+        """Turn scaled gradients into true fp32-master gradients (once per step).
+
+        Returns True if any rank of the job found an inf/nan gradient. The check runs with or
+        without a scaler (apex's loss_scale="dynamic": bf16 never scales, but a non-finite
+        gradient must still never reach the weights)."""
+        if self._unscaled:
             return self._found_inf
-        for model_param, master in self._copies:
+        for model_param, master in self._copies:  # O2: the half model's grads feed the fp32 masters
             master.grad = None if model_param.grad is None else model_param.grad.float()
-        grads = [p.grad for p in self.params() if p.grad is not None]
-        found = torch.zeros(1, device=grads[0].device if grads else gpc.device)
-        inv_scale = torch.full((1,), 1.0 / self.scaler.scale, device=found.device)
-        by_device: dict[tuple, list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault((g.device, g.dtype), []).append(g)
-        for group in by_device.values():  # fused: one kernel per (device, dtype) unscales and checks
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
-        if gpc.is_initialized and gpc.world_size > 1:  # every rank must skip or step together
-            found = found.to(gpc.device)
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        self._unscaled, self._found_inf = True, bool(found.item())
+        if self.check_finite:
+            grads = [p.grad for p in self.params() if p.grad is not None]
+            found = torch.zeros(1, device=grads[0].device if grads else gpc.device)
+            inv_scale = torch.full((1,), 1.0 / self.loss_scale, device=found.device)
+            by_device: dict[tuple, list[torch.Tensor]] = {}
+            for g in grads:
+                by_device.setdefault((g.device, g.dtype), []).append(g)
+            for group in by_device.values():  # fused: one kernel per (device, dtype) unscales and checks
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
+            if gpc.is_initialized and gpc.world_size > 1:  # data, pipeline and tensor ranks skip together
+                found = found.to(gpc.device)
+                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            self._found_inf = bool(found.item())
+        self._unscaled = True
         return self._found_inf
 
     def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None) -> float:
@@ -229,6 +239,10 @@ class MixedPrecisionOptimizer:
     def step(self) -> bool:
         """Unscale, then step unless some rank overflowed; returns whether a step was taken."""
         found_inf = self.unscale_()
+        if found_inf and self.scaler is None:  # a scaler's back-off says it all; here, say it
+            get_dist_logger().warning(f"non-finite gradient on some rank: step {self.skipped_steps + 1} skipped "
+                                      f"on every rank")
+        self.skipped_steps += found_inf
         if not found_inf:
             self.optimizer.step()
             with torch.no_grad():
@@ -286,11 +300,14 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
             _cast_io(part, dtype, torch.float32)
     # Scaling is for fp16's narrow range only; fp32 and bf16 don't need it.
     use_scaler = opt_level != "O0" and dtype == torch.float16 and loss_scale is not None
+    # apex's loss_scale="dynamic" also means "skip non-finite steps": keep that in bf16 too
+    check_finite = opt_level != "O0" and loss_scale == "dynamic"
     if use_scaler and loss_scale != "dynamic":  # a fixed scale: never grows, never backs off
         scaler_kwargs = dict(init_scale=float(loss_scale), min_scale=float(loss_scale), max_scale=float(loss_scale),
                              growth_interval=2**62)
     scaler = DynamicLossScaler(**scaler_kwargs) if use_scaler else None
-    return model, MixedPrecisionOptimizer(optimizer, scaler, master_weights=opt_level == "O2")
+    return model, MixedPrecisionOptimizer(optimizer, scaler, master_weights=opt_level == "O2",
+                                          check_finite=check_finite)
 
 
 @contextmanager

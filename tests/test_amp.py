@@ -177,3 +177,41 @@ def test_initialize_rejects_unknown_opt_level_and_dtype():
         amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O4")
     with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
         amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", dtype=torch.float64)
+
+
+LEVELS_X_DTYPES_X_SCALERS = [(level, dtype, scale) for level in ("O1", "O2", "O3")
+                             for dtype in (torch.float16, torch.bfloat16) for scale in ("dynamic", None, 256.0)]
+
+
+@pytest.mark.parametrize("opt_level, dtype, loss_scale", LEVELS_X_DTYPES_X_SCALERS)
+def test_every_amp_combination_trains_every_weight(opt_level, dtype, loss_scale):
+    """O2 without a scaler once never updated the half weights (masters got no gradients)."""
+    reference = _net()
+    ref_losses = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9), steps=20)
+    model = _net()
+    before = {k: v.float().clone() for k, v in model.state_dict().items()}
+    start = {"init_scale": 256.0} if loss_scale == "dynamic" else {}  # a scale this loss never overflows
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), opt_level,
+                                loss_scale=loss_scale, dtype=dtype, **start)
+    losses = _train(model, opt, steps=20, use_scale_loss=True)
+    for name in ("0.weight", "0.bias", "1.weight", "3.weight", "3.bias"):
+        assert not torch.equal(model.state_dict()[name].float(), before[name]), f"{name} never trained"
+    assert opt.skipped_steps == 0
+    assert abs(losses[-1] - ref_losses[-1]) < 0.05 * ref_losses[-1] + 1e-3, (losses[-1], ref_losses[-1])
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_bf16_skips_a_non_finite_step_without_a_scaler(opt_level, caplog):
+    model = _net()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level,
+                                dtype=torch.bfloat16)
+    assert opt.scaler is None
+    before = copy.deepcopy(dict(model.named_parameters()))
+    opt.backward(model(torch.randn(8, 16)).sum())
+    model[3].weight.grad[0, 0] = float("inf")
+    assert opt.step() is False and opt.last_step_skipped and opt.skipped_steps == 1
+    for key, value in model.named_parameters():
+        assert torch.equal(value, before[key]), f"{key} took a non-finite step"
+    opt.zero_grad()
+    opt.backward(model(torch.randn(8, 16)).sum())
+    assert opt.step() is True and not torch.equal(model[3].weight, before["3.weight"])

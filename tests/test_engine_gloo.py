@@ -71,9 +71,8 @@ def test_gloo_engine_clipping_uses_the_whole_batch_norm():
         assert all(single > 0.05 for _, single in norms), "the clip really clipped"
 
 
-def _overflow_worker(rank, world_size, port):
-    engine = _engine({"fp16": {"mode": AMP_TYPE.TORCH, "init_scale": 1024.0, "dtype": "float16"}}, rank, world_size,
-                     port)
+def _overflow_worker(rank, world_size, port, fp16):
+    engine = _engine({"fp16": fp16}, rank, world_size, port)
     before = copy.deepcopy(engine.model.state_dict())
     x, y = _batch(0, 2 * B)
     engine.zero_grad()
@@ -86,7 +85,15 @@ def _overflow_worker(rank, world_size, port):
 
 
 def test_gloo_engine_overflow_on_one_rank_skips_on_all():
-    assert run_ranks(_overflow_worker, 2, timeout=60) == [(False, 512.0, True), (False, 512.0, True)]
+    fp16 = {"mode": AMP_TYPE.TORCH, "init_scale": 1024.0, "dtype": "float16"}
+    assert run_ranks(_overflow_worker, 2, fp16, timeout=60) == [(False, 512.0, True), (False, 512.0, True)]
+
+
+@pytest.mark.parametrize("mode", [AMP_TYPE.TORCH, AMP_TYPE.NAIVE])
+def test_gloo_engine_bf16_non_finite_on_one_rank_skips_on_all(mode):
+    """bf16 has no scaler, but an inf on one rank must still keep every rank's weights."""
+    fp16 = {"mode": mode, "dtype": "bfloat16"}
+    assert run_ranks(_overflow_worker, 2, fp16, timeout=60) == [(False, 1.0, True), (False, 1.0, True)]
 
 
 def _config_worker(rank, world_size, port, fp16):
@@ -125,3 +132,26 @@ def test_initialize_without_launch_is_plain_single_process():
 def test_fp16_config_maps_to_opt_level(fp16, opt_level, kwargs):
     from nanocolossal.engine import _amp_settings
     assert _amp_settings(fp16) == (opt_level, kwargs)
+
+
+@pytest.mark.parametrize("fp16", [
+    {"mode": AMP_TYPE.NAIVE},                                          # CPU default: bf16, no scaler
+    {"mode": AMP_TYPE.NAIVE, "dtype": "float16"},
+    {"mode": AMP_TYPE.APEX, "opt_level": "O2", "loss_scale": None},
+    {"mode": AMP_TYPE.APEX, "opt_level": "O2", "loss_scale": None, "dtype": "float16"},
+    {"mode": AMP_TYPE.APEX, "opt_level": "O3", "dtype": "bfloat16"},
+    {"mode": AMP_TYPE.APEX, "opt_level": "O3", "dtype": "float16", "loss_scale": 128.0},
+    {"mode": AMP_TYPE.TORCH},
+])
+def test_engine_amp_modes_train_every_weight(fp16):
+    gpc.config = nc.load_config({"fp16": fp16})
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                               verbose=False)
+    for step in range(3):
+        engine.zero_grad()
+        engine.execute_schedule(_batch(step, 8))
+        assert engine.step() is True
+    for key, value in engine.model.state_dict().items():
+        assert not torch.equal(value.float(), before[key].float()), f"{key} never trained under {fp16}"
