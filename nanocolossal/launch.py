@@ -80,6 +80,26 @@ def _pick_device(backend: str, rank: int, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+# Where launchers put this process's rank on its node.
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+def default_local_rank(rank: int, local_rank: Optional[int] = None, env: Optional[dict] = None,
+                       gpus: Optional[int] = None) -> int:
+    """This process's rank on its node: given, else the launcher's, else rank % GPUs per node.
+
+    Defaulting to the global rank was wrong on every node but the first: rank 8 of a job on
+    8-GPU nodes would ask for cuda:8."""
+    if local_rank is not None:
+        return local_rank
+    env = os.environ if env is None else env
+    for var in _LOCAL_RANK_VARS:
+        if env.get(var, "").isdigit():
+            return int(env[var])
+    gpus = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if gpus is None else gpus
+    return rank % gpus if gpus > 0 else rank  # CPU processes: no device to pick, keep the rank
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
@@ -135,7 +155,7 @@ def _launch(config: ConfigLike, rank: int, world_size: int, local_rank: Optional
             raise LaunchError(f"{name} must be an integer, got {value!r}; pass --{name}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise LaunchError(f"[rank {rank}] rank must be in [0, world_size={world_size}); check --rank/--world_size")
-    local_rank = rank if local_rank is None else local_rank
+    local_rank = default_local_rank(rank, local_rank)
     gpc.parallel_sizes(cfg, world_size)  # a world that does not fit fails here, before any waiting
     backend = _pick_backend(backend, rank)
     device = _pick_device(backend, rank, local_rank)

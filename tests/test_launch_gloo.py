@@ -199,3 +199,20 @@ def test_default_parser_has_the_launch_arguments_and_debug():
     args = nc.get_default_parser().parse_args(["--rank", "1", "--world_size", "2", "--host", "h", "--port", "29500",
                                                "--debug"])
     assert (args.rank, args.world_size, args.host, args.port, args.debug, args.backend) == (1, 2, "h", 29500, True, None)
+
+
+def test_local_rank_defaults_on_two_nodes_of_two_gpus(monkeypatch):
+    """Ranks 2 and 3 live on the second node: they use its cuda:0 and cuda:1, not cuda:2/3."""
+    from nanocolossal.launch import _pick_device, default_local_rank
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    for var in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    devices = [_pick_device("nccl", r, default_local_rank(r)) for r in range(4)]
+    assert [str(d) for d in devices] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    # a launcher's own local rank wins over the guess; an explicit argument over both
+    assert [default_local_rank(r, env={"SLURM_LOCALID": str(r - 2)}) for r in (2, 3)] == [0, 1]
+    assert default_local_rank(3, env={"LOCAL_RANK": "1"}) == 1
+    assert default_local_rank(3, local_rank=0, env={"LOCAL_RANK": "1"}) == 0
+    assert default_local_rank(5, env={}, gpus=0) == 5  # CPU: no device to choose
