@@ -113,7 +113,7 @@ class LRSchedulerHook(BaseHook):
             self.lr_scheduler.step()
 
     def after_train_epoch(self, trainer) -> None:
-        if self.by_epoch:
+        if self.by_epoch and trainer.epoch_finished:  # an epoch cut by max_steps resumes at this LR
             self.lr_scheduler.step()
 
 
@@ -194,6 +194,9 @@ class SaveCheckpointHook(BaseHook):
             self._save(trainer, trainer.cur_epoch, trainer.step_in_epoch)
 
     def after_train_epoch(self, trainer) -> None:
+        if not trainer.epoch_finished:  # stopped by max_steps: save where it stopped, to resume there
+            self._save(trainer, trainer.cur_epoch, trainer.step_in_epoch)
+            return
         done = trainer.cur_epoch + 1
         if done % self.interval == 0:
             self._save(trainer, done, 0)

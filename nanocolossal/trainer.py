@@ -42,6 +42,7 @@ class Trainer:
         self.cur_epoch, self.cur_step, self.step_in_epoch = 0, 0, 0
         self._resume_at: tuple[int, Optional[dict]] = (0, None)  # (batches to skip, RNG to restore then)
         self.last_step_taken, self.last_batch_size = False, 0
+        self.epoch_finished = False  # did the last training epoch run to its end (not cut by max_steps)?
         self.states: dict = {"metrics": {"train": {}, "test": {}}}
         self._hooks: list[hooks.BaseHook] = []
 
@@ -91,7 +92,8 @@ class Trainer:
             if test_dataloader is not None and (self.cur_epoch + 1) % test_interval == 0:
                 self._test_epoch(test_dataloader, display_progress)
             debug_barrier(f"the end of epoch {self.cur_epoch + 1}")
-            self.cur_epoch += 1
+            if self.epoch_finished:  # max_steps may stop mid-epoch: that epoch is not done
+                self.cur_epoch += 1
             if stopped:
                 break
         self._call("after_train")
@@ -123,6 +125,7 @@ class Trainer:
                 stopped = True
                 break
         self._time("train_epoch", time.perf_counter() - start)
+        self.epoch_finished = not stopped or total is not None and self.step_in_epoch == total + skip
         self._call("after_train_epoch")
         return stopped
 

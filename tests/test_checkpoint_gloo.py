@@ -32,13 +32,13 @@ def _setup(rank, world_size, port):
     return engine, data, sched
 
 
-def _train_worker(rank, world_size, port, path, epochs, resume):
+def _train_worker(rank, world_size, port, path, epochs, resume, max_steps=None, resume_at=(1, 6)):
     engine, data, sched = _setup(rank, world_size, port)
     trainer = Trainer(engine)
     if resume:
-        assert trainer.resume(path, sched)["epoch"] == 1 and trainer.cur_step == 6
-    trainer.fit(data, epochs=epochs, hooks=[hooks.LRSchedulerHook(sched, by_epoch=True),
-                                            hooks.SaveCheckpointHook(path, lr_scheduler=sched)])
+        assert (trainer.resume(path, sched)["epoch"], trainer.cur_step) == resume_at
+    trainer.fit(data, epochs=epochs, max_steps=max_steps,
+                hooks=[hooks.LRSchedulerHook(sched, by_epoch=True), hooks.SaveCheckpointHook(path, lr_scheduler=sched)])
     return {k: v.clone() for k, v in engine.model.state_dict().items()}, engine.optimizer.loss_scale
 
 
@@ -53,6 +53,18 @@ def test_gloo_resume_from_checkpoint_equals_uninterrupted_training(tmp_path):
     saved = torch.load(tmp_path / "b.pt", weights_only=False)
     assert saved["epoch"] == 2 and saved["extra"]["step"] == 12 and len(saved["rng"]) == 2
     assert list(saved["model"]) == ["0.weight", "0.bias", "3.weight", "3.bias"]
+
+
+def test_gloo_resume_after_max_steps_mid_epoch_continues_exactly(tmp_path):
+    """max_steps=9 stops 3 steps into the second epoch (6 per epoch): that is no finished epoch."""
+    straight = run_ranks(_train_worker, 2, str(tmp_path / "a.pt"), 2, False)
+    run_ranks(_train_worker, 2, str(tmp_path / "b.pt"), 2, False, 9)
+    saved = torch.load(tmp_path / "b.pt", weights_only=False)
+    assert (saved["epoch"], saved["extra"]["step"], saved["extra"]["step_in_epoch"]) == (1, 9, 3)
+    resumed = run_ranks(_train_worker, 2, str(tmp_path / "b.pt"), 2, True, None, (1, 9))
+    for (a, _), (b, _) in zip(straight, resumed):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):

@@ -74,7 +74,8 @@ def test_trainer_max_steps_stops_early_and_still_finishes():
     trainer = Trainer(engine)
     trainer.fit(torch.utils.data.DataLoader(_data(20), batch_size=2), epochs=5, max_steps=3,
                 hooks=[Recorder("r", log, 0)])
-    assert trainer.cur_step == 3 and trainer.cur_epoch == 1
+    # 3 of 10 batches: the epoch is not finished, so it is not counted as one
+    assert trainer.cur_step == 3 and trainer.cur_epoch == 0 and trainer.step_in_epoch == 3
     assert [p for p, _ in log].count("after_train_iter") == 3 and log[-1][0] == "after_train"
 
 
