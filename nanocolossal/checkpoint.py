@@ -11,6 +11,10 @@ so one copy suffices; everyone waits at a barrier until the file exists.
 
 How: write to `ckpt.pt.tmp-PID`, fsync, then `os.replace` it over `ckpt.pt`. A rename is
 atomic, so a crash at any moment leaves either the old checkpoint or the new one, whole.
+Several stage files are not renamed at once, though: a crash between two stages' renames
+leaves stage 0 from step 12 beside stage 1 from step 9. So every save has one id (made by
+rank 0, recorded in each stage's file), and loading or merging checks that all stages carry
+the same one, refusing a mixed set with an error that lists each stage's step.
 
 Resuming mid-epoch: save with extra `step_in_epoch`, load with restore_rng=False and iterate
 `skip_batches(loader, step_in_epoch, info["rng"])` -- the Trainer and train_ddp.py do.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Union
 
@@ -111,8 +116,11 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
     if gpc.is_initialized and gpc.data_size > 1:
         rng = [None] * gpc.data_size
         dist.all_gather_object(rng, _rng_state(), group=gpc.data_group)
+    save_id = [f"{os.getpid()}-{time.time_ns()}"]
+    if gpc.is_initialized and gpc.world_size > 1:
+        dist.broadcast_object_list(save_id, src=0)  # one id for the whole set of stage files
     if gpc.data_rank == 0:
-        state = {"epoch": epoch, "model": strip_prefixes(unwrap(model).state_dict()),
+        state = {"epoch": epoch, "save_id": save_id[0], "model": strip_prefixes(unwrap(model).state_dict()),
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
                  "rng": rng, "extra": extra,
@@ -133,6 +141,10 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None, lr_
     if saved["size"] != gpc.pipeline_size:
         raise ValueError(f"[rank {gpc.rank}] {file} was saved with pipeline size {saved['size']}, this job has "
                          f"{gpc.pipeline_size}; merge it with merge_pipeline_checkpoint or launch the same layout")
+    if gpc.is_initialized and gpc.pipeline_size > 1:
+        stages: list[Any] = [None] * gpc.pipeline_size
+        dist.all_gather_object(stages, _describe_save(state, file), group=gpc.pipeline_group)
+        _check_one_save(stages)
     unwrap(model).load_state_dict(strip_prefixes(state["model"]), strict=strict)
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -146,6 +158,20 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None, lr_
     if not restore_rng:
         info["rng"] = mine  # for the caller to restore later (see skip_batches)
     return info
+
+
+def _describe_save(state: dict, file: PathLike) -> dict:
+    return {"id": state.get("save_id"), "file": str(file), "epoch": state.get("epoch"),
+            "step": state.get("extra", {}).get("step")}
+
+
+def _check_one_save(stages: list[dict]) -> None:
+    """All stage files must come from the same save (a crash can leave a mixed set)."""
+    if len({s["id"] for s in stages}) > 1:
+        listed = "; ".join(f"{s['file']}: epoch {s['epoch']}, step {s['step']}" for s in stages)
+        raise RuntimeError(f"[rank {gpc.rank}] the pipeline stage files come from different saves ({listed}); "
+                           f"a save was interrupted between stages. Resume from an older complete checkpoint, "
+                           f"or delete these files and start again")
 
 
 def skip_batches(loader: Iterable, skip: int, rng_state: Optional[dict] = None) -> Iterator:
@@ -166,8 +192,10 @@ def skip_batches(loader: Iterable, skip: int, rng_state: Optional[dict] = None) 
 def merge_pipeline_checkpoint(paths: list[PathLike]) -> dict:
     """The plain model's state_dict from the per-stage files (their keys never overlap)."""
     merged: dict = {}
-    for path in paths:
-        part = strip_prefixes(torch.load(path, map_location="cpu", weights_only=False)["model"])
+    states = [torch.load(path, map_location="cpu", weights_only=False) for path in paths]
+    _check_one_save([_describe_save(state, path) for state, path in zip(states, paths)])
+    for path, state in zip(paths, states):
+        part = strip_prefixes(state["model"])
         overlap = sorted(set(part) & set(merged))
         if overlap:
             raise ValueError(f"{path} repeats keys of an earlier stage ({overlap[:3]}...): pass each stage once")

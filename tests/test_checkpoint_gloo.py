@@ -133,3 +133,28 @@ def test_merge_pipeline_checkpoint_gives_the_plain_models_state(tmp_path):
     assert all(torch.equal(plain.state_dict()[k], v) for k, v in state.items())
     with pytest.raises(ValueError, match="repeats keys"):
         merge_pipeline_checkpoint([tmp_path / "s0.pt", tmp_path / "s0.pt"])
+
+
+def _mixed_set_worker(rank, world_size, port, path):
+    nc.launch({"parallel": {"pipeline": 2}}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    stage = nn.Linear(3, 3)
+    save_checkpoint(path, 0, stage, step=9)
+    old = checkpoint.stage_path(path, 1).read_bytes()
+    save_checkpoint(path, 1, stage, step=12)
+    if rank == 1:  # as if the job died after stage 0's rename and before stage 1's
+        checkpoint.stage_path(path, 1).write_bytes(old)
+    torch.distributed.barrier()
+    try:
+        load_checkpoint(path, stage)
+    except RuntimeError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_gloo_pipeline_stages_from_different_saves_are_refused(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    for rank, message in enumerate(run_ranks(_mixed_set_worker, 2, str(path), timeout=60)):
+        assert message.startswith(f"[rank {rank}] the pipeline stage files come from different saves")
+        assert "ckpt-stage0.pt: epoch 1, step 12" in message and "ckpt-stage1.pt: epoch 0, step 9" in message
+    with pytest.raises(RuntimeError, match="different saves"):
+        merge_pipeline_checkpoint([checkpoint.stage_path(path, 0), checkpoint.stage_path(path, 1)])
