@@ -19,6 +19,7 @@ import hashlib
 import os
 import signal
 from collections.abc import Sized
+from enum import Enum
 from typing import Any, Iterable
 
 import torch.distributed as dist
@@ -35,12 +36,33 @@ def _describe(model: nn.Module) -> list[tuple]:
     return [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
 
 
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+
+def comparable(value: Any) -> Any:
+    """A form of a config value that means the same on every rank.
+
+    Plain data compares by value. A function, class or other object has no such form (its
+    repr carries a memory address, different in every process), so only what it *is* --
+    its qualified name -- is compared."""
+    if isinstance(value, _PLAIN):
+        return repr(value)
+    if isinstance(value, Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    if isinstance(value, (list, tuple)):
+        return [type(value).__name__, [comparable(v) for v in value]]
+    if isinstance(value, dict):
+        return {str(k): comparable(v) for k, v in value.items()}
+    kind = value if callable(value) and hasattr(value, "__qualname__") else type(value)
+    return f"<{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', kind.__name__)}>"
+
+
 def check_consistency(model: nn.Module, train_dataloader: Iterable) -> None:
     """Collective: raise on every rank if ranks disagree on batches per epoch, config or model."""
     if not gpc.is_initialized or gpc.world_size == 1:
         return
     mine = {"batches": len(train_dataloader) if isinstance(train_dataloader, Sized) else None,
-            "config": {k: repr(v) for k, v in sorted(gpc.config.items())},
+            "config": comparable(dict(gpc.config)),
             "model": _digest(repr(_describe(model))), "stage": gpc.pipeline_rank}
     everyone: list[Any] = [None] * gpc.world_size
     dist.all_gather_object(everyone, mine)

@@ -55,14 +55,32 @@ def test_gloo_uneven_batch_counts_are_reported_before_training():
         assert expected in message
 
 
-def _config_worker(rank, world_size, port):
-    engine = _engine({"BATCH_SIZE": 32 if rank == 0 else 64}, rank, world_size, port)
+def _transform(x):
+    return x
+
+
+def _config_worker(rank, world_size, port, batch_sizes):
+    # functions and objects repr with a memory address, different in every process: not a difference
+    config = {"BATCH_SIZE": batch_sizes[rank], "transform": _transform, "loss": nn.CrossEntropyLoss(),
+              "nested": {"fn": lambda x: x, "sizes": (1, 2)}}
+    engine = _engine(config, rank, world_size, port)
     return _fit_error(engine, DataLoader(_data(8), batch_size=4))
 
 
 def test_gloo_config_that_differs_between_ranks_is_named():
-    for rank, message in enumerate(run_ranks(_config_worker, 2, timeout=60)):
+    for rank, message in enumerate(run_ranks(_config_worker, 2, (32, 64), timeout=60)):
         assert f"[rank {rank}] the config differs between rank {rank} and rank {1 - rank} in ['BATCH_SIZE']" in message
+
+
+def test_gloo_config_with_functions_and_objects_is_not_a_false_difference():
+    assert run_ranks(_config_worker, 2, (32, 32), timeout=60) == ["no error", "no error"]
+
+
+def test_comparable_config_values():
+    from nanocolossal.checks import comparable
+    assert comparable({"a": [1, (2.0, "x")], "f": _transform}) == comparable({"a": [1, (2.0, "x")], "f": _transform})
+    assert comparable({"a": [1, 2]}) != comparable({"a": (1, 2)}) != comparable({"a": [1, 3]})
+    assert comparable(nn.ReLU()) != comparable(nn.Tanh()) and comparable(len) != comparable(_transform)
 
 
 def _kill_worker(rank, world_size, port, pipeline):
