@@ -10,7 +10,7 @@ from nanocolossal.context import gpc
 from nanocolossal.pipeline import (PlanError, all_plans, balanced_split, build_pipeline_model, compute_order,
                                    render, simulate)
 from nanocolossal.pipeline.__main__ import main as show_main
-from nanocolossal.pipeline.plan import Comm, Compute, timeline
+from nanocolossal.pipeline.plan import Comm, Compute, build_plan, timeline
 
 GRID = [(s, P, M, V) for s in ("gpipe", "1f1b", "interleaved") for P in (2, 3, 4) for V in (1, 2)
         for M in range(P, 3 * P + 1) if (s == "interleaved" or V == 1) and (s != "interleaved" or M % P == 0)]
@@ -175,6 +175,22 @@ def test_profile_partition_sees_compute_that_parameters_miss(two_stages):
     assert [name for name, _ in by_time.named_children()] == ["0"]         # Heavy alone on stage 0
 
 
+def test_profiling_leaves_the_model_and_the_rng_as_seeded(two_stages):
+    """Profiling once ran forward/backward on the real layers: BatchNorm statistics moved, the
+    RNG advanced on rank 0 only (dropout), so stage 0 no longer started from the seeded model."""
+    two_stages(0)
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 8))
+    seeded = {k: v.clone() for k, v in layers.state_dict().items()}
+    sample = torch.randn(16, 8)
+    rng = torch.get_rng_state()
+    stage = build_pipeline_model(layers, partition="profile", sample_input=sample)
+    assert torch.equal(torch.get_rng_state(), rng), "profiling consumed random numbers"
+    for key, value in stage.state_dict().items():
+        assert torch.equal(value, seeded[key]), f"profiling changed {key}"
+    assert all(p.grad is None for p in stage.parameters())
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(layers=nn.Linear(2, 2)), TypeError, "needs an nn.Sequential"),
     (dict(layers=nn.Sequential(nn.Linear(2, 2)), num_chunks=1), ValueError, "has 1 layers but the pipeline needs 2"),
@@ -187,3 +203,12 @@ def test_partition_errors(two_stages, kwargs, error, message):
     kwargs.setdefault("layers", _layers())
     with pytest.raises(error, match=message):
         build_pipeline_model(**kwargs)
+
+
+@pytest.mark.parametrize("V, first, last", [(10, "F0a", "F1j"), (30, "F0.0", "F1.29")])
+def test_more_than_eight_chunks_render_with_distinct_labels(V, first, last):
+    from nanocolossal.pipeline.plan import step_label
+    text = render("interleaved", 2, 2, V)
+    assert first in text and last in text
+    labels = {step_label(s, V) for s in build_plan("interleaved", 2, 2, V, 0) if isinstance(s, Compute)}
+    assert len(labels) == 2 * V * 2  # F and B of each (chunk, micro-batch) on rank 0, all distinct

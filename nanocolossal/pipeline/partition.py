@@ -20,6 +20,7 @@ Sequential's own ("4.conv1.weight") and the stages' state_dicts merge into the p
 """
 from __future__ import annotations
 
+import copy
 import time
 from typing import Optional, Sequence, Union
 
@@ -90,7 +91,16 @@ def balanced_split(costs: Sequence[float], parts: int) -> list[int]:
 
 
 def _profile_costs(layers: nn.Sequential, sample_input: torch.Tensor) -> list[float]:
-    """Seconds for each layer's forward + backward on the sample (best of 3, after a warm-up)."""
+    """Seconds for each layer's forward + backward on the sample (best of 3, after a warm-up).
+
+    Runs on a copy, with the RNG restored afterwards: the real layers must stay exactly as
+    seeded (BatchNorm statistics, no grads), and rank 0 must not draw random numbers the
+    other ranks do not draw."""
+    with torch.random.fork_rng(devices=[]):
+        return _time_layers(copy.deepcopy(layers), sample_input)
+
+
+def _time_layers(layers: nn.Sequential, sample_input: torch.Tensor) -> list[float]:
     costs, x = [], sample_input
     for layer in layers:
         times = []

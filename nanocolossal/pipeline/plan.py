@@ -37,6 +37,8 @@ receive, that nothing deadlocks, and counts the activations each rank holds.
 """
 from __future__ import annotations
 
+import string
+
 from dataclasses import dataclass
 from typing import Union
 
@@ -255,15 +257,27 @@ def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost:
     return {"rows": rows, "makespan": makespan, "bubble": 1 - busy / (P * makespan)}
 
 
+def chunk_name(chunk: int, V: int) -> str:
+    """Chunk suffix of a step label: none without interleaving, a, b, ... up to 26 chunks, then .12."""
+    if V == 1:
+        return ""
+    return string.ascii_lowercase[chunk] if V <= len(string.ascii_lowercase) else f".{chunk}"
+
+
+def step_label(step: "Compute", V: int) -> str:
+    """"F3" / "B3", or "F3b" for chunk 1 of an interleaved schedule."""
+    return f"{step.kind}{step.mb}{chunk_name(step.chunk, V)}"
+
+
 def render(schedule: str, P: int, M: int, V: int = 1) -> str:
     """An ASCII timeline, one row per rank, one column per unit of time (a backward costs 2)."""
     t = timeline(schedule, P, M, V)
-    width = len(str(M - 1)) + 1 + (1 if V > 1 else 0)
+    width = len(str(M - 1)) + 1 + len(chunk_name(V - 1, V))
     lines = []
     for r, row in enumerate(t["rows"]):
         cells = ["." * width] * t["makespan"]
         for start, stop, s in row:
-            label = f"{s.kind}{s.mb}{'abcdefgh'[s.chunk] if V > 1 else ''}".ljust(width)
+            label = step_label(s, V).ljust(width)
             for time in range(start, stop):
                 cells[time] = label
         lines.append(f"rank {r} |{''.join(cells)}|")

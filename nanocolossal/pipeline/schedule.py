@@ -29,7 +29,7 @@ from torch import nn
 from ..context import gpc
 from ..ddp import DistributedDataParallel
 from .p2p import StageComm
-from .plan import SCHEDULES, Comm, Compute, PlanError, Transfer, build_plan, check_sizes
+from .plan import SCHEDULES, Comm, Compute, PlanError, Transfer, build_plan, check_sizes, step_label
 
 
 def _check(name: str, M: int, V: int) -> None:
@@ -103,7 +103,7 @@ class _Schedule:
 def _label(step, V: int) -> str:
     if isinstance(step, Comm):
         return "send/recv " + ", ".join(f"{t.what}{t.mb}" for t in step.sends + step.recvs)
-    return f"{step.kind}{step.mb}{'abcdefgh'[step.chunk] if V > 1 else ''}"
+    return step_label(step, V)
 
 
 class _Run:
