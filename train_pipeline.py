@@ -90,10 +90,10 @@ class ChromeTrace(hooks.BaseHook):
 
     def before_train_iter(self, trainer) -> None:
         recording = self.skip <= trainer.cur_step < self.skip + self.keep
-        trainer.engine.schedule.recorder = self if recording else None
+        trainer.engine.trace(self if recording else None)
 
     def after_train_iter(self, trainer, output, label, loss) -> None:
-        trainer.engine.schedule.recorder = None  # evaluation is not traced
+        trainer.engine.trace(None)  # evaluation is not traced
 
     def after_train(self, trainer) -> None:
         self.write()
@@ -165,7 +165,7 @@ def main():
     trainer = Trainer(engine=engine, timer=timer, logger=logger)
     hook_list = [hooks.LossHook(), hooks.AccuracyHook(Accuracy()), hooks.ThroughputHook(),
                  hooks.LogMetricByEpochHook(logger), hooks.LRSchedulerHook(lr_scheduler, by_epoch=True)]
-    if args.trace and engine.schedule is not None:
+    if args.trace and isinstance(engine, nc.PipelineEngine):
         hook_list.append(ChromeTrace(args.trace))
     if args.checkpoint:
         hook_list.append(hooks.SaveCheckpointHook(args.checkpoint, lr_scheduler=lr_scheduler,

@@ -9,17 +9,16 @@ One module per idea: config, context (gpc), launch, logging, data, metrics, ddp,
 engine, trainer, hooks, checkpoint, checks, pipeline/, run.
 """
 from . import amp, checkpoint, checks, config, data, ddp, hooks, metrics, pipeline, syncbn, trainer
-from .amp import AMP_TYPE
-from .config import Config, ConfigError, load_config
+from .config import AMP_TYPE, Config, ConfigError, load_config
 from .context import gpc
 from .data import DistributedSampler, get_dataloader
-from .engine import Engine, initialize
+from .engine import Engine, PipelineEngine, initialize
 from .launch import (LaunchError, get_default_parser, launch, launch_from_openmpi, launch_from_slurm,
                      launch_from_torch)
 from .logging import get_dist_logger
 
 __all__ = [
-    "AMP_TYPE", "Config", "ConfigError", "DistributedSampler", "Engine", "LaunchError", "initialize", "amp",
+    "AMP_TYPE", "Config", "ConfigError", "DistributedSampler", "Engine", "LaunchError", "PipelineEngine", "initialize", "amp",
     "checkpoint", "checks", "config", "data", "ddp", "hooks", "pipeline", "syncbn", "trainer",
     "get_dataloader", "get_default_parser", "get_dist_logger", "gpc", "launch", "launch_from_openmpi",
     "launch_from_slurm", "launch_from_torch", "load_config", "metrics",

@@ -30,33 +30,16 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from enum import Enum
 from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .config import AMP_TYPE  # owned by the config, which names the modes; re-exported here
 from .context import gpc
 from .logging import get_dist_logger
-
-
-class AMP_TYPE(Enum):
-    TORCH = "torch"
-    APEX = "apex"
-    NAIVE = "naive"
-
-    @classmethod
-    def parse(cls, mode: "AMP_TYPE | str") -> "AMP_TYPE":
-        """Accept an AMP_TYPE or its string value; anything else is a ValueError."""
-        if isinstance(mode, cls):
-            return mode
-        if isinstance(mode, str):
-            for member in cls:
-                if mode.lower() in (member.value, member.name.lower()):
-                    return member
-        choices = ", ".join(f"AMP_TYPE.{m.name}" for m in cls)
-        raise ValueError(f"unknown fp16 mode {mode!r}; use one of {choices}")
+from .nest import map_tensors
 
 
 class DynamicLossScaler:
@@ -112,13 +95,7 @@ class DynamicLossScaler:
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     """Cast every floating-point tensor in a (nested) tensor/list/tuple/dict."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
-    return obj
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, obj)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -178,6 +155,10 @@ class MixedPrecisionOptimizer:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
+
+    def master_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """O2's (half model parameter, fp32 master) pairs; empty otherwise."""
+        return list(self._copies)
 
     def params(self) -> Iterator[nn.Parameter]:
         """The parameters the optimizer updates (fp32 masters under O2)."""

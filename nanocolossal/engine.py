@@ -13,9 +13,10 @@
     model -> SyncBN (sync_bn=True) -> mixed precision (fp16=...) -> DDP (data size > 1)
 
 (AMP O2 changes parameter dtypes, and DDP must bucket the final ones.) With
-parallel=dict(pipeline=P) the model is this rank's stage (build_pipeline_model); the config's
-NUM_MICRO_BATCHES, NUM_CHUNKS and PIPELINE_SCHEDULE pick the schedule, each chunk gets its
-own DDP over its data group, and `execute_schedule(batch)` runs whole batches.
+parallel=dict(pipeline=P) the model is this rank's stage (build_pipeline_model) and the
+engine is a PipelineEngine: the config's NUM_MICRO_BATCHES, NUM_CHUNKS and PIPELINE_SCHEDULE
+pick the schedule, each chunk gets its own DDP over its data group, and
+`execute_schedule(batch)` runs whole batches as micro-batches.
 
 Gradient accumulation (gradient_accumulation=N): each backward adds loss / N; the first
 N - 1 run under DDP's no_sync, so communication happens once; zero_grad and step only act
@@ -25,6 +26,7 @@ average every data-parallel rank holds the same gradients; pipeline stages add t
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,47 +34,36 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import amp
-from .amp import AMP_TYPE, MixedPrecisionOptimizer
-from .config import ConfigError
+from .amp import MixedPrecisionOptimizer
+from .config import AMP_TYPE, ConfigError
 from .context import gpc
 from .ddp import DistributedDataParallel
 from .logging import get_dist_logger
+from .nest import map_tensors
 from .syncbn import convert_sync_batchnorm
 
 
 def _to_device(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(gpc.device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v) for k, v in obj.items()}
-    return obj
+    return map_tensors(lambda t: t.to(gpc.device, non_blocking=True), obj)
 
 
 class Engine:
+    """One process's model (possibly DDP-wrapped), optimizer and criterion: the plain loop's five calls."""
+
     def __init__(self, model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Optional[Callable] = None,
                  forward_module: Optional[nn.Module] = None, gradient_accumulation: int = 1,
-                 clip_grad_norm: float = 0.0, schedule: Any = None, chunks: Optional[list] = None) -> None:
-        self.model = model                              # the user's model: prefix-free state_dict
+                 clip_grad_norm: float = 0.0) -> None:
+        self.model = model                                   # the user's model: prefix-free state_dict
         self.optimizer = optimizer
         self._criterion = criterion
-        self._forward = forward_module or model         # what forward runs through (DDP wrapper)
+        self.forward_module = forward_module or model        # what forward runs through (DDP wrapper)
         self.gradient_accumulation = gradient_accumulation
         self.clip_grad_norm = clip_grad_norm
         self.last_grad_norm: Optional[float] = None
-        self._micro = 0                                 # backward calls since the last real step
-        self.schedule = schedule                        # pipeline schedule, when pipeline > 1
-        self._chunks = chunks                           # what the schedule runs (DDP-wrapped chunks)
-
-    def _no_pipeline(self, what: str) -> None:
-        if self.schedule is not None:
-            raise RuntimeError(f"[rank {gpc.rank}] engine.{what} does not apply to a pipeline stage; "
-                               f"run whole batches with engine.execute_schedule(batch) (the Trainer does)")
+        self._micro = 0                                      # backward calls since the last real step
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._no_pipeline("__call__ (forward)")
-        return self._forward(*_to_device(args), **_to_device(kwargs))
+        return self.forward_module(*_to_device(args), **_to_device(kwargs))
 
     def criterion(self, output: Any, label: Any) -> torch.Tensor:
         if self._criterion is None:
@@ -90,13 +81,11 @@ class Engine:
             self.optimizer.zero_grad()
 
     def backward(self, loss: torch.Tensor) -> None:
-        self._no_pipeline("backward")
         self._micro += 1
         loss = loss / self.gradient_accumulation
-        if self._micro < self.gradient_accumulation and isinstance(self._forward, DistributedDataParallel):
-            with self._forward.no_sync():
-                self.optimizer.backward(loss)
-        else:
+        # all-reduce once, on the last of the accumulated backwards
+        defer = self._micro < self.gradient_accumulation and isinstance(self.forward_module, DistributedDataParallel)
+        with self.forward_module.no_sync() if defer else nullcontext():
             self.optimizer.backward(loss)
 
     def step(self) -> bool:
@@ -105,27 +94,56 @@ class Engine:
             return False
         self._micro = 0
         if self.clip_grad_norm:
+            # ranks holding *other* parameters add their squares to the norm (pipeline stages)
             group = gpc.pipeline_group if gpc.pipeline_size > 1 else None
             self.last_grad_norm = self.optimizer.clip_grad_norm(self.clip_grad_norm, group)
         return self.optimizer.step()
 
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
-        """One iteration on `batch` = (inputs, label): forward, loss and (unless forward_only) backward.
-
-        With pipeline parallelism the schedule runs the batch as micro-batches through the
-        stages; output and label are returned on the last stage (None elsewhere), the mean loss
-        on every stage."""
-        if self.schedule is not None:
-            if not forward_only:
-                self._micro += 1
-            return self.schedule.forward_backward_step(self._chunks, batch, self._criterion, forward_only, return_loss,
-                                                       loss_scale=self.optimizer.loss_scale)
+        """One iteration on `batch` = (inputs, label): forward, loss and (unless forward_only) backward."""
         inputs, label = batch
         output = self(inputs)
         loss = self.criterion(output, label) if return_loss else None
         if not forward_only:
             self.backward(loss)
         return output, _to_device(label), loss
+
+
+class PipelineEngine(Engine):
+    """A pipeline stage's engine: whole batches only, run by a schedule as micro-batches.
+
+    There is no per-sample forward here -- the stage holds only some of the layers -- so
+    `engine(x)` and `engine.backward(loss)` are errors; `execute_schedule(batch)` runs the
+    schedule's forwards and backwards and returns (output, label, loss) (output/label on the
+    last stage, the mean loss on every stage)."""
+
+    def __init__(self, model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Optional[Callable],
+                 schedule: Any, chunks: list, clip_grad_norm: float = 0.0) -> None:
+        super().__init__(model, optimizer, criterion, clip_grad_norm=clip_grad_norm)
+        self.schedule = schedule                        # GPipe / 1F1B / interleaved
+        self.chunks = chunks                            # what the schedule runs (DDP-wrapped per chunk)
+
+    def set_schedule(self, schedule: Any) -> None:
+        """Run batches with another schedule (e.g. GPipe instead of the config's 1F1B)."""
+        self.schedule = schedule
+
+    def trace(self, recorder: Optional[Callable[[str, float, float], None]]) -> None:
+        """Call recorder(step label, start, end) for every schedule step from now on (None: stop)."""
+        self.schedule.recorder = recorder
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"[rank {gpc.rank}] a pipeline stage has no forward of its own; run whole batches "
+                           f"with engine.execute_schedule(batch) (the Trainer does)")
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise RuntimeError(f"[rank {gpc.rank}] engine.backward does not apply to a pipeline stage: "
+                           f"engine.execute_schedule(batch) runs the backward passes")
+
+    def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
+        if not forward_only:
+            self._micro = 1  # one batch = one optimizer step (micro-batches accumulate inside)
+        return self.schedule.forward_backward_step(self.chunks, batch, self._criterion, forward_only, return_loss,
+                                                   loss_scale=self.optimizer.loss_scale)
 
 
 def _amp_settings(fp16: dict) -> tuple[str, dict]:
@@ -172,42 +190,55 @@ def _pipeline_schedule(model: nn.Module):
         raise ConfigError(str(e)) from None
 
 
+def _describe(features: list[str]) -> str:
+    return f"initialize: {', '.join(features) or 'plain fp32, single process'}"
+
+
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Optional[Callable] = None,
                train_dataloader: Optional[DataLoader] = None, test_dataloader: Optional[DataLoader] = None,
                lr_scheduler: Any = None, verbose: bool = True):
-    """Apply gpc.config to the training components; returns (engine, train_dl, test_dl, lr_scheduler)."""
+    """Apply gpc.config to the training components; returns (engine, train_dl, test_dl, lr_scheduler).
+
+    The tutorial's sequence: SyncBN -> AMP -> DDP or pipeline -> Engine."""
     cfg = gpc.config
-    schedule = _pipeline_schedule(model) if gpc.pipeline_size > 1 else None
+    schedule = _pipeline_schedule(model) if gpc.pipeline_size > 1 else None  # check before changing anything
     model = model.to(gpc.device)
     features = []
+
+    # 1. SyncBN: BatchNorm statistics over the whole data-parallel batch
     if cfg.get("sync_bn"):
         model = convert_sync_batchnorm(model)
         features.append("SyncBN")
+
+    # 2. AMP: may change parameter dtypes (O2/O3), so it comes before DDP buckets them
     if cfg.get("fp16") is not None:
         opt_level, kwargs = _amp_settings(cfg.fp16)
         model, optimizer = amp.initialize(model, optimizer, opt_level, device_type=gpc.device.type, **kwargs)
         features.append(f"AMP {opt_level} ({AMP_TYPE.parse(cfg.fp16.mode).name})")
     else:
         optimizer = MixedPrecisionOptimizer(optimizer)  # fp32: no scaling, same interface
-    forward_module, chunks = model, None
-    if schedule is not None:  # each chunk is its own DDP unit, averaged over its data group
+
+    # 3. data parallelism (and, for a pipeline stage, its schedule) -> 4. the Engine
+    clip = cfg.get("clip_grad_norm", 0.0)
+    if schedule is not None:
         chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
-        if gpc.data_size > 1:
+        if gpc.data_size > 1:  # each chunk is its own DDP unit, averaged over its data group
             chunks = [DistributedDataParallel(chunk) for chunk in chunks]
+            features.append(f"data parallel x{gpc.data_size}")
         features.insert(0, f"pipeline {schedule.name} x{gpc.pipeline_size} stages, "
                            f"{schedule.num_microbatches} micro-batches, {schedule.num_chunks} chunk(s)")
+        engine: Engine = PipelineEngine(model, optimizer, criterion, schedule, chunks, clip)
+    else:
+        forward_module = model
         if gpc.data_size > 1:
-            features.append(f"data parallel x{gpc.data_size}")
-    elif gpc.data_size > 1:
-        forward_module = DistributedDataParallel(model)
-        features.append(f"DDP x{gpc.data_size}")
-    accumulation = cfg.get("gradient_accumulation", 1)
-    if accumulation > 1:
-        features.append(f"gradient accumulation x{accumulation}")
-    clip = cfg.get("clip_grad_norm", 0.0)
+            forward_module = DistributedDataParallel(model)
+            features.append(f"DDP x{gpc.data_size}")
+        accumulation = cfg.get("gradient_accumulation", 1)
+        if accumulation > 1:
+            features.append(f"gradient accumulation x{accumulation}")
+        engine = Engine(model, optimizer, criterion, forward_module, accumulation, clip)
     if clip:
         features.append(f"clip_grad_norm={clip}")
     if verbose:
-        get_dist_logger().info(f"initialize: {', '.join(features) or 'plain fp32, single process'}")
-    engine = Engine(model, optimizer, criterion, forward_module, accumulation, clip, schedule, chunks)
+        get_dist_logger().info(_describe(features))
     return engine, train_dataloader, test_dataloader, lr_scheduler

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from . import checkpoint, hooks
 from .checks import check_consistency, debug_barrier, maybe_fail
 from .context import gpc
-from .engine import Engine
+from .engine import Engine, PipelineEngine
 from .logging import get_dist_logger
 
 __all__ = ["Trainer", "hooks"]
@@ -32,11 +32,12 @@ __all__ = ["Trainer", "hooks"]
 class Trainer:
     def __init__(self, engine: Engine, schedule: Any = None, timer: Optional[dict] = None, logger=None) -> None:
         if schedule is not None:  # a schedule other than the one initialize chose from the config
-            if engine.schedule is None:
+            if not isinstance(engine, PipelineEngine):
                 raise ValueError(f"[rank {gpc.rank}] Trainer(schedule=...) needs a pipeline engine: set "
                                  f"parallel=dict(pipeline=P) and pass build_pipeline_model(model) to initialize")
-            engine.schedule = schedule
-        self.engine, self.schedule = engine, engine.schedule
+            engine.set_schedule(schedule)
+        self.engine = engine
+        self.schedule = getattr(engine, "schedule", None)
         self.timer = timer if timer is not None else {}     # seconds spent per phase, accumulated
         self.logger = logger or get_dist_logger()
         self.cur_epoch, self.cur_step, self.step_in_epoch = 0, 0, 0

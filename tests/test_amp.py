@@ -118,7 +118,7 @@ def test_o2_keeps_fp32_masters_half_model_and_fp32_batchnorm():
     assert model[1].weight.dtype == torch.float32 and model[1].running_mean.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in opt.params())
     _train(model, opt, steps=5)
-    masters = {id(half): master for half, master in opt._copies}
+    masters = {id(half): master for half, master in opt.master_pairs()}
     assert len(masters) == 4
     for p in model.parameters():
         if p.dtype == torch.float16:

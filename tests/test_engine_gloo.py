@@ -98,7 +98,7 @@ def test_gloo_engine_bf16_non_finite_on_one_rank_skips_on_all(mode):
 
 def _config_worker(rank, world_size, port, fp16):
     engine = _engine({"sync_bn": True, "fp16": fp16}, rank, world_size, port)
-    return type(engine._forward).__name__, engine.model[0].weight.dtype, engine.optimizer.scaler is not None
+    return type(engine.forward_module).__name__, engine.model[0].weight.dtype, engine.optimizer.scaler is not None
 
 
 def test_gloo_initialize_applies_config():
@@ -115,7 +115,7 @@ def test_initialize_without_launch_is_plain_single_process():
     model = _model()
     engine, train_dl, test_dl, sched = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                                       nn.CrossEntropyLoss(), [1], None, "sched")
-    assert engine.model is model and engine._forward is model and train_dl == [1] and sched == "sched"
+    assert engine.model is model and engine.forward_module is model and train_dl == [1] and sched == "sched"
     x, y = _batch(0, 4)
     output, label, loss = engine.execute_schedule((x, y))
     assert output.shape == (4, 4) and torch.equal(label, y) and loss.requires_grad
