@@ -9,20 +9,23 @@
 `load_config` turns such a file (or a dict, or a Config) into a `Config`: a dict whose
 keys are also attributes (`cfg.parallel.pipeline`), with nested dicts converted too.
 Every global of the file that is not a module, a class or a dunder becomes a key, so
-`from nanocolossal.amp import AMP_TYPE` in the file is fine.
+`from nanocolossal.amp import AMP_TYPE` in the file is fine (AMP_TYPE lives here, as the
+config names the modes; amp re-exports it).
 
 A config is checked when it is loaded, not when a feature first reads it: a key we do
-not implement (ZeRO, tensor parallelism, ...) or a value of the wrong type is an error
-that says what to change, never silently ignored.
+not implement (ZeRO, 2.5d/3d tensor parallelism, ...) or a value of the wrong type is an
+error that says what to change, never silently ignored.
 """
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 import os
 import runpy
+from enum import Enum
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 
 class ConfigError(ValueError):
@@ -78,6 +81,24 @@ class Config(dict):
                        if not k.startswith("__") and not inspect.ismodule(v) and not inspect.isclass(v)})
 
 
+class AMP_TYPE(Enum):
+    TORCH = "torch"
+    APEX = "apex"
+    NAIVE = "naive"
+
+    @classmethod
+    def parse(cls, mode: "AMP_TYPE | str") -> "AMP_TYPE":
+        """Accept an AMP_TYPE or its string value; anything else is a ValueError."""
+        if isinstance(mode, cls):
+            return mode
+        if isinstance(mode, str):
+            for member in cls:
+                if mode.lower() in (member.value, member.name.lower()):
+                    return member
+        choices = ", ".join(f"AMP_TYPE.{m.name}" for m in cls)
+        raise ValueError(f"unknown fp16 mode {mode!r}; use one of {choices}")
+
+
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any], Config, None]
 
 
@@ -117,34 +138,54 @@ def _parallel_size(value: Any, key: str) -> int:
     return size
 
 
+TENSOR_MODES = ("1d", "2d")
+_NOT_YET = ("2.5d", "3d", "sequence")
+
+
+def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[int]]:
+    """(pipeline size P, tensor size T, tensor mode or None, data size asked for or None) from `parallel`."""
+    parallel = cfg.get("parallel") or {}
+    if not isinstance(parallel, Mapping):
+        raise ConfigError(f"parallel must be a dict such as dict(pipeline=2), got {parallel!r}")
+    unknown = set(parallel) - set(_PARALLEL_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown parallel key(s) {sorted(unknown)}; supported: pipeline, tensor "
+                          f"(data size is world // (pipeline * tensor))")
+    if "sequence" in parallel and _parallel_size(parallel["sequence"], "sequence") > 1:
+        raise ConfigError("parallel.sequence (sequence parallelism) is not implemented yet; remove it")
+    P = _parallel_size(parallel.get("pipeline", 1), "pipeline")
+    tensor = parallel.get("tensor", 1)
+    T = _parallel_size(tensor, "tensor")
+    mode = tensor.get("mode") if isinstance(tensor, Mapping) else None
+    if T == 1:
+        mode = None
+    elif mode in _NOT_YET:
+        raise ConfigError(f"parallel.tensor mode {mode!r} is not implemented yet; use mode='1d' (Megatron) or "
+                          f"mode='2d' (SUMMA)")
+    elif mode not in TENSOR_MODES:
+        raise ConfigError(f"parallel.tensor needs mode='1d' or mode='2d' (got {mode!r}), e.g. "
+                          f"tensor=dict(size={T}, mode='1d')")
+    if mode == "2d":
+        q = math.isqrt(T)
+        if q * q != T:
+            raise ConfigError(f"parallel.tensor size {T} is not a perfect square, which mode='2d' needs (a q x q "
+                              f"grid); use size {q * q} or {(q + 1) ** 2}")
+    data = parallel.get("data")
+    return P, T, mode, None if data is None else _parallel_size(data, "data")
+
+
 def validate_config(cfg: Config) -> None:
     """Raise ConfigError for any key we understand but cannot honour."""
     for key, hint in _UNSUPPORTED.items():
         if key in cfg:
             raise ConfigError(f"config key {key!r} is not supported: {hint}")
 
-    parallel = cfg.get("parallel")
-    if parallel is not None:
-        if not isinstance(parallel, Mapping):
-            raise ConfigError(f"parallel must be a dict such as dict(pipeline=2), got {parallel!r}")
-        unknown = set(parallel) - set(_PARALLEL_KEYS)
-        if unknown:
-            raise ConfigError(f"unknown parallel key(s) {sorted(unknown)}; supported: pipeline "
-                              f"(data size is world // pipeline)")
-        for key in ("tensor", "sequence"):
-            if key in parallel and _parallel_size(parallel[key], key) > 1:
-                raise ConfigError(f"parallel.{key} size {_parallel_size(parallel[key], key)} is not supported: "
-                                  f"only pipeline and data parallelism are implemented; remove parallel.{key}")
-        if "pipeline" in parallel:
-            _parallel_size(parallel["pipeline"], "pipeline")
-        if "data" in parallel:
-            _parallel_size(parallel["data"], "data")
+    parallel_settings(cfg)
 
     fp16 = cfg.get("fp16")
     if fp16 is not None:
         if not isinstance(fp16, Mapping) or "mode" not in fp16:
             raise ConfigError(f"fp16 must be a dict with a mode, e.g. dict(mode=AMP_TYPE.TORCH), got {fp16!r}")
-        from .amp import AMP_TYPE  # here, not at the top: amp needs gpc, which needs this module
         try:
             AMP_TYPE.parse(fp16["mode"])
         except ValueError as e:

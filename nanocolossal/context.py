@@ -1,22 +1,26 @@
 """gpc: the global parallel context -- who am I, who are my peers, which groups do I talk in.
 
-With pipeline size P and W processes there are D = W // P data-parallel replicas of a
-P-stage pipeline. Ranks are laid out as in Colossal-AI, so the stages of one pipeline are
-consecutive ranks:
+W processes hold D data-parallel replicas of a P-stage pipeline whose every stage is split
+over T tensor-parallel ranks: W = D * P * T. Ranks are laid out as in Colossal-AI, tensor
+innermost, so a tensor group (which talks every layer) is consecutive ranks -- on one node:
 
-    rank = data_rank * P + pipeline_rank                       (W = 8, P = 2, D = 4)
+    rank = data_rank * (P * T) + pipeline_rank * T + tensor_rank
 
-                  pipeline_rank 0   pipeline_rank 1
-    data_rank 0       rank 0    ->      rank 1        <- one pipeline group: {0, 1}
-    data_rank 1       rank 2    ->      rank 3
-    data_rank 2       rank 4    ->      rank 5
-    data_rank 3       rank 6    ->      rank 7
-                        ^
-                        one data group: {0, 2, 4, 6} (same stage, different data)
+    W = 8, P = 2, T = 2, D = 2        pipeline_rank 0     pipeline_rank 1
+                       data_rank 0    ranks 0 1      ->   ranks 2 3          pipeline groups {0,2} {1,3}
+                       data_rank 1    ranks 4 5      ->   ranks 6 7          pipeline groups {4,6} {5,7}
+                                      ^ tensor group {0,1}
+                                      data groups (same stage, same shard): {0,4} {1,5} {2,6} {3,7}
 
-Gradients are all-reduced in the data group of one's stage; activations travel along the
-pipeline group. `torch.distributed.new_group` must be called by *every* rank for *every*
-group in the same order, even for groups a rank is not in, so `init` builds all of them.
+With T = 1 this is `data_rank * P + pipeline_rank`. For mode='2d' the T = q * q tensor
+ranks form a q x q grid, tensor_rank = row * q + col: a *row group* (same row, every col)
+splits the hidden dimension, a *column group* (same col, every row) splits the batch.
+
+Gradients are all-reduced in the data group; activations travel along the pipeline group;
+every layer's collectives run in the tensor group (or its rows and columns).
+`torch.distributed.new_group` must be called by *every* rank for *every* group in the same
+order, even for groups a rank is not in, so `init` builds all of them from `layout()`, a
+pure function that the tests check for many shapes without starting a process.
 
 Before `launch`, gpc describes one process (rank 0 of 1, CPU) so single-process code works.
 """
@@ -25,10 +29,49 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Optional
 
+import math
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, parallel_settings
+
+
+@dataclass
+class Layout:
+    """Every group of a job as lists of global ranks, in the order new_group must be called."""
+    data: list[list[int]] = field(default_factory=list)        # same (pipeline, tensor) rank
+    pipeline: list[list[int]] = field(default_factory=list)    # same (data, tensor) rank, stage order
+    tensor: list[list[int]] = field(default_factory=list)      # one stage of one replica
+    row: list[list[int]] = field(default_factory=list)         # 2d: same grid row (splits hidden)
+    col: list[list[int]] = field(default_factory=list)         # 2d: same grid column (splits batch)
+
+
+def coordinates(rank: int, P: int, T: int) -> tuple[int, int, int]:
+    """(data_rank, pipeline_rank, tensor_rank) of a global rank."""
+    data_rank, rest = divmod(rank, P * T)
+    pipeline_rank, tensor_rank = divmod(rest, T)
+    return data_rank, pipeline_rank, tensor_rank
+
+
+def layout(world: int, P: int = 1, T: int = 1, mode: Optional[str] = None) -> Layout:
+    """The groups of a world of `world` ranks with P stages and T tensor ranks (pure function)."""
+    if world % (P * T) != 0:
+        raise ConfigError(f"world size {world} is not divisible by pipeline x tensor = {P} x {T} = {P * T}; "
+                          f"launch a multiple of {P * T} processes or change parallel")
+    D = world // (P * T)
+    rank = lambda d, p, t: d * P * T + p * T + t  # noqa: E731 -- the formula, read as such
+    out = Layout()
+    out.data = [[rank(d, p, t) for d in range(D)] for p in range(P) for t in range(T)]
+    out.pipeline = [[rank(d, p, t) for p in range(P)] for d in range(D) for t in range(T)]
+    out.tensor = [[rank(d, p, t) for t in range(T)] for d in range(D) for p in range(P)]
+    if mode == "2d":
+        q = math.isqrt(T)
+        for group in out.tensor:
+            out.row += [[group[r * q + c] for c in range(q)] for r in range(q)]
+            out.col += [[group[r * q + c] for r in range(q)] for c in range(q)]
+    return out
 
 
 class ParallelContext:
@@ -47,43 +90,50 @@ class ParallelContext:
         self.data_group: Optional[dist.ProcessGroup] = None
         self.pipeline_ranks: list[int] = [0]   # global ranks of my pipeline, stage order
         self.data_ranks: list[int] = [0]       # global ranks holding my stage, data order
+        self.tensor_size, self.tensor_rank, self.tensor_mode = 1, 0, None
+        self.tensor_group: Optional[dist.ProcessGroup] = None
+        self.tensor_ranks: list[int] = [0]
+        self.tensor_row_group: Optional[dist.ProcessGroup] = None   # 2d only
+        self.tensor_col_group: Optional[dist.ProcessGroup] = None
+        self.tensor_row_rank, self.tensor_col_rank, self.summa_dim = 0, 0, 1
+        self.tensor_row_ranks: list[int] = [0]
+        self.tensor_col_ranks: list[int] = [0]
 
     # -- set-up -------------------------------------------------------------------------
     @staticmethod
-    def parallel_sizes(config: Config, world_size: int) -> tuple[int, int]:
-        """(pipeline_size, data_size) for this world; ConfigError if they do not fit."""
-        parallel = config.get("parallel") or {}
-        pipeline = parallel.get("pipeline", 1)
-        pipeline = pipeline.get("size", 1) if isinstance(pipeline, dict) else pipeline
-        if world_size % pipeline != 0:
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.pipeline={pipeline}; "
-                              f"launch a multiple of {pipeline} processes or change parallel.pipeline")
-        data = world_size // pipeline
-        wanted = parallel.get("data")
-        wanted = wanted.get("size") if isinstance(wanted, dict) else wanted
-        if wanted is not None and wanted != data:
-            raise ConfigError(f"parallel.data={wanted} but world size {world_size} // pipeline {pipeline} = {data}; "
-                              f"drop parallel.data (it is inferred) or launch {wanted * pipeline} processes")
-        return pipeline, data
+    def parallel_sizes(config: Config, world_size: int) -> tuple[int, int, int, Optional[str]]:
+        """(pipeline P, tensor T, data D, tensor mode) for this world; ConfigError if they do not fit."""
+        P, T, mode, wanted = parallel_settings(config)
+        if world_size % (P * T) != 0:
+            raise ConfigError(f"world size {world_size} is not divisible by pipeline x tensor = {P} x {T} = {P * T}; "
+                              f"launch a multiple of {P * T} processes or change parallel")
+        D = world_size // (P * T)
+        if wanted is not None and wanted != D:
+            raise ConfigError(f"parallel.data={wanted} but world size {world_size} // (pipeline x tensor) = {D}; "
+                              f"drop parallel.data (it is inferred) or launch {wanted * P * T} processes")
+        return P, T, D, mode
 
     def init(self, config: Config, rank: int, world_size: int, local_rank: int,
              device: torch.device, backend: str, timeout: timedelta) -> None:
-        """Record this process's place and build the data and pipeline groups (collective)."""
+        """Record this process's place and build every group of the layout (collective)."""
         self.config, self.device, self.backend, self.timeout = config, device, backend, timeout
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
-        P, D = self.parallel_sizes(config, world_size)
-        self.pipeline_size, self.data_size = P, D
-        self.data_rank, self.pipeline_rank = divmod(rank, P)
-        for p in range(P):
-            ranks = [d * P + p for d in range(D)]
-            group = self._new_group(ranks)
-            if p == self.pipeline_rank:
-                self.data_group, self.data_ranks = group, ranks
-        for d in range(D):
-            ranks = [d * P + p for p in range(P)]
-            group = self._new_group(ranks)
-            if d == self.data_rank:
-                self.pipeline_group, self.pipeline_ranks = group, ranks
+        P, T, D, mode = self.parallel_sizes(config, world_size)
+        self.pipeline_size, self.tensor_size, self.data_size, self.tensor_mode = P, T, D, mode
+        self.data_rank, self.pipeline_rank, self.tensor_rank = coordinates(rank, P, T)
+        groups = layout(world_size, P, T, mode)
+        # every rank creates every group, in the same order; each keeps the ones it is in
+        for kind in ("data", "pipeline", "tensor", "row", "col"):
+            for ranks in getattr(groups, kind):
+                group = self._new_group(ranks)
+                if rank in ranks:
+                    name = {"row": "tensor_row", "col": "tensor_col"}.get(kind, kind)
+                    setattr(self, f"{name}_group", group)
+                    setattr(self, f"{name}_ranks", ranks)
+        if mode == "2d":
+            self.summa_dim = math.isqrt(T)
+            # as Colossal-AI: the rank *within* my row group is my column index, and vice versa
+            self.tensor_col_rank, self.tensor_row_rank = divmod(self.tensor_rank, self.summa_dim)
 
     def _new_group(self, ranks: list[int]) -> dist.ProcessGroup:
         if len(ranks) == self.world_size:
@@ -124,6 +174,7 @@ class ParallelContext:
     def __repr__(self) -> str:
         return (f"ParallelContext(rank={self.rank}/{self.world_size}, local_rank={self.local_rank}, "
                 f"device={self.device}, pipeline={self.pipeline_rank}/{self.pipeline_size}, "
+                f"tensor={self.tensor_rank}/{self.tensor_size} {self.tensor_mode or ''}, "
                 f"data={self.data_rank}/{self.data_size})")
 
 

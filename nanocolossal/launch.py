@@ -169,7 +169,8 @@ def _launch(config: ConfigLike, rank: int, world_size: int, local_rank: Optional
     _seed_everything(seed)
     get_dist_logger().info(
         f"launched {world_size} process(es): backend {backend}, device {device.type}, "
-        f"pipeline {gpc.pipeline_size} x data {gpc.data_size}, timeout {seconds:g} s"
+        f"pipeline {gpc.pipeline_size} x tensor {gpc.tensor_size}{' ' + gpc.tensor_mode if gpc.tensor_mode else ''} "
+        f"x data {gpc.data_size}, timeout {seconds:g} s"
         f"{', debug mode' if cfg.get('debug') else ''}")
 
 

@@ -66,9 +66,13 @@ def test_config_file_that_raises_is_reported(tmp_path):
 @pytest.mark.parametrize("config, message", [
     ({"zero": {"level": 2}}, "'zero' is not supported"),
     ({"gradient_handler": [dict(type="X")]}, "'gradient_handler' is not supported"),
-    ({"parallel": {"tensor": {"size": 4, "mode": "2d"}}}, "parallel.tensor size 4 is not supported"),
-    ({"parallel": {"tensor": 2}}, "parallel.tensor size 2"),
-    ({"parallel": {"sequence": 2}}, "parallel.sequence size 2"),
+    ({"parallel": {"tensor": {"size": 8, "mode": "2d"}}}, "size 8 is not a perfect square.*use size 4 or 9"),
+    ({"parallel": {"tensor": {"size": 2, "mode": "2d"}}}, "size 2 is not a perfect square.*use size 1 or 4"),
+    ({"parallel": {"tensor": 2}}, "parallel.tensor needs mode='1d' or mode='2d'"),
+    ({"parallel": {"tensor": {"size": 4, "mode": "2.5d"}}}, "mode '2.5d' is not implemented yet"),
+    ({"parallel": {"tensor": {"size": 8, "mode": "3d"}}}, "mode '3d' is not implemented yet"),
+    ({"parallel": {"tensor": {"size": 2, "mode": "sequence"}}}, "mode 'sequence' is not implemented yet"),
+    ({"parallel": {"sequence": 2}}, "parallel.sequence .* is not implemented yet"),
     ({"parallel": {"pipline": 2}}, r"unknown parallel key\(s\) \['pipline'\]"),
     ({"parallel": {"pipeline": 0}}, "parallel.pipeline must be a positive integer"),
     ({"parallel": 2}, "parallel must be a dict"),
@@ -89,6 +93,8 @@ def test_unsupported_or_bad_config_is_a_clear_error(config, message):
 def test_supported_spellings_pass():
     load_config({"parallel": {"pipeline": 2, "tensor": {"size": 1, "mode": None}}, "fp16": {"mode": AMP_TYPE.NAIVE},
                  "gradient_accumulation": 4, "clip_grad_norm": 1.0, "timeout": 30})
+    load_config({"parallel": {"pipeline": 2, "tensor": {"size": 4, "mode": "2d"}}})  # the tutorial's line
+    load_config({"parallel": {"tensor": {"size": 2, "mode": "1d"}}})
 
 
 def test_config_file_must_be_python(tmp_path):
