@@ -1,0 +1,12 @@
+"""nanocolossal.nn: Colossal-AI's `colossalai.nn` -- layers that follow the tensor-parallel mode.
+
+    import nanocolossal.nn as col_nn
+    col_nn.Linear(384, 1536)      # torch.nn.Linear alone, Linear1D / Linear2D under parallel.tensor
+
+See layers.py for the table of what each name becomes in each mode.
+"""
+from .layers import (Classifier, CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, PatchEmbedding,
+                     reset_1d_alternation)
+
+__all__ = ["Classifier", "CrossEntropyLoss", "Dropout", "Embedding", "LayerNorm", "Linear", "PatchEmbedding",
+           "reset_1d_alternation"]

@@ -1,0 +1,129 @@
+"""What every tensor-parallel layer shares: how a shard is made, and how it is marked.
+
+Initialisation contract: a sharded layer first builds the *plain* layer, drawing exactly the
+random numbers the plain layer draws, then keeps its slice. Under the same torch seed the
+shards are therefore exactly slices of the unsplit model, so a checkpoint or a test can
+compare shard to slice, and one process and any layout start from the same weights.
+
+Each parameter records how it was cut (`tensor_splits`, which also lets checkpoints merge
+and re-split it) and how many tensor ranks hold an identical copy (`tensor_replicas`): 1 for
+a true shard, T for a replicated parameter (1d LayerNorm, a row-parallel bias), q for a 2d
+parameter split along the row but replicated down the column. A global gradient norm then
+counts each element once: sum of (local squares / tensor_replicas) over the tensor group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..context import gpc
+
+
+# How a parameter is cut: a list of (dim, axis). Axis "tensor" splits over all T ranks by
+# tensor rank (1d); on the 2d grid "col" splits over a row group by my column index and "row"
+# over a column group by my row index. No entry: replicated.
+Splits = list[tuple[int, str]]
+
+
+def _axis(axis: str) -> tuple[int, int]:
+    """(my position, number of parts) along an axis of the layout."""
+    if axis == "tensor":
+        return gpc.tensor_rank, gpc.tensor_size
+    if axis == "col":
+        return gpc.tensor_row_rank, gpc.summa_dim   # position in my row group = my column
+    if axis == "row":
+        return gpc.tensor_col_rank, gpc.summa_dim   # position in my column group = my row
+    raise ValueError(f"unknown axis {axis!r}")
+
+
+def axis_group(axis: str):
+    """The group whose members hold the other parts along `axis`."""
+    return {"tensor": gpc.tensor_group, "col": gpc.tensor_row_group, "row": gpc.tensor_col_group}[axis]
+
+
+def shard(full: torch.Tensor, splits: Splits) -> torch.Tensor:
+    """This rank's block of `full` (a plain tensor) for the given splits."""
+    for dim, axis in splits:
+        index, parts = _axis(axis)
+        if full.shape[dim] % parts != 0:
+            raise ValueError(f"[rank {gpc.rank}] a dimension of size {full.shape[dim]} does not split over {parts} "
+                             f"tensor-parallel ranks ({gpc.tensor_mode}); make it a multiple of {parts}")
+        full = full.chunk(parts, dim=dim)[index]
+    return full
+
+
+def unshard(local: torch.Tensor, splits: Splits) -> torch.Tensor:
+    """The whole tensor from every rank's block (collective over the tensor group; the inverse of shard)."""
+    for dim, axis in reversed(splits):
+        group = axis_group(axis)
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        local = torch.cat(parts, dim=dim)
+    return local
+
+
+def keep_slice(full: torch.Tensor, splits: Splits) -> nn.Parameter:
+    """A Parameter holding this rank's block of `full`, marked with how it was cut."""
+    param = nn.Parameter(shard(full.detach(), splits).clone())
+    param.tensor_splits = list(splits)
+    parts = 1
+    for _, axis in splits:
+        parts *= _axis(axis)[1]
+    param.tensor_replicas = gpc.tensor_size // parts
+    return param
+
+
+def replicas(param: torch.Tensor) -> int:
+    """Tensor ranks holding this exact parameter (unmarked parameters are replicated on all)."""
+    return getattr(param, "tensor_replicas", gpc.tensor_size)
+
+
+def check_divisible(size: int, parts: int, what: str) -> None:
+    if size % parts != 0:
+        raise ValueError(f"[rank {gpc.rank}] {what} {size} is not divisible by {parts} (tensor parallel "
+                         f"{gpc.tensor_mode}, size {gpc.tensor_size}); choose a multiple of {parts}")
+
+
+class PatchEmbedding(nn.Module):
+    """ViT's input: cut the image into patches, project each to d dims, prepend a class token, add
+    learned positions. [B, C, H, W] -> [B, 1 + (img / patch)^2, d] (the plain, unsplit layer)."""
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int) -> None:
+        super().__init__()
+        if img_size % patch_size != 0:
+            raise ValueError(f"image size {img_size} is not a multiple of patch size {patch_size}")
+        self.patch_size = patch_size
+        self.proj = nn.Conv2d(in_chans, embed_size, patch_size, stride=patch_size)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, embed_size) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, 1 + (img_size // patch_size) ** 2, embed_size) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return embed_patches(x, self.proj.weight, self.proj.bias, self.cls_token, self.pos_embed, self.patch_size)
+
+
+def embed_patches(x, weight, bias, cls_token, pos_embed, patch: int) -> torch.Tensor:
+    """The patch embedding's math on whatever slice of the embedding dimension the weights hold."""
+    x = nn.functional.conv2d(x, weight, bias, stride=patch).flatten(2).transpose(1, 2)  # [B, N, d]
+    cls = cls_token.expand(x.shape[0], -1, -1)
+    return torch.cat([cls, x], dim=1) + pos_embed
+
+
+def sharded_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout whose mask differs between tensor ranks: their activations are different slices.
+
+    Every rank is seeded alike at launch (replicated activations must drop the same units), so
+    sharded ones draw from a second generator seeded with the tensor rank."""
+    if not training or p == 0.0:
+        return x
+    key = (x.device, gpc.rank, gpc.tensor_rank)
+    gen = _SHARDED_GENERATORS.get(key)
+    if gen is None:
+        gen = torch.Generator(device=x.device)
+        gen.manual_seed(torch.initial_seed() + 1 + gpc.tensor_rank)
+        _SHARDED_GENERATORS[key] = gen
+    keep = torch.empty_like(x).bernoulli_(1 - p, generator=gen)
+    return x * keep / (1 - p)
+
+
+_SHARDED_GENERATORS: dict = {}

@@ -1,0 +1,138 @@
+"""The collectives of tensor parallelism, as autograd functions.
+
+A tensor-parallel layer is ordinary math on slices plus a collective wherever a full value
+is needed. Each collective's backward is its *conjugate*: what the gradients need so that
+every rank ends with the gradient one process would compute for its slice.
+
+    op               forward                      backward               used where
+    copy_to          identity                     all-reduce (sum)       a replicated input enters sharded math
+    reduce_from      all-reduce (sum)             identity               sharded partial sums become replicated
+    gather           all-gather along dim         keep my slice          sharded -> replicated (output)
+    split            keep my slice                all-gather along dim   replicated -> sharded (input)
+    group_sum        all-reduce (sum)             all-reduce (sum)       a replicated statistic of sharded
+                                                                         values feeds sharded math (LayerNorm2D)
+
+copy_to / reduce_from are Megatron's `f` and `g`. Why the backwards: after `copy_to`, each
+rank's sharded math yields only its part of dL/dx, so the parts are summed. After
+`reduce_from` every rank computes the same thing from the replicated sum, so each already
+holds the whole dL/dy. `group_sum` feeds *sharded* math again, hence sums in both directions.
+
+Every op is a no-op in a group of one, so the same layer code runs unsplit.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+Group = Optional[dist.ProcessGroup]
+
+
+def _size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if _size(group) == 1:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    if _size(group) == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _my_slice(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n != 0:
+        raise ValueError(f"[rank {dist.get_rank()}] dimension {dim} of size {x.shape[dim]} does not split over "
+                         f"{n} tensor-parallel ranks; make it a multiple of {n}")
+    return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GroupSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _my_slice(grad, ctx.dim, ctx.group), None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _my_slice(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Identity forward, all-reduce backward (Megatron's f)."""
+    return _CopyTo.apply(x, group) if _size(group) > 1 else x
+
+
+def reduce_from(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-reduce forward, identity backward (Megatron's g)."""
+    return _ReduceFrom.apply(x, group) if _size(group) > 1 else x
+
+
+def group_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-reduce forward and backward: a sum over shards that feeds sharded math again."""
+    return _GroupSum.apply(x, group) if _size(group) > 1 else x
+
+
+def gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """All-gather along `dim` forward; backward keeps this rank's slice of the gradient."""
+    return _Gather.apply(x, dim, group) if _size(group) > 1 else x
+
+
+def split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Keep this rank's slice along `dim` forward; backward all-gathers the gradient."""
+    return _Split.apply(x, dim, group) if _size(group) > 1 else x

@@ -1,0 +1,124 @@
+"""1d tensor parallelism (Megatron-LM): split each Linear along one dimension over T ranks.
+
+An MLP block is a column-parallel Linear followed by a row-parallel one:
+
+    x (replicated) --f--> [ x @ A_j ]  --act-->  [ h_j @ B_j ] --g--> y (replicated)
+                          column-parallel        row-parallel
+                          A = [A_0 | A_1]        B = [B_0 ; B_1]
+                          out features split     in features split
+
+    Y = act(X A) B = sum_j act(X A_j) B_j, so rank j needs only A_j and B_j; the sum over j
+    is one all-reduce (g) in forward, and f all-reduces dL/dx in backward (see comm.py).
+
+Communication: one all-reduce of the activation [batch, hidden] per pair in forward and
+one in backward; nothing in between (the activation function acts on slices). Parameters,
+their gradients and optimizer state are 1/T per rank; activations between the pair too.
+Attention splits the same way: heads go to ranks (qkv column-parallel, output row-parallel).
+
+Embedding and PatchEmbedding split the embedding dimension and gather it; the Classifier
+splits its input features (row-parallel) so the class count need not divide T; LayerNorm
+and the loss act on replicated activations and stay plain (replicated parameters get
+identical gradients on every rank, so they stay identical).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..context import gpc
+from .base import PatchEmbedding, check_divisible, embed_patches, keep_slice
+from .comm import copy_to, gather, reduce_from, split
+
+
+class ColumnLinear1D(nn.Module):
+    """y_j = x W_j^T + b_j: output features split; input replicated, output sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        T = gpc.tensor_size
+        check_divisible(out_features, T, "Linear out_features")
+        full = nn.Linear(in_features, out_features, bias=bias)  # same random draws as the plain layer
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = keep_slice(full.weight, [(0, "tensor")])
+        self.bias = keep_slice(full.bias, [(0, "tensor")]) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"[rank {gpc.rank}] column-parallel Linear({self.in_features}, {self.out_features}) got "
+                             f"an input with {x.shape[-1]} features; 1d Linears alternate column/row, so a model "
+                             f"needs its Linears in pairs (or pass a replicated input here)")
+        return F.linear(copy_to(x, gpc.tensor_group), self.weight, self.bias)
+
+
+class RowLinear1D(nn.Module):
+    """y = sum_j x_j W_j^T + b: input features split; input sharded, output replicated."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        T = gpc.tensor_size
+        check_divisible(in_features, T, "Linear in_features")
+        full = nn.Linear(in_features, out_features, bias=bias)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = keep_slice(full.weight, [(1, "tensor")])
+        self.bias = keep_slice(full.bias, []) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] * gpc.tensor_size != self.in_features:
+            raise ValueError(f"[rank {gpc.rank}] row-parallel Linear({self.in_features}, {self.out_features}) expects "
+                             f"its input split over {gpc.tensor_size} ranks ({self.in_features // gpc.tensor_size} "
+                             f"features), got {x.shape[-1]}; put a column-parallel Linear before it")
+        y = reduce_from(F.linear(x, self.weight), gpc.tensor_group)
+        return y + self.bias if self.bias is not None else y  # bias once, after the sum
+
+
+class Embedding1D(nn.Module):
+    """Feature-parallel embedding: each rank holds d/T of every vector; the output is gathered."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        T = gpc.tensor_size
+        check_divisible(embedding_dim, T, "Embedding dim")
+        full = nn.Embedding(num_embeddings, embedding_dim)
+        self.weight = keep_slice(full.weight, [(1, "tensor")])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return gather(F.embedding(ids, self.weight), -1, gpc.tensor_group)
+
+
+class PatchEmbedding1D(nn.Module):
+    """Patch embedding with the embedding dimension split (conv output channels, class token and
+    positions alike); the replicated [B, N, d] output is gathered."""
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int) -> None:
+        super().__init__()
+        T = gpc.tensor_size
+        check_divisible(embed_size, T, "PatchEmbedding embed_size")
+        full = PatchEmbedding(img_size, patch_size, in_chans, embed_size)
+        self.patch_size = patch_size
+        self.proj = nn.Module()  # so the state_dict keys are the plain layer's (proj.weight, ...)
+        self.proj.weight = keep_slice(full.proj.weight, [(0, "tensor")])
+        self.proj.bias = keep_slice(full.proj.bias, [(0, "tensor")])
+        self.cls_token = keep_slice(full.cls_token, [(2, "tensor")])
+        self.pos_embed = keep_slice(full.pos_embed, [(2, "tensor")])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mine = embed_patches(copy_to(x, gpc.tensor_group), self.proj.weight, self.proj.bias, self.cls_token, self.pos_embed, self.patch_size)
+        return gather(mine, -1, gpc.tensor_group)
+
+
+class Classifier1D(nn.Module):
+    """Row-parallel head: logits = sum_j x_j W_j^T + b on a replicated input (split locally), so the
+    number of classes need not divide T; the logits come out replicated."""
+
+    def __init__(self, in_features: int, num_classes: int, bias: bool = True) -> None:
+        super().__init__()
+        T = gpc.tensor_size
+        check_divisible(in_features, T, "Classifier in_features")
+        full = nn.Linear(in_features, num_classes, bias=bias)
+        self.weight = keep_slice(full.weight, [(1, "tensor")])
+        self.bias = keep_slice(full.bias, []) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from(F.linear(split(x, -1, gpc.tensor_group), self.weight), gpc.tensor_group)
+        return y + self.bias if self.bias is not None else y

@@ -1,0 +1,162 @@
+"""2d tensor parallelism (SUMMA, Colossal-AI's Linear2D): a q x q grid splits batch *and* hidden.
+
+Rank (row i, col j) of the grid holds, for an activation [B, ..., d], the block
+[B/q rows i, ..., d/q cols j]: the batch is split down a column group, the hidden dimension
+along a row group. A Linear's weight is cut into q x q blocks (see summa.py for the product).
+
+                 hidden d ->                        W [in, out]
+             +--------+--------+                +--------+--------+
+    batch B  | (0, 0) | (0, 1) |   row group 0  | W_00   | W_01   |  in block 0
+       |     +--------+--------+                +--------+--------+
+       v     | (1, 0) | (1, 1) |   row group 1  | W_10   | W_11   |  in block 1
+             +--------+--------+                +--------+--------+
+              column    column                   out blk 0 out blk 1
+              group 0   group 1
+
+Memory per rank: weights 1/q^2 (1d: 1/T = 1/q^2 too) and *every* activation 1/q^2 (1d keeps
+the activations around each pair whole); communication per Linear ~ (|X| + |W|)/q words per
+rank, less than 1d's all-reduce of |X| once q grows.
+
+Vectors along the hidden dimension (biases, LayerNorm's gamma/beta, patch embeddings) are
+split over the row and replicated down the column: every row computes their gradient from
+its own batch block, so `copy_to(param, column group)` sums those in backward. LayerNorm's
+mean and variance are sums over the row group (`group_sum`). The classifier multiplies its
+hidden block and sums over the row group, so the logits [B/q, classes] are whole within a
+row; the loss averages each row's block mean down the column group.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..context import gpc
+from .base import PatchEmbedding, check_divisible, embed_patches, keep_slice
+from .comm import copy_to, group_sum, reduce_from, split
+from .summa import summa_matmul
+
+
+def _grid() -> tuple[int, int, int]:
+    """(q, my row, my col); row = position in my column group, col = position in my row group."""
+    return gpc.summa_dim, gpc.tensor_col_rank, gpc.tensor_row_rank
+
+
+def split_batch(x: torch.Tensor) -> torch.Tensor:
+    """This grid row's block of a batch that every tensor rank holds whole (inputs, labels)."""
+    q, row, _ = _grid()
+    if x.shape[0] % q != 0:
+        raise ValueError(f"[rank {gpc.rank}] a batch of {x.shape[0]} cannot be split over the {q} rows of the 2d "
+                         f"grid (tensor size {gpc.tensor_size}); use a batch size that is a multiple of {q}")
+    return split(x, 0, gpc.tensor_col_group)  # backward: the column group's blocks gathered
+
+
+def _along_row(full: torch.Tensor, dim: int) -> nn.Parameter:
+    """Block `col` of a hidden-dimension vector: split along my row, replicated down my column."""
+    return keep_slice(full, [(dim, "col")])
+
+
+def _down_column(p: torch.Tensor) -> torch.Tensor:
+    return copy_to(p, gpc.tensor_col_group)  # replicated down the column: sum its rows' gradients
+
+
+class Linear2D(nn.Module):
+    """y_ij = sum_k x_ik W_kj + b_j on the grid (input and output both [B/q, ..., d/q])."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        q = gpc.summa_dim
+        check_divisible(in_features, q, "Linear in_features")
+        check_divisible(out_features, q, "Linear out_features")
+        full = nn.Linear(in_features, out_features, bias=bias)
+        self.in_features, self.out_features = in_features, out_features
+        # torch stores [out, in]: block (row i, col j) is W's in-block i, out-block j
+        self.weight = keep_slice(full.weight, [(0, "col"), (1, "row")])
+        self.bias = _along_row(full.bias, 0) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] * gpc.summa_dim != self.in_features:
+            raise ValueError(f"[rank {gpc.rank}] 2d Linear({self.in_features}, {self.out_features}) expects its input's "
+                             f"last dimension split over the {gpc.summa_dim} columns of the grid "
+                             f"({self.in_features // gpc.summa_dim}), got {x.shape[-1]}")
+        y = summa_matmul(x, self.weight)
+        return y + _down_column(self.bias) if self.bias is not None else y
+
+
+class LayerNorm2D(nn.Module):
+    """LayerNorm over a hidden dimension split along the row: statistics are row-group sums."""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        check_divisible(normalized_shape, gpc.summa_dim, "LayerNorm size")
+        full = nn.LayerNorm(normalized_shape, eps=eps)
+        self.normalized_shape, self.eps = normalized_shape, eps
+        self.weight = _along_row(full.weight, 0)
+        self.bias = _along_row(full.bias, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, d = gpc.tensor_row_group, self.normalized_shape
+        mean = group_sum(x.sum(-1, keepdim=True), rows) / d
+        centred = x - mean
+        var = group_sum((centred * centred).sum(-1, keepdim=True), rows) / d
+        y = centred * torch.rsqrt(var + self.eps)
+        return y * _down_column(self.weight) + _down_column(self.bias)
+
+
+class PatchEmbedding2D(nn.Module):
+    """Patch embedding for the grid: this row's images, this column's embedding channels."""
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int) -> None:
+        super().__init__()
+        check_divisible(embed_size, gpc.summa_dim, "PatchEmbedding embed_size")
+        full = PatchEmbedding(img_size, patch_size, in_chans, embed_size)
+        self.patch_size = patch_size
+        self.proj = nn.Module()  # so the state_dict keys are the plain layer's (proj.weight, ...)
+        self.proj.weight = _along_row(full.proj.weight, 0)
+        self.proj.bias = _along_row(full.proj.bias, 0)
+        self.cls_token = _along_row(full.cls_token, 2)
+        self.pos_embed = _along_row(full.pos_embed, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = [_down_column(p) for p in (self.proj.weight, self.proj.bias, self.cls_token, self.pos_embed)]
+        # every column convolves the same images with its own channels: sum their input gradients
+        return embed_patches(copy_to(split_batch(x), gpc.tensor_row_group), *params, self.patch_size)
+
+
+class Embedding2D(nn.Module):
+    """Token embedding for the grid: this row's sequences, this column's embedding dims."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        check_divisible(embedding_dim, gpc.summa_dim, "Embedding dim")
+        self.weight = _along_row(nn.Embedding(num_embeddings, embedding_dim).weight, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(split_batch(ids), _down_column(self.weight))
+
+
+class Classifier2D(nn.Module):
+    """logits_i = sum_j x_ij W_j^T + b: whole classes for this row's samples (sum over the row group)."""
+
+    def __init__(self, in_features: int, num_classes: int, bias: bool = True) -> None:
+        super().__init__()
+        check_divisible(in_features, gpc.summa_dim, "Classifier in_features")
+        full = nn.Linear(in_features, num_classes, bias=bias)
+        self.weight = _along_row(full.weight, 1)
+        self.bias = keep_slice(full.bias, []) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from(F.linear(x, _down_column(self.weight)), gpc.tensor_row_group)
+        return y + _down_column(self.bias) if self.bias is not None else y
+
+
+class CrossEntropyLoss2D(nn.Module):
+    """Mean cross-entropy of the whole batch: each row's block mean, averaged down the column.
+    Takes this row's logits [B/q, classes] and the *whole* batch's labels."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__()
+        self.loss = nn.CrossEntropyLoss(**kwargs)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        local = self.loss(logits, split_batch(target))
+        return reduce_from(local, gpc.tensor_col_group) / gpc.summa_dim

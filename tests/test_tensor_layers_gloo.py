@@ -1,0 +1,110 @@
+"""Every tensor-parallel layer against the plain layer: 1d on 2 and 4 ranks, 2d on 4 ranks.
+
+Each rank feeds its block of the same input and of the same output gradient; the gathered
+output, the input gradient and every parameter's gathered gradient must equal the plain
+layer's, and every parameter must start as exactly the plain layer's slice (same seed).
+"""
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import nanocolossal as nc
+import nanocolossal.nn as col_nn
+from nanocolossal.tensor import layers_1d, layers_2d
+from nanocolossal.tensor.base import PatchEmbedding, shard, unshard
+from dist_helpers import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+B, D, C, IMG, PATCH = 4, 8, 6, 8, 4
+GRID = [(0, "row"), (-1, "col")]           # 2d activation: batch by grid row, hidden by grid column
+HIDDEN_1D = [(-1, "tensor")]
+
+
+def _inputs(kind):
+    g = torch.Generator().manual_seed(7)
+    if kind == "ids":
+        return torch.randint(0, 10, (B, 3), generator=g)
+    if kind == "images":
+        return torch.randn(B, 3, IMG, IMG, generator=g)
+    return torch.randn(B, 5, D, generator=g) if kind == "seq" else torch.randn(B, D, generator=g)
+
+
+# (name, tensor-parallel factory, plain factory, input kind, input splits, output splits)
+CASES_1D = [
+    ("column", lambda: layers_1d.ColumnLinear1D(D, 2 * D), lambda: nn.Linear(D, 2 * D), "seq", [], HIDDEN_1D),
+    ("row", lambda: layers_1d.RowLinear1D(2 * D, D), lambda: nn.Linear(2 * D, D), "seq2", HIDDEN_1D, []),
+    ("embedding", lambda: layers_1d.Embedding1D(10, D), lambda: nn.Embedding(10, D), "ids", [], []),
+    ("patch", lambda: layers_1d.PatchEmbedding1D(IMG, PATCH, 3, D), lambda: PatchEmbedding(IMG, PATCH, 3, D),
+     "images", [], []),
+    ("classifier", lambda: layers_1d.Classifier1D(D, C), lambda: nn.Linear(D, C), "flat", [], []),
+]
+CASES_2D = [
+    ("linear", lambda: layers_2d.Linear2D(D, 2 * D), lambda: nn.Linear(D, 2 * D), "seq", GRID, GRID),
+    ("layernorm", lambda: layers_2d.LayerNorm2D(D), lambda: nn.LayerNorm(D), "seq", GRID, GRID),
+    ("embedding", lambda: layers_2d.Embedding2D(10, D), lambda: nn.Embedding(10, D), "ids", [], GRID),
+    ("patch", lambda: layers_2d.PatchEmbedding2D(IMG, PATCH, 3, D), lambda: PatchEmbedding(IMG, PATCH, 3, D),
+     "images", [], GRID),
+    ("classifier", lambda: layers_2d.Classifier2D(D, C), lambda: nn.Linear(D, C), "flat", GRID, [(0, "row")]),
+]
+
+
+def _check_layer(name, make_tp, make_plain, kind, in_splits, out_splits):
+    torch.manual_seed(0)
+    plain = make_plain()
+    torch.manual_seed(0)
+    tp = make_tp()
+    params = dict(tp.named_parameters())
+    assert set(params) == set(dict(plain.named_parameters())), f"{name}: state_dict keys are the plain layer's"
+    for key, p in plain.named_parameters():  # the initialisation contract: shard == slice of the plain layer
+        assert torch.equal(params[key], shard(p.detach(), params[key].tensor_splits)), f"{name}.{key} init"
+    for module in (plain, tp):  # same perturbation in both, drawn full and sliced
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for key, p in module.named_parameters():
+                full = torch.randn(dict(plain.named_parameters())[key].shape, generator=g) * 0.1
+                p.add_(shard(full, getattr(p, "tensor_splits", [])))
+    x = _inputs("seq" if kind == "seq2" else kind)
+    if kind == "seq2":
+        x = torch.cat([x, x.flip(0)], dim=-1)
+    floating = x.is_floating_point()
+    x_plain = x.clone().requires_grad_(floating)
+    x_tp = shard(x, in_splits).clone().requires_grad_(floating)
+    y_plain = plain(x_plain)
+    y_tp = tp(x_tp)
+    dy = torch.randn(y_plain.shape, generator=torch.Generator().manual_seed(11))
+    y_plain.backward(dy)
+    y_tp.backward(shard(dy, out_splits))
+    assert_close(unshard(y_tp.detach(), out_splits), y_plain.detach(), msg=lambda m: f"{name} output: {m}")
+    if floating:
+        assert_close(unshard(x_tp.grad, in_splits), x_plain.grad, msg=lambda m: f"{name} input grad: {m}")
+    for key, p in plain.named_parameters():
+        got = unshard(params[key].grad, params[key].tensor_splits)
+        assert_close(got, p.grad, msg=lambda m: f"{name}.{key} grad: {m}")
+    return name
+
+
+def _layers_worker(rank, world_size, port, mode):
+    nc.launch({"parallel": {"tensor": {"size": world_size, "mode": mode}}}, rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port)
+    cases = CASES_2D if mode == "2d" else CASES_1D
+    done = [_check_layer(*case) for case in cases]
+    if mode == "2d":  # the loss: each row's block mean, averaged down the column
+        logits = torch.randn(B, C, generator=torch.Generator().manual_seed(5))
+        target = torch.arange(B) % C
+        plain_logits = logits.clone().requires_grad_()
+        nn.functional.cross_entropy(plain_logits, target).backward()
+        mine = shard(logits, [(0, "row")]).clone().requires_grad_()
+        loss = col_nn.CrossEntropyLoss()(mine, target)
+        loss.backward()
+        assert_close(loss, nn.functional.cross_entropy(logits, target))
+        assert_close(unshard(mine.grad, [(0, "row")]), plain_logits.grad)
+        done.append("loss")
+    return done
+
+
+@pytest.mark.parametrize("mode, world", [("1d", 2), ("1d", 4), ("2d", 4)])
+def test_gloo_tensor_parallel_layers_equal_the_plain_layers(mode, world):
+    expected = [c[0] for c in (CASES_2D if mode == "2d" else CASES_1D)] + (["loss"] if mode == "2d" else [])
+    assert run_ranks(_layers_worker, world, mode, timeout=90) == [expected] * world
