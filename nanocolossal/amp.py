@@ -40,6 +40,7 @@ from .config import AMP_TYPE  # owned by the config, which names the modes; re-e
 from .context import gpc
 from .logging import get_dist_logger
 from .nest import map_tensors
+from .tensor.base import replicas
 
 
 class DynamicLossScaler:
@@ -141,6 +142,7 @@ class MixedPrecisionOptimizer:
                         masters.append(p)
                     else:
                         master = nn.Parameter(p.detach().float())
+                        master.__dict__.update(p.__dict__)  # tensor-parallel marks (splits, replicas)
                         self._copies.append((p, master))
                         masters.append(master)
                 group["params"] = masters
@@ -202,19 +204,26 @@ class MixedPrecisionOptimizer:
         return self._found_inf
 
     def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None) -> float:
-        """Clip unscaled gradients to a global norm; `group`: ranks holding *other* parameters (pipeline)."""
+        """Clip unscaled gradients to the global norm of the whole model.
+
+        `group`: the ranks holding the *other* parts of the model (pipeline stages, tensor
+        shards). A parameter held identically by k tensor ranks adds its squares / k, so each
+        element counts once."""
         if self.unscale_():
             return math.inf
-        grads = [p.grad for p in self.params() if p.grad is not None]
-        device = grads[0].device if grads else gpc.device
-        sq = torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads)]).sum() if grads else \
-            torch.zeros((), device=device)
+        params = [p for p in self.params() if p.grad is not None]
+        device = params[0].grad.device if params else gpc.device
+        sq = torch.zeros((), device=device)
+        if params:
+            norms = torch._foreach_norm([p.grad for p in params])
+            weights = torch.tensor([1.0 / replicas(p) for p in params], device=device)
+            sq = (torch.stack(norms).float() ** 2 * weights).sum()
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)
         total = sq.sqrt()
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # same formula as torch.nn.utils.clip_grad_norm_
-        if grads:
-            torch._foreach_mul_(grads, coef.to(device))
+        if params:
+            torch._foreach_mul_([p.grad for p in params], coef.to(device))
         return total.item()
 
     def step(self) -> bool:

@@ -46,6 +46,7 @@ class Layout:
     tensor: list[list[int]] = field(default_factory=list)      # one stage of one replica
     row: list[list[int]] = field(default_factory=list)         # 2d: same grid row (splits hidden)
     col: list[list[int]] = field(default_factory=list)         # 2d: same grid column (splits batch)
+    model: list[list[int]] = field(default_factory=list)       # one whole model replica: P * T ranks
 
 
 def coordinates(rank: int, P: int, T: int) -> tuple[int, int, int]:
@@ -66,6 +67,7 @@ def layout(world: int, P: int = 1, T: int = 1, mode: Optional[str] = None) -> La
     out.data = [[rank(d, p, t) for d in range(D)] for p in range(P) for t in range(T)]
     out.pipeline = [[rank(d, p, t) for p in range(P)] for d in range(D) for t in range(T)]
     out.tensor = [[rank(d, p, t) for t in range(T)] for d in range(D) for p in range(P)]
+    out.model = [[rank(d, p, t) for p in range(P) for t in range(T)] for d in range(D)]
     if mode == "2d":
         q = math.isqrt(T)
         for group in out.tensor:
@@ -98,6 +100,8 @@ class ParallelContext:
         self.tensor_row_rank, self.tensor_col_rank, self.summa_dim = 0, 0, 1
         self.tensor_row_ranks: list[int] = [0]
         self.tensor_col_ranks: list[int] = [0]
+        self.model_group: Optional[dist.ProcessGroup] = None  # pipeline x tensor ranks of my replica
+        self.model_ranks: list[int] = [0]
 
     # -- set-up -------------------------------------------------------------------------
     @staticmethod
@@ -123,7 +127,7 @@ class ParallelContext:
         self.data_rank, self.pipeline_rank, self.tensor_rank = coordinates(rank, P, T)
         groups = layout(world_size, P, T, mode)
         # every rank creates every group, in the same order; each keeps the ones it is in
-        for kind in ("data", "pipeline", "tensor", "row", "col"):
+        for kind in ("data", "pipeline", "tensor", "row", "col", "model"):
             for ranks in getattr(groups, kind):
                 group = self._new_group(ranks)
                 if rank in ranks:

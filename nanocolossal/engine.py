@@ -41,10 +41,28 @@ from .ddp import DistributedDataParallel
 from .logging import get_dist_logger
 from .nest import map_tensors
 from .syncbn import convert_sync_batchnorm
+from .tensor.layers_2d import split_batch
 
 
 def _to_device(obj: Any) -> Any:
     return map_tensors(lambda t: t.to(gpc.device, non_blocking=True), obj)
+
+
+def labels_of_output(label: torch.Tensor) -> torch.Tensor:
+    """The labels of the samples this rank's output holds: with 2d tensor parallelism a grid row
+    holds one block of the batch (its outputs), so the labels are cut the same way."""
+    return split_batch(label) if gpc.tensor_mode == "2d" else label
+
+
+def _check_tensor_parallel_model(model: nn.Module) -> None:
+    """Plain torch layers would silently compute on shards as if they were whole tensors."""
+    plain = [name for name, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding, nn.Conv2d)
+             or (gpc.tensor_mode == "2d" and type(m) is nn.LayerNorm)]
+    if plain:
+        raise ConfigError(f"[rank {gpc.rank}] parallel.tensor={gpc.tensor_size} ({gpc.tensor_mode}) but the model has "
+                          f"plain torch layers ({', '.join(plain[:4])}{', ...' if len(plain) > 4 else ''}), which "
+                          f"cannot split over tensor ranks; build it with nanocolossal.nn layers (nc.nn.Linear, "
+                          f"nc.nn.LayerNorm, nc.nn.PatchEmbedding, nc.nn.Classifier) after launch")
 
 
 class Engine:
@@ -94,9 +112,8 @@ class Engine:
             return False
         self._micro = 0
         if self.clip_grad_norm:
-            # ranks holding *other* parameters add their squares to the norm (pipeline stages)
-            group = gpc.pipeline_group if gpc.pipeline_size > 1 else None
-            self.last_grad_norm = self.optimizer.clip_grad_norm(self.clip_grad_norm, group)
+            # ranks holding *other* parameters (pipeline stages, tensor shards) add their squares
+            self.last_grad_norm = self.optimizer.clip_grad_norm(self.clip_grad_norm, gpc.model_group)
         return self.optimizer.step()
 
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
@@ -106,7 +123,7 @@ class Engine:
         loss = self.criterion(output, label) if return_loss else None
         if not forward_only:
             self.backward(loss)
-        return output, _to_device(label), loss
+        return output, labels_of_output(_to_device(label)), loss
 
 
 class PipelineEngine(Engine):
@@ -142,8 +159,12 @@ class PipelineEngine(Engine):
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
         if not forward_only:
             self._micro = 1  # one batch = one optimizer step (micro-batches accumulate inside)
-        return self.schedule.forward_backward_step(self.chunks, batch, self._criterion, forward_only, return_loss,
-                                                   loss_scale=self.optimizer.loss_scale)
+        output, label, loss = self.schedule.forward_backward_step(self.chunks, batch, self._criterion, forward_only,
+                                                                  return_loss, loss_scale=self.optimizer.loss_scale)
+        if label is not None and gpc.tensor_mode == "2d":  # per micro-batch row blocks, in order
+            M = self.schedule.num_microbatches
+            label = torch.cat([labels_of_output(part) for part in label.tensor_split(M)])
+        return output, label, loss
 
 
 def _amp_settings(fp16: dict) -> tuple[str, dict]:
@@ -202,6 +223,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Op
     The tutorial's sequence: SyncBN -> AMP -> DDP or pipeline -> Engine."""
     cfg = gpc.config
     schedule = _pipeline_schedule(model) if gpc.pipeline_size > 1 else None  # check before changing anything
+    if gpc.tensor_size > 1:
+        _check_tensor_parallel_model(model)
     model = model.to(gpc.device)
     features = []
 
@@ -220,6 +243,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Op
 
     # 3. data parallelism (and, for a pipeline stage, its schedule) -> 4. the Engine
     clip = cfg.get("clip_grad_norm", 0.0)
+    if gpc.tensor_size > 1:
+        features.insert(0, f"tensor parallel {gpc.tensor_mode} x{gpc.tensor_size}")
     if schedule is not None:
         chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
         if gpc.data_size > 1:  # each chunk is its own DDP unit, averaged over its data group

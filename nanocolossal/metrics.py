@@ -24,12 +24,16 @@ from .context import gpc
 
 
 def _reduce_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """The group to reduce over (default: data-parallel ranks; every rank when pipelined), or None
+    """The group to reduce over (default: data-parallel ranks; every rank with pipeline or tensor
+    parallelism), or None
     when this process is alone in it."""
     if not gpc.is_initialized:
         return None
     if group is None:
-        group = dist.group.WORLD if gpc.pipeline_size > 1 else gpc.data_group
+        # pipelines: only last stages see outputs; tensor parallel: each output is held by several
+        # tensor ranks. Reducing over every rank still counts each sample equally often: exact.
+        split_model = gpc.pipeline_size > 1 or gpc.tensor_size > 1
+        group = dist.group.WORLD if split_model else gpc.data_group
     return group if dist.get_world_size(group) > 1 else None
 
 

@@ -14,7 +14,7 @@ SHAPES = [(w, P, T, mode) for P, T, D in itertools.product((1, 2, 3), (1, 2, 4, 
 @pytest.mark.parametrize("world, P, T, mode", SHAPES)
 def test_layout_groups_partition_the_world_as_the_formulas_say(world, P, T, mode):
     groups = layout(world, P, T, mode)
-    kinds = ["data", "pipeline", "tensor"] + (["row", "col"] if mode == "2d" else [])
+    kinds = ["data", "pipeline", "tensor", "model"] + (["row", "col"] if mode == "2d" else [])
     for kind in kinds:
         members = sorted(r for g in getattr(groups, kind) for r in g)
         assert members == list(range(world)), f"{kind}: every rank in exactly one group"
@@ -25,6 +25,7 @@ def test_layout_groups_partition_the_world_as_the_formulas_say(world, P, T, mode
         assert mine["tensor"] == [d * P * T + p * T + k for k in range(T)]          # consecutive ranks
         assert mine["pipeline"] == [d * P * T + k * T + t for k in range(P)]        # stages T apart
         assert mine["data"] == [k * P * T + p * T + t for k in range(world // (P * T))]
+        assert mine["model"] == list(range(d * P * T, (d + 1) * P * T))             # one replica
         if mode == "2d":
             q = math.isqrt(T)
             row, col = divmod(t, q)

@@ -82,5 +82,9 @@ class _Summa(torch.autograd.Function):
 def summa_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., in/q] @ w[out/q, in/q]^T on the 2d grid -> [..., out/q]."""
     lead = x.shape[:-1]
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # cast here, differentiably: backward runs outside autocast
+        dtype = torch.get_autocast_dtype(device)
+        x, w = x.to(dtype), w.to(dtype)
     y = _Summa.apply(x.reshape(-1, x.shape[-1]), w)
     return y.reshape(*lead, w.shape[0])

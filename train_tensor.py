@@ -1,0 +1,147 @@
+"""A small Vision Transformer on CIFAR-10 with tensor x pipeline x data parallelism (seed 000's config).
+
+    torchrun --nproc_per_node 8 train_tensor.py                     # the tutorial: pipeline 2 x tensor 2d 4
+    torchrun --nproc_per_node 2 train_tensor.py --config configs/tensor_1d.py   # Megatron 1d over 2 ranks
+
+The model is written once, with nanocolossal.nn layers: with parallel.tensor they are the 1d
+(Megatron) or 2d (SUMMA) layers, without it plain torch layers, and under one seed every
+layout starts from the same weights. Attention splits its heads over the tensor ranks (the
+qkv projection's output is laid out head by head, so a contiguous slice is whole heads).
+The model is an nn.Sequential (patch embedding, blocks, head), so `build_pipeline_model`
+cuts it into stages when parallel.pipeline > 1. The run ends with `final train loss X`;
+with dropout 0 (the default) and the same global batch, X is the same for every layout.
+
+Without CIFAR-10 on disk (and no --download), a synthetic CIFAR-shaped dataset is used.
+"""
+import os
+
+import torch
+from torch import nn
+
+import nanocolossal as nc
+import nanocolossal.nn as col_nn
+from nanocolossal.context import gpc
+from nanocolossal.metrics import Accuracy
+from nanocolossal.pipeline import build_pipeline_model
+from nanocolossal.trainer import Trainer, hooks
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tensor_vit.py")
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        parts = gpc.summa_dim if gpc.tensor_mode == "2d" else gpc.tensor_size
+        if heads % parts or dim % heads:
+            raise ValueError(f"[rank {gpc.rank}] {heads} heads of a {dim}-wide model do not split over {parts} "
+                             f"tensor ranks; use a number of heads divisible by {parts} that divides {dim}")
+        self.head_dim, self.scale = dim // heads, (dim // heads) ** -0.5
+        self.qkv = col_nn.Linear(dim, 3 * dim)   # 1d: column-parallel (heads split)
+        self.attn_drop = col_nn.Dropout(dropout)
+        self.proj = col_nn.Linear(dim, dim)      # 1d: row-parallel (sum over heads' ranks)
+        self.proj_drop = col_nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape
+        # [B, N, local heads, (q, k, v), head_dim]: a slice of the output is whole heads
+        q, k, v = self.qkv(x).view(B, N, -1, 3, self.head_dim).unbind(3)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        attn = self.attn_drop((q @ k.transpose(-2, -1) * self.scale).softmax(dim=-1))
+        out = (attn @ v).transpose(1, 2).reshape(B, N, -1)
+        return self.proj_drop(self.proj(out))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.fc1 = col_nn.Linear(dim, hidden)    # 1d: column
+        self.act = nn.GELU()
+        self.drop = col_nn.Dropout(dropout)
+        self.fc2 = col_nn.Linear(hidden, dim)    # 1d: row
+        self.drop2 = col_nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop2(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp_ratio: int, dropout: float) -> None:
+        super().__init__()
+        self.norm1 = col_nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads, dropout)
+        self.norm2 = col_nn.LayerNorm(dim)
+        self.mlp = MLP(dim, mlp_ratio * dim, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Head(nn.Module):
+    def __init__(self, dim: int, num_classes: int) -> None:
+        super().__init__()
+        self.norm = col_nn.LayerNorm(dim)
+        self.classifier = col_nn.Classifier(dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.norm(x)[:, 0])  # the class token
+
+
+def vit(img_size: int = 32, patch_size: int = 4, dim: int = 64, depth: int = 4, heads: int = 4,
+        mlp_ratio: int = 2, num_classes: int = 10, dropout: float = 0.0) -> nn.Sequential:
+    """ViT as a flat Sequential: patch embedding, `depth` blocks, head (pipeline-ready)."""
+    col_nn.reset_1d_alternation()
+    return nn.Sequential(col_nn.PatchEmbedding(img_size, patch_size, 3, dim),
+                         *[Block(dim, heads, mlp_ratio, dropout) for _ in range(depth)],
+                         Head(dim, num_classes))
+
+
+def parse_args():
+    parser = nc.get_default_parser()
+    parser.set_defaults(config=DEFAULT_CONFIG)
+    parser.add_argument("--epochs", type=int, default=None, help="override NUM_EPOCHS")
+    parser.add_argument("--batch-size", type=int, default=None, help="override BATCH_SIZE (per data replica)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=1024)
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--data", type=str, default=None, help="dataset directory (default $DATA or ./data)")
+    parser.add_argument("--download", action="store_true")
+    parser.add_argument("--synthetic-size", type=int, default=4096, help="training images in the synthetic stand-in")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    config = nc.load_config(args.config)
+    for key, value in (("NUM_EPOCHS", args.epochs), ("BATCH_SIZE", args.batch_size)):
+        if value is not None:
+            config[key] = value
+    nc.launch_from_torch(config=config, backend=args.backend, seed=args.seed, allow_single_process=True)
+    logger = nc.get_dist_logger()
+
+    model = vit(dropout=args.dropout)
+    if gpc.pipeline_size > 1:
+        model = build_pipeline_model(model, partition="uniform", verbose=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    train_set = nc.data.cifar10(args.data, train=True, download=args.download, synthetic_size=args.synthetic_size)
+    test_set = nc.data.cifar10(args.data, train=False, download=args.download,
+                               synthetic_size=max(gpc.config.BATCH_SIZE, args.synthetic_size // 4))
+    train_dataloader = nc.get_dataloader(train_set, shuffle=True, seed=args.seed,
+                                         batch_size=gpc.config.BATCH_SIZE, drop_last=True)
+    test_dataloader = nc.get_dataloader(test_set, batch_size=gpc.config.BATCH_SIZE, drop_last=True)
+    engine, train_dataloader, test_dataloader, _ = nc.initialize(model, optimizer, col_nn.CrossEntropyLoss(),
+                                                                 train_dataloader, test_dataloader)
+    trainer = Trainer(engine=engine, logger=logger)
+    trainer.fit(train_dataloader=train_dataloader, epochs=gpc.config.NUM_EPOCHS, test_dataloader=test_dataloader,
+                hooks=[hooks.LossHook(), hooks.AccuracyHook(Accuracy()), hooks.ThroughputHook(),
+                       hooks.LogMetricByEpochHook(logger)],
+                display_progress=True, max_steps=args.max_steps)
+    last = trainer.states["metrics"]["train"]
+    logger.info(f"final train loss {last['loss']:.6g}, test accuracy "
+                f"{trainer.states['metrics']['test'].get('accuracy', float('nan')):.4f}")
+    gpc.destroy()
+
+
+if __name__ == "__main__":
+    main()
