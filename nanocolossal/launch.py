@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .config import ConfigLike, load_config
+from .config import ConfigError, ConfigLike, load_config
 from .context import gpc
 from .logging import get_dist_logger
 
@@ -147,7 +147,10 @@ def _init_process_group(backend: str, init_method: str, rank: int, world_size: i
 def _launch(config: ConfigLike, rank: int, world_size: int, local_rank: Optional[int], init_method: str,
             where: str, backend: Optional[str], seed: int, timeout: Optional[float]) -> None:
     """Validate everything that can be checked alone, then meet the other ranks."""
-    cfg = load_config(config)
+    try:
+        cfg = load_config(config)
+    except ConfigError as e:
+        raise ConfigError(f"[rank {rank}] {e}") from None
     if gpc.is_initialized:
         raise LaunchError(f"[rank {gpc.rank}] already launched; call gpc.destroy() before launching again")
     for name, value in (("rank", rank), ("world_size", world_size)):
@@ -155,8 +158,11 @@ def _launch(config: ConfigLike, rank: int, world_size: int, local_rank: Optional
             raise LaunchError(f"{name} must be an integer, got {value!r}; pass --{name}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise LaunchError(f"[rank {rank}] rank must be in [0, world_size={world_size}); check --rank/--world_size")
+    try:
+        gpc.parallel_sizes(cfg, world_size)  # a world that does not fit fails here, before any waiting
+    except ConfigError as e:
+        raise ConfigError(f"[rank {rank}] {e}") from None
     local_rank = default_local_rank(rank, local_rank)
-    gpc.parallel_sizes(cfg, world_size)  # a world that does not fit fails here, before any waiting
     backend = _pick_backend(backend, rank)
     device = _pick_device(backend, rank, local_rank)
     seconds = timeout if timeout is not None else cfg.get("timeout", DEFAULT_TIMEOUT_S)
