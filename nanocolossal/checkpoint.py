@@ -5,9 +5,12 @@ and fp32 master weights), LR scheduler, epoch, anything passed as **extra (e.g. 
 the RNG states of every data-parallel rank, so a resumed run draws the same random numbers
 (dropout, shuffling, augmentation) as one that never stopped.
 
-Who writes: data-parallel rank 0 of each pipeline stage, one file per stage
-(`ckpt.pt` -> `ckpt-stage0.pt`, `ckpt-stage1.pt` when pipeline > 1). Replicas are identical,
-so one copy suffices; everyone waits at a barrier until the file exists.
+Who writes: data-parallel rank 0 of each (pipeline stage, tensor rank), one file each
+(`ckpt.pt` -> `ckpt-stage0.pt`, `ckpt-stage1.pt` when pipeline > 1; `ckpt-stage0-tensor1.pt`
+with tensor parallelism). Replicas are identical, so one copy suffices; everyone waits at a
+barrier until the files exist. Tensor-parallel files record how each parameter was cut, so
+`merge_checkpoint(path)` rebuilds the plain model's state_dict from all of them offline, and
+`load_plain_state_dict` loads a plain state_dict into any layout (each rank keeps its slice).
 
 How: write to `ckpt.pt.tmp-PID`, fsync, then `os.replace` it over `ckpt.pt`. A rename is
 atomic, so a crash at any moment leaves either the old checkpoint or the new one, whole.
@@ -25,6 +28,7 @@ with weights_only=False: load only checkpoints you trust.
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -62,13 +66,15 @@ def unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def stage_path(path: PathLike, stage: Optional[int] = None) -> Path:
-    """The file of a pipeline stage: ckpt.pt stays ckpt.pt without pipelines, else ckpt-stage{r}.pt."""
+def stage_path(path: PathLike, stage: Optional[int] = None, tensor_rank: Optional[int] = None) -> Path:
+    """This rank's file: ckpt.pt alone, ckpt-stage{p}.pt with pipelines, ...-tensor{t}.pt with tensor parallelism."""
     path = Path(path)
-    if gpc.pipeline_size == 1 and stage is None:
-        return path
-    stage = gpc.pipeline_rank if stage is None else stage
-    return path.with_name(f"{path.stem}-stage{stage}{path.suffix}")
+    parts = []
+    if gpc.pipeline_size > 1 or stage is not None:
+        parts.append(f"stage{gpc.pipeline_rank if stage is None else stage}")
+    if gpc.tensor_size > 1 or tensor_rank is not None:
+        parts.append(f"tensor{gpc.tensor_rank if tensor_rank is None else tensor_rank}")
+    return path.with_name("-".join([path.stem, *parts]) + path.suffix) if parts else path
 
 
 def _rng_state() -> dict:
@@ -124,7 +130,10 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
                  "rng": rng, "extra": extra,
-                 "pipeline": {"rank": gpc.pipeline_rank, "size": gpc.pipeline_size}}
+                 "pipeline": {"rank": gpc.pipeline_rank, "size": gpc.pipeline_size},
+                 "tensor": {"rank": gpc.tensor_rank, "size": gpc.tensor_size, "mode": gpc.tensor_mode,
+                            "splits": {name: list(getattr(p, "tensor_splits", []))
+                                       for name, p in unwrap(model).named_parameters()}}}
         atomic_save(state, stage_path(path))
     if gpc.is_initialized and gpc.world_size > 1:
         dist.barrier()
@@ -137,14 +146,16 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None, lr_
     if not file.is_file():
         raise FileNotFoundError(f"[rank {gpc.rank}] checkpoint {str(file)!r} not found")
     state = torch.load(file, map_location=map_location or gpc.device, weights_only=False)
-    saved = state.get("pipeline", {"size": 1})
-    if saved["size"] != gpc.pipeline_size:
-        raise ValueError(f"[rank {gpc.rank}] {file} was saved with pipeline size {saved['size']}, this job has "
-                         f"{gpc.pipeline_size}; merge it with merge_pipeline_checkpoint or launch the same layout")
-    if gpc.is_initialized and gpc.pipeline_size > 1:
-        stages: list[Any] = [None] * gpc.pipeline_size
-        dist.all_gather_object(stages, _describe_save(state, file), group=gpc.pipeline_group)
-        _check_one_save(stages)
+    for kind, size in (("pipeline", gpc.pipeline_size), ("tensor", gpc.tensor_size)):
+        saved = state.get(kind, {}).get("size", 1)
+        if saved != size:
+            raise ValueError(f"[rank {gpc.rank}] {file} was saved with {kind} size {saved}, this job has {size}; "
+                             f"launch the same layout, or merge_checkpoint() it into a plain state_dict and "
+                             f"load_plain_state_dict() that")
+    if gpc.is_initialized and gpc.pipeline_size * gpc.tensor_size > 1:
+        parts: list[Any] = [None] * (gpc.pipeline_size * gpc.tensor_size)
+        dist.all_gather_object(parts, _describe_save(state, file), group=gpc.model_group)
+        _check_one_save(parts)
     unwrap(model).load_state_dict(strip_prefixes(state["model"]), strict=strict)
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -170,7 +181,7 @@ def _check_one_save(stages: list[dict]) -> None:
     if len({s["id"] for s in stages}) > 1:
         listed = "; ".join(f"{s['file']}: epoch {s['epoch']}, step {s['step']}" for s in stages)
         raise RuntimeError(f"[rank {gpc.rank}] the pipeline stage files come from different saves ({listed}); "
-                           f"a save was interrupted between stages. Resume from an older complete checkpoint, "
+                           f"a save was interrupted between files. Resume from an older complete checkpoint, "
                            f"or delete these files and start again")
 
 
@@ -187,6 +198,75 @@ def skip_batches(loader: Iterable, skip: int, rng_state: Optional[dict] = None) 
     if rng_state is not None:
         set_rng_state(rng_state)
     return batches
+
+
+def _rebuild(blocks: dict[int, torch.Tensor], splits: list, size: int, mode: Optional[str]) -> torch.Tensor:
+    """Undo tensor/base.shard offline: concatenate the tensor ranks' blocks of one parameter."""
+    q = math.isqrt(size)
+    position = {"tensor": lambda t: t, "col": lambda t: t % q, "row": lambda t: t // q}
+    parts = {"tensor": size, "col": q, "row": q}
+
+    def build(todo: list, fixed: dict) -> torch.Tensor:
+        if not todo:  # a block every rank with these coordinates holds alike
+            return next(b for t, b in sorted(blocks.items())
+                        if all(position[axis](t) == i for axis, i in fixed.items()))
+        dim, axis = todo[0]
+        return torch.cat([build(todo[1:], {**fixed, axis: i}) for i in range(parts[axis])], dim=dim)
+    return build(list(splits), {})
+
+
+def _load_all(paths: list[PathLike]) -> list[dict]:
+    """Read a save's files (CPU) and check they all come from that one save."""
+    states = [torch.load(path, map_location="cpu", weights_only=False) for path in paths]
+    _check_one_save([_describe_save(state, path) for state, path in zip(states, paths)])
+    return states
+
+
+def _merge_tensor_states(states: list[dict]) -> dict:
+    info = [state.get("tensor", {"rank": 0, "size": 1, "splits": {}}) for state in states]
+    size, mode = info[0]["size"], info[0].get("mode")
+    if sorted(i["rank"] for i in info) != list(range(size)):
+        raise ValueError(f"merging needs the files of all {size} tensor ranks of a stage, got ranks "
+                         f"{sorted(i['rank'] for i in info)}")
+    models = {i["rank"]: strip_prefixes(state["model"]) for i, state in zip(info, states)}
+    splits = info[0]["splits"]
+    return {key: _rebuild({t: m[key] for t, m in models.items()}, splits.get(key, []), size, mode)
+            for key in models[0]}
+
+
+def merge_tensor_parallel(paths: list[PathLike]) -> dict:
+    """One pipeline stage's plain state_dict from its tensor ranks' files (in any order)."""
+    return _merge_tensor_states(_load_all(paths))
+
+
+def merge_checkpoint(path: PathLike) -> dict:
+    """The plain model's state_dict from every file a save wrote for `path` (stages x tensor ranks)."""
+    path = Path(path)
+    if path.is_file():
+        return strip_prefixes(torch.load(path, map_location="cpu", weights_only=False)["model"])
+    files = sorted(path.parent.glob(f"{path.stem}-*{path.suffix}"))
+    if not files:
+        raise FileNotFoundError(f"no checkpoint files for {str(path)!r} (looked for {path.stem}-*{path.suffix})")
+    by_stage: dict[int, list[dict]] = {}
+    for state in _load_all(files):
+        by_stage.setdefault(state.get("pipeline", {}).get("rank", 0), []).append(state)
+    merged: dict = {}
+    for stage in sorted(by_stage):
+        merged.update(_merge_tensor_states(by_stage[stage]))
+    return merged
+
+
+@torch.no_grad()
+def load_plain_state_dict(model: nn.Module, state_dict: dict) -> None:
+    """Load a plain (unsplit) state_dict into a model of any layout: each parameter keeps its slice."""
+    from .tensor.base import shard
+    state_dict = strip_prefixes(state_dict)
+    model = unwrap(model)
+    mine = dict(model.named_parameters())
+    for key, value in model.state_dict(keep_vars=True).items():
+        if key not in state_dict:
+            raise KeyError(f"[rank {gpc.rank}] the plain state_dict has no {key!r}")
+        value.copy_(shard(state_dict[key], getattr(mine.get(key), "tensor_splits", [])))
 
 
 def merge_pipeline_checkpoint(paths: list[PathLike]) -> dict:

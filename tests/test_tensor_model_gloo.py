@@ -11,6 +11,7 @@ import nanocolossal as nc
 import nanocolossal.nn as col_nn
 from nanocolossal.context import gpc
 from nanocolossal.pipeline import build_pipeline_model
+from nanocolossal.checkpoint import load_plain_state_dict, merge_checkpoint, save_checkpoint
 from nanocolossal.tensor.base import shard
 from dist_helpers import ROOT, run_ranks
 
@@ -21,8 +22,8 @@ pytestmark = pytest.mark.timeout(180)
 BATCH, STEPS, CLIP = 8, 3, 0.05
 
 
-def _model():
-    torch.manual_seed(0)
+def _model(seed=0):
+    torch.manual_seed(seed)
     return vit(img_size=8, patch_size=4, dim=8, depth=2, heads=2, mlp_ratio=2, num_classes=5)
 
 
@@ -34,6 +35,7 @@ def _batch(step):
 def _single_process():
     """The reference: one process, whole batch, torch's own clipping."""
     model = _model()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     norms = []
     for step in range(STEPS):
@@ -42,10 +44,10 @@ def _single_process():
         torch.nn.functional.cross_entropy(model(x), y).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, initial
 
 
-def _layout_worker(rank, world_size, port, parallel, expected, norms):
+def _layout_worker(rank, world_size, port, parallel, expected, norms, initial, path):
     config = {"parallel": parallel, "clip_grad_norm": CLIP}
     if parallel.get("pipeline", 1) > 1:
         config["NUM_MICRO_BATCHES"] = 2
@@ -53,6 +55,12 @@ def _layout_worker(rank, world_size, port, parallel, expected, norms):
     model = _model()
     if gpc.pipeline_size > 1:
         model = build_pipeline_model(model, partition="uniform")
+    other = _model(seed=123)  # other weights, then the plain initial state_dict loaded into this layout
+    if gpc.pipeline_size > 1:
+        other = build_pipeline_model(other, partition="uniform")
+    load_plain_state_dict(other, initial)
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        assert torch.equal(p, q), f"load_plain_state_dict gave {name} other values than the seeded shard"
     engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
                                col_nn.CrossEntropyLoss(), verbose=False)
     per_replica = BATCH // gpc.data_size
@@ -68,6 +76,7 @@ def _layout_worker(rank, world_size, port, parallel, expected, norms):
         assert_close(p.detach(), shard(expected[name], getattr(p, "tensor_splits", [])),
                      msg=lambda m: f"[rank {rank}] {name}: {m}")
         checked.append(name)
+    save_checkpoint(path, 0, engine.model, step=STEPS)  # one file per (stage, tensor rank)
     return checked
 
 
@@ -86,9 +95,16 @@ def reference():
 
 
 @pytest.mark.parametrize("name, world, parallel", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_gloo_tensor_parallel_training_equals_one_process(reference, name, world, parallel):
-    expected, norms = reference
+def test_gloo_tensor_parallel_training_equals_one_process(reference, name, world, parallel, tmp_path):
+    expected, norms, initial = reference
     assert norms[0] > CLIP, "the clip really clips"
-    checked = run_ranks(_layout_worker, world, parallel, expected, norms, timeout=150)
+    path = tmp_path / "ckpt.pt"
+    checked = run_ranks(_layout_worker, world, parallel, expected, norms, initial, str(path), timeout=150)
     covered = {key for names in checked for key in names}
     assert covered == set(expected), "every parameter of the model is checked on some rank"
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == parallel.get("pipeline", 1) * parallel["tensor"]["size"], files  # data rank 0 writes
+    merged = merge_checkpoint(path)  # the per-(stage, tensor rank) files -> the plain model's state_dict
+    assert set(merged) == set(expected)
+    for key, value in expected.items():
+        assert_close(merged[key], value, msg=lambda m: f"merged {key}: {m}")
