@@ -119,7 +119,6 @@ def load_config(config: ConfigLike) -> Config:
 # Colossal-AI keys that this project deliberately does not implement, with what to do instead.
 _UNSUPPORTED = {
     "zero": "ZeRO is not implemented; remove `zero` (plain data parallelism shards nothing)",
-    "gradient_handler": "custom gradient handlers are not supported; data-parallel all-reduce is built in",
 }
 _PARALLEL_KEYS = ("pipeline", "data", "tensor", "sequence")
 
@@ -181,6 +180,13 @@ def validate_config(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r} is not supported: {hint}")
 
     parallel_settings(cfg)
+    handlers = cfg.get("gradient_handler")
+    if handlers is not None:
+        types = [h.get("type") if isinstance(h, Mapping) else h for h in
+                 (handlers if isinstance(handlers, (list, tuple)) else [handlers])]
+        if types != ["DataParallelGradientHandler"]:
+            raise ConfigError(f"gradient_handler {types} is not supported; use "
+                              f"[dict(type='DataParallelGradientHandler')] (or leave it out for overlapped DDP)")
 
     fp16 = cfg.get("fp16")
     if fp16 is not None:

@@ -38,6 +38,7 @@ from .amp import MixedPrecisionOptimizer
 from .config import AMP_TYPE, ConfigError
 from .context import gpc
 from .ddp import DistributedDataParallel
+from .gradient_handler import DataParallelGradientHandler
 from .logging import get_dist_logger
 from .nest import map_tensors
 from .syncbn import convert_sync_batchnorm
@@ -70,13 +71,14 @@ class Engine:
 
     def __init__(self, model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Optional[Callable] = None,
                  forward_module: Optional[nn.Module] = None, gradient_accumulation: int = 1,
-                 clip_grad_norm: float = 0.0) -> None:
+                 clip_grad_norm: float = 0.0, gradient_handler: Optional[DataParallelGradientHandler] = None) -> None:
         self.model = model                                   # the user's model: prefix-free state_dict
         self.optimizer = optimizer
         self._criterion = criterion
         self.forward_module = forward_module or model        # what forward runs through (DDP wrapper)
         self.gradient_accumulation = gradient_accumulation
         self.clip_grad_norm = clip_grad_norm
+        self.gradient_handler = gradient_handler             # all-reduce after backward (instead of DDP)
         self.last_grad_norm: Optional[float] = None
         self._micro = 0                                      # backward calls since the last real step
 
@@ -111,6 +113,8 @@ class Engine:
         if self._micro < self.gradient_accumulation:
             return False
         self._micro = 0
+        if self.gradient_handler is not None:
+            self.gradient_handler.handle_gradient()
         if self.clip_grad_norm:
             # ranks holding *other* parameters (pipeline stages, tensor shards) add their squares
             self.last_grad_norm = self.optimizer.clip_grad_norm(self.clip_grad_norm, gpc.model_group)
@@ -135,8 +139,10 @@ class PipelineEngine(Engine):
     last stage, the mean loss on every stage)."""
 
     def __init__(self, model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Optional[Callable],
-                 schedule: Any, chunks: list, clip_grad_norm: float = 0.0) -> None:
-        super().__init__(model, optimizer, criterion, clip_grad_norm=clip_grad_norm)
+                 schedule: Any, chunks: list, clip_grad_norm: float = 0.0,
+                 gradient_handler: Optional[DataParallelGradientHandler] = None) -> None:
+        super().__init__(model, optimizer, criterion, clip_grad_norm=clip_grad_norm,
+                         gradient_handler=gradient_handler)
         self.schedule = schedule                        # GPipe / 1F1B / interleaved
         self.chunks = chunks                            # what the schedule runs (DDP-wrapped per chunk)
 
@@ -243,25 +249,29 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Op
 
     # 3. data parallelism (and, for a pipeline stage, its schedule) -> 4. the Engine
     clip = cfg.get("clip_grad_norm", 0.0)
+    handler = None
+    if cfg.get("gradient_handler") and gpc.data_size > 1:  # Colossal-AI's after-backward all-reduce
+        handler = DataParallelGradientHandler(model)
+        features.append(f"DataParallelGradientHandler x{gpc.data_size}")
     if gpc.tensor_size > 1:
         features.insert(0, f"tensor parallel {gpc.tensor_mode} x{gpc.tensor_size}")
     if schedule is not None:
         chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
-        if gpc.data_size > 1:  # each chunk is its own DDP unit, averaged over its data group
+        if gpc.data_size > 1 and handler is None:  # each chunk is its own DDP unit, averaged over its data group
             chunks = [DistributedDataParallel(chunk) for chunk in chunks]
             features.append(f"data parallel x{gpc.data_size}")
         features.insert(0, f"pipeline {schedule.name} x{gpc.pipeline_size} stages, "
                            f"{schedule.num_microbatches} micro-batches, {schedule.num_chunks} chunk(s)")
-        engine: Engine = PipelineEngine(model, optimizer, criterion, schedule, chunks, clip)
+        engine: Engine = PipelineEngine(model, optimizer, criterion, schedule, chunks, clip, handler)
     else:
         forward_module = model
-        if gpc.data_size > 1:
+        if gpc.data_size > 1 and handler is None:
             forward_module = DistributedDataParallel(model)
             features.append(f"DDP x{gpc.data_size}")
         accumulation = cfg.get("gradient_accumulation", 1)
         if accumulation > 1:
             features.append(f"gradient accumulation x{accumulation}")
-        engine = Engine(model, optimizer, criterion, forward_module, accumulation, clip)
+        engine = Engine(model, optimizer, criterion, forward_module, accumulation, clip, handler)
     if clip:
         features.append(f"clip_grad_norm={clip}")
     if verbose:

@@ -65,7 +65,7 @@ def test_config_file_that_raises_is_reported(tmp_path):
 
 @pytest.mark.parametrize("config, message", [
     ({"zero": {"level": 2}}, "'zero' is not supported"),
-    ({"gradient_handler": [dict(type="X")]}, "'gradient_handler' is not supported"),
+    ({"gradient_handler": [dict(type="X")]}, r"gradient_handler \['X'\] is not supported.*DataParallelGradientHandler"),
     ({"parallel": {"tensor": {"size": 8, "mode": "2d"}}}, "size 8 is not a perfect square.*use size 4 or 9"),
     ({"parallel": {"tensor": {"size": 2, "mode": "2d"}}}, "size 2 is not a perfect square.*use size 1 or 4"),
     ({"parallel": {"tensor": 2}}, "parallel.tensor needs mode='1d' or mode='2d'"),

@@ -33,8 +33,8 @@ def _engine(config, rank, world_size, port, lr=0.1):
     return engine
 
 
-def _accumulation_worker(rank, world_size, port, n_accum, clip):
-    config = {"gradient_accumulation": n_accum, **({"clip_grad_norm": clip} if clip else {})}
+def _accumulation_worker(rank, world_size, port, n_accum, clip, extra=None):
+    config = {"gradient_accumulation": n_accum, **({"clip_grad_norm": clip} if clip else {}), **(extra or {})}
     engine = _engine(config, rank, world_size, port)
     single = _model()
     single_opt = torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
@@ -62,6 +62,14 @@ def _accumulation_worker(rank, world_size, port, n_accum, clip):
 def test_gloo_engine_gradient_accumulation_equals_one_big_step():
     (_, keys), _ = run_ranks(_accumulation_worker, 2, 4, 0.0)
     assert keys == list(_model().state_dict()), "engine.model.state_dict() has no wrapper prefixes"
+
+
+def test_gloo_gradient_handler_equals_one_process_with_accumulation_and_clipping():
+    """Colossal-AI's after-backward all-reduce instead of DDP: the same training."""
+    handler = {"gradient_handler": [dict(type="DataParallelGradientHandler")]}
+    for norms, _ in run_ranks(_accumulation_worker, 2, 2, 0.05, handler):
+        for ours, single in norms:
+            assert ours == pytest.approx(single, rel=1e-5)
 
 
 def test_gloo_engine_clipping_uses_the_whole_batch_norm():

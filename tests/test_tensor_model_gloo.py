@@ -48,7 +48,11 @@ def _single_process():
 
 
 def _layout_worker(rank, world_size, port, parallel, expected, norms, initial, path):
-    config = {"parallel": parallel, "clip_grad_norm": CLIP}
+    parallel = dict(parallel)
+    config = {"clip_grad_norm": CLIP}
+    if parallel.pop("gradient_handler", False):
+        config["gradient_handler"] = [dict(type="DataParallelGradientHandler")]
+    config["parallel"] = parallel
     if parallel.get("pipeline", 1) > 1:
         config["NUM_MICRO_BATCHES"] = 2
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
@@ -85,6 +89,7 @@ LAYOUTS = [
     ("2d x4", 4, {"tensor": {"size": 4, "mode": "2d"}}),
     ("pipeline 2 x 1d 2", 4, {"pipeline": 2, "tensor": {"size": 2, "mode": "1d"}}),
     ("data 2 x 1d 2", 4, {"tensor": {"size": 2, "mode": "1d"}}),
+    ("data 2 x pipeline 2, gradient handler", 4, {"pipeline": 2, "gradient_handler": True}),
     ("pipeline 2 x 2d 4 (the tutorial's config)", 8, {"pipeline": 2, "tensor": {"size": 4, "mode": "2d"}}),
 ]
 
@@ -103,7 +108,8 @@ def test_gloo_tensor_parallel_training_equals_one_process(reference, name, world
     covered = {key for names in checked for key in names}
     assert covered == set(expected), "every parameter of the model is checked on some rank"
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert len(files) == parallel.get("pipeline", 1) * parallel["tensor"]["size"], files  # data rank 0 writes
+    tensor = parallel.get("tensor", {}).get("size", 1)
+    assert len(files) == parallel.get("pipeline", 1) * tensor, files  # data rank 0 of each part writes
     merged = merge_checkpoint(path)  # the per-(stage, tensor rank) files -> the plain model's state_dict
     assert set(merged) == set(expected)
     for key, value in expected.items():
