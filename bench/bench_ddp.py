@@ -5,7 +5,8 @@
 Starts itself on 2 ranks (gloo, one thread each) with `nanocolossal run`. Both wrappers get
 identical copies of a ~17M-parameter MLP and identical batches; they take turns in A/B
 rounds (which one goes first alternates) after a warm-up, and the median step time of each
-is reported. Rank 0 then times the same model with no DDP at all, alone, for scaling
+is reported, beside Colossal-AI's DataParallelGradientHandler (all-reduce after backward, no
+overlap) on a third copy. Rank 0 then times the same model with no DDP at all, alone, for scaling
 efficiency (= single-process step time / DDP step time at the same per-rank batch). Finally
 the two DDP models' parameters are compared: they took the same steps, so they must agree.
 
@@ -27,6 +28,7 @@ from common import run_on_ranks, write_result  # also puts the repository on sys
 import nanocolossal as nc  # noqa: E402
 from nanocolossal.context import gpc  # noqa: E402
 from nanocolossal.ddp import DistributedDataParallel  # noqa: E402
+from nanocolossal.gradient_handler import DataParallelGradientHandler  # noqa: E402
 
 
 def mlp(width: int, depth: int) -> nn.Module:
@@ -36,12 +38,14 @@ def mlp(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
-def timed_steps(model, optimizer, batches) -> list[float]:
+def timed_steps(model, optimizer, batches, after_backward=None) -> list[float]:
     times = []
     for x, y in batches:
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(model(x), y).backward()
+        if after_backward is not None:
+            after_backward()
         optimizer.step()
         times.append(time.perf_counter() - start)
     return times
@@ -65,9 +69,11 @@ def main() -> None:
     n_params = sum(p.numel() for p in base.parameters())
     ours = DistributedDataParallel(copy.deepcopy(base))
     theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    opt = {"ours": torch.optim.SGD(ours.parameters(), lr=0.01, momentum=0.9),
-           "torch": torch.optim.SGD(theirs.parameters(), lr=0.01, momentum=0.9)}
-    models = {"ours": ours, "torch": theirs}
+    handled = copy.deepcopy(base)  # Colossal-AI's gradient handler: all-reduce after backward, no overlap
+    handler = DataParallelGradientHandler(handled)
+    models = {"ours": ours, "torch": theirs, "handler": handled}
+    opt = {name: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for name, m in models.items()}
+    hooks = {"handler": handler.handle_gradient}
 
     g = torch.Generator().manual_seed(1 + gpc.rank)
     def batches(n):
@@ -76,15 +82,17 @@ def main() -> None:
 
     warm = batches(args.warmup)
     for name in models:
-        timed_steps(models[name], opt[name], warm)
-    times = {"ours": [], "torch": []}
+        timed_steps(models[name], opt[name], warm, hooks.get(name))
+    times = {name: [] for name in models}
     for r in range(args.rounds):
         data = batches(args.steps)
-        for name in (["ours", "torch"] if r % 2 == 0 else ["torch", "ours"]):
+        order = list(models) if r % 2 == 0 else list(reversed(models))
+        for name in order:
             dist.barrier()
-            times[name] += timed_steps(models[name], opt[name], data)
+            times[name] += timed_steps(models[name], opt[name], data, hooks.get(name))
 
-    max_diff = max((p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.parameters()))
+    max_diff = max(max((p - q).abs().max().item() for p, q in zip(ours.parameters(), other.parameters()))
+                   for other in (theirs, handled))
 
     dist.barrier()
     single_times = []
@@ -102,7 +110,8 @@ def main() -> None:
             benchmark="ddp", world_size=gpc.world_size, backend=gpc.backend, threads_per_rank=1,
             model=f"MLP {args.depth}x Linear({args.width}) + head", params=n_params, batch_per_rank=args.batch,
             steps_timed=len(times["ours"]), ours_ms=round(med["ours"], 2), torch_ms=round(med["torch"], 2),
-            ratio_ours_over_torch=round(med["ours"] / med["torch"], 3), single_rank_ms=round(single_ms, 2),
+            ratio_ours_over_torch=round(med["ours"] / med["torch"], 3), handler_ms=round(med["handler"], 2),
+            ratio_handler_over_torch=round(med["handler"] / med["torch"], 3), single_rank_ms=round(single_ms, 2),
             scaling_efficiency_ours=round(single_ms / med["ours"], 3),
             scaling_efficiency_torch=round(single_ms / med["torch"], 3),
             max_param_diff=max_diff, torch_version=torch.__version__, machine=platform.machine(),
@@ -110,10 +119,12 @@ def main() -> None:
         rows = [("step time, nanocolossal DDP", f"{med['ours']:.1f} ms"),
                 ("step time, torch DDP", f"{med['torch']:.1f} ms"),
                 ("ratio ours / torch", f"{result['ratio_ours_over_torch']:.3f}"),
+                ("step time, gradient handler", f"{med['handler']:.1f} ms"),
+                ("ratio handler / torch", f"{result['ratio_handler_over_torch']:.3f}"),
                 ("step time, 1 rank without DDP", f"{single_ms:.1f} ms"),
                 ("scaling efficiency ours / torch", f"{result['scaling_efficiency_ours']:.2f} / "
                                                     f"{result['scaling_efficiency_torch']:.2f}"),
-                ("max |param ours - param torch|", f"{max_diff:.2e}")]
+                ("max |param diff| ours vs torch, handler", f"{max_diff:.2e}")]
         print(f"\nDDP benchmark: {result['model']}, {n_params / 1e6:.1f}M params, batch {args.batch}/rank, "
               f"{gpc.world_size} gloo ranks x 1 thread, {len(times['ours'])} timed steps each")
         for label, value in rows:
