@@ -173,8 +173,9 @@ class PipelineEngine(Engine):
         return output, label, loss
 
 
-def _amp_settings(fp16: dict) -> tuple[str, dict]:
-    """fp16=dict(mode=AMP_TYPE.X, ...) -> (opt_level, keyword arguments for amp.initialize)."""
+def _amp_settings(fp16: dict, cpu_half: Optional[torch.dtype] = torch.bfloat16) -> tuple[str, Optional[dict]]:
+    """fp16=dict(mode=AMP_TYPE.X, ...) -> (opt_level, keyword arguments for amp.initialize), or
+    (opt_level, None) on a CPU with no fast half-precision kernels (`cpu_half` None): float32."""
     fp16 = dict(fp16)
     mode = AMP_TYPE.parse(fp16.pop("mode"))
     if "initial_scale" in fp16:  # Colossal-AI's spelling for the naive mode
@@ -185,9 +186,12 @@ def _amp_settings(fp16: dict) -> tuple[str, dict]:
     if isinstance(fp16.get("dtype"), str):
         fp16["dtype"] = getattr(torch, fp16["dtype"])
     if "dtype" not in fp16 and gpc.device.type == "cpu":
-        # CPUs have no fast fp16 kernels (a ResNet-34 step measured 75x slower than bf16); bf16 has
-        # fp32's range, so it also needs no loss scaling.
-        fp16["dtype"] = torch.bfloat16
+        # CPUs have no fast fp16 kernels; bf16 (fp32's range: no loss scaling) where it is fast
+        if cpu_half is None:
+            get_dist_logger().info("fp16 on CPU: this CPU has no fast half-precision kernels (measured), so "
+                                   "computing in float32; set fp16=dict(..., dtype='bfloat16') to force bf16")
+            return opt_level, None
+        fp16["dtype"] = cpu_half
         get_dist_logger().info("fp16 on CPU: computing in bfloat16 (CPUs have no fast float16 kernels); "
                                "set fp16=dict(..., dtype='float16') to force float16")
     return opt_level, fp16
@@ -241,9 +245,15 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Op
 
     # 2. AMP: may change parameter dtypes (O2/O3), so it comes before DDP buckets them
     if cfg.get("fp16") is not None:
-        opt_level, kwargs = _amp_settings(cfg.fp16)
-        model, optimizer = amp.initialize(model, optimizer, opt_level, device_type=gpc.device.type, **kwargs)
-        features.append(f"AMP {opt_level} ({AMP_TYPE.parse(cfg.fp16.mode).name})")
+        needs_probe = gpc.device.type == "cpu" and "dtype" not in cfg.fp16
+        opt_level, kwargs = _amp_settings(cfg.fp16, amp.cpu_half_dtype() if needs_probe else torch.bfloat16)
+        name = f"AMP {opt_level} ({AMP_TYPE.parse(cfg.fp16.mode).name})"
+        if kwargs is None:  # a CPU without fast half precision: the same training, in float32
+            optimizer = MixedPrecisionOptimizer(optimizer)
+            features.append(f"{name} in float32 on this CPU")
+        else:
+            model, optimizer = amp.initialize(model, optimizer, opt_level, device_type=gpc.device.type, **kwargs)
+            features.append(name)
     else:
         optimizer = MixedPrecisionOptimizer(optimizer)  # fp32: no scaling, same interface
 

@@ -106,17 +106,22 @@ def test_gloo_engine_bf16_non_finite_on_one_rank_skips_on_all(mode):
 
 def _config_worker(rank, world_size, port, fp16):
     engine = _engine({"sync_bn": True, "fp16": fp16}, rank, world_size, port)
-    return type(engine.forward_module).__name__, engine.model[0].weight.dtype, engine.optimizer.scaler is not None
+    return (type(engine.forward_module).__name__, engine.model[0].weight.dtype, engine.optimizer.scaler is not None,
+            nc.amp.cpu_half_dtype())
 
 
 def test_gloo_initialize_applies_config():
-    for wrapper, dtype, scaled in run_ranks(_config_worker, 2, {"mode": "naive", "dtype": "float16"}):
+    for wrapper, dtype, scaled, _ in run_ranks(_config_worker, 2, {"mode": "naive", "dtype": "float16"}):
         assert wrapper == "DistributedDataParallel" and dtype == torch.float16 and scaled
 
 
-def test_gloo_initialize_picks_bfloat16_for_fp16_on_cpu():
-    for _, dtype, scaled in run_ranks(_config_worker, 2, {"mode": AMP_TYPE.NAIVE}):
-        assert dtype == torch.bfloat16 and not scaled  # bf16 has fp32's range: nothing to scale
+def test_gloo_initialize_picks_the_measured_half_type_for_fp16_on_cpu():
+    """bf16 where this CPU runs it fast, else float32 -- rank 0's measurement, so every rank agrees."""
+    results = run_ranks(_config_worker, 2, {"mode": AMP_TYPE.NAIVE})
+    assert len({r[3] for r in results}) == 1, "one decision for the whole job"
+    for _, dtype, scaled, half in results:
+        assert half in (torch.bfloat16, None)
+        assert dtype == (half or torch.float32) and not scaled  # bf16 has fp32's range: nothing to scale
 
 
 def test_initialize_without_launch_is_plain_single_process():
@@ -135,11 +140,18 @@ def test_initialize_without_launch_is_plain_single_process():
     ({"mode": AMP_TYPE.NAIVE, "initial_scale": 2.0**12, "dtype": "float16"}, "O2",
      {"init_scale": 2.0**12, "dtype": torch.float16}),
     ({"mode": AMP_TYPE.APEX, "opt_level": "O3", "dtype": torch.bfloat16}, "O3", {"dtype": torch.bfloat16}),
-    ({"mode": "apex"}, "O1", {"dtype": torch.bfloat16}),  # CPU default
+    ({"mode": "apex"}, "O1", {"dtype": torch.bfloat16}),  # CPU default where bf16 is fast
 ])
 def test_fp16_config_maps_to_opt_level(fp16, opt_level, kwargs):
     from nanocolossal.engine import _amp_settings
     assert _amp_settings(fp16) == (opt_level, kwargs)
+
+
+def test_fp16_config_on_a_cpu_without_fast_half_precision_computes_in_float32():
+    from nanocolossal.engine import _amp_settings
+    assert _amp_settings({"mode": AMP_TYPE.TORCH}, cpu_half=None) == ("O1", None)
+    assert _amp_settings({"mode": AMP_TYPE.TORCH, "dtype": "bfloat16"}, cpu_half=None) == \
+        ("O1", {"dtype": torch.bfloat16})  # asked for by name: kept
 
 
 @pytest.mark.parametrize("fp16", [

@@ -1,0 +1,115 @@
+"""Colossal-AI's learning-rate schedulers (`colossalai.nn.lr_scheduler`), with their formulas.
+
+Each takes `total_steps` -- the number of times `.step()` will be called: epochs when the
+LRSchedulerHook steps by epoch, optimizer steps when it steps per iteration -- and scales
+every parameter group's base learning rate `base` at step t = 0, 1, ...:
+
+    CosineAnnealingLR        t < w: base * (t + 1) / w            (warm-up, w = warmup_steps)
+                             else:  eta_min + (base - eta_min) * (1 + cos(pi * (t - w) / (T - w))) / 2
+    CosineAnnealingWarmupLR  the same (Colossal-AI's name when w > 0)
+    LinearWarmupLR           t < w: base * (t + 1) / (w + 1)   else: base * (T - t) / (T - w)
+    MultiStepLR              base * gamma ** (number of milestones <= t)
+    StepLR                   base * gamma ** (t // step_size)
+    ExponentialLR            base * gamma ** t
+    PolynomialLR             t < w: base * (t + 1) / w
+                             else:  (base - end_lr) * (1 - (t - w) / (T - w)) ** power + end_lr
+
+Past T the schedule stays where it ended. They are torch LambdaLR schedulers, so
+state_dict/load_state_dict, get_last_lr and checkpointing work as for any torch scheduler.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+__all__ = ["CosineAnnealingLR", "CosineAnnealingWarmupLR", "ExponentialLR", "LinearWarmupLR", "MultiStepLR",
+           "PolynomialLR", "StepLR"]
+
+
+def _per_group(optimizer: torch.optim.Optimizer, rule: Callable[[int, float], float]) -> list:
+    """LambdaLR factors from a rule lr(t, base) (LambdaLR multiplies the base lr by the factor)."""
+    bases = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+    return [lambda t, b=base: rule(t, b) / b if b else 0.0 for base in bases]
+
+
+def _check(total_steps: int, warmup_steps: int) -> None:
+    if total_steps < 1 or not 0 <= warmup_steps < total_steps:
+        raise ValueError(f"need total_steps >= 1 and 0 <= warmup_steps < total_steps, got {total_steps}, "
+                         f"{warmup_steps}")
+
+
+class CosineAnnealingLR(LambdaLR):
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
+                 eta_min: float = 0.0, last_epoch: int = -1) -> None:
+        _check(total_steps, warmup_steps)
+        T, w = total_steps, warmup_steps
+
+        def lr(t: int, base: float) -> float:
+            if t < w:
+                return base * (t + 1) / w
+            t = min(t, T)
+            return eta_min + (base - eta_min) * (1 + math.cos(math.pi * (t - w) / (T - w))) / 2
+        super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
+
+
+class CosineAnnealingWarmupLR(CosineAnnealingLR):
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
+                 eta_min: float = 0.0, last_epoch: int = -1) -> None:
+        super().__init__(optimizer, total_steps, warmup_steps, eta_min, last_epoch)
+
+
+class LinearWarmupLR(LambdaLR):
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
+                 last_epoch: int = -1) -> None:
+        _check(total_steps, warmup_steps)
+        T, w = total_steps, warmup_steps
+
+        def lr(t: int, base: float) -> float:
+            if t < w:
+                return base * (t + 1) / (w + 1)
+            return base * max(0.0, (T - t) / (T - w))
+        super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
+
+
+class MultiStepLR(LambdaLR):
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, milestones: Optional[Sequence[int]] = None,
+                 gamma: float = 0.1, last_epoch: int = -1) -> None:
+        _check(total_steps, 0)
+        marks = sorted(milestones or [])
+        super().__init__(optimizer, _per_group(optimizer, lambda t, base: base * gamma ** bisect_right(marks, t)),
+                         last_epoch)
+
+
+class StepLR(LambdaLR):
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, step_size: int = 1, gamma: float = 0.1,
+                 last_epoch: int = -1) -> None:
+        _check(total_steps, 0)
+        super().__init__(optimizer, _per_group(optimizer, lambda t, base: base * gamma ** (min(t, total_steps)
+                                                                                            // step_size)),
+                         last_epoch)
+
+
+class ExponentialLR(LambdaLR):
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, gamma: float = 1.0,
+                 last_epoch: int = -1) -> None:
+        _check(total_steps, 0)
+        super().__init__(optimizer, _per_group(optimizer, lambda t, base: base * gamma ** min(t, total_steps)),
+                         last_epoch)
+
+
+class PolynomialLR(LambdaLR):
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, end_lr: float = 0.0001,
+                 power: float = 1.0, warmup_steps: int = 0, last_epoch: int = -1) -> None:
+        _check(total_steps, warmup_steps)
+        T, w = total_steps, warmup_steps
+
+        def lr(t: int, base: float) -> float:
+            if t < w:
+                return base * (t + 1) / w
+            t = min(t, T)
+            return (base - end_lr) * (1 - (t - w) / (T - w)) ** power + end_lr
+        super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)

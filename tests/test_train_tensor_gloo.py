@@ -1,0 +1,37 @@
+"""train_tensor.py end to end: with dropout 0, the same seed and global batch, the final train loss
+is the same for one process, Megatron 1d over 2 ranks and the tutorial's pipeline 2 x 2d 4 (8 ranks)."""
+import re
+import sys
+
+import pytest
+
+from dist_helpers import ROOT, free_port, run_cmd
+
+LAYOUTS = {
+    "one process": (1, ""),
+    "1d x2": (2, "parallel = dict(tensor=dict(size=2, mode='1d'))\n"),
+    "pipeline 2 x 2d 4": (8, "parallel = dict(pipeline=2, tensor=dict(size=4, mode='2d'))\nNUM_MICRO_BATCHES = 2\n"),
+}
+
+
+def _final_loss(tmp_path, name):
+    nproc, parallel = LAYOUTS[name]
+    config = tmp_path / f"{name.replace(' ', '_')}.py"
+    config.write_text("BATCH_SIZE = 16\nNUM_EPOCHS = 1\n" + parallel)
+    script = [str(ROOT / "train_tensor.py"), "--config", str(config), "--max-steps", "3", "--seed", "5",
+              "--synthetic-size", "64", "--data", str(tmp_path)]
+    launcher = ([sys.executable] if nproc == 1 else
+                [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                 "--master_port", str(free_port())])
+    result = run_cmd(launcher + script, timeout=150, cwd=tmp_path)
+    out = result.stdout.replace("\r", "\n")
+    assert result.returncode == 0, out
+    return float(re.search(r"final train loss ([0-9.e+-]+)", out).group(1))
+
+
+@pytest.mark.timeout(300)
+def test_gloo_train_tensor_final_loss_is_the_same_for_every_layout(tmp_path):
+    losses = {name: _final_loss(tmp_path, name) for name in LAYOUTS}
+    reference = losses["one process"]
+    for name, loss in losses.items():
+        assert loss == pytest.approx(reference, rel=1e-4), losses
