@@ -161,8 +161,7 @@ def main():
     engine, train_dataloader, test_dataloader, lr_scheduler = nc.initialize(
         model, optimizer, criterion, train_dataloader, test_dataloader, lr_scheduler)
 
-    timer: dict = {}
-    trainer = Trainer(engine=engine, timer=timer, logger=logger)
+    trainer = Trainer(engine=engine, timer=nc.utils.MultiTimer(), logger=logger)
     hook_list = [hooks.LossHook(), hooks.AccuracyHook(Accuracy()), hooks.ThroughputHook(),
                  hooks.LogMetricByEpochHook(logger), hooks.LRSchedulerHook(lr_scheduler, by_epoch=True)]
     if args.trace and isinstance(engine, nc.PipelineEngine):

@@ -5,10 +5,12 @@
     nc.gpc.config.BATCH_SIZE, nc.gpc.rank, nc.gpc.data_group
     loader = nc.get_dataloader(dataset, shuffle=True, batch_size=nc.gpc.config.BATCH_SIZE)
 
-One module per idea: config, context (gpc), launch, logging, data, metrics, ddp, syncbn, amp,
-engine, trainer, hooks, checkpoint, checks, pipeline/, run.
+One module per idea: config, context (gpc), launch, logging, data, metrics, ddp, gradient_handler,
+syncbn, amp, engine, trainer, hooks, timer, checkpoint, checks, pipeline/, tensor/, nn/, run.
+core, utils, builder, engine.schedule, nn.lr_scheduler, nn.metric: Colossal-AI's import paths.
 """
-from . import amp, checkpoint, checks, config, data, ddp, hooks, metrics, pipeline, syncbn, trainer
+from . import (amp, builder, checkpoint, checks, config, core, data, ddp, hooks, metrics, nn, pipeline, syncbn, tensor,
+               trainer, utils)
 from .config import AMP_TYPE, Config, ConfigError, load_config
 from .context import gpc
 from .data import DistributedSampler, get_dataloader
@@ -19,7 +21,8 @@ from .logging import get_dist_logger
 
 __all__ = [
     "AMP_TYPE", "Config", "ConfigError", "DistributedSampler", "Engine", "LaunchError", "PipelineEngine", "initialize", "amp",
-    "checkpoint", "checks", "config", "data", "ddp", "hooks", "pipeline", "syncbn", "trainer",
+    "builder", "checkpoint", "checks", "config", "core", "data", "ddp", "hooks", "nn", "pipeline", "syncbn", "tensor",
+    "trainer", "utils",
     "get_dataloader", "get_default_parser", "get_dist_logger", "gpc", "launch", "launch_from_openmpi",
     "launch_from_slurm", "launch_from_torch", "load_config", "metrics",
 ]

@@ -140,6 +140,15 @@ def _format(metrics: dict) -> str:
     return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
 
 
+def _timing(timer) -> str:
+    """', time: epoch 12.3 s, step 0.125 s' from the Trainer's MultiTimer: the last epoch, the mean step so far."""
+    if timer is None or not getattr(timer, "on", False) or not timer.has("train-step"):
+        return ""
+    step = timer.get_timer("train-step").get_history_mean()
+    epoch = timer.get_timer("train-epoch").history
+    return f", time: epoch {epoch[-1]:.3g} s, step {step:.3g} s" if epoch else f", time: step {step:.3g} s"
+
+
 class LogMetricByEpochHook(BaseHook):
     """Log the epoch's metrics on rank 0 every `interval` epochs."""
 
@@ -152,7 +161,8 @@ class LogMetricByEpochHook(BaseHook):
 
     def after_train_epoch(self, trainer) -> None:
         if self._due(trainer):
-            self.logger.info(f"epoch {trainer.cur_epoch + 1} train: {_format(trainer.states['metrics']['train'])}")
+            self.logger.info(f"epoch {trainer.cur_epoch + 1} train: {_format(trainer.states['metrics']['train'])}"
+                             f"{_timing(trainer.timer)}")
 
     def after_test_epoch(self, trainer) -> None:
         if self._due(trainer):

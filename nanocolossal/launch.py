@@ -48,7 +48,9 @@ def get_default_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=None, help="free port on the rank-0 node")
     parser.add_argument("--rank", type=int, default=None, help="global rank of this process")
     parser.add_argument("--world_size", type=int, default=None, help="number of processes in the job")
-    parser.add_argument("--local_rank", type=int, default=None, help="rank on this node (selects the GPU)")
+    # torch.distributed.launch passes --local-rank (newer) or --local_rank (older): accept both
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="rank on this node (selects the GPU)")
     parser.add_argument("--backend", type=str, default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
     parser.add_argument("--debug", action="store_true",
                         help="config debug=True: TORCH_DISTRIBUTED_DEBUG=DETAIL and a barrier after each epoch that "

@@ -82,3 +82,11 @@ def get_dist_logger(name: str = "nanocolossal") -> DistributedLogger:
     if name not in _loggers:
         _loggers[name] = DistributedLogger(name)
     return _loggers[name]
+
+
+def disable_existing_loggers(include: Optional[Iterable[str]] = None, exclude: Iterable[str] = ("nanocolossal",)) -> None:
+    """Silence other libraries' loggers (those in `include`, default all but `exclude`): the
+    tutorials call this first so that only the distributed logger's lines reach the console."""
+    for name in list(logging.root.manager.loggerDict):
+        if (include is None and not any(name.startswith(e) for e in exclude)) or (include and name in include):
+            logging.getLogger(name).disabled = True

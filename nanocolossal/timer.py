@@ -28,8 +28,7 @@ class Timer:
         return self._started is not None
 
     def start(self) -> None:
-        if self._started is not None:
-            raise RuntimeError("timer already started; stop it first")
+        """Begin an interval (a start while running -- an exception skipped the stop -- begins anew)."""
         self._started = time.perf_counter()
 
     def stop(self, keep_in_history: bool = True) -> float:

@@ -14,7 +14,6 @@ loads a SaveCheckpointHook checkpoint and continues after the epochs it complete
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Iterable, Optional
 
 import torch
@@ -25,12 +24,13 @@ from .checks import check_consistency, debug_barrier, maybe_fail
 from .context import gpc
 from .engine import Engine, PipelineEngine
 from .logging import get_dist_logger
+from .timer import MultiTimer
 
 __all__ = ["Trainer", "hooks"]
 
 
 class Trainer:
-    def __init__(self, engine: Engine, schedule: Any = None, timer: Optional[dict] = None, logger=None) -> None:
+    def __init__(self, engine: Engine, schedule: Any = None, timer: Optional[MultiTimer] = None, logger=None) -> None:
         if schedule is not None:  # a schedule other than the one initialize chose from the config
             if not isinstance(engine, PipelineEngine):
                 raise ValueError(f"[rank {gpc.rank}] Trainer(schedule=...) needs a pipeline engine: set "
@@ -38,7 +38,7 @@ class Trainer:
             engine.set_schedule(schedule)
         self.engine = engine
         self.schedule = getattr(engine, "schedule", None)
-        self.timer = timer if timer is not None else {}     # seconds spent per phase, accumulated
+        self.timer = timer if timer is not None else MultiTimer()  # train-epoch, train-step, test-epoch
         self.logger = logger or get_dist_logger()
         self.cur_epoch, self.cur_step, self.step_in_epoch = 0, 0, 0
         self._resume_at: tuple[int, Optional[dict]] = (0, None)  # (batches to skip, RNG to restore then)
@@ -55,9 +55,6 @@ class Trainer:
     def _set_hooks(self, hook_list: Optional[Iterable[hooks.BaseHook]]) -> None:
         if hook_list is not None:
             self._hooks = sorted(hook_list, key=lambda h: h.priority)  # stable: ties keep list order
-
-    def _time(self, phase: str, seconds: float) -> None:
-        self.timer[phase] = self.timer.get(phase, 0.0) + seconds
 
     def _execute(self, batch: Any, forward_only: bool):
         self.last_batch_size = len(batch[1]) if isinstance(batch, (list, tuple)) and len(batch) > 1 else 0
@@ -102,7 +99,7 @@ class Trainer:
     def _train_epoch(self, loader: Iterable, epochs: int, show: bool, max_steps: Optional[int]) -> bool:
         self.engine.train()
         self._call("before_train_epoch")
-        start = time.perf_counter()
+        self.timer.start("train-epoch")
         skip, rng = self._resume_at
         self._resume_at, self.step_in_epoch = (0, None), skip
         batches = checkpoint.skip_batches(loader, skip, rng) if skip else loader
@@ -111,11 +108,11 @@ class Trainer:
         stopped = False
         for batch in progress:
             self._call("before_train_iter")
-            iter_start = time.perf_counter()
+            self.timer.start("train-step")
             self.engine.zero_grad()
             output, label, loss = self._execute(batch, forward_only=False)
             self.last_step_taken = self.engine.step()
-            self._time("train_iter", time.perf_counter() - iter_start)
+            self.timer.stop("train-step")
             self.cur_step += 1
             self.step_in_epoch += 1
             self._call("after_train_iter", output, label, loss)
@@ -125,7 +122,7 @@ class Trainer:
             if max_steps is not None and self.cur_step >= max_steps:
                 stopped = True
                 break
-        self._time("train_epoch", time.perf_counter() - start)
+        self.timer.stop("train-epoch")
         self.epoch_finished = not stopped or total is not None and self.step_in_epoch == total + skip
         self._call("after_train_epoch")
         return stopped
@@ -134,12 +131,12 @@ class Trainer:
     def _test_epoch(self, loader: Iterable, show: bool) -> None:
         self.engine.eval()
         self._call("before_test_epoch")
-        start = time.perf_counter()
+        self.timer.start("test-epoch")
         for batch in self._progress(loader, "test", show):
             self._call("before_test_iter")
             output, label, loss = self._execute(batch, forward_only=True)
             self._call("after_test_iter", output, label, loss)
-        self._time("test_epoch", time.perf_counter() - start)
+        self.timer.stop("test-epoch")
         self._call("after_test_epoch")
 
     def evaluate(self, test_dataloader: Iterable, hooks: Optional[list] = None,

@@ -33,16 +33,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import amp
-from .amp import MixedPrecisionOptimizer
-from .config import AMP_TYPE, ConfigError
-from .context import gpc
-from .ddp import DistributedDataParallel
-from .gradient_handler import DataParallelGradientHandler
-from .logging import get_dist_logger
-from .nest import map_tensors
-from .syncbn import convert_sync_batchnorm
-from .tensor.layers_2d import split_batch
+from .. import amp
+from ..amp import MixedPrecisionOptimizer
+from ..config import AMP_TYPE, ConfigError
+from ..context import gpc
+from ..ddp import DistributedDataParallel
+from ..gradient_handler import DataParallelGradientHandler
+from ..logging import get_dist_logger
+from ..nest import map_tensors
+from ..syncbn import convert_sync_batchnorm
+from ..tensor.layers_2d import split_batch
 
 
 def _to_device(obj: Any) -> Any:
@@ -199,7 +199,7 @@ def _amp_settings(fp16: dict, cpu_half: Optional[torch.dtype] = torch.bfloat16) 
 
 def _pipeline_schedule(model: nn.Module):
     """The schedule gpc.config asks for, after checking the model is a pipeline stage."""
-    from .pipeline import PipelineChunks, PipelineStage, make_schedule
+    from ..pipeline import PipelineChunks, PipelineStage, make_schedule
     cfg = gpc.config
     if not isinstance(model, (PipelineStage, PipelineChunks)):
         raise ConfigError(f"[rank {gpc.rank}] parallel.pipeline={gpc.pipeline_size} but the model is a whole "
