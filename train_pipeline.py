@@ -154,9 +154,10 @@ def main():
     train_set = nc.data.cifar10(args.data, train=True, download=args.download, synthetic_size=args.synthetic_size)
     test_set = nc.data.cifar10(args.data, train=False, download=args.download,
                                synthetic_size=max(args.batch_size, args.synthetic_size // 3))
-    # drop_last: every batch must split into equal micro-batches
+    # training drops a last batch so small that BatchNorm would see one-sample micro-batches; the
+    # test loader keeps every image (uneven micro-batches are weighted exactly) and pads none
     train_dataloader = nc.get_dataloader(train_set, shuffle=True, batch_size=args.batch_size, drop_last=True)
-    test_dataloader = nc.get_dataloader(test_set, batch_size=args.batch_size, drop_last=True)
+    test_dataloader = nc.get_dataloader(test_set, batch_size=args.batch_size, pad=False)
     lr_scheduler = linear_warmup_lr(optimizer, args.epochs, args.warmup_epochs)
     engine, train_dataloader, test_dataloader, lr_scheduler = nc.initialize(
         model, optimizer, criterion, train_dataloader, test_dataloader, lr_scheduler)

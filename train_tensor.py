@@ -129,7 +129,7 @@ def main():
                                synthetic_size=max(gpc.config.BATCH_SIZE, args.synthetic_size // 4))
     train_dataloader = nc.get_dataloader(train_set, shuffle=True, seed=args.seed,
                                          batch_size=gpc.config.BATCH_SIZE, drop_last=True)
-    test_dataloader = nc.get_dataloader(test_set, batch_size=gpc.config.BATCH_SIZE, drop_last=True)
+    test_dataloader = nc.get_dataloader(test_set, batch_size=gpc.config.BATCH_SIZE, pad=False)  # every image once
     engine, train_dataloader, test_dataloader, _ = nc.initialize(model, optimizer, col_nn.CrossEntropyLoss(),
                                                                  train_dataloader, test_dataloader)
     trainer = Trainer(engine=engine, logger=logger)

@@ -144,14 +144,53 @@ def _bad_batch_worker(rank, world_size, port):
     nc.launch({"parallel": {"pipeline": 2}}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     stage = build_pipeline_model(_model(), partition="uniform")
     try:
-        make_schedule("1f1b", M).forward_backward_step(stage, _batch(n=10), nn.CrossEntropyLoss())
+        make_schedule("1f1b", M).forward_backward_step(stage, _batch(n=3), nn.CrossEntropyLoss())
     except ValueError as e:
         return str(e)
 
 
-def test_gloo_batch_not_divisible_by_micro_batches():
+def test_gloo_batch_smaller_than_micro_batches():
     for rank, message in enumerate(run_ranks(_bad_batch_worker, 2, timeout=60)):
-        assert f"[rank {rank}] batch size 10 is not divisible by NUM_MICRO_BATCHES=4" in message
+        assert f"[rank {rank}] batch size 3 is smaller than NUM_MICRO_BATCHES=4" in message
+
+
+def _any_batch_worker(rank, world_size, port):
+    """One schedule object, batches of 16, 8, 10 and 13 in turn (a test loader's last batch):
+    near-equal micro-batches weighted by their share give the whole batch's loss and gradients."""
+    nc.launch({"parallel": {"pipeline": world_size}}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    checked = []
+    for name, chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]:
+        stage = build_pipeline_model(_model(), num_chunks=chunks, partition="uniform")
+        schedule = make_schedule(name, M, chunks)
+        for n in (16, 8, 10, 13, 16):
+            x, y = _batch(seed=n, n=n)
+            reference = _model()
+            ref_out = reference(x)
+            ref_loss = nn.functional.cross_entropy(ref_out, y)
+            ref_loss.backward()
+            ref_grads = {k: p.grad for k, p in reference.named_parameters()}
+            for chunk in _chunks(stage):
+                chunk.zero_grad()
+            out, label, loss = schedule.forward_backward_step(stage, (x, y), nn.CrossEntropyLoss())
+            assert_close(loss, ref_loss.detach(), msg=lambda m: f"{name} n={n} loss: {m}")
+            for chunk in _chunks(stage):
+                for key, p in chunk.named_parameters():
+                    assert_close(p.grad, ref_grads[key], rtol=1e-6, atol=1e-6,
+                                 msg=lambda m: f"{name} n={n} grad {key}: {m}")
+            with torch.no_grad():
+                out, label, eval_loss = schedule.forward_backward_step(stage, (x, y), nn.CrossEntropyLoss(),
+                                                                       forward_only=True)
+            assert_close(eval_loss, ref_loss.detach())
+            if gpc.is_last_stage():
+                assert_close(out, ref_out.detach())
+                assert torch.equal(label, y)
+            checked.append((name, n))
+    return checked
+
+
+def test_gloo_pipelines_take_any_batch_of_at_least_m_samples():
+    expected = [(name, n) for name in ("gpipe", "1f1b", "interleaved") for n in (16, 8, 10, 13, 16)]
+    assert run_ranks(_any_batch_worker, 2, timeout=120) == [expected, expected]
 
 
 class ShapeShifter(nn.Module):

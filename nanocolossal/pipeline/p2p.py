@@ -7,12 +7,14 @@ each would wait for the other's receive forever). The receives are waited on bef
 next step; the sends complete in the background and are waited on by `flush` at the end of
 the batch, so a stage never idles while its output is in transit.
 
-A receiver must allocate a buffer of the right shape and dtype before data arrives. Unless
-the shape is given (TENSOR_SHAPE / tensor_shape), the first transfer across each stage
-boundary is preceded by a small metadata message [dtype, ndim, *shape]; later micro-batches
-must match it, and a stage whose output changes shape is stopped with an error naming both
-ranks. Gradients cross a boundary backwards with the shape of its activation, which both
-sides already know.
+A receiver must allocate a buffer of the right shape and dtype before data arrives. The
+first transfer across each stage boundary *for each micro-batch size* is preceded by a
+small metadata message [dtype, ndim, *shape]; every stage knows the sizes (it splits the
+same batch), so a smaller last batch costs one more handshake, and later micro-batches of
+that size must match it: a stage whose output changes shape is stopped with an error
+naming both ranks. TENSOR_SHAPE (tensor_shape) skips the handshake for micro-batches of
+its leading size. Gradients cross a boundary backwards with the shape of its activation,
+which both sides already know.
 
 Within a batch, operations are ordered by (kind, source, destination, micro-batch) on both
 sides and tagged, so a message is matched with its own receive on gloo (tags) and on NCCL
@@ -48,14 +50,18 @@ class StageComm:
     def __init__(self, tensor_shape: Optional[Sequence[int]] = None, dtype: torch.dtype = torch.float32) -> None:
         self.P = gpc.pipeline_size
         self.fixed = (tuple(tensor_shape), dtype) if tensor_shape is not None else None
-        self.shapes: dict[int, tuple] = {}  # boundary (source virtual stage) -> (shape, dtype)
+        self.shapes: dict[tuple, tuple] = {}  # (boundary = source virtual stage, mb size) -> (shape, dtype)
+        self.sizes: list[int] = []            # this batch's micro-batch sizes (set by the schedule)
         self._sending: list[tuple] = []     # (work, tensor) of sends not yet known to be complete
 
     def _rank(self, virtual_stage: int) -> int:
         return gpc.pipeline_ranks[virtual_stage % self.P]
 
-    def _meta_of(self, boundary: int) -> Optional[tuple]:
-        return self.fixed or self.shapes.get(boundary)
+    def _meta_of(self, boundary: int, mb: int) -> Optional[tuple]:
+        size = self.sizes[mb] if mb < len(self.sizes) else None
+        if self.fixed is not None and (size is None or self.fixed[0][0] == size):
+            return self.fixed
+        return self.shapes.get((boundary, size))
 
     def _post(self, ops: list, where: str, wait_sends: bool = True) -> None:
         """Post ops as one batch; wait for the receives (and, unless told otherwise, the sends)."""
@@ -93,21 +99,21 @@ class StageComm:
         """Announce/learn the shapes of first-time activation transfers."""
         ops, incoming = [], []
         for t in sorted(sends, key=_key):
-            if t.what == "act" and self._meta_of(t.src) is None:
+            if t.what == "act" and self._meta_of(t.src, t.mb) is None:
                 x = sends[t]
-                self.shapes[t.src] = (tuple(x.shape), x.dtype)
+                self.shapes[(t.src, self.sizes[t.mb])] = (tuple(x.shape), x.dtype)
                 meta = torch.zeros(_META_LEN, dtype=torch.int64)
                 meta[:2 + x.dim()] = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape])
                 ops.append(dist.P2POp(dist.isend, meta.to(gpc.device), self._rank(t.dst), tag=_tag(t, True)))
         for t in sorted(recvs, key=_key):
-            if t.what == "act" and self._meta_of(t.src) is None:
+            if t.what == "act" and self._meta_of(t.src, t.mb) is None:
                 meta = torch.zeros(_META_LEN, dtype=torch.int64, device=gpc.device)
                 incoming.append((t, meta))
                 ops.append(dist.P2POp(dist.irecv, meta, self._rank(t.src), tag=_tag(t, True)))
         self._post(ops, f"{where} (shape handshake)")
         for t, meta in incoming:
             code, ndim, *dims = meta.tolist()
-            self.shapes[t.src] = (tuple(dims[:ndim]), _DTYPES[code])
+            self.shapes[(t.src, self.sizes[t.mb])] = (tuple(dims[:ndim]), _DTYPES[code])
 
     def exchange(self, sends: dict, recvs: Sequence[Transfer], where: str) -> dict:
         """Post all sends ({Transfer: tensor}) and receives together; returns {Transfer: tensor}."""
@@ -120,17 +126,17 @@ class StageComm:
         ops, received = [], {}
         for t in sorted(sends, key=_key):
             x = sends[t]
-            shape, dtype = self._meta_of(t.src if t.what == "act" else t.dst)
+            shape, dtype = self._meta_of(t.src if t.what == "act" else t.dst, t.mb)
             if tuple(x.shape) != shape or x.dtype != dtype:
                 peer = self._rank(t.dst)
                 raise RuntimeError(
                     f"[rank {gpc.rank}] {where}: the {t.what} of micro-batch {t.mb} for rank {peer} has shape "
                     f"{tuple(x.shape)} and dtype {x.dtype}, but rank {gpc.rank} and rank {peer} agreed on "
-                    f"{shape} {dtype} on the first micro-batch; every micro-batch must give the same shape "
-                    f"(equal micro-batch sizes, drop_last=True) or set TENSOR_SHAPE correctly")
+                    f"{shape} {dtype} for micro-batches of this size; a stage must give the same shape for the same "
+                    f"number of samples, or set TENSOR_SHAPE correctly")
             ops.append(dist.P2POp(dist.isend, x.contiguous(), self._rank(t.dst), tag=_tag(t)))
         for t in sorted(recvs, key=_key):
-            shape, dtype = self._meta_of(t.src if t.what == "act" else t.dst)
+            shape, dtype = self._meta_of(t.src if t.what == "act" else t.dst, t.mb)
             buffer = torch.empty(shape, dtype=dtype, device=gpc.device)
             received[t] = buffer
             ops.append(dist.P2POp(dist.irecv, buffer, self._rank(t.src), tag=_tag(t)))

@@ -4,8 +4,9 @@ Each schedule only chooses the order of steps (plan.py); `forward_backward_step`
 rank's plan:
 
     F(c, m)  input = micro-batch m (first stage) or the received activation; run chunk c.
-             The last stage applies the criterion and divides by M, so the summed
-             gradients of the M micro-batches are those of the mean loss over the batch.
+             The last stage applies the criterion and weights it by the micro-batch's share
+             of the batch (1/M when M divides the batch), so the summed gradients of the M
+             micro-batches are those of the mean loss over the batch.
     B(c, m)  backward from the loss (last stage, times the AMP loss scale) or from the
              gradient received from the next stage; the input's gradient is sent back.
     Comm     sends and receives posted together (p2p.py).
@@ -55,13 +56,15 @@ class _Schedule:
         return build_plan(self.name, stages, self.num_microbatches, self.num_chunks, rank, forward_only)
 
     def _split(self, batch: Any) -> tuple[list, list, torch.Tensor]:
+        """M near-equal micro-batches (sizes differ by at most one: a last batch of 13 with M = 4
+        gives 4, 3, 3, 3), so any batch of at least M samples can run."""
         inputs, labels = batch
         n, M = len(inputs), self.num_microbatches
-        if n % M != 0:
-            raise ValueError(f"[rank {gpc.rank}] batch size {n} is not divisible by NUM_MICRO_BATCHES={M}; use a "
-                             f"batch size that is a multiple of {M} (and drop_last=True in the dataloader)")
+        if n < M:
+            raise ValueError(f"[rank {gpc.rank}] batch size {n} is smaller than NUM_MICRO_BATCHES={M}; use batches "
+                             f"of at least {M} samples (or drop_last=True in the dataloader)")
         inputs, labels = inputs.to(gpc.device, non_blocking=True), labels.to(gpc.device, non_blocking=True)
-        return list(inputs.split(n // M)), list(labels.split(n // M)), labels
+        return list(inputs.tensor_split(M)), list(labels.tensor_split(M)), labels
 
     def forward_backward_step(self, model: Any, batch: Any, criterion: Optional[Callable] = None,
                               forward_only: bool = False, return_loss: bool = True, loss_scale: float = 1.0):
@@ -75,6 +78,7 @@ class _Schedule:
         if self._comm is None:
             self._comm = StageComm(self.tensor_shape)
         x_mb, y_mb, labels = self._split(batch)
+        self._comm.sizes = [len(x) for x in x_mb]  # a new micro-batch size means new activation shapes
         run = _Run(self, chunks, criterion, forward_only, loss_scale, x_mb, y_mb)
         if any(run.is_last) and criterion is None and (return_loss or not forward_only):
             raise ValueError(f"[rank {gpc.rank}] the last pipeline stage needs a criterion to compute the loss")
@@ -114,6 +118,8 @@ class _Run:
         P, V = gpc.pipeline_size, schedule.num_chunks
         self.M, self.P, self.chunks, self.criterion = schedule.num_microbatches, P, chunks, criterion
         self.forward_only, self.loss_scale, self.x_mb, self.y_mb = forward_only, loss_scale, x_mb, y_mb
+        n = sum(len(y) for y in y_mb)
+        self.share = [len(y) / n for y in y_mb]
         self.is_last = [c * P + gpc.pipeline_rank == P * V - 1 for c in range(V)]
         self.plan = schedule.plan(forward_only=forward_only)
         self.last_backward = {s.chunk: i for i, s in enumerate(self.plan) if isinstance(s, Compute) and s.kind == "B"}
@@ -133,7 +139,8 @@ class _Run:
             out = self.chunks[c](x)
             if self.is_last[c]:
                 self.outputs.append(out.detach())
-                out = self.criterion(out, self.y_mb[m]) / self.M if self.criterion is not None else None
+                # weighted by its share of the batch: the sum over micro-batches is the batch mean
+                out = self.criterion(out, self.y_mb[m]) * self.share[m] if self.criterion is not None else None
                 if out is not None:
                     self.total_loss += out.detach()
             elif not isinstance(out, torch.Tensor):
