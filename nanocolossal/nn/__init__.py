@@ -3,10 +3,12 @@
     import nanocolossal.nn as col_nn
     col_nn.Linear(384, 1536)      # torch.nn.Linear alone, Linear1D / Linear2D under parallel.tensor
 
-See layers.py for the table of what each name becomes in each mode.
+See layers.py for the table of what each name becomes in each mode. `col_nn.lr_scheduler` and
+`col_nn.metric` are Colossal-AI's schedulers and metrics, by the tutorials' paths.
 """
+from . import lr_scheduler, metric
 from .layers import (Classifier, CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, PatchEmbedding,
                      reset_1d_alternation)
 
-__all__ = ["Classifier", "CrossEntropyLoss", "Dropout", "Embedding", "LayerNorm", "Linear", "PatchEmbedding",
+__all__ = ["lr_scheduler", "metric", "Classifier", "CrossEntropyLoss", "Dropout", "Embedding", "LayerNorm", "Linear", "PatchEmbedding",
            "reset_1d_alternation"]
