@@ -1,6 +1,8 @@
 """The public API of ../shared/DESIGN.md exists under the documented names and defaults."""
 import inspect
 
+import torch
+
 import nanocolossal as nc
 from nanocolossal.context import gpc
 
@@ -29,6 +31,30 @@ def test_design_names_exist():
         getattr(gpc, attr)
     for method in ["is_first_stage", "is_last_stage", "destroy"]:
         assert callable(getattr(gpc, method))
+
+
+def test_tensor_parallel_and_colossal_import_paths_exist():
+    """DESIGN's tensor-parallel names, and the import paths the tutorials use."""
+    for attr in ["tensor_rank", "tensor_size", "tensor_group", "tensor_mode", "tensor_row_group", "tensor_col_group",
+                 "tensor_row_rank", "tensor_col_rank"]:
+        getattr(gpc, attr)
+    assert gpc.tensor_mode is None and gpc.tensor_size == 1
+    for name in ["Linear", "LayerNorm", "Embedding", "PatchEmbedding", "Classifier", "Dropout", "CrossEntropyLoss"]:
+        assert callable(getattr(nc.nn, name))
+    assert type(nc.nn.Linear(4, 2)) is torch.nn.Linear  # plain torch without tensor parallelism
+    assert callable(nc.checkpoint.merge_tensor_parallel) and callable(nc.checkpoint.load_plain_state_dict)
+    from nanocolossal.builder import build_pipeline_model
+    from nanocolossal.context import Config
+    from nanocolossal.core import global_context
+    from nanocolossal.engine.schedule import InterleavedPipelineSchedule, PipelineSchedule
+    from nanocolossal.logging import disable_existing_loggers
+    from nanocolossal.nn.lr_scheduler import CosineAnnealingLR, LinearWarmupLR
+    from nanocolossal.nn.metric import Accuracy
+    from nanocolossal.utils import MultiTimer, get_dataloader
+    assert global_context is gpc and Accuracy is nc.metrics.Accuracy and get_dataloader is nc.get_dataloader
+    assert build_pipeline_model is nc.pipeline.build_pipeline_model and Config is nc.Config
+    assert PipelineSchedule is nc.pipeline.PipelineSchedule and InterleavedPipelineSchedule
+    assert callable(disable_existing_loggers) and MultiTimer and CosineAnnealingLR and LinearWarmupLR
 
 
 def test_design_defaults():

@@ -1,5 +1,3 @@
-import os
-import pickle
 import struct
 
 import numpy as np
@@ -9,6 +7,7 @@ import torch.utils.data.distributed as torch_dist_data
 from torchvision import transforms
 
 import nanocolossal as nc
+from cifar_files import skip_cifar_md5, write_cifar
 from nanocolossal.data import DistributedSampler, SyntheticImages, cifar10, mnist, synthetic_images
 
 
@@ -62,32 +61,16 @@ def test_get_dataloader_in_one_process_reads_everything_reproducibly():
 
 # ---- real on-disk formats -------------------------------------------------------------------
 
-def _write_cifar(root, per_batch=4):
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    written = {}
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        data = rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8)
-        labels = rng.integers(0, 10, size=per_batch).tolist()
-        with open(folder / name, "wb") as f:
-            pickle.dump({"data": data, "labels": labels, "batch_label": name}, f)
-        written[name] = (data, labels)
-    with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
-                                     "ship", "truck"]}, f)
-    return written
-
-
 @pytest.fixture
 def skip_md5(monkeypatch):
     """Our tiny files cannot have the real archive's MD5s; everything else is the real loader."""
     import torchvision.datasets.cifar as tv_cifar
-    monkeypatch.setattr(tv_cifar, "check_integrity", lambda path, md5=None: os.path.isfile(path))
+    monkeypatch.setattr(tv_cifar, "check_integrity", tv_cifar.check_integrity)  # restored after the test
+    skip_cifar_md5()
 
 
 def test_cifar10_loads_real_pickled_batches(tmp_path, skip_md5):
-    written = _write_cifar(tmp_path)
+    written = write_cifar(tmp_path)
     train = cifar10(str(tmp_path), train=True, transform=transforms.PILToTensor())
     test = cifar10(str(tmp_path), train=False, transform=transforms.PILToTensor())
     assert len(train) == 20 and len(test) == 4 and train.classes[0] == "airplane"
@@ -100,7 +83,7 @@ def test_cifar10_loads_real_pickled_batches(tmp_path, skip_md5):
 
 
 def test_cifar10_reads_root_from_DATA(tmp_path, monkeypatch, skip_md5):
-    _write_cifar(tmp_path)
+    write_cifar(tmp_path)
     monkeypatch.setenv("DATA", str(tmp_path))
     assert len(cifar10(train=False)) == 4
 

@@ -36,6 +36,10 @@ def _per_group(optimizer: torch.optim.Optimizer, rule: Callable[[int, float], fl
     return [lambda t, b=base: rule(t, b) / b if b else 0.0 for base in bases]
 
 
+def _warmup(t: int, w: int, base: float) -> float:
+    return base * (t + 1) / w
+
+
 def _check(total_steps: int, warmup_steps: int) -> None:
     if total_steps < 1 or not 0 <= warmup_steps < total_steps:
         raise ValueError(f"need total_steps >= 1 and 0 <= warmup_steps < total_steps, got {total_steps}, "
@@ -50,7 +54,7 @@ class CosineAnnealingLR(LambdaLR):
 
         def lr(t: int, base: float) -> float:
             if t < w:
-                return base * (t + 1) / w
+                return _warmup(t, w, base)
             t = min(t, T)
             return eta_min + (base - eta_min) * (1 + math.cos(math.pi * (t - w) / (T - w))) / 2
         super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
@@ -109,7 +113,7 @@ class PolynomialLR(LambdaLR):
 
         def lr(t: int, base: float) -> float:
             if t < w:
-                return base * (t + 1) / w
+                return _warmup(t, w, base)
             t = min(t, T)
             return (base - end_lr) * (1 - (t - w) / (T - w)) ** power + end_lr
         super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
