@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 import torch
+from common import write_result  # also puts the repository on sys.path
 from torch import nn
 
-from common import write_result  # also puts the repository on sys.path
 from nanocolossal import amp  # noqa: E402
 
 

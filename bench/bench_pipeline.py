@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import run_on_ranks, write_result  # also puts the repository on sys.path
 from torch import nn
 
-from common import run_on_ranks, write_result  # also puts the repository on sys.path
 import nanocolossal as nc  # noqa: E402
 from nanocolossal.context import gpc  # noqa: E402
 from nanocolossal.pipeline import build_pipeline_model, make_schedule  # noqa: E402

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import run_on_ranks, write_result  # also puts the repository on sys.path
 from torch import nn
 
-from common import run_on_ranks, write_result  # also puts the repository on sys.path
 import nanocolossal as nc  # noqa: E402
 from nanocolossal.context import gpc  # noqa: E402
 from nanocolossal.tensor import layers_1d, layers_2d  # noqa: E402

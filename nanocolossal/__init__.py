@@ -9,18 +9,34 @@ One module per idea: config, context (gpc), launch, logging, data, metrics, ddp,
 syncbn, amp, engine, trainer, hooks, timer, checkpoint, checks, pipeline/, tensor/, nn/, run.
 core, utils, builder, engine.schedule, nn.lr_scheduler, nn.metric: Colossal-AI's import paths.
 """
-from . import (amp, builder, checkpoint, checks, config, core, data, ddp, hooks, metrics, nn, pipeline, syncbn, tensor,
-               trainer, utils)
+from . import (
+               amp,
+               builder,
+               checkpoint,
+               checks,
+               config,
+               core,
+               data,
+               ddp,
+               hooks,
+               metrics,
+               nn,
+               pipeline,
+               syncbn,
+               tensor,
+               trainer,
+               utils,
+)
 from .config import AMP_TYPE, Config, ConfigError, load_config
 from .context import gpc
 from .data import DistributedSampler, get_dataloader
 from .engine import Engine, PipelineEngine, initialize
-from .launch import (LaunchError, get_default_parser, launch, launch_from_openmpi, launch_from_slurm,
-                     launch_from_torch)
+from .launch import LaunchError, get_default_parser, launch, launch_from_openmpi, launch_from_slurm, launch_from_torch
 from .logging import get_dist_logger
 
 __all__ = [
-    "AMP_TYPE", "Config", "ConfigError", "DistributedSampler", "Engine", "LaunchError", "PipelineEngine", "initialize", "amp",
+    "AMP_TYPE", "Config", "ConfigError", "DistributedSampler", "Engine", "LaunchError", "PipelineEngine", "initialize",
+    "amp",
     "builder", "checkpoint", "checks", "config", "core", "data", "ddp", "hooks", "nn", "pipeline", "syncbn", "tensor",
     "trainer", "utils",
     "get_dataloader", "get_default_parser", "get_dist_logger", "gpc", "launch", "launch_from_openmpi",

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import AMP_TYPE  # owned by the config, which names the modes; re-exported here
+from .config import AMP_TYPE  # noqa: F401 -- owned by the config (it names the modes); re-exported here
 from .context import gpc
 from .logging import get_dist_logger
 from .nest import map_tensors

@@ -26,11 +26,10 @@ Before `launch`, gpc describes one process (rank 0 of 1, CPU) so single-process 
 """
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Optional
-
 import math
 from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist

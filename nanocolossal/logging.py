@@ -84,7 +84,8 @@ def get_dist_logger(name: str = "nanocolossal") -> DistributedLogger:
     return _loggers[name]
 
 
-def disable_existing_loggers(include: Optional[Iterable[str]] = None, exclude: Iterable[str] = ("nanocolossal",)) -> None:
+def disable_existing_loggers(include: Optional[Iterable[str]] = None,
+                             exclude: Iterable[str] = ("nanocolossal",)) -> None:
     """Silence other libraries' loggers (those in `include`, default all but `exclude`): the
     tutorials call this first so that only the distributed logger's lines reach the console."""
     for name in list(logging.root.manager.loggerDict):

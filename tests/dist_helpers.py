@@ -18,7 +18,6 @@ import queue
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import traceback

@@ -8,18 +8,21 @@ from nanocolossal.context import gpc
 
 
 def _defaults(fn):
-    return {k: v.default for k, v in inspect.signature(fn).parameters.items() if v.default is not inspect.Parameter.empty}
+    params = inspect.signature(fn).parameters.items()
+    return {k: v.default for k, v in params if v.default is not inspect.Parameter.empty}
 
 
 def test_design_names_exist():
     names = ["get_default_parser", "launch", "launch_from_torch", "launch_from_slurm", "launch_from_openmpi", "gpc",
-             "get_dataloader", "initialize", "get_dist_logger", "data.DistributedSampler", "ddp.DistributedDataParallel",
-             "syncbn.SyncBatchNorm", "syncbn.convert_sync_batchnorm", "amp.AMP_TYPE", "amp.initialize", "amp.scale_loss",
+             "get_dataloader", "initialize", "get_dist_logger", "data.DistributedSampler",
+             "ddp.DistributedDataParallel", "syncbn.SyncBatchNorm", "syncbn.convert_sync_batchnorm", "amp.AMP_TYPE",
+             "amp.initialize", "amp.scale_loss",
              "amp.DynamicLossScaler", "metrics.Accuracy", "metrics.all_reduce_mean", "pipeline.build_pipeline_model",
              "pipeline.PipelineSchedule", "pipeline.InterleavedPipelineSchedule", "pipeline.GPipeSchedule",
              "trainer.Trainer", "checkpoint.save_checkpoint", "checkpoint.load_checkpoint",
              "checkpoint.merge_pipeline_checkpoint"] + [
-        f"trainer.hooks.{h}" for h in ["BaseHook", "LossHook", "AccuracyHook", "LRSchedulerHook", "LogMetricByEpochHook",
+        f"trainer.hooks.{h}" for h in ["BaseHook", "LossHook", "AccuracyHook", "LRSchedulerHook",
+                                       "LogMetricByEpochHook",
                                        "LogMemoryByEpochHook", "ThroughputHook", "SaveCheckpointHook"]]
     for name in names:
         obj = nc
@@ -61,7 +64,8 @@ def test_design_defaults():
     assert _defaults(nc.amp.DynamicLossScaler) == dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                                                         growth_interval=2000, hysteresis=1, min_scale=1.0,
                                                         max_scale=2.0**24, max_consecutive_overflows=32)
-    assert _defaults(nc.ddp.DistributedDataParallel) == dict(process_group=None, bucket_cap_mb=25, broadcast_buffers=True)
+    assert _defaults(nc.ddp.DistributedDataParallel) == dict(process_group=None, bucket_cap_mb=25,
+                                                             broadcast_buffers=True)
     assert _defaults(nc.data.DistributedSampler) == dict(num_replicas=None, rank=None, shuffle=True, seed=0,
                                                          drop_last=False, pad=True)
     assert _defaults(nc.launch_from_torch)["seed"] == 1024 and _defaults(nc.launch)["backend"] is None

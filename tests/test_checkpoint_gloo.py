@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from dist_helpers import run_ranks
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -10,7 +11,6 @@ from nanocolossal import checkpoint
 from nanocolossal.amp import AMP_TYPE
 from nanocolossal.checkpoint import load_checkpoint, merge_pipeline_checkpoint, save_checkpoint
 from nanocolossal.trainer import Trainer, hooks
-from dist_helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,10 +1,10 @@
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import run_ranks
 
 import nanocolossal as nc
 from nanocolossal.context import gpc
-from dist_helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,12 +4,11 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data.distributed as torch_dist_data
+from cifar_files import skip_cifar_md5, write_cifar
 from torchvision import transforms
 
 import nanocolossal as nc
-from cifar_files import skip_cifar_md5, write_cifar
 from nanocolossal.data import DistributedSampler, SyntheticImages, cifar10, mnist, synthetic_images
-
 
 # ---- DistributedSampler -------------------------------------------------------------------
 
@@ -19,7 +18,8 @@ def test_sampler_without_padding_covers_dataset_exactly_once(n, replicas):
     union = [i for shard in shards for i in shard]
     assert sorted(union) == list(range(n)), "every sample exactly once: no duplicates, none missing"
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
-    assert [len(DistributedSampler(range(n), replicas, r, pad=False)) for r in range(replicas)] == list(map(len, shards))
+    lengths = [len(DistributedSampler(range(n), replicas, r, pad=False)) for r in range(replicas)]
+    assert lengths == list(map(len, shards))
 
 
 @pytest.mark.parametrize("n, replicas", [(10, 3), (12, 4), (5, 2), (2, 4), (7, 7)])

@@ -3,14 +3,12 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
+from dist_helpers import run_ranks
 from torch import nn
 from torch.testing import assert_close
 
 import nanocolossal as nc
-from nanocolossal.context import gpc
 from nanocolossal.ddp import DistributedDataParallel as DDP
-from dist_helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 MICRO = 4  # samples per rank per step

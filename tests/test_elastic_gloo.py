@@ -4,9 +4,9 @@ import sys
 
 import pytest
 import torch
+from dist_helpers import ROOT, free_port, run_cmd
 
 from nanocolossal.checkpoint import merge_pipeline_checkpoint
-from dist_helpers import ROOT, free_port, run_cmd
 
 
 def _torchrun(tmp_path, script, args, restarts=0, env=None):

@@ -3,13 +3,13 @@ import copy
 
 import pytest
 import torch
+from dist_helpers import run_ranks
 from torch import nn
 from torch.testing import assert_close
 
 import nanocolossal as nc
 from nanocolossal.amp import AMP_TYPE
 from nanocolossal.context import gpc
-from dist_helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 B = 3  # samples per rank per micro-batch

@@ -6,13 +6,13 @@ import time
 
 import pytest
 import torch
+from dist_helpers import run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import nanocolossal as nc
 from nanocolossal.pipeline import build_pipeline_model
 from nanocolossal.trainer import Trainer, hooks
-from dist_helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT = 8  # the job's collective timeout in these tests

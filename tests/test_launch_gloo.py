@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import SCRIPTS, free_port, run_cmd, run_ranks
 
 import nanocolossal as nc
 from nanocolossal.config import ConfigError
 from nanocolossal.context import gpc
-from dist_helpers import SCRIPTS, free_port, run_cmd, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,7 +87,8 @@ def test_gloo_launch_from_openmpi_under_mpirun():
 # ---- bad inputs: each one a clear error, none of them waiting on a peer ----------------------
 
 @pytest.mark.parametrize("launcher, variables, command", [
-    (nc.launch_from_torch, ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"], "torchrun --nproc_per_node"),
+    (nc.launch_from_torch, ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"],
+     "torchrun --nproc_per_node"),
     (nc.launch_from_slurm, ["SLURM_PROCID", "SLURM_NPROCS (or SLURM_NTASKS)", "SLURM_LOCALID"], "srun"),
     (nc.launch_from_openmpi, ["OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"], "mpirun"),
 ])
@@ -198,7 +199,8 @@ def test_gloo_launch_from_torch_can_run_as_a_single_process(monkeypatch):
 def test_default_parser_has_the_launch_arguments_and_debug():
     args = nc.get_default_parser().parse_args(["--rank", "1", "--world_size", "2", "--host", "h", "--port", "29500",
                                                "--debug"])
-    assert (args.rank, args.world_size, args.host, args.port, args.debug, args.backend) == (1, 2, "h", 29500, True, None)
+    got = (args.rank, args.world_size, args.host, args.port, args.debug, args.backend)
+    assert got == (1, 2, "h", 29500, True, None)
 
 
 def test_local_rank_defaults_on_two_nodes_of_two_gpus(monkeypatch):

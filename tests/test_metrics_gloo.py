@@ -1,9 +1,9 @@
 import pytest
 import torch
+from dist_helpers import run_ranks
 
 import nanocolossal as nc
 from nanocolossal.metrics import Accuracy, all_reduce_mean
-from dist_helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

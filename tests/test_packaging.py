@@ -14,9 +14,9 @@ import venv
 from pathlib import Path
 
 import pytest
+from dist_helpers import ROOT
 
 import nanocolossal
-from dist_helpers import ROOT
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+from dist_helpers import run_ranks
 from torch import nn
 from torch.testing import assert_close
 
@@ -11,7 +12,6 @@ from nanocolossal.checkpoint import merge_pipeline_checkpoint, save_checkpoint
 from nanocolossal.context import gpc
 from nanocolossal.pipeline import build_pipeline_model, make_schedule
 from nanocolossal.trainer import Trainer
-from dist_helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(150)
 BATCH, M = 16, 4

@@ -7,8 +7,15 @@ import torch
 from torch import nn
 
 from nanocolossal.context import gpc
-from nanocolossal.pipeline import (PlanError, all_plans, balanced_split, build_pipeline_model, compute_order,
-                                   render, simulate)
+from nanocolossal.pipeline import (
+    PlanError,
+    all_plans,
+    balanced_split,
+    build_pipeline_model,
+    compute_order,
+    render,
+    simulate,
+)
 from nanocolossal.pipeline.__main__ import main as show_main
 from nanocolossal.pipeline.plan import Comm, Compute, build_plan, timeline
 

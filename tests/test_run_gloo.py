@@ -4,9 +4,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_helpers import SCRIPTS, free_port, run_cmd
 
 from nanocolossal.run import main
-from dist_helpers import SCRIPTS, free_port, run_cmd
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,7 +21,7 @@ def test_gloo_nanocolossal_run_starts_two_ranks():
     result = run_cmd([*_console_script(), "run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                       str(SCRIPTS / "launch_probe.py"), "--mode", "torch"], timeout=90)
     assert result.returncode == 0, result.stdout
-    probes = sorted((json.loads(l.split("PROBE ", 1)[1]) for l in result.stdout.splitlines() if "PROBE " in l),
+    probes = sorted((json.loads(line.split("PROBE ", 1)[1]) for line in result.stdout.splitlines() if "PROBE " in line),
                     key=lambda p: p["rank"])
     assert [(p["rank"], p["world_size"], p["sum"]) for p in probes] == [(0, 2, 3.0), (1, 2, 3.0)]
     assert probes[0]["pid"] != probes[1]["pid"]

@@ -4,12 +4,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import run_ranks
 from torch import nn
 from torch.testing import assert_close
 
 import nanocolossal as nc
 from nanocolossal.syncbn import SyncBatchNorm, convert_sync_batchnorm
-from dist_helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}

@@ -3,12 +3,12 @@ import sys
 
 import pytest
 import torch
+from dist_helpers import ROOT, free_port, run_ranks
 from torch import nn
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
 from nanocolossal.config import ConfigError
-from dist_helpers import ROOT, free_port, run_ranks
 
 sys.path.insert(0, str(ROOT))
 from train_tensor import vit  # noqa: E402

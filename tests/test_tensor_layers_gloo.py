@@ -6,6 +6,7 @@ layer's, and every parameter must start as exactly the plain layer's slice (same
 """
 import pytest
 import torch
+from dist_helpers import run_ranks
 from torch import nn
 from torch.testing import assert_close
 
@@ -13,7 +14,6 @@ import nanocolossal as nc
 import nanocolossal.nn as col_nn
 from nanocolossal.tensor import layers_1d, layers_2d
 from nanocolossal.tensor.base import PatchEmbedding, shard, unshard
-from dist_helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,8 +7,13 @@ import pytest
 from nanocolossal.config import ConfigError
 from nanocolossal.context import ParallelContext, coordinates, layout
 
-SHAPES = [(w, P, T, mode) for P, T, D in itertools.product((1, 2, 3), (1, 2, 4, 9), (1, 2, 3))
-          for w in [P * T * D] for mode in ((None,) if T == 1 else ("1d", "2d") if math.isqrt(T) ** 2 == T else ("1d",))]
+
+def _modes(T):
+    return (None,) if T == 1 else ("1d", "2d") if math.isqrt(T) ** 2 == T else ("1d",)
+
+
+SHAPES = [(P * T * D, P, T, mode) for P, T, D in itertools.product((1, 2, 3), (1, 2, 4, 9), (1, 2, 3))
+          for mode in _modes(T)]
 
 
 @pytest.mark.parametrize("world, P, T, mode", SHAPES)
@@ -43,7 +48,8 @@ def test_layout_of_the_tutorial_config_on_8_ranks():
 
 @pytest.mark.parametrize("world, parallel, message", [
     (6, {"pipeline": 2, "tensor": {"size": 2, "mode": "1d"}}, "world size 6 is not divisible by pipeline x tensor"),
-    (8, {"tensor": {"size": 4, "mode": "2d"}, "data": 4}, r"parallel.data=4 but world size 8 // \(pipeline x tensor\) = 2"),
+    (8, {"tensor": {"size": 4, "mode": "2d"}, "data": 4},
+     r"parallel.data=4 but world size 8 // \(pipeline x tensor\) = 2"),
 ])
 def test_world_that_does_not_fit_is_a_clear_error(world, parallel, message):
     with pytest.raises(ConfigError, match=message):

@@ -5,15 +5,15 @@ import sys
 
 import pytest
 import torch
+from dist_helpers import ROOT, run_ranks
 from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
+from nanocolossal.checkpoint import load_plain_state_dict, merge_checkpoint, save_checkpoint
 from nanocolossal.context import gpc
 from nanocolossal.pipeline import build_pipeline_model
-from nanocolossal.checkpoint import load_plain_state_dict, merge_checkpoint, save_checkpoint
 from nanocolossal.tensor.base import shard
-from dist_helpers import ROOT, run_ranks
 
 sys.path.insert(0, str(ROOT))
 from train_tensor import vit  # noqa: E402

@@ -4,7 +4,6 @@ import re
 import sys
 
 import pytest
-
 from dist_helpers import ROOT, free_port, run_cmd
 
 LAYOUTS = {

@@ -1,13 +1,12 @@
 import pytest
 import torch
+from dist_helpers import run_ranks
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import nanocolossal as nc
-from nanocolossal.context import gpc
 from nanocolossal.metrics import Accuracy
 from nanocolossal.trainer import Trainer, hooks
-from dist_helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,6 +122,6 @@ def test_log_memory_hook_reports_peak_rss_on_cpu(capsys):
     engine, _ = _engine()
     Trainer(engine).fit(torch.utils.data.DataLoader(_data(4), batch_size=2), epochs=1,
                         hooks=[hooks.LogMemoryByEpochHook(nc.get_dist_logger())])
-    line = next(l for l in capsys.readouterr().out.splitlines() if "memory" in l)
+    line = next(text for text in capsys.readouterr().out.splitlines() if "memory" in text)
     assert "[rank 0]" in line and "epoch 1 memory: peak RSS" in line
     assert int(line.split("peak RSS ")[1].split(" MiB")[0]) > 50  # a process with torch loaded

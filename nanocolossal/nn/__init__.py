@@ -7,8 +7,16 @@ See layers.py for the table of what each name becomes in each mode. `col_nn.lr_s
 `col_nn.metric` are Colossal-AI's schedulers and metrics, by the tutorials' paths.
 """
 from . import lr_scheduler, metric
-from .layers import (Classifier, CrossEntropyLoss, Dropout, Embedding, LayerNorm, Linear, PatchEmbedding,
-                     reset_1d_alternation)
+from .layers import (
+                     Classifier,
+                     CrossEntropyLoss,
+                     Dropout,
+                     Embedding,
+                     LayerNorm,
+                     Linear,
+                     PatchEmbedding,
+                     reset_1d_alternation,
+)
 
-__all__ = ["lr_scheduler", "metric", "Classifier", "CrossEntropyLoss", "Dropout", "Embedding", "LayerNorm", "Linear", "PatchEmbedding",
-           "reset_1d_alternation"]
+__all__ = ["lr_scheduler", "metric", "Classifier", "CrossEntropyLoss", "Dropout", "Embedding", "LayerNorm",
+           "Linear", "PatchEmbedding", "reset_1d_alternation"]

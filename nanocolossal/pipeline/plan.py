@@ -38,7 +38,6 @@ receive, that nothing deadlocks, and counts the activations each rank holds.
 from __future__ import annotations
 
 import string
-
 from dataclasses import dataclass
 from typing import Union
 

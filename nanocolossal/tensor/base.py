@@ -19,7 +19,6 @@ from torch import nn
 
 from ..context import gpc
 
-
 # How a parameter is cut: a list of (dim, axis). Axis "tensor" splits over all T ranks by
 # tensor rank (1d); on the 2d grid "col" splits over a row group by my column index and "row"
 # over a column group by my row index. No entry: replicated.

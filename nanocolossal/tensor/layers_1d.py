@@ -103,7 +103,8 @@ class PatchEmbedding1D(nn.Module):
         self.pos_embed = keep_slice(full.pos_embed, [(2, "tensor")])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mine = embed_patches(copy_to(x, gpc.tensor_group), self.proj.weight, self.proj.bias, self.cls_token, self.pos_embed, self.patch_size)
+        x = copy_to(x, gpc.tensor_group)  # every rank convolves the same images: sum their input gradients
+        mine = embed_patches(x, self.proj.weight, self.proj.bias, self.cls_token, self.pos_embed, self.patch_size)
         return gather(mine, -1, gpc.tensor_group)
 
 

@@ -75,8 +75,8 @@ class Linear2D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] * gpc.summa_dim != self.in_features:
-            raise ValueError(f"[rank {gpc.rank}] 2d Linear({self.in_features}, {self.out_features}) expects its input's "
-                             f"last dimension split over the {gpc.summa_dim} columns of the grid "
+            raise ValueError(f"[rank {gpc.rank}] 2d Linear({self.in_features}, {self.out_features}) expects its "
+                             f"input's last dimension split over the {gpc.summa_dim} columns of the grid "
                              f"({self.in_features // gpc.summa_dim}), got {x.shape[-1]}")
         y = summa_matmul(x, self.weight)
         return y + _down_column(self.bias) if self.bias is not None else y
