@@ -45,7 +45,10 @@ from .tensor.base import replicas
 
 
 class DynamicLossScaler:
-    """The loss scale S and its update rule (same sequence as torch.amp.GradScaler when hysteresis=1).
+    """The loss scale S and its update rule.
+
+    With hysteresis=1 the sequence is torch.amp.GradScaler's as long as S stays inside
+    [min_scale, max_scale] (tested); GradScaler has no such clamps, so outside them they differ.
 
     hysteresis: overflows tolerated before backing off (refilled at each growth).
     max_consecutive_overflows: at min_scale, this many overflowing steps in a row raise an

@@ -1,4 +1,5 @@
-"""The public API of ../shared/DESIGN.md exists under the documented names and defaults."""
+"""The public API exists under the documented names and defaults (the project's API contract,
+DESIGN.md, is kept beside this repository in the team's shared folder, not in it)."""
 import inspect
 
 import torch

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..context import gpc
 from ..logging import get_dist_logger
+from .plan import virtual_stage
 
 
 class PipelineStage(nn.Module):
@@ -166,6 +167,6 @@ def build_pipeline_model(layers: nn.Sequential, num_chunks: int = 1,
             lines.append(f"  {k:>4}  {k % P:>4}  {k // P:>5}  {a:>3}-{b - 1:<5} {n_params:>10,}  "
                          f"{sum(costs[a:b]):>8.3g}{unit}")
         get_dist_logger().info("\n".join(lines))
-    mine = [PipelineStage(layers, starts[c * P + gpc.pipeline_rank], starts[c * P + gpc.pipeline_rank]
-                          + sizes[c * P + gpc.pipeline_rank]) for c in range(V)]
+    parts = [virtual_stage(c, gpc.pipeline_rank, P) for c in range(V)]
+    mine = [PipelineStage(layers, starts[k], starts[k] + sizes[k]) for k in parts]
     return mine[0] if V == 1 else PipelineChunks(mine)

@@ -103,28 +103,53 @@ def warmup_count(schedule: str, P: int, M: int, V: int, rank: int) -> int:
     return min((P - rank - 1) * 2 + (V - 1) * P, M * V)
 
 
+def virtual_stage(chunk: int, rank: int, P: int) -> int:
+    """Which of the P * V model parts chunk `chunk` of pipeline rank `rank` is."""
+    return chunk * P + rank
+
+
+def _interleaved_step(k: int, kind: str, P: int, V: int) -> Compute:
+    """A rank's k-th forward (or backward) in interleaved 1F1B.
+
+    Micro-batches go in groups of P; a group runs through chunk 0, 1, ..., V-1 (backwards: V-1
+    down to 0) before the next group starts. For P = 2, V = 2, M = 4:
+
+        k               0  1  2  3  4  5  6  7
+        group           0  0  0  0  1  1  1  1     k // (P * V)
+        forward chunk   0  0  1  1  0  0  1  1     (k % (P * V)) // P
+        backward chunk  1  1  0  0  1  1  0  0     V - 1 - forward chunk
+        micro-batch     0  1  0  1  2  3  2  3     group * P + k % P
+    """
+    group, within = divmod(k, P * V)
+    chunk = within // P
+    return Compute(kind, chunk if kind == "F" else V - 1 - chunk, group * P + within % P)
+
+
 def _units(schedule: str, P: int, M: int, V: int, rank: int, forward_only: bool) -> list[list[Compute]]:
     """The compute steps of one rank, grouped into units that run with no communication between
     them: warm-up forwards alone, then (forward, backward) pairs, then the remaining backwards."""
     check_sizes(schedule, P, M, V)
-    if schedule != "interleaved":
+    if schedule == "interleaved":
+        forwards = [_interleaved_step(k, "F", P, V) for k in range(M * V)]
+        backwards = [_interleaved_step(k, "B", P, V) for k in range(M * V)]
+    else:
         forwards = [Compute("F", 0, m) for m in range(M)]
         backwards = [Compute("B", 0, m) for m in range(M)]
-    else:  # k-th virtual micro-step -> (chunk, micro-batch): groups of P micro-batches sweep the chunks
-        def at(k: int, kind: str) -> Compute:
-            chunk = (k % (P * V)) // P
-            return Compute(kind, chunk if kind == "F" else V - 1 - chunk, (k // (P * V)) * P + k % P)
-        forwards = [at(k, "F") for k in range(M * V)]
-        backwards = [at(k, "B") for k in range(M * V)]
     if forward_only:
         return [[f] for f in forwards]
+
     warmup = warmup_count(schedule, P, M, V, rank)
     steady = len(forwards) - warmup
-    order = ([[f] for f in forwards[:warmup]] + [[forwards[warmup + i], backwards[i]] for i in range(steady)]
-             + [[b] for b in backwards[steady:]])
+    # warm-up: forwards only, until the first micro-batch's gradient can come back
+    warmup_units = [[f] for f in forwards[:warmup]]
+    # steady state: one forward, one backward -- the number of activations held stays constant
+    steady_units = [[forwards[warmup + i], backwards[i]] for i in range(steady)]
+    # cool-down: the backwards of the micro-batches still in flight drain the pipeline
+    cooldown_units = [[b] for b in backwards[steady:]]
+    units = warmup_units + steady_units + cooldown_units
     if schedule != "interleaved":  # plain 1F1B communicates after every step, so activations leave at once
-        order = [[step] for unit in order for step in unit]
-    return order
+        units = [[step] for unit in units for step in unit]
+    return units
 
 
 def compute_order(schedule: str, P: int, M: int, V: int, rank: int, forward_only: bool = False) -> list[Compute]:
@@ -146,7 +171,7 @@ def build_plan(schedule: str, P: int, M: int, V: int, rank: int, forward_only: b
     for unit in _units(schedule, P, M, V, rank, forward_only):
         recvs = []
         for step in unit:
-            v = step.chunk * P + rank
+            v = virtual_stage(step.chunk, rank, P)
             if step.kind == "F" and v > 0:
                 recvs.append(Transfer("act", v - 1, v, step.mb))
             if step.kind == "B" and v < last:
@@ -156,7 +181,7 @@ def build_plan(schedule: str, P: int, M: int, V: int, rank: int, forward_only: b
         plan += unit
         pending = []
         for step in unit:
-            v = step.chunk * P + rank
+            v = virtual_stage(step.chunk, rank, P)
             if step.kind == "F" and v < last:
                 pending.append(Transfer("act", v, v + 1, step.mb))
             if step.kind == "B" and v > 0:
@@ -176,7 +201,8 @@ class DeadlockError(RuntimeError):
 
 def simulate(plans: list[list[Step]], P: int, V: int = 1) -> dict:
     """Run plans symbolically with rendezvous semantics: a transfer completes only when the sender
-    and the receiver have both posted it. Returns {"max_in_flight": [...], "steps": n}."""
+    and the receiver have both posted it. Returns {"max_in_flight": [per rank], "transfers": n}; raises
+    PlanError (or DeadlockError) where a plan computes before its input arrives or waits forever."""
     pos = [0] * len(plans)
     completed: set[Transfer] = set()
     received: list[set] = [set() for _ in plans]
@@ -204,7 +230,7 @@ def simulate(plans: list[list[Step]], P: int, V: int = 1) -> dict:
                     if not all(t in completed for t in step.sends + step.recvs):
                         break
                 else:
-                    v = step.chunk * P + r
+                    v = virtual_stage(step.chunk, r, P)
                     if step.kind == "F":
                         if v > 0 and Transfer("act", v - 1, v, step.mb) not in received[r]:
                             raise PlanError(f"rank {r}: forward {step} before receiving its input")
@@ -237,7 +263,7 @@ def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost:
         for r in range(P):
             while idx[r] < len(orders[r]):
                 s = orders[r][idx[r]]
-                v = s.chunk * P + r
+                v = virtual_stage(s.chunk, r, P)
                 dep = ("F", v - 1, s.mb) if s.kind == "F" else (("B", v + 1, s.mb) if v < last else ("F", v, s.mb))
                 if s.kind == "F" and v == 0:
                     dep = None

@@ -30,7 +30,7 @@ from torch import nn
 from ..context import gpc
 from ..ddp import DistributedDataParallel
 from .p2p import StageComm
-from .plan import SCHEDULES, Comm, Compute, PlanError, Transfer, build_plan, check_sizes, step_label
+from .plan import SCHEDULES, Comm, Compute, PlanError, Transfer, build_plan, check_sizes, step_label, virtual_stage
 
 
 def _check(name: str, M: int, V: int) -> None:
@@ -120,7 +120,7 @@ class _Run:
         self.forward_only, self.loss_scale, self.x_mb, self.y_mb = forward_only, loss_scale, x_mb, y_mb
         n = sum(len(y) for y in y_mb)
         self.share = [len(y) / n for y in y_mb]
-        self.is_last = [c * P + gpc.pipeline_rank == P * V - 1 for c in range(V)]
+        self.is_last = [virtual_stage(c, gpc.pipeline_rank, P) == P * V - 1 for c in range(V)]
         self.plan = schedule.plan(forward_only=forward_only)
         self.last_backward = {s.chunk: i for i, s in enumerate(self.plan) if isinstance(s, Compute) and s.kind == "B"}
         self.held: dict[tuple, tuple] = {}                 # (chunk, mb) -> (input, output or loss / M)
@@ -131,37 +131,40 @@ class _Run:
         self.max_in_flight = 0
 
     def forward(self, step: Compute) -> None:
-        c, m, v = step.chunk, step.mb, step.chunk * self.P + gpc.pipeline_rank
+        c, m, v = step.chunk, step.mb, virtual_stage(step.chunk, gpc.pipeline_rank, self.P)
         x = self.x_mb[m] if v == 0 else self.inbox.pop(Transfer("act", v - 1, v, m))
         if v > 0 and not self.forward_only and x.is_floating_point():
             x.requires_grad_()
         with torch.set_grad_enabled(not self.forward_only):
-            out = self.chunks[c](x)
+            output = self.chunks[c](x)
             if self.is_last[c]:
-                self.outputs.append(out.detach())
-                # weighted by its share of the batch: the sum over micro-batches is the batch mean
-                out = self.criterion(out, self.y_mb[m]) * self.share[m] if self.criterion is not None else None
-                if out is not None:
-                    self.total_loss += out.detach()
-            elif not isinstance(out, torch.Tensor):
-                raise TypeError(f"[rank {gpc.rank}] pipeline part {v} returned {type(out).__name__}; "
+                self.outputs.append(output.detach())
+                loss = None
+                if self.criterion is not None:
+                    # weighted by its share of the batch: the sum over micro-batches is the batch mean
+                    loss = self.criterion(output, self.y_mb[m]) * self.share[m]
+                    self.total_loss += loss.detach()
+                backward_from = loss
+            elif not isinstance(output, torch.Tensor):
+                raise TypeError(f"[rank {gpc.rank}] pipeline part {v} returned {type(output).__name__}; "
                                 f"stages must return one tensor")
             else:
-                self.outbox[Transfer("act", v, v + 1, m)] = out.detach()
-        if not self.forward_only:  # keep the graph until this micro-batch's backward
-            self.held[(c, m)] = (x, out)
+                self.outbox[Transfer("act", v, v + 1, m)] = output.detach()
+                backward_from = output
+        if not self.forward_only:  # keep the graph (input, loss or output) until this micro-batch's backward
+            self.held[(c, m)] = (x, backward_from)
             self.max_in_flight = max(self.max_in_flight, len(self.held))
 
     def backward(self, step: Compute, index: int) -> None:
-        c, m, v = step.chunk, step.mb, step.chunk * self.P + gpc.pipeline_rank
-        x, out = self.held.pop((c, m))
+        c, m, v = step.chunk, step.mb, virtual_stage(step.chunk, gpc.pipeline_rank, self.P)
+        x, backward_from = self.held.pop((c, m))
         # DDP averages a chunk's gradients once, during its last backward
         defer = isinstance(self.chunks[c], DistributedDataParallel) and index != self.last_backward[c]
         with self.chunks[c].no_sync() if defer else nullcontext():
-            if self.is_last[c]:
-                (out * self.loss_scale).backward()
-            else:
-                torch.autograd.backward(out, self.inbox.pop(Transfer("grad", v + 1, v, m)))
+            if self.is_last[c]:  # the loss, scaled for AMP
+                (backward_from * self.loss_scale).backward()
+            else:  # the output, with the gradient the next stage sent back
+                torch.autograd.backward(backward_from, self.inbox.pop(Transfer("grad", v + 1, v, m)))
         if v > 0:
             self.outbox[Transfer("grad", v, v - 1, m)] = x.grad
 
