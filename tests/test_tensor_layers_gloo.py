@@ -108,3 +108,23 @@ def _layers_worker(rank, world_size, port, mode):
 def test_gloo_tensor_parallel_layers_equal_the_plain_layers(mode, world):
     expected = [c[0] for c in (CASES_2D if mode == "2d" else CASES_1D)] + (["loss"] if mode == "2d" else [])
     assert run_ranks(_layers_worker, world, mode, timeout=90) == [expected] * world
+
+
+def _dropout_worker(rank, world_size, port):
+    """Replicated activations must drop the same units on every tensor rank (they are one tensor);
+    sharded ones draw their own masks (they are different slices)."""
+    nc.launch({"parallel": {"tensor": {"size": world_size, "mode": "1d"}}}, rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port)
+    col_nn.reset_1d_alternation()
+    col_nn.Linear(8, 8)                      # column-parallel: what follows is sharded
+    after_column = col_nn.Dropout(0.5)
+    col_nn.Linear(8, 8)                      # row-parallel: what follows is replicated
+    after_row = col_nn.Dropout(0.5)
+    masks = [(d(torch.ones(64)) == 0).tolist() for d in (after_column, after_row)]
+    everyone = [None] * world_size
+    torch.distributed.all_gather_object(everyone, masks)
+    return after_column.sharded, after_row.sharded, everyone[0][0] != everyone[1][0], everyone[0][1] == everyone[1][1]
+
+
+def test_gloo_dropout_masks_differ_where_sharded_and_agree_where_replicated():
+    assert run_ranks(_dropout_worker, 2, timeout=60) == [(True, False, True, True)] * 2
