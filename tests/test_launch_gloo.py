@@ -73,6 +73,16 @@ def test_gloo_launch_from_torch_under_torchrun(tmp_path):
     assert "launched 2 process(es): backend gloo" in result.stdout
 
 
+def test_gloo_launch_under_torch_distributed_launch():
+    """Seed 004's command: the deprecated launcher passes --local-rank to the script."""
+    result = run_cmd([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
+                      "--master_port", str(free_port()), str(SCRIPTS / "launch_probe.py"), "--mode", "torch"],
+                     timeout=90)
+    assert result.returncode == 0, result.stdout
+    probes = _probes(result.stdout)
+    assert [(p["rank"], p["local_rank"], p["world_size"], p["sum"]) for p in probes] == [(0, 0, 2, 3.0), (1, 1, 2, 3.0)]
+
+
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed (apt-get install openmpi-bin)")
 def test_gloo_launch_from_openmpi_under_mpirun():
     port = free_port()
