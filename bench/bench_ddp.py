@@ -38,11 +38,11 @@ def mlp(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
-def timed_steps(model, optimizer, batches, after_backward=None) -> list[float]:
+def timed_steps(model, optimizer, batches, after_backward=None, set_to_none=True) -> list[float]:
     times = []
     for x, y in batches:
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=set_to_none)
         nn.functional.cross_entropy(model(x), y).backward()
         if after_backward is not None:
             after_backward()
@@ -71,9 +71,13 @@ def main() -> None:
     theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     handled = copy.deepcopy(base)  # Colossal-AI's gradient handler: all-reduce after backward, no overlap
     handler = DataParallelGradientHandler(handled)
-    models = {"ours": ours, "torch": theirs, "handler": handled}
+    # gradient_as_bucket_view: .grad is the bucket slot (zeroed in place, so backward writes into it)
+    ours_view = DistributedDataParallel(copy.deepcopy(base), gradient_as_bucket_view=True)
+    theirs_view = nn.parallel.DistributedDataParallel(copy.deepcopy(base), gradient_as_bucket_view=True)
+    models = {"ours": ours, "torch": theirs, "handler": handled, "ours view": ours_view, "torch view": theirs_view}
     opt = {name: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for name, m in models.items()}
     hooks = {"handler": handler.handle_gradient}
+    keep = {"ours view": False, "torch view": False}  # set_to_none=False keeps the views
 
     g = torch.Generator().manual_seed(1 + gpc.rank)
     def batches(n):
@@ -82,17 +86,17 @@ def main() -> None:
 
     warm = batches(args.warmup)
     for name in models:
-        timed_steps(models[name], opt[name], warm, hooks.get(name))
+        timed_steps(models[name], opt[name], warm, hooks.get(name), keep.get(name, True))
     times = {name: [] for name in models}
     for r in range(args.rounds):
         data = batches(args.steps)
         order = list(models) if r % 2 == 0 else list(reversed(models))
         for name in order:
             dist.barrier()
-            times[name] += timed_steps(models[name], opt[name], data, hooks.get(name))
+            times[name] += timed_steps(models[name], opt[name], data, hooks.get(name), keep.get(name, True))
 
     max_diff = max(max((p - q).abs().max().item() for p, q in zip(ours.parameters(), other.parameters()))
-                   for other in (theirs, handled))
+                   for other in (theirs, handled, ours_view, theirs_view))
 
     dist.barrier()
     single_times = []
@@ -111,7 +115,10 @@ def main() -> None:
             model=f"MLP {args.depth}x Linear({args.width}) + head", params=n_params, batch_per_rank=args.batch,
             steps_timed=len(times["ours"]), ours_ms=round(med["ours"], 2), torch_ms=round(med["torch"], 2),
             ratio_ours_over_torch=round(med["ours"] / med["torch"], 3), handler_ms=round(med["handler"], 2),
-            ratio_handler_over_torch=round(med["handler"] / med["torch"], 3), single_rank_ms=round(single_ms, 2),
+            ratio_handler_over_torch=round(med["handler"] / med["torch"], 3),
+            bucket_view_ours_ms=round(med["ours view"], 2), bucket_view_torch_ms=round(med["torch view"], 2),
+            ratio_bucket_view_ours_over_torch=round(med["ours view"] / med["torch view"], 3),
+            single_rank_ms=round(single_ms, 2),
             scaling_efficiency_ours=round(single_ms / med["ours"], 3),
             scaling_efficiency_torch=round(single_ms / med["torch"], 3),
             max_param_diff=max_diff, torch_version=torch.__version__, machine=platform.machine(),
@@ -120,6 +127,8 @@ def main() -> None:
                 ("step time, torch DDP", f"{med['torch']:.1f} ms"),
                 ("ratio ours / torch", f"{result['ratio_ours_over_torch']:.3f}"),
                 ("step time, gradient handler", f"{med['handler']:.1f} ms"),
+                ("step time, ours / torch, bucket view", f"{med['ours view']:.1f} / {med['torch view']:.1f} ms"),
+                ("ratio ours / torch, bucket view", f"{result['ratio_bucket_view_ours_over_torch']:.3f}"),
                 ("ratio handler / torch", f"{result['ratio_handler_over_torch']:.3f}"),
                 ("step time, 1 rank without DDP", f"{single_ms:.1f} ms"),
                 ("scaling efficiency ours / torch", f"{result['scaling_efficiency_ours']:.2f} / "

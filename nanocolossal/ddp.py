@@ -5,8 +5,8 @@ same step -- the step one process would take on the concatenated batch.
 Averaging after backward would leave the network idle during backward and the CPU/GPU idle
 during communication. Instead gradients are packed into flat buckets (~25 MB) in *reverse*
 parameter order, because backward produces the last layers' gradients first. A hook on each
-parameter copies its gradient into its bucket the moment it is accumulated; when a bucket is
-full its all-reduce starts asynchronously while backward carries on:
+parameter writes its gradient / N into its bucket slot (one pass: a scaled copy) the moment it
+is accumulated; when a bucket is full its all-reduce starts asynchronously while backward carries on:
 
     backward   | grad L4 L3 | grad L2 L1 | grad L0 |
     all-reduce              |  bucket 0  |  bucket 1  | bucket 2 |
@@ -21,6 +21,10 @@ Rules that keep every rank's collectives matched (a mismatch is a hang):
     Each bucket also carries one "used" flag per parameter, reduced with the gradients, so
     every rank learns which parameters were used anywhere: those get the averaged gradient
     on all ranks, those used nowhere keep grad=None -- exactly what one process would see.
+
+With `gradient_as_bucket_view=True` each `.grad` *is* its bucket slot, so the averaged gradient
+needs no copy back (and, with `zero_grad(set_to_none=False)`, backward accumulates straight into
+the bucket). Only slots that got no gradient are zeroed before a launch, not whole buffers.
 
 `no_sync()` skips the communication (gradient accumulation); gradients keep accumulating in
 `.grad` and the next synchronised backward averages the accumulated sum.
@@ -51,6 +55,7 @@ class _Bucket:
         self.buffer = torch.zeros(total + len(params), dtype=params[0].dtype, device=params[0].device)
         self.work: Optional[dist.Work] = None
         self.ready = 0
+        self.filled = [False] * len(params)  # which slots got this iteration's gradient
 
     def view(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -76,7 +81,8 @@ class DistributedDataParallel(nn.Module):
     """Wrap `module` so that backward averages gradients over `process_group` (default gpc's data group)."""
 
     def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
-                 bucket_cap_mb: float = 25, broadcast_buffers: bool = True) -> None:
+                 bucket_cap_mb: float = 25, broadcast_buffers: bool = True,
+                 gradient_as_bucket_view: bool = False) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DistributedDataParallel needs a launched job: call nanocolossal.launch* first")
@@ -85,6 +91,7 @@ class DistributedDataParallel(nn.Module):
         self.world_size = dist.get_world_size(self.process_group)
         self.src_rank = dist.get_global_rank(self.process_group, 0)
         self.broadcast_buffers = broadcast_buffers
+        self.gradient_as_bucket_view = gradient_as_bucket_view  # .grad *is* the bucket slot: no copy back
         self.require_sync = True
 
         self._check_same_structure()
@@ -151,13 +158,22 @@ class DistributedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._callback_queued = True
         bucket, i = self._where[param]
-        bucket.view(i).copy_(param.grad)
+        slot = bucket.view(i)
+        if param.grad.data_ptr() == slot.data_ptr():  # already the slot (gradient_as_bucket_view)
+            slot.div_(self.world_size)
+        else:  # one pass: scaled copy (average = sum of grad / N, no overflow in low precision)
+            torch.div(param.grad, self.world_size, out=slot)
+            if self.gradient_as_bucket_view:
+                param.grad = slot
         bucket.flags()[i] = 1
+        bucket.filled[i] = True
         bucket.ready += 1
         self._launch_ready()
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.buffer.div_(self.world_size)  # average = sum of (grad / N): no overflow in low precision
+        for i, filled in enumerate(bucket.filled):
+            if not filled:  # no gradient here this time: its slot must add nothing
+                bucket.view(i).zero_()
         try:
             bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         except RuntimeError as e:
@@ -190,11 +206,16 @@ class DistributedDataParallel(nn.Module):
                 self._fail(bucket, e)
             used = bucket.flags() > 0
             for i, p in enumerate(bucket.params):
-                if used[i]:
-                    if p.grad is None:
-                        p.grad = bucket.view(i).clone()
-                    else:
-                        p.grad.copy_(bucket.view(i))
-            bucket.buffer.zero_()
+                if not used[i]:  # no rank computed one: keep grad=None, as one process would
+                    continue
+                slot = bucket.view(i)
+                if self.gradient_as_bucket_view:
+                    p.grad = slot
+                elif p.grad is None:
+                    p.grad = slot.clone()
+                else:
+                    p.grad.copy_(slot)
+            bucket.flags().zero_()
+            bucket.filled = [False] * len(bucket.params)
             bucket.work, bucket.ready = None, 0
         self._next_launch, self._callback_queued = 0, False

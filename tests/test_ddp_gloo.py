@@ -59,12 +59,12 @@ def _reference_step(model, opt, x, y, world_size, extra_ranks):
     opt.step()
 
 
-def _equivalence_worker(rank, world_size, port, bucket_cap_mb, extra_ranks):
+def _equivalence_worker(rank, world_size, port, bucket_cap_mb, extra_ranks, as_view=False):
     _launch(rank, world_size, port)
     torch.manual_seed(0)
     base = Net()
     ours, theirs, single = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    ddp = DDP(ours, bucket_cap_mb=bucket_cap_mb)
+    ddp = DDP(ours, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=as_view)
     torch_ddp = nn.parallel.DistributedDataParallel(theirs, find_unused_parameters=True,
                                                     bucket_cap_mb=bucket_cap_mb)
     opts = [_optimizer(m) for m in (ddp, torch_ddp, single)]
@@ -82,6 +82,9 @@ def _equivalence_worker(rank, world_size, port, bucket_cap_mb, extra_ranks):
     assert ours.never.weight.grad is None  # unused everywhere: untouched, as in one process
     if extra_ranks:
         assert ours.extra.weight.grad is not None  # used on some rank: averaged grad on every rank
+    if as_view:  # the grads live in the buckets' memory: nothing was copied back
+        storages = {b.buffer.untyped_storage().data_ptr() for b in ddp.buckets}
+        assert ours.head.weight.grad.untyped_storage().data_ptr() in storages
     return len(ddp.buckets)
 
 
@@ -91,22 +94,23 @@ def test_gloo_ddp_equals_torch_ddp_and_one_process(world_size):
     assert buckets == [1] * world_size
 
 
-def test_gloo_ddp_many_buckets_and_unused_parameters():
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "gradient_as_bucket_view"])
+def test_gloo_ddp_many_buckets_and_unused_parameters(as_view):
     # 1 KB buckets put almost every parameter in its own bucket; "extra" runs on rank 0 only.
-    buckets = run_ranks(_equivalence_worker, 2, 0.001, (0,), timeout=90)
+    buckets = run_ranks(_equivalence_worker, 2, 0.001, (0,), as_view, timeout=90)
     assert buckets[0] == buckets[1] > 5
 
 
-def _no_sync_worker(rank, world_size, port, k):
+def _no_sync_worker(rank, world_size, port, k, as_view=False):
     _launch(rank, world_size, port)
     torch.manual_seed(0)
     model, single = Net(), Net()
     single.load_state_dict(model.state_dict())
-    ddp = DDP(model, bucket_cap_mb=0.001)
+    ddp = DDP(model, bucket_cap_mb=0.001, gradient_as_bucket_view=as_view)
     opt, opt_single = _optimizer(ddp), _optimizer(single)
     for step in range(2):
         xs, ys = zip(*(_data(10 * step + i, world_size) for i in range(k)))
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not as_view)  # as a view: zeroed in place, backward accumulates into the bucket
         for i in range(k):  # k micro-batches: communicate only on the last
             mine = slice(rank * MICRO, (rank + 1) * MICRO)
             if i < k - 1:
@@ -122,8 +126,9 @@ def _no_sync_worker(rank, world_size, port, k):
         assert_close(p, s, msg=lambda m: f"{name}: {m}")
 
 
-def test_gloo_ddp_no_sync_accumulation_equals_one_big_step():
-    run_ranks(_no_sync_worker, 2, 3)
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "gradient_as_bucket_view"])
+def test_gloo_ddp_no_sync_accumulation_equals_one_big_step(as_view):
+    run_ranks(_no_sync_worker, 2, 3, as_view)
 
 
 def _buffers_worker(rank, world_size, port):
