@@ -136,11 +136,15 @@ class DistributedDataParallel(nn.Module):
 
     # -- forward / backward ---------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        if self.broadcast_buffers and self.world_size > 1:
-            buffers = list(self.module.buffers())
-            if buffers:
-                _coalesced_broadcast(buffers, self.src_rank, self.process_group)
+        if self.broadcast_buffers:
+            self.sync_buffers()
         return self.module(*args, **kwargs)
+
+    def sync_buffers(self) -> None:
+        """Give every replica the first rank's buffers (BatchNorm statistics), as one message per dtype."""
+        buffers = list(self.module.buffers())
+        if buffers and self.world_size > 1:
+            _coalesced_broadcast(buffers, self.src_rank, self.process_group)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -243,3 +243,37 @@ def _config_worker(rank, world_size, port, config, whole_model):
 def test_gloo_pipeline_config_errors(config, whole_model, message):
     for rank, text in enumerate(run_ranks(_config_worker, 2, config, whole_model, timeout=60)):
         assert f"[rank {rank}]" in text and message in text
+
+
+def _bn_broadcast_worker(rank, world_size, port):
+    """Pipeline x data with BatchNorm: the replicas' statistics are synced once per batch, not once
+    per micro-batch forward (M = 4 micro-batches here)."""
+    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": M}, rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(12, 12), nn.BatchNorm1d(12), nn.Tanh(), nn.Linear(12, 5))
+    stage = build_pipeline_model(layers, partition=[2, 2])
+    engine, *_ = nc.initialize(stage, torch.optim.SGD(stage.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                               verbose=False)
+    data_group_broadcasts = []
+    original = torch.distributed.broadcast
+
+    def counting(tensor, src=None, group=None, *args, **kwargs):
+        if group is gpc.data_group:
+            data_group_broadcasts.append(tensor.numel())
+        return original(tensor, src, group, *args, **kwargs)
+    torch.distributed.broadcast = counting
+    try:
+        for step in range(2):
+            engine.zero_grad()
+            engine.execute_schedule(_batch(seed=step, n=BATCH))
+            engine.step()
+    finally:
+        torch.distributed.broadcast = original
+    return len(data_group_broadcasts)
+
+
+def test_gloo_pipeline_syncs_batchnorm_buffers_once_per_batch():
+    # stage 0 holds the BatchNorm: per batch one float message (running mean and var) and one int64
+    # (batches tracked), so 4 over 2 batches -- on every micro-batch it would be 16; stage 1 has none
+    assert run_ranks(_bn_broadcast_worker, 4, timeout=90) == [4, 0, 4, 0]

@@ -165,6 +165,9 @@ class PipelineEngine(Engine):
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
         if not forward_only:
             self._micro = 1  # one batch = one optimizer step (micro-batches accumulate inside)
+        for chunk in self.chunks:  # replicas start the batch with the same BatchNorm statistics
+            if isinstance(chunk, DistributedDataParallel):
+                chunk.sync_buffers()
         output, label, loss = self.schedule.forward_backward_step(self.chunks, batch, self._criterion, forward_only,
                                                                   return_loss, loss_scale=self.optimizer.loss_scale)
         if label is not None and gpc.tensor_mode == "2d":  # per micro-batch row blocks, in order
@@ -268,7 +271,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Op
     if schedule is not None:
         chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
         if gpc.data_size > 1 and handler is None:  # each chunk is its own DDP unit, averaged over its data group
-            chunks = [DistributedDataParallel(chunk) for chunk in chunks]
+            # buffers are synced once per batch by the engine, not on every micro-batch's forward
+            chunks = [DistributedDataParallel(chunk, broadcast_buffers=False) for chunk in chunks]
             features.append(f"data parallel x{gpc.data_size}")
         features.insert(0, f"pipeline {schedule.name} x{gpc.pipeline_size} stages, "
                            f"{schedule.num_microbatches} micro-batches, {schedule.num_chunks} chunk(s)")
