@@ -74,7 +74,13 @@ def main() -> None:
     # gradient_as_bucket_view: .grad is the bucket slot (zeroed in place, so backward writes into it)
     ours_view = DistributedDataParallel(copy.deepcopy(base), gradient_as_bucket_view=True)
     theirs_view = nn.parallel.DistributedDataParallel(copy.deepcopy(base), gradient_as_bucket_view=True)
-    models = {"ours": ours, "torch": theirs, "handler": handled, "ours view": ours_view, "torch view": theirs_view}
+    # bf16 compression: ours (compress="bf16") vs torch's bf16_compress_hook
+    ours_bf16 = DistributedDataParallel(copy.deepcopy(base), compress="bf16")
+    theirs_bf16 = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+    theirs_bf16.register_comm_hook(None, bf16_compress_hook)
+    models = {"ours": ours, "torch": theirs, "handler": handled, "ours view": ours_view, "torch view": theirs_view,
+              "ours bf16": ours_bf16, "torch bf16": theirs_bf16}
     opt = {name: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for name, m in models.items()}
     hooks = {"handler": handler.handle_gradient}
     keep = {"ours view": False, "torch view": False}  # set_to_none=False keeps the views
@@ -95,8 +101,10 @@ def main() -> None:
             dist.barrier()
             times[name] += timed_steps(models[name], opt[name], data, hooks.get(name), keep.get(name, True))
 
-    max_diff = max(max((p - q).abs().max().item() for p, q in zip(ours.parameters(), other.parameters()))
-                   for other in (theirs, handled, ours_view, theirs_view))
+    def max_diff_from_ours(other) -> float:
+        return max((p - q).abs().max().item() for p, q in zip(ours.parameters(), other.parameters()))
+    max_diff = max(max_diff_from_ours(m) for m in (theirs, handled, ours_view, theirs_view))
+    bf16_diff = {"ours": max_diff_from_ours(ours_bf16), "torch": max_diff_from_ours(theirs_bf16)}
 
     dist.barrier()
     single_times = []
@@ -117,6 +125,9 @@ def main() -> None:
             ratio_ours_over_torch=round(med["ours"] / med["torch"], 3), handler_ms=round(med["handler"], 2),
             ratio_handler_over_torch=round(med["handler"] / med["torch"], 3),
             bucket_view_ours_ms=round(med["ours view"], 2), bucket_view_torch_ms=round(med["torch view"], 2),
+            bf16_ours_ms=round(med["ours bf16"], 2), bf16_torch_hook_ms=round(med["torch bf16"], 2),
+            ratio_bf16_ours_over_torch_hook=round(med["ours bf16"] / med["torch bf16"], 3),
+            bf16_max_param_diff_from_fp32=bf16_diff,
             ratio_bucket_view_ours_over_torch=round(med["ours view"] / med["torch view"], 3),
             single_rank_ms=round(single_ms, 2),
             scaling_efficiency_ours=round(single_ms / med["ours"], 3),
@@ -129,6 +140,9 @@ def main() -> None:
                 ("step time, gradient handler", f"{med['handler']:.1f} ms"),
                 ("step time, ours / torch, bucket view", f"{med['ours view']:.1f} / {med['torch view']:.1f} ms"),
                 ("ratio ours / torch, bucket view", f"{result['ratio_bucket_view_ours_over_torch']:.3f}"),
+                ("step time, bf16 ours / torch hook", f"{med['ours bf16']:.1f} / {med['torch bf16']:.1f} ms"),
+                ("ratio bf16 ours / torch hook", f"{result['ratio_bf16_ours_over_torch_hook']:.3f}"),
+                ("bf16: max |param - fp32 param| ours/torch", f"{bf16_diff['ours']:.1e} / {bf16_diff['torch']:.1e}"),
                 ("ratio handler / torch", f"{result['ratio_handler_over_torch']:.3f}"),
                 ("step time, 1 rank without DDP", f"{single_ms:.1f} ms"),
                 ("scaling efficiency ours / torch", f"{result['scaling_efficiency_ours']:.2f} / "

@@ -26,6 +26,10 @@ With `gradient_as_bucket_view=True` each `.grad` *is* its bucket slot, so the av
 needs no copy back (and, with `zero_grad(set_to_none=False)`, backward accumulates straight into
 the bucket). Only slots that got no gradient are zeroed before a launch, not whole buffers.
 
+`compress="bf16"` (or "fp16") all-reduces a half-precision copy of each bucket -- half the bytes,
+and the sum is taken in that precision, as torch's bf16_compress_hook does -- then copies the
+result back into the fp32 bucket (bench_ddp.py measures its effect on the weights).
+
 `no_sync()` skips the communication (gradient accumulation); gradients keep accumulating in
 `.grad` and the next synchronised backward averages the accumulated sum.
 """
@@ -56,6 +60,7 @@ class _Bucket:
         self.work: Optional[dist.Work] = None
         self.ready = 0
         self.filled = [False] * len(params)  # which slots got this iteration's gradient
+        self.wire: Optional[torch.Tensor] = None  # what is all-reduced: the buffer, or its half copy
 
     def view(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -82,8 +87,10 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
                  bucket_cap_mb: float = 25, broadcast_buffers: bool = True,
-                 gradient_as_bucket_view: bool = False) -> None:
+                 gradient_as_bucket_view: bool = False, compress: Optional[str] = None) -> None:
         super().__init__()
+        if compress not in (None, "bf16", "fp16"):
+            raise ValueError(f"[rank {gpc.rank}] compress must be None, 'bf16' or 'fp16', got {compress!r}")
         if not dist.is_initialized():
             raise RuntimeError("DistributedDataParallel needs a launched job: call nanocolossal.launch* first")
         self.module = module
@@ -92,6 +99,8 @@ class DistributedDataParallel(nn.Module):
         self.src_rank = dist.get_global_rank(self.process_group, 0)
         self.broadcast_buffers = broadcast_buffers
         self.gradient_as_bucket_view = gradient_as_bucket_view  # .grad *is* the bucket slot: no copy back
+        # all-reduce a half-precision copy of each bucket: half the bytes, a half-precision sum
+        self.wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compress)
         self.require_sync = True
 
         self._check_same_structure()
@@ -178,8 +187,9 @@ class DistributedDataParallel(nn.Module):
         for i, filled in enumerate(bucket.filled):
             if not filled:  # no gradient here this time: its slot must add nothing
                 bucket.view(i).zero_()
+        bucket.wire = bucket.buffer if self.wire_dtype is None else bucket.buffer.to(self.wire_dtype)
         try:
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+            bucket.work = dist.all_reduce(bucket.wire, group=self.process_group, async_op=True)
         except RuntimeError as e:
             self._fail(bucket, e)
 
@@ -208,6 +218,8 @@ class DistributedDataParallel(nn.Module):
                 bucket.work.wait()
             except RuntimeError as e:
                 self._fail(bucket, e)
+            if bucket.wire is not bucket.buffer:  # decompress into the full-precision bucket
+                bucket.buffer.copy_(bucket.wire)
             used = bucket.flags() > 0
             for i, p in enumerate(bucket.params):
                 if not used[i]:  # no rank computed one: keep grad=None, as one process would

@@ -170,3 +170,34 @@ def test_gloo_ddp_rejects_models_that_differ_across_ranks():
 def test_ddp_needs_a_launched_job():
     with pytest.raises(RuntimeError, match="call nanocolossal.launch"):
         DDP(nn.Linear(2, 2))
+
+
+def _compress_worker(rank, world_size, port, compress):
+    _launch(rank, world_size, port)
+    torch.manual_seed(0)
+    base = Net()
+    exact, squeezed = copy.deepcopy(base), copy.deepcopy(base)
+    ddps = [DDP(exact), DDP(squeezed, compress=compress)]
+    opts = [_optimizer(d) for d in ddps]
+    for step in range(4):
+        x, y = _data(step, world_size)
+        mine = slice(rank * MICRO, (rank + 1) * MICRO)
+        for ddp, opt in zip(ddps, opts):
+            _train_step(ddp, opt, x[mine], y[mine], False)
+    diffs = [(p - q).abs().max().item() for p, q in zip(exact.parameters(), squeezed.parameters())]
+    everyone = [None] * world_size
+    torch.distributed.all_gather_object(everyone, [p.detach() for p in squeezed.parameters()])
+    replicas_equal = all(torch.equal(a, b) for a, b in zip(everyone[0], everyone[1]))
+    return max(diffs), replicas_equal
+
+
+@pytest.mark.parametrize("compress", ["bf16", "fp16"])
+def test_gloo_ddp_compressed_all_reduce_stays_close_and_consistent(compress):
+    for max_diff, replicas_equal in run_ranks(_compress_worker, 2, compress, timeout=90):
+        assert 0 < max_diff < 2e-2, "half-precision gradients: close to fp32 DDP, but not bit-equal"
+        assert replicas_equal, "every replica applies the same (decompressed) gradients"
+
+
+def test_ddp_rejects_an_unknown_compression():
+    with pytest.raises(ValueError, match="compress must be None, 'bf16' or 'fp16'"):
+        DDP(nn.Linear(1, 1), compress="int8")
