@@ -32,7 +32,8 @@ def _digest(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
-def _describe(model: nn.Module) -> list[tuple]:
+def describe_parameters(model: nn.Module) -> list[tuple]:
+    """(name, shape, dtype) of every parameter: what must agree for ranks to hold the same model."""
     return [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
 
 
@@ -63,7 +64,7 @@ def check_consistency(model: nn.Module, train_dataloader: Iterable) -> None:
         return
     mine = {"batches": len(train_dataloader) if isinstance(train_dataloader, Sized) else None,
             "config": comparable(dict(gpc.config)),
-            "model": _digest(repr(_describe(model))), "stage": gpc.pipeline_rank}
+            "model": _digest(repr(describe_parameters(model))), "stage": gpc.pipeline_rank}
     everyone: list[Any] = [None] * gpc.world_size
     dist.all_gather_object(everyone, mine)
     counts = [e["batches"] for e in everyone]

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .checks import describe_parameters
 from .context import gpc
 
 
@@ -117,7 +118,7 @@ class DistributedDataParallel(nn.Module):
     # -- construction ---------------------------------------------------------------------
     def _check_same_structure(self) -> None:
         """Different models on different ranks would reduce garbage or hang: refuse early."""
-        mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in self.module.named_parameters()]
+        mine = describe_parameters(self.module)
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.process_group)
         ranks = dist.get_process_group_ranks(self.process_group)
