@@ -36,8 +36,13 @@ def _per_group(optimizer: torch.optim.Optimizer, rule: Callable[[int, float], fl
     return [lambda t, b=base: rule(t, b) / b if b else 0.0 for base in bases]
 
 
-def _warmup(t: int, w: int, base: float) -> float:
-    return base * (t + 1) / w
+def _warmup_then(T: int, w: int, decay: Callable[[float, float], float]) -> Callable[[int, float], float]:
+    """lr(t, base): linear warm-up over w steps, then decay(progress in [0, 1], base), held after T."""
+    def lr(t: int, base: float) -> float:
+        if t < w:
+            return base * (t + 1) / w
+        return decay((min(t, T) - w) / (T - w), base)
+    return lr
 
 
 def _check(total_steps: int, warmup_steps: int) -> None:
@@ -50,13 +55,8 @@ class CosineAnnealingLR(LambdaLR):
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
                  eta_min: float = 0.0, last_epoch: int = -1) -> None:
         _check(total_steps, warmup_steps)
-        T, w = total_steps, warmup_steps
-
-        def lr(t: int, base: float) -> float:
-            if t < w:
-                return _warmup(t, w, base)
-            t = min(t, T)
-            return eta_min + (base - eta_min) * (1 + math.cos(math.pi * (t - w) / (T - w))) / 2
+        lr = _warmup_then(total_steps, warmup_steps,
+                          lambda p, base: eta_min + (base - eta_min) * (1 + math.cos(math.pi * p)) / 2)
         super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
 
 
@@ -109,11 +109,5 @@ class PolynomialLR(LambdaLR):
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, end_lr: float = 0.0001,
                  power: float = 1.0, warmup_steps: int = 0, last_epoch: int = -1) -> None:
         _check(total_steps, warmup_steps)
-        T, w = total_steps, warmup_steps
-
-        def lr(t: int, base: float) -> float:
-            if t < w:
-                return _warmup(t, w, base)
-            t = min(t, T)
-            return (base - end_lr) * (1 - (t - w) / (T - w)) ** power + end_lr
+        lr = _warmup_then(total_steps, warmup_steps, lambda p, base: (base - end_lr) * (1 - p) ** power + end_lr)
         super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
