@@ -10,19 +10,23 @@
 
 `initialize` reads gpc.config and assembles the features in the one order that works:
 
-    model -> SyncBN (sync_bn=True) -> mixed precision (fp16=...) -> DDP (data size > 1)
+    model -> SyncBN (sync_bn=True) -> mixed precision (fp16=...) -> DDP or pipeline -> Engine
 
 (AMP O2 changes parameter dtypes, and DDP must bucket the final ones.) With
 parallel=dict(pipeline=P) the model is this rank's stage (build_pipeline_model) and the
 engine is a PipelineEngine: the config's NUM_MICRO_BATCHES, NUM_CHUNKS and PIPELINE_SCHEDULE
 pick the schedule, each chunk gets its own DDP over its data group, and
-`execute_schedule(batch)` runs whole batches as micro-batches.
+`execute_schedule(batch)` runs whole batches as micro-batches. With parallel.tensor the model
+must be built from nanocolossal.nn layers (checked); DDP then averages over the data group
+only, and clipping sums the squares of every pipeline stage and tensor shard once.
+`gradient_handler=[dict(type='DataParallelGradientHandler')]` replaces DDP by an all-reduce
+after backward (gradient_handler.py).
 
 Gradient accumulation (gradient_accumulation=N): each backward adds loss / N; the first
 N - 1 run under DDP's no_sync, so communication happens once; zero_grad and step only act
 on the N-th call (the Trainer's per-iteration LR hook steps only then too). The result is
-one step on N times the batch. clip_grad_norm clips the unscaled gradients to a global norm (after DDP's
-average every data-parallel rank holds the same gradients; pipeline stages add theirs).
+one step on N times the batch. clip_grad_norm clips the unscaled gradients to a global norm
+(after DDP's average every data-parallel rank holds the same gradients).
 """
 from __future__ import annotations
 
