@@ -66,7 +66,8 @@ def test_design_defaults():
                                                         growth_interval=2000, hysteresis=1, min_scale=1.0,
                                                         max_scale=2.0**24, max_consecutive_overflows=32)
     assert _defaults(nc.ddp.DistributedDataParallel) == dict(process_group=None, bucket_cap_mb=25,
-                                                             broadcast_buffers=True)
+                                                             broadcast_buffers=True,  # DESIGN's; then ours:
+                                                             gradient_as_bucket_view=False, compress=None)
     assert _defaults(nc.data.DistributedSampler) == dict(num_replicas=None, rank=None, shuffle=True, seed=0,
                                                          drop_last=False, pad=True)
     assert _defaults(nc.launch_from_torch)["seed"] == 1024 and _defaults(nc.launch)["backend"] is None

@@ -66,6 +66,7 @@ def test_scheduler_state_round_trip_and_bad_arguments():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     a = S.LinearWarmupLR(opt, 10, warmup_steps=3)
     for _ in range(4):
+        opt.step()
         a.step()
     b = S.LinearWarmupLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), 10, warmup_steps=3)
     b.load_state_dict(a.state_dict())
