@@ -36,14 +36,9 @@ from .comm import copy_to, group_sum, reduce_from, split
 from .summa import summa_matmul
 
 
-def _grid() -> tuple[int, int, int]:
-    """(q, my row, my col); row = position in my column group, col = position in my row group."""
-    return gpc.summa_dim, gpc.tensor_col_rank, gpc.tensor_row_rank
-
-
 def split_batch(x: torch.Tensor) -> torch.Tensor:
     """This grid row's block of a batch that every tensor rank holds whole (inputs, labels)."""
-    q, row, _ = _grid()
+    q = gpc.summa_dim
     if x.shape[0] % q != 0:
         raise ValueError(f"[rank {gpc.rank}] a batch of {x.shape[0]} cannot be split over the {q} rows of the 2d "
                          f"grid (tensor size {gpc.tensor_size}); use a batch size that is a multiple of {q}")
