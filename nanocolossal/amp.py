@@ -129,6 +129,14 @@ class _Autocast:
         return _cast_floats(output, torch.float32)
 
 
+def unscale_and_check(grads: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """What torch's fused `_amp_foreach_non_finite_check_and_unscale_` does, in two steps:
+    found += 1 if any gradient holds an inf or NaN; every gradient *= inv_scale."""
+    largest = torch.stack(torch._foreach_norm(grads, float("inf")))  # inf and NaN survive the max
+    found += largest.isfinite().logical_not().any()
+    torch._foreach_mul_(grads, inv_scale.reshape(()))  # foreach takes a 0-d tensor as the scalar
+
+
 class MixedPrecisionOptimizer:
     """Wraps a torch optimizer with loss scaling, overflow skipping and (O2) fp32 master weights."""
 
@@ -198,8 +206,11 @@ class MixedPrecisionOptimizer:
             by_device: dict[tuple, list[torch.Tensor]] = {}
             for g in grads:
                 by_device.setdefault((g.device, g.dtype), []).append(g)
-            for group in by_device.values():  # fused: one kernel per (device, dtype) unscales and checks
-                torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
+            for (device, dtype), group in by_device.items():
+                if device.type == "cuda" and dtype == torch.bfloat16:  # the fused kernel has no bf16 CUDA version
+                    unscale_and_check(group, found, inv_scale)
+                else:  # fused: one kernel per (device, dtype) unscales and checks
+                    torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
             if gpc.is_initialized and gpc.world_size > 1:  # data, pipeline and tensor ranks skip together
                 found = found.to(gpc.device)
                 dist.all_reduce(found, op=dist.ReduceOp.MAX)

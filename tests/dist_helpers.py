@@ -8,6 +8,9 @@ also watches its parent and exits if the test process disappears.
 
 `run_cmd(argv, timeout)` runs a launcher (torchrun, mpirun, nanocolossal run) in its own
 process group and kills the whole group if it overstays.
+
+Both hide GPUs from the ranks unless asked (`cuda=True`): the gloo tests are CPU tests, and on a
+machine with one GPU two ranks would otherwise both pick nccl and ask for cuda:0 and cuda:1.
 """
 from __future__ import annotations
 
@@ -60,15 +63,25 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, args: tuple, par
     os._exit(0)  # skip interpreter teardown: nothing left to flush, and it can stall
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, grace: float = 5.0) -> list:
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, grace: float = 5.0,
+              cuda: bool = False) -> list:
     """Run fn(rank, world_size, port, *args) on `world_size` processes; results by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, os.getpid(), results), daemon=True)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not cuda:  # set before the children start: a test module may ask torch.cuda while it is imported
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if hidden is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = hidden
     done: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout
@@ -98,9 +111,12 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, 
     return [pickle.loads(done[r]) for r in range(world_size)]
 
 
-def run_cmd(argv: list[str], timeout: float, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def run_cmd(argv: list[str], timeout: float, env: dict | None = None, cwd: Path = ROOT,
+            cuda: bool = False) -> subprocess.CompletedProcess:
     """Run a launcher command with a deadline; its whole process group dies on timeout."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    if not cuda:
+        full_env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:

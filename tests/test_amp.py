@@ -86,18 +86,19 @@ def test_scaler_rejects_bad_settings():
         DynamicLossScaler(backoff_factor=2.0)
 
 
-def _net():
+def _net(device="cpu"):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4)).to(device)
 
 
 def _train(model, opt, steps=30, use_scale_loss=False):
-    g = torch.Generator().manual_seed(1)
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(1)  # the same data on every device: drawn on the CPU, then moved
     w = torch.randn(16, 4, generator=g)
     losses = []
     for _ in range(steps):
         x = torch.randn(32, 16, generator=g)
-        y = x @ w
+        x, y = x.to(device), (x @ w).to(device)
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         if use_scale_loss:
@@ -183,12 +184,17 @@ LEVELS_X_DTYPES_X_SCALERS = [(level, dtype, scale) for level in ("O1", "O2", "O3
                              for dtype in (torch.float16, torch.bfloat16) for scale in ("dynamic", None, 256.0)]
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (CI has none)")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opt_level, dtype, loss_scale", LEVELS_X_DTYPES_X_SCALERS)
-def test_every_amp_combination_trains_every_weight(opt_level, dtype, loss_scale):
+def test_every_amp_combination_trains_every_weight(opt_level, dtype, loss_scale, device):
     """O2 without a scaler once never updated the half weights (masters got no gradients)."""
-    reference = _net()
+    reference = _net(device)
     ref_losses = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9), steps=20)
-    model = _net()
+    model = _net(device)
     before = {k: v.float().clone() for k, v in model.state_dict().items()}
     start = {"init_scale": 256.0} if loss_scale == "dynamic" else {}  # a scale this loss never overflows
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), opt_level,
@@ -200,18 +206,35 @@ def test_every_amp_combination_trains_every_weight(opt_level, dtype, loss_scale)
     assert abs(losses[-1] - ref_losses[-1]) < 0.05 * ref_losses[-1] + 1e-3, (losses[-1], ref_losses[-1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
-def test_bf16_skips_a_non_finite_step_without_a_scaler(opt_level, caplog):
-    model = _net()
+def test_bf16_skips_a_non_finite_step_without_a_scaler(opt_level, device):
+    model = _net(device)
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level,
                                 dtype=torch.bfloat16)
     assert opt.scaler is None
     before = copy.deepcopy(dict(model.named_parameters()))
-    opt.backward(model(torch.randn(8, 16)).sum())
+    opt.backward(model(torch.randn(8, 16, device=device)).sum())
     model[3].weight.grad[0, 0] = float("inf")
     assert opt.step() is False and opt.last_step_skipped and opt.skipped_steps == 1
     for key, value in model.named_parameters():
         assert torch.equal(value, before[key]), f"{key} took a non-finite step"
     opt.zero_grad()
-    opt.backward(model(torch.randn(8, 16)).sum())
+    opt.backward(model(torch.randn(8, 16, device=device)).sum())
     assert opt.step() is True and not torch.equal(model[3].weight, before["3.weight"])
+
+
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")])
+def test_unscale_and_check_equals_torchs_fused_kernel(bad):
+    """The two-step stand-in (bf16 on CUDA, where the fused kernel has no bf16 version)."""
+    grads = [torch.randn(5, 3) * 64, torch.randn(7) * 64]
+    if bad is not None:
+        grads[1][4] = bad
+    ours, fused = [g.clone() for g in grads], [g.clone() for g in grads]
+    found_ours, found_fused = torch.zeros(1), torch.zeros(1)
+    inv_scale = torch.full((1,), 1 / 64)
+    amp.unscale_and_check(ours, found_ours, inv_scale)
+    torch._amp_foreach_non_finite_check_and_unscale_(fused, found_fused, inv_scale)
+    assert found_ours.item() == found_fused.item() == float(bad is not None)
+    for a, b in zip(ours, fused):
+        assert_close(a, b, equal_nan=True)
