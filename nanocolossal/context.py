@@ -101,6 +101,8 @@ class ParallelContext:
         self.tensor_col_ranks: list[int] = [0]
         self.model_group: Optional[dist.ProcessGroup] = None  # pipeline x tensor ranks of my replica
         self.model_ranks: list[int] = [0]
+        # sharded dropout's own generators (tensor/base.py): per job, so a relaunch reseeds them
+        self.dropout_generators: dict[torch.device, torch.Generator] = {}
 
     # -- set-up -------------------------------------------------------------------------
     @staticmethod

@@ -1,10 +1,14 @@
 """Helpers for multi-process tests: start N ranks, bound every wait, never leave orphans.
 
-`run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, port, *args)` in N fresh
-(spawned) processes, one thread each, and returns their results in rank order. A rank that
-raises fails the test with its traceback; ranks still running after `timeout` seconds are
-killed and the test fails naming them (a hang becomes an error, not a stuck CI). Each child
-also watches its parent and exits if the test process disappears.
+`run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, port, *args)` on N spawned
+processes, one thread each, and returns their results in rank order. The processes are pooled
+(see `_Pool`): a test pays for importing torch only when its world size is new or the last test
+broke the pool. A rank that raises fails the test with its traceback; ranks still running after
+`timeout` seconds are killed and the test fails naming them (a hang becomes an error, not a
+stuck CI). Each child also watches its parent and exits if the test process disappears.
+
+`run_script(script, args, nproc, cwd)` runs a training script on pooled ranks as torchrun would
+start it, and returns what the ranks printed.
 
 `run_cmd(argv, timeout)` runs a launcher (torchrun, mpirun, nanocolossal run) in its own
 process group and kills the whole group if it overstays.
@@ -14,13 +18,18 @@ machine with one GPU two ranks would otherwise both pick nccl and ask for cuda:0
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import itertools
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import runpy
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -46,42 +55,96 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _entry(fn: Callable, rank: int, world_size: int, port: int, args: tuple, parent: int, results) -> None:
+class _Pool:
+    """`world_size` spawned ranks that outlive one test: tests borrow them one after another.
+
+    Starting a rank costs seconds (a fresh interpreter imports torch); most tests cost less. So
+    the ranks stay up and run one job after another, each with a fresh process group and the
+    environment as it was. A job that fails or overstays kills the pool, and the next test gets a
+    fresh one: one broken test never poisons the next."""
+
+    def __init__(self, world_size: int, cuda: bool) -> None:
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_serve, args=(r, world_size, self.inboxes[r], self.results, os.getpid()),
+                                  daemon=True) for r in range(world_size)]
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if not cuda:  # set before the children start: a test module may ask torch.cuda while it is imported
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            for p in self.procs:
+                p.start()
+        finally:
+            if hidden is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = hidden
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+
+
+def _serve(rank: int, world_size: int, inbox, results, parent: int) -> None:
+    """A pooled rank: run jobs until told to stop, cleaning up after each as a new process would be."""
     _exit_with_parent(parent)
     import torch
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        results.put((rank, True, pickle.dumps(fn(rank, world_size, port, *args))))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        from nanocolossal.context import gpc
-        gpc.destroy()
-        results.close()
-        results.join_thread()
+
+    from nanocolossal.context import gpc
+    from nanocolossal.nn import reset_1d_alternation
+    environ = dict(os.environ)
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        job_id, fn, port, args = job
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        try:
+            report = (job_id, rank, True, pickle.dumps(fn(rank, world_size, port, *args)))
+        except BaseException:
+            report = (job_id, rank, False, traceback.format_exc())
+        finally:  # what a fresh process would not have inherited
+            gpc.destroy()
+            reset_1d_alternation()
+            torch.set_default_dtype(torch.float32)
+            torch.set_grad_enabled(True)
+            os.environ.clear()
+            os.environ.update(environ)
+        results.put(report)
     os._exit(0)  # skip interpreter teardown: nothing left to flush, and it can stall
+
+
+_POOLS: dict[tuple[int, bool], _Pool] = {}  # (world size, cuda) -> its ranks, most recently used last
+_MAX_POOLS = 2  # each rank holds a torch import (~0.3 GB): keep the two latest world sizes up
+_JOB_IDS = itertools.count()
+
+
+def _pool(world_size: int, cuda: bool) -> _Pool:
+    key = (world_size, cuda)
+    pool = _POOLS.pop(key, None)
+    if pool is not None and not pool.alive():
+        pool.close()
+        pool = None
+    while len(_POOLS) >= _MAX_POOLS:
+        _POOLS.pop(next(iter(_POOLS))).close()
+    _POOLS[key] = pool or _Pool(world_size, cuda)
+    return _POOLS[key]
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, grace: float = 5.0,
               cuda: bool = False) -> list:
     """Run fn(rank, world_size, port, *args) on `world_size` processes; results by rank."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, os.getpid(), results), daemon=True)
-             for r in range(world_size)]
-    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not cuda:  # set before the children start: a test module may ask torch.cuda while it is imported
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if hidden is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = hidden
+    pool = _pool(world_size, cuda)
+    job, port = next(_JOB_IDS), free_port()
+    for inbox in pool.inboxes:
+        inbox.put((job, fn, port, args))
     done: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout
@@ -93,22 +156,51 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, 
                 errors.update({r: f"still running after {timeout:.0f} s (hang?)" for r in missing})
                 break
             try:
-                rank, ok, payload = results.get(timeout=0.2)
+                job_id, rank, ok, payload = pool.results.get(timeout=0.2)
+                if job_id != job:
+                    continue
                 (done if ok else errors)[rank] = payload
                 if not ok:  # peers blocked on the failed rank get a moment, then are killed
                     deadline = min(deadline, time.monotonic() + grace)
             except queue.Empty:
-                for r, p in enumerate(procs):
-                    if r not in done and r not in errors and p.exitcode not in (None, 0):
+                for r, p in enumerate(pool.procs):
+                    if r not in done and r not in errors and not p.is_alive():
                         errors[r] = f"died with exit code {p.exitcode} before reporting"
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
+        if errors or len(done) < world_size:  # failed, hung or interrupted (pytest-timeout): start afresh next time
+            _POOLS.pop((world_size, cuda), None)
+            pool.close()
     if errors:
         raise AssertionError("\n".join(f"--- rank {r}: {msg}" for r, msg in sorted(errors.items())))
     return [pickle.loads(done[r]) for r in range(world_size)]
+
+
+def _script_job(rank: int, world_size: int, port: int, script: str, args: list, cwd: str) -> str:
+    """A pooled rank runs a script as torchrun would start it: its variables, argv and folder."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
+    argv, path, here = sys.argv, list(sys.path), os.getcwd()
+    sys.argv, sys.path[0:0] = [script, *args], [str(Path(script).parent)]
+    os.chdir(cwd)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise RuntimeError(f"{script} exited with {e.code}; its output:\n{out.getvalue()}") from None
+    except BaseException as e:
+        raise RuntimeError(f"{script} raised; its output:\n{out.getvalue()}") from e
+    finally:
+        sys.argv, sys.path[:] = argv, path
+        os.chdir(here)
+    return out.getvalue()
+
+
+def run_script(script: Path, args: list[str], nproc: int, cwd: Path, timeout: float = 150.0) -> str:
+    """Run a training script on `nproc` pooled ranks, as `torchrun --nproc_per_node nproc` would;
+    the ranks' outputs in rank order. Tests of torchrun itself (restarts, exit codes) use run_cmd."""
+    return "".join(run_ranks(_script_job, nproc, str(script), list(args), str(cwd), timeout=timeout))
 
 
 def run_cmd(argv: list[str], timeout: float, env: dict | None = None, cwd: Path = ROOT,

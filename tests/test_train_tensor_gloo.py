@@ -1,10 +1,9 @@
 """train_tensor.py end to end: with dropout 0, the same seed and global batch, the final train loss
 is the same for one process, Megatron 1d over 2 ranks and the tutorial's pipeline 2 x 2d 4 (8 ranks)."""
 import re
-import sys
 
 import pytest
-from dist_helpers import ROOT, free_port, run_cmd
+from dist_helpers import ROOT, run_script
 
 LAYOUTS = {
     "one process": (1, ""),
@@ -17,14 +16,9 @@ def _final_loss(tmp_path, name):
     nproc, parallel = LAYOUTS[name]
     config = tmp_path / f"{name.replace(' ', '_')}.py"
     config.write_text("BATCH_SIZE = 16\nNUM_EPOCHS = 1\n" + parallel)
-    script = [str(ROOT / "train_tensor.py"), "--config", str(config), "--max-steps", "3", "--seed", "5",
-              "--synthetic-size", "64", "--data", str(tmp_path)]
-    launcher = ([sys.executable] if nproc == 1 else
-                [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                 "--master_port", str(free_port())])
-    result = run_cmd(launcher + script, timeout=150, cwd=tmp_path)
-    out = result.stdout.replace("\r", "\n")
-    assert result.returncode == 0, out
+    out = run_script(ROOT / "train_tensor.py", ["--config", str(config), "--max-steps", "3", "--seed", "5",
+                                                "--synthetic-size", "64", "--data", str(tmp_path)], nproc=nproc,
+                     cwd=tmp_path).replace("\r", "\n")
     return float(re.search(r"final train loss ([0-9.e+-]+)", out).group(1))
 
 

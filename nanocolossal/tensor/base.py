@@ -115,14 +115,11 @@ def sharded_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     sharded ones draw from a second generator seeded with the tensor rank."""
     if not training or p == 0.0:
         return x
-    key = (x.device, gpc.rank, gpc.tensor_rank)
-    gen = _SHARDED_GENERATORS.get(key)
+    gen = gpc.dropout_generators.get(x.device)
     if gen is None:
         gen = torch.Generator(device=x.device)
         gen.manual_seed(torch.initial_seed() + 1 + gpc.tensor_rank)
-        _SHARDED_GENERATORS[key] = gen
+        gpc.dropout_generators[x.device] = gen
     keep = torch.empty_like(x).bernoulli_(1 - p, generator=gen)
     return x * keep / (1 - p)
 
-
-_SHARDED_GENERATORS: dict = {}
