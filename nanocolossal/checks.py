@@ -16,8 +16,6 @@ ranks that did not arrive instead of waiting silently.
 from __future__ import annotations
 
 import hashlib
-import os
-import signal
 from collections.abc import Sized
 from enum import Enum
 from typing import Any, Iterable
@@ -97,15 +95,3 @@ def debug_barrier(where: str) -> None:
             dist.barrier()
     except RuntimeError as e:
         raise RuntimeError(f"[rank {gpc.rank}] debug barrier at {where} failed: {e}") from e
-
-
-def maybe_fail(step: int) -> None:
-    """Fault injection for testing restarts: NANOCOLOSSAL_FAIL_AT="rank:step" makes that rank kill
-    itself (SIGKILL, no clean-up) after that global step -- on a job's first attempt only, so a
-    job restarted by `torchrun --max-restarts` runs through."""
-    spec = os.environ.get("NANOCOLOSSAL_FAIL_AT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    rank, at = (int(v) for v in spec.split(":"))
-    if gpc.rank == rank and step == at:
-        os.kill(os.getpid(), signal.SIGKILL)

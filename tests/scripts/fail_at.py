@@ -1,0 +1,31 @@
+"""Run a training script, killing one rank right after its N-th optimizer step.
+
+    torchrun --max-restarts 1 --nproc_per_node 2 tests/scripts/fail_at.py 1:11 train_ddp.py [args]
+
+Fault injection for the restart tests, kept out of the library and the scripts: a global
+optimizer-step hook counts steps and SIGKILLs (no clean-up) the chosen rank. It fires on a job's
+first attempt only, so the job that `torchrun --max-restarts` starts again runs through.
+"""
+import os
+import runpy
+import signal
+import sys
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+spec, script, *args = sys.argv[1:]
+rank, at = (int(v) for v in spec.split(":"))
+if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and int(os.environ["RANK"]) == rank:
+    steps = 0
+
+    def die_at(optimizer, args, kwargs) -> None:
+        global steps
+        steps += 1
+        if steps == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    register_optimizer_step_post_hook(die_at)
+
+sys.argv = [script, *args]
+sys.path[0] = os.path.dirname(os.path.abspath(script))  # as if the script had been started itself
+runpy.run_path(script, run_name="__main__")
