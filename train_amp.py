@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 2 train_amp.py                 # the Engine loop, as the tutorial writes it
     torchrun --nproc_per_node 2 train_amp.py --trainer       # the same with the Trainer and hooks
     torchrun --nproc_per_node 2 train_amp.py --checkpoint ckpt.pt          # save every epoch
-    torchrun --nproc_per_node 2 train_amp.py --checkpoint ckpt.pt --resume  # ...and carry on from it
+    torchrun --nproc_per_node 2 train_amp.py --checkpoint ckpt.pt --resume  # ...and carry on from it,
+                                                                            # mid-epoch if it stopped there
 
 The config file (--config, default configs/amp_cifar10.py) turns on AMP with
 fp16=dict(mode=AMP_TYPE.TORCH); `nc.initialize` reads it and returns an Engine whose forward
@@ -36,23 +37,36 @@ def parse_args():
     parser.add_argument("--data", type=str, default=None, help="dataset directory (default $DATA or ./data)")
     parser.add_argument("--download", action="store_true")
     parser.add_argument("--synthetic-size", type=int, default=8192, help="training images in the synthetic stand-in")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop (and save) after this many steps")
     parser.add_argument("--checkpoint", type=str, default=None, help="save model/optimizer/scheduler here every epoch")
+    parser.add_argument("--checkpoint-every", type=int, default=None, help="also save every N steps")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     return parser.parse_args()
 
 
-def train_with_engine(engine, train_dataloader, test_dataloader, lr_scheduler, logger, start_epoch, args):
-    for epoch in range(start_epoch, gpc.config.NUM_EPOCHS):
+def train_with_engine(engine, train_dataloader, test_dataloader, lr_scheduler, logger, progress, args):
+    def save():
+        if args.checkpoint:
+            progress.save(args.checkpoint, engine.model, engine.optimizer, lr_scheduler)
+
+    while progress.epoch < gpc.config.NUM_EPOCHS:
         # execute a training iteration
         engine.train()
-        if hasattr(train_dataloader.sampler, "set_epoch"):
-            train_dataloader.sampler.set_epoch(epoch)
-        for img, label in train_dataloader:
+        train_loss = torch.full((), float("nan"))       # stays nan if a resumed epoch has no batch left
+        for img, label in progress.batches(train_dataloader):  # set_epoch; after a resume, the rest of the epoch
             engine.zero_grad()                           # set gradients to zero
             output = engine(img)                         # forward (autocast; DDP with several ranks)
             train_loss = engine.criterion(output, label)
             engine.backward(train_loss)                  # scaled backward
             engine.step()                                # unscale, skip on overflow, update
+            progress.step_done()
+            stop = progress.step == args.max_steps
+            if stop or args.checkpoint_every and progress.step % args.checkpoint_every == 0:
+                save()
+            if stop:
+                break
+        if progress.step_in_epoch < len(train_dataloader):
+            return                                       # --max-steps ended it mid-epoch (saved just above)
         lr_scheduler.step()                              # update learning rate
 
         # execute a testing iteration: every rank scores its shard, counts are summed over ranks
@@ -64,15 +78,17 @@ def train_with_engine(engine, train_dataloader, test_dataloader, lr_scheduler, l
                 test_loss = engine.criterion(output, label)
                 accuracy.update(output, label.to(gpc.device))
         acc = accuracy.compute()
-        logger.info(f"Epoch {epoch} - train loss: {train_loss.item():.5}, test loss: {test_loss.item():.5}, "
+        logger.info(f"Epoch {progress.epoch} - train loss: {train_loss.item():.5}, test loss: {test_loss.item():.5}, "
                     f"acc: {acc:.5}, lr: {lr_scheduler.get_last_lr()[0]:.5g}")
-        if args.checkpoint:
-            nc.checkpoint.save_checkpoint(args.checkpoint, epoch + 1, engine.model, engine.optimizer, lr_scheduler)
+        progress.epoch_done()
+        save()
+        if progress.step == args.max_steps:
+            return
 
 
-def train_with_trainer(engine, train_dataloader, test_dataloader, lr_scheduler, logger, start_epoch, args):
+def train_with_trainer(engine, train_dataloader, test_dataloader, lr_scheduler, logger, progress, args):
     trainer = Trainer(engine=engine, logger=logger)
-    trainer.cur_epoch = start_epoch
+    trainer.progress = progress
     hook_list = [
         hooks.LossHook(),
         hooks.LRSchedulerHook(lr_scheduler=lr_scheduler, by_epoch=True),
@@ -82,9 +98,10 @@ def train_with_trainer(engine, train_dataloader, test_dataloader, lr_scheduler, 
         hooks.LogMemoryByEpochHook(logger),
     ]
     if args.checkpoint:
-        hook_list.append(hooks.SaveCheckpointHook(args.checkpoint, lr_scheduler=lr_scheduler))
+        hook_list.append(hooks.SaveCheckpointHook(args.checkpoint, lr_scheduler=lr_scheduler,
+                                                  every_steps=args.checkpoint_every))
     trainer.fit(train_dataloader=train_dataloader, epochs=gpc.config.NUM_EPOCHS, test_dataloader=test_dataloader,
-                test_interval=1, hooks=hook_list, display_progress=True)
+                test_interval=1, hooks=hook_list, display_progress=True, max_steps=args.max_steps)
 
 
 def main():
@@ -112,19 +129,18 @@ def main():
     engine, train_dataloader, test_dataloader, lr_scheduler = nc.initialize(
         model, optimizer, criterion, train_dataloader, test_dataloader, lr_scheduler)
 
-    start_epoch = 0
+    # where training is (epoch, step, step in epoch): saved with each checkpoint, restored by --resume
+    progress = nc.Progress()
     if args.resume:
         if not args.checkpoint:
             raise SystemExit("--resume needs --checkpoint PATH (the file to continue from)")
-        if os.path.exists(nc.checkpoint.stage_path(args.checkpoint)):
-            start_epoch = nc.checkpoint.load_checkpoint(args.checkpoint, engine.model, engine.optimizer,
-                                                        lr_scheduler)["epoch"]
-            logger.info(f"resumed from {args.checkpoint} after epoch {start_epoch}")
+        if progress.resume(args.checkpoint, engine.model, engine.optimizer, lr_scheduler):
+            logger.info(f"resumed from {args.checkpoint}: epoch {progress.epoch + 1}, step {progress.step}")
         else:
             logger.info(f"no checkpoint at {args.checkpoint} yet: starting from scratch")
 
     run = train_with_trainer if args.trainer else train_with_engine
-    run(engine, train_dataloader, test_dataloader, lr_scheduler, logger, start_epoch, args)
+    run(engine, train_dataloader, test_dataloader, lr_scheduler, logger, progress, args)
     gpc.destroy()
 
 

@@ -17,7 +17,6 @@ What changes from single-process training is small, and each step is marked belo
 Without MNIST on disk (and no --download), a synthetic MNIST-shaped dataset is used.
 """
 import argparse
-import os
 import time
 
 import torch
@@ -25,8 +24,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import nanocolossal as nc
-from nanocolossal.checkpoint import load_checkpoint, save_checkpoint, skip_batches
-from nanocolossal.checks import check_consistency, debug_barrier, maybe_fail
+from nanocolossal.checks import check_consistency, debug_barrier
 from nanocolossal.context import gpc
 from nanocolossal.ddp import DistributedDataParallel
 from nanocolossal.metrics import Accuracy, all_reduce_mean
@@ -102,25 +100,18 @@ def main() -> None:
                 f"{args.batch_size} x {gpc.data_size} images, sync_bn={args.sync_bn}")
 
     # 5. survive crashes: save every N steps; a restarted job (torchrun --max-restarts) carries on
-    start_epoch, step, in_epoch, rng = 0, 0, 0, None
-    if args.resume and args.checkpoint and os.path.exists(args.checkpoint):
-        info = load_checkpoint(args.checkpoint, model, optimizer, restore_rng=False)
-        start_epoch, step, in_epoch, rng = info["epoch"], info["step"], info["step_in_epoch"], info["rng"]
-        logger.info(f"resumed from {args.checkpoint}: epoch {start_epoch + 1}, step {step}")
-
-    def save(epoch: int, step_in_epoch: int) -> None:
-        save_checkpoint(args.checkpoint, epoch, model, optimizer, step=step, step_in_epoch=step_in_epoch)
+    progress = nc.Progress()  # epoch, step, step in epoch: what a checkpoint records and a resume restores
+    if args.resume and args.checkpoint and progress.resume(args.checkpoint, model, optimizer):
+        logger.info(f"resumed from {args.checkpoint}: epoch {progress.epoch + 1}, step {progress.step}")
 
     check_consistency(model, train_loader)  # ranks that disagree (data, config, model) fail now, not hang later
     start, samples, accuracy = time.perf_counter(), 0, float("nan")
-    for epoch in range(start_epoch, args.epochs):
+    while progress.epoch < args.epochs:
         model.train()
-        if hasattr(train_loader.sampler, "set_epoch"):
-            train_loader.sampler.set_epoch(epoch)
         loss_sum, seen = 0.0, 0
-        batches = skip_batches(train_loader, in_epoch, rng)  # all of them, unless resuming mid-epoch
-        for images, labels in tqdm(batches, total=len(train_loader) - in_epoch, desc=f"epoch {epoch + 1}/{args.epochs}",
-                                   disable=gpc.rank != 0, leave=False):
+        for images, labels in tqdm(progress.batches(train_loader), total=progress.remaining(train_loader),
+                                   desc=f"epoch {progress.epoch + 1}/{args.epochs}", disable=gpc.rank != 0,
+                                   leave=False):  # the sampler's epoch set; on a resume, the batches not yet done
             images, labels = images.to(gpc.device), labels.to(gpc.device)
             loss = criterion(model(images), labels)
             optimizer.zero_grad()
@@ -128,18 +119,17 @@ def main() -> None:
             optimizer.step()
             loss_sum += loss.item() * len(labels)
             seen += len(labels)
-            step, in_epoch = step + 1, in_epoch + 1
-            if args.checkpoint and args.checkpoint_every and step % args.checkpoint_every == 0:
-                save(epoch, in_epoch)
-            maybe_fail(step)
-        in_epoch, rng = 0, None
+            progress.step_done()
+            if args.checkpoint and args.checkpoint_every and progress.step % args.checkpoint_every == 0:
+                progress.save(args.checkpoint, model, optimizer)
+        progress.epoch_done()
         train_loss = all_reduce_mean(loss_sum / max(seen, 1), weight=seen)              # 4. global numbers
         samples += seen * gpc.data_size
         accuracy = evaluate(model, test_loader)
-        logger.info(f"epoch {epoch + 1}/{args.epochs}: train loss {train_loss:.4f}, test accuracy {accuracy:.4f}")
+        logger.info(f"epoch {progress.epoch}/{args.epochs}: train loss {train_loss:.4f}, test accuracy {accuracy:.4f}")
         if args.checkpoint:
-            save(epoch + 1, 0)
-        debug_barrier(f"the end of epoch {epoch + 1}")
+            progress.save(args.checkpoint, model, optimizer)
+        debug_barrier(f"the end of epoch {progress.epoch}")
 
     elapsed = time.perf_counter() - start
     logger.info(f"training complete in {elapsed:.1f} s ({samples / elapsed:.0f} samples/s over "

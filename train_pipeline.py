@@ -170,9 +170,8 @@ def main():
     if args.checkpoint:
         hook_list.append(hooks.SaveCheckpointHook(args.checkpoint, lr_scheduler=lr_scheduler,
                                                   every_steps=args.checkpoint_every))
-        if args.resume and os.path.exists(nc.checkpoint.stage_path(args.checkpoint)):
-            info = trainer.resume(args.checkpoint, lr_scheduler)
-            logger.info(f"resumed from {args.checkpoint}: epoch {info['epoch'] + 1}, step {trainer.cur_step}")
+        if args.resume and trainer.resume(args.checkpoint, lr_scheduler):
+            logger.info(f"resumed from {args.checkpoint}: epoch {trainer.cur_epoch + 1}, step {trainer.cur_step}")
     start = time.perf_counter()
     trainer.fit(train_dataloader=train_dataloader, epochs=args.epochs, test_dataloader=test_dataloader,
                 test_interval=1, hooks=hook_list, display_progress=True, max_steps=args.max_steps)

@@ -19,8 +19,7 @@ leaves stage 0 from step 12 beside stage 1 from step 9. So every save has one id
 rank 0, recorded in each stage's file), and loading or merging checks that all stages carry
 the same one, refusing a mixed set with an error that lists each stage's step.
 
-Resuming mid-epoch: save with extra `step_in_epoch`, load with restore_rng=False and iterate
-`skip_batches(loader, step_in_epoch, info["rng"])` -- the Trainer and train_ddp.py do.
+Resuming mid-epoch is progress.py's part: every loop saves and resumes through its Progress.
 
 Loading strips `module.` (DDP), `model.` (wrappers) and `_orig_mod.` (torch.compile)
 prefixes and maps tensors to this rank's device. Files are written with torch.save and read
@@ -33,7 +32,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -183,21 +182,6 @@ def _check_one_save(stages: list[dict]) -> None:
         raise RuntimeError(f"[rank {gpc.rank}] the pipeline stage files come from different saves ({listed}); "
                            f"a save was interrupted between files. Resume from an older complete checkpoint, "
                            f"or delete these files and start again")
-
-
-def skip_batches(loader: Iterable, skip: int, rng_state: Optional[dict] = None) -> Iterator:
-    """An iterator over `loader` from batch `skip` on, for resuming in the middle of an epoch.
-
-    The first `skip` batches are drawn and dropped, so the sampler and any random augmentation
-    advance exactly as they did before the checkpoint; then the RNG is set to its state at the
-    checkpoint. The rest of the epoch is then bit-identical to a run that never stopped
-    (with num_workers=0; worker processes are seeded when the iterator is created)."""
-    batches = iter(loader)
-    for _ in range(skip):
-        next(batches)
-    if rng_state is not None:
-        set_rng_state(rng_state)
-    return batches
 
 
 def _rebuild(blocks: dict[int, torch.Tensor], splits: list, size: int, mode: Optional[str]) -> torch.Tensor:

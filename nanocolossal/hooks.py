@@ -22,7 +22,6 @@ from typing import Any, Optional
 
 import torch
 
-from .checkpoint import save_checkpoint
 from .context import gpc
 from .metrics import Accuracy, all_reduce_mean
 
@@ -195,18 +194,15 @@ class SaveCheckpointHook(BaseHook):
         self.path, self.interval, self.lr_scheduler = checkpoint_path, interval, lr_scheduler
         self.every_steps = every_steps
 
-    def _save(self, trainer, epoch: int, step_in_epoch: int) -> None:
-        save_checkpoint(self.path, epoch, trainer.engine.model, trainer.engine.optimizer, self.lr_scheduler,
-                        step=trainer.cur_step, step_in_epoch=step_in_epoch)
+    def _save(self, trainer, epoch_end: bool = False) -> None:
+        trainer.progress.save(self.path, trainer.engine.model, trainer.engine.optimizer, self.lr_scheduler, epoch_end)
 
     def after_train_iter(self, trainer, output, label, loss) -> None:
         if self.every_steps and trainer.cur_step % self.every_steps == 0:
-            self._save(trainer, trainer.cur_epoch, trainer.step_in_epoch)
+            self._save(trainer)
 
     def after_train_epoch(self, trainer) -> None:
         if not trainer.epoch_finished:  # stopped by max_steps: save where it stopped, to resume there
-            self._save(trainer, trainer.cur_epoch, trainer.step_in_epoch)
-            return
-        done = trainer.cur_epoch + 1
-        if done % self.interval == 0:
-            self._save(trainer, done, 0)
+            self._save(trainer)
+        elif (trainer.cur_epoch + 1) % self.interval == 0:  # the Trainer counts this epoch done just after
+            self._save(trainer, epoch_end=True)

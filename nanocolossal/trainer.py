@@ -10,7 +10,8 @@ Each training iteration is zero_grad -> engine.execute_schedule(batch) (forward,
 backward) -> engine.step(). The sampler's epoch is set before every epoch, so shuffling
 differs between epochs and agrees between ranks. `max_steps` ends training early (after the
 current iteration) and still runs the after_train_epoch / after_train hooks. `resume(path)`
-loads a SaveCheckpointHook checkpoint and continues after the epochs it completed.
+loads a SaveCheckpointHook checkpoint and continues where it was taken, mid-epoch if need be:
+the loop's position is a Progress (progress.py), the same one the scripts' own loops use.
 """
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ from typing import Any, Iterable, Optional
 import torch
 from tqdm import tqdm
 
-from . import checkpoint, hooks
-from .checks import check_consistency, debug_barrier, maybe_fail
+from . import hooks
+from .checkpoint import PathLike
+from .checks import check_consistency, debug_barrier
 from .context import gpc
 from .engine import Engine, PipelineEngine
 from .logging import get_dist_logger
+from .progress import Progress
 from .timer import MultiTimer
 
 __all__ = ["Trainer", "hooks"]
@@ -40,8 +43,7 @@ class Trainer:
         self.schedule = getattr(engine, "schedule", None)
         self.timer = timer if timer is not None else MultiTimer()  # train-epoch, train-step, test-epoch
         self.logger = logger or get_dist_logger()
-        self.cur_epoch, self.cur_step, self.step_in_epoch = 0, 0, 0
-        self._resume_at: tuple[int, Optional[dict]] = (0, None)  # (batches to skip, RNG to restore then)
+        self.progress = Progress()  # epoch, step, step in epoch: saved by SaveCheckpointHook, read by resume
         self.last_step_taken, self.last_batch_size = False, 0
         self.epoch_finished = False  # did the last training epoch run to its end (not cut by max_steps)?
         self.states: dict = {"metrics": {"train": {}, "test": {}}}
@@ -63,16 +65,23 @@ class Trainer:
     def _progress(self, loader: Iterable, desc: str, show: bool, total: Optional[int] = None):
         return tqdm(loader, desc=desc, total=total, leave=False, disable=not show or gpc.rank != 0)
 
-    def resume(self, path: str, lr_scheduler: Any = None) -> dict:
-        """Load a checkpoint into the engine (and scheduler) and continue where it was taken,
-        in the middle of an epoch if need be (see checkpoint.skip_batches)."""
-        info = checkpoint.load_checkpoint(path, self.engine.model, self.engine.optimizer, lr_scheduler,
-                                          restore_rng=False)
-        self.cur_epoch, self.cur_step = info["epoch"], info.get("step", 0)
-        self._resume_at = (info.get("step_in_epoch", 0), info.get("rng"))
-        if self._resume_at[0] == 0 and info.get("rng") is not None:
-            checkpoint.set_rng_state(info["rng"])
-        return info
+    # cur_epoch (epochs done), cur_step (steps in all), step_in_epoch: the hooks' names for progress
+    @property
+    def cur_epoch(self) -> int:
+        return self.progress.epoch
+
+    @property
+    def cur_step(self) -> int:
+        return self.progress.step
+
+    @property
+    def step_in_epoch(self) -> int:
+        return self.progress.step_in_epoch
+
+    def resume(self, path: PathLike, lr_scheduler: Any = None) -> bool:
+        """Load a checkpoint into the engine (and scheduler) and continue where it was taken, in
+        the middle of an epoch if need be (see progress.py). False if there is no file yet."""
+        return self.progress.resume(path, self.engine.model, self.engine.optimizer, lr_scheduler)
 
     # -- loops -----------------------------------------------------------------------------
     def fit(self, train_dataloader: Iterable, epochs: int, test_dataloader: Optional[Iterable] = None,
@@ -83,15 +92,12 @@ class Trainer:
         check_consistency(self.engine.model, train_dataloader)  # disagreeing ranks fail here, not hang later
         self._call("before_train")
         while self.cur_epoch < epochs:
-            sampler = getattr(train_dataloader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self.cur_epoch)
             stopped = self._train_epoch(train_dataloader, epochs, display_progress, max_steps)
             if test_dataloader is not None and (self.cur_epoch + 1) % test_interval == 0:
                 self._test_epoch(test_dataloader, display_progress)
             debug_barrier(f"the end of epoch {self.cur_epoch + 1}")
             if self.epoch_finished:  # max_steps may stop mid-epoch: that epoch is not done
-                self.cur_epoch += 1
+                self.progress.epoch_done()
             if stopped:
                 break
         self._call("after_train")
@@ -100,30 +106,25 @@ class Trainer:
         self.engine.train()
         self._call("before_train_epoch")
         self.timer.start("train-epoch")
-        skip, rng = self._resume_at
-        self._resume_at, self.step_in_epoch = (0, None), skip
-        batches = checkpoint.skip_batches(loader, skip, rng) if skip else loader
-        total = len(loader) - skip if hasattr(loader, "__len__") else None
-        progress = self._progress(batches, f"epoch {self.cur_epoch + 1}/{epochs}", show, total)
+        bar = self._progress(self.progress.batches(loader), f"epoch {self.cur_epoch + 1}/{epochs}", show,
+                             self.progress.remaining(loader))
         stopped = False
-        for batch in progress:
+        for batch in bar:
             self._call("before_train_iter")
             self.timer.start("train-step")
             self.engine.zero_grad()
             output, label, loss = self._execute(batch, forward_only=False)
             self.last_step_taken = self.engine.step()
             self.timer.stop("train-step")
-            self.cur_step += 1
-            self.step_in_epoch += 1
+            self.progress.step_done()
             self._call("after_train_iter", output, label, loss)
-            maybe_fail(self.cur_step)
             if loss is not None:
-                progress.set_postfix(loss=f"{loss.item():.4f}")
+                bar.set_postfix(loss=f"{loss.item():.4f}")
             if max_steps is not None and self.cur_step >= max_steps:
                 stopped = True
                 break
         self.timer.stop("train-epoch")
-        self.epoch_finished = not stopped or total is not None and self.step_in_epoch == total + skip
+        self.epoch_finished = not stopped or hasattr(loader, "__len__") and self.step_in_epoch == len(loader)
         self._call("after_train_epoch")
         return stopped
 

@@ -36,7 +36,7 @@ def _train_worker(rank, world_size, port, path, epochs, resume, max_steps=None, 
     engine, data, sched = _setup(rank, world_size, port)
     trainer = Trainer(engine)
     if resume:
-        assert (trainer.resume(path, sched)["epoch"], trainer.cur_step) == resume_at
+        assert trainer.resume(path, sched) and (trainer.cur_epoch, trainer.cur_step) == resume_at
     trainer.fit(data, epochs=epochs, max_steps=max_steps,
                 hooks=[hooks.LRSchedulerHook(sched, by_epoch=True), hooks.SaveCheckpointHook(path, lr_scheduler=sched)])
     return {k: v.clone() for k, v in engine.model.state_dict().items()}, engine.optimizer.loss_scale

@@ -1,0 +1,92 @@
+"""Progress: where training is, saved in every checkpoint and restored by one resume path.
+
+A run is at (epoch, step, step_in_epoch): `epoch` epochs are complete, `step` optimizer steps
+taken in all, `step_in_epoch` of them in the current epoch. Every loop of nanocolossal -- the
+Trainer's and the hand-written ones of train_ddp.py and train_amp.py -- keeps those three
+numbers in a Progress, writes them with each checkpoint and continues from them:
+
+    progress = Progress()
+    if args.resume:
+        progress.resume(path, model, optimizer, lr_scheduler)   # False when there is no file yet
+    while progress.epoch < epochs:
+        for batch in progress.batches(train_loader):            # the rest of this epoch
+            ...one training step...
+            progress.step_done()
+            if progress.step % every == 0:
+                progress.save(path, model, optimizer, lr_scheduler)
+        progress.epoch_done()
+        progress.save(path, model, optimizer, lr_scheduler)
+
+Resuming mid-epoch must give the batches the uninterrupted run would have had. The sampler's
+epoch is set as before (its shuffle is seeded by epoch, not by the global RNG); the batches
+already trained on are drawn again and dropped, so the sampler and any random augmentation
+advance exactly as they did; then every RNG is put back as it was at the save. The rest of the
+run is bit-identical (with num_workers=0: worker processes are seeded when the iterator starts).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Optional
+
+import torch.nn as nn
+
+from .checkpoint import PathLike, load_checkpoint, save_checkpoint, set_rng_state, stage_path
+
+__all__ = ["Progress", "skip_batches"]
+
+
+def skip_batches(loader: Iterable, skip: int, rng_state: Optional[dict] = None) -> Iterator:
+    """An iterator over `loader` from batch `skip` on; the RNG is then set to `rng_state`."""
+    batches = iter(loader)
+    for _ in range(skip):
+        next(batches)
+    if rng_state is not None:
+        set_rng_state(rng_state)
+    return batches
+
+
+class Progress:
+    """(epoch, step, step_in_epoch) of a run, and the RNG state to restore when its epoch resumes."""
+
+    def __init__(self) -> None:
+        self.epoch, self.step, self.step_in_epoch = 0, 0, 0
+        self._rng: Optional[dict] = None  # restored once the resumed epoch's done batches are skipped
+
+    def resume(self, path: PathLike, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None) -> bool:
+        """Load `path` into model/optimizer/scheduler and continue where it was saved.
+        Returns False, changing nothing, when this rank's file does not exist (yet)."""
+        if not stage_path(path).is_file():
+            return False
+        info = load_checkpoint(path, model, optimizer, lr_scheduler, restore_rng=False)
+        self.epoch, self.step, self.step_in_epoch = info["epoch"], info.get("step", 0), info.get("step_in_epoch", 0)
+        self._rng = info.get("rng")
+        if self.step_in_epoch == 0 and self._rng is not None:  # saved between epochs: nothing to skip
+            set_rng_state(self._rng)
+            self._rng = None
+        return True
+
+    def batches(self, loader: Iterable) -> Iterator:
+        """This epoch's batches still to train on (all of them, unless the epoch was resumed)."""
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):  # a new shuffle each epoch, the same on every rank
+            sampler.set_epoch(self.epoch)
+        skip, rng, self._rng = self.step_in_epoch, self._rng, None
+        return skip_batches(loader, skip, rng)
+
+    def remaining(self, loader: Iterable) -> Optional[int]:
+        """How many batches `batches(loader)` yields (for progress bars), if the loader has a length."""
+        return len(loader) - self.step_in_epoch if hasattr(loader, "__len__") else None
+
+    def step_done(self) -> None:
+        self.step += 1
+        self.step_in_epoch += 1
+
+    def epoch_done(self) -> None:
+        self.epoch += 1
+        self.step_in_epoch = 0
+
+    def save(self, path: PathLike, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None,
+             epoch_end: bool = False) -> None:
+        """Save a checkpoint at this point (a collective: every rank calls it). `epoch_end=True`
+        saves the current epoch as complete, for callers that count it done only afterwards."""
+        epoch, in_epoch = (self.epoch + 1, 0) if epoch_end else (self.epoch, self.step_in_epoch)
+        save_checkpoint(path, epoch, model, optimizer, lr_scheduler, step=self.step, step_in_epoch=in_epoch)
