@@ -6,11 +6,11 @@
     torchrun --nproc_per_node 2 train_amp.py --checkpoint ckpt.pt --resume  # ...and carry on from it,
                                                                             # mid-epoch if it stopped there
 
-The config file (--config, default configs/amp_cifar10.py) turns on AMP with
-fp16=dict(mode=AMP_TYPE.TORCH); `nc.initialize` reads it and returns an Engine whose forward
-runs under autocast and whose backward/step scale the loss and skip overflowing steps. With
-more than one process the Engine also wraps the model in DDP. The training loop itself is
-the plain PyTorch loop, spelled with engine.* calls.
+The config file (--config, default configs/amp_cifar10.py; --epochs and --batch-size override
+its NUM_EPOCHS and BATCH_SIZE) turns on AMP with fp16=dict(mode=AMP_TYPE.TORCH); `nc.initialize`
+reads it and returns an Engine whose forward runs under autocast and whose backward/step scale
+the loss and skip overflowing steps. With more than one process the Engine also wraps the model
+in DDP. The training loop itself is the plain PyTorch loop, spelled with engine.* calls.
 
 Without CIFAR-10 on disk (and no --download), a synthetic CIFAR-shaped dataset is used.
 """
@@ -106,13 +106,8 @@ def train_with_trainer(engine, train_dataloader, test_dataloader, lr_scheduler, 
 
 def main():
     args = parse_args()
-    config = nc.load_config(args.config)
-    config.debug = args.debug or config.get("debug", False)
+    config = nc.load_config(args.config, NUM_EPOCHS=args.epochs, BATCH_SIZE=args.batch_size, debug=args.debug or None)
     nc.launch_from_torch(config=config, backend=args.backend, allow_single_process=True)
-    if args.epochs is not None:
-        gpc.config.NUM_EPOCHS = args.epochs
-    if args.batch_size is not None:
-        gpc.config.BATCH_SIZE = args.batch_size
     logger = nc.get_dist_logger()
 
     model = resnet34(num_classes=10)

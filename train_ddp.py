@@ -7,16 +7,19 @@
 What changes from single-process training is small, and each step is marked below:
   1. launch: join the job (rank, world size, process group);
   2. shard the data: a DistributedSampler gives each rank its own slice, reshuffled each epoch
-     by set_epoch; --batch-size is per rank, so the global batch is batch_size * world_size;
+     by set_epoch; BATCH_SIZE is per rank, so the global batch is BATCH_SIZE * world_size;
   3. wrap the model in DistributedDataParallel, which averages gradients during backward;
   4. report numbers over all ranks: mean train loss, and test accuracy from summed counts over
      an un-padded sampler, so every test image is counted exactly once;
   5. (optional) --checkpoint F --checkpoint-every N --resume: under `torchrun --max-restarts 1`
      a crashed job restarts from its last checkpoint, mid-epoch, and ends bit-identical.
 
-Without MNIST on disk (and no --download), a synthetic MNIST-shaped dataset is used.
+BATCH_SIZE and NUM_EPOCHS come from the config file (--config, default configs/ddp_mnist.py);
+--batch-size and --epochs override them. Without MNIST on disk (and no --download), a
+synthetic MNIST-shaped dataset is used.
 """
 import argparse
+import os
 import time
 
 import torch
@@ -47,10 +50,14 @@ class ConvNet(nn.Module):
         return self.fc(out.reshape(out.size(0), -1))
 
 
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "ddp_mnist.py")
+
+
 def parse_args() -> argparse.Namespace:
     parser = nc.get_default_parser()
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=100, help="per rank")
+    parser.set_defaults(config=DEFAULT_CONFIG)
+    parser.add_argument("--epochs", type=int, default=None, help="override NUM_EPOCHS")
+    parser.add_argument("--batch-size", type=int, default=None, help="override BATCH_SIZE (per rank)")
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--data", type=str, default=None, help="dataset directory (default $DATA or ./data)")
     parser.add_argument("--download", action="store_true", help="download MNIST if it is not on disk")
@@ -75,8 +82,7 @@ def evaluate(model: nn.Module, loader) -> float:
 
 def main() -> None:
     args = parse_args()
-    config = nc.load_config(args.config)
-    config.debug = args.debug or config.get("debug", False)
+    config = nc.load_config(args.config, NUM_EPOCHS=args.epochs, BATCH_SIZE=args.batch_size, debug=args.debug or None)
     nc.launch_from_torch(config=config, backend=args.backend, seed=args.seed, allow_single_process=True)  # 1. launch
     logger = nc.get_dist_logger()
     if gpc.device.type == "cpu":
@@ -85,9 +91,9 @@ def main() -> None:
     train_set = nc.data.mnist(args.data, train=True, download=args.download, synthetic_size=args.synthetic_size)
     test_set = nc.data.mnist(args.data, train=False, download=args.download,
                              synthetic_size=max(1, args.synthetic_size // 6))
-    train_loader = nc.get_dataloader(train_set, shuffle=True, seed=args.seed, batch_size=args.batch_size,
+    train_loader = nc.get_dataloader(train_set, shuffle=True, seed=args.seed, batch_size=gpc.config.BATCH_SIZE,
                                      drop_last=True)                                  # 2. shard the data
-    test_loader = nc.get_dataloader(test_set, pad=False, batch_size=args.batch_size)
+    test_loader = nc.get_dataloader(test_set, pad=False, batch_size=gpc.config.BATCH_SIZE)
 
     model = ConvNet().to(gpc.device)
     if args.sync_bn:
@@ -97,7 +103,7 @@ def main() -> None:
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     logger.info(f"training on {gpc.data_size} rank(s), {len(train_loader)} steps/epoch of "
-                f"{args.batch_size} x {gpc.data_size} images, sync_bn={args.sync_bn}")
+                f"{gpc.config.BATCH_SIZE} x {gpc.data_size} images, sync_bn={args.sync_bn}")
 
     # 5. survive crashes: save every N steps; a restarted job (torchrun --max-restarts) carries on
     progress = nc.Progress()  # epoch, step, step in epoch: what a checkpoint records and a resume restores
@@ -106,11 +112,11 @@ def main() -> None:
 
     check_consistency(model, train_loader)  # ranks that disagree (data, config, model) fail now, not hang later
     start, samples, accuracy = time.perf_counter(), 0, float("nan")
-    while progress.epoch < args.epochs:
+    while progress.epoch < gpc.config.NUM_EPOCHS:
         model.train()
         loss_sum, seen = 0.0, 0
         for images, labels in tqdm(progress.batches(train_loader), total=progress.remaining(train_loader),
-                                   desc=f"epoch {progress.epoch + 1}/{args.epochs}", disable=gpc.rank != 0,
+                                   desc=f"epoch {progress.epoch + 1}/{gpc.config.NUM_EPOCHS}", disable=gpc.rank != 0,
                                    leave=False):  # the sampler's epoch set; on a resume, the batches not yet done
             images, labels = images.to(gpc.device), labels.to(gpc.device)
             loss = criterion(model(images), labels)
@@ -126,7 +132,8 @@ def main() -> None:
         train_loss = all_reduce_mean(loss_sum / max(seen, 1), weight=seen)              # 4. global numbers
         samples += seen * gpc.data_size
         accuracy = evaluate(model, test_loader)
-        logger.info(f"epoch {progress.epoch}/{args.epochs}: train loss {train_loss:.4f}, test accuracy {accuracy:.4f}")
+        logger.info(f"epoch {progress.epoch}/{gpc.config.NUM_EPOCHS}: train loss {train_loss:.4f}, "
+                    f"test accuracy {accuracy:.4f}")
         if args.checkpoint:
             progress.save(args.checkpoint, model, optimizer)
         debug_barrier(f"the end of epoch {progress.epoch}")

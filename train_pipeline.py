@@ -5,6 +5,9 @@
     torchrun --nproc_per_node 2 train_pipeline.py --schedule gpipe --trace trace.json
     torchrun --nproc_per_node 4 train_pipeline.py                       # 2 stages x 2 data-parallel replicas
 
+The config file (--config, default configs/pipeline_resnet50.py) holds the tutorial's keys:
+BATCH_SIZE, NUM_EPOCHS, NUM_MICRO_BATCHES, NUM_CHUNKS and parallel=dict(pipeline=2); the flags
+--epochs, --batch-size, --micro-batches, --chunks, --pipeline and --schedule override them.
 The model is written as one nn.Sequential (stem, the 16 bottleneck blocks, classifier) so that
 `build_pipeline_model` can cut it; each rank builds the whole model with the same seed and
 keeps its part. `nc.initialize` reads NUM_MICRO_BATCHES / NUM_CHUNKS / PIPELINE_SCHEDULE from
@@ -109,14 +112,19 @@ class ChromeTrace(hooks.BaseHook):
             nc.get_dist_logger().info(f"wrote {sum(map(len, everyone))} schedule steps to {self.path}")
 
 
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "pipeline_resnet50.py")
+
+
 def parse_args():
     parser = nc.get_default_parser()
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64, help="per data-parallel replica")
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--pipeline", type=int, default=2, help="stages (1 when run as a single process)")
-    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank (> 1: interleaved 1F1B)")
-    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default=None)
+    parser.set_defaults(config=DEFAULT_CONFIG)
+    parser.add_argument("--epochs", type=int, default=None, help="override NUM_EPOCHS")
+    parser.add_argument("--batch-size", type=int, default=None, help="override BATCH_SIZE (per data replica)")
+    parser.add_argument("--micro-batches", type=int, default=None, help="override NUM_MICRO_BATCHES")
+    parser.add_argument("--pipeline", type=int, default=None, help="override parallel.pipeline (stages)")
+    parser.add_argument("--chunks", type=int, default=None, help="override NUM_CHUNKS (> 1: interleaved 1F1B)")
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default=None,
+                        help="override PIPELINE_SCHEDULE")
     parser.add_argument("--partition", default="profile", help="profile, parameters, uniform or counts like 5,13")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-epochs", type=int, default=1)
@@ -133,32 +141,34 @@ def parse_args():
 
 def main():
     args = parse_args()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    pipeline = args.pipeline if world >= args.pipeline else 1
-    config = dict(BATCH_SIZE=args.batch_size, NUM_EPOCHS=args.epochs, NUM_MICRO_BATCHES=args.micro_batches,
-                  NUM_CHUNKS=args.chunks, parallel=dict(pipeline=pipeline), debug=args.debug)
-    if args.schedule:
-        config["PIPELINE_SCHEDULE"] = args.schedule
+    config = nc.load_config(args.config, NUM_EPOCHS=args.epochs, BATCH_SIZE=args.batch_size,
+                            NUM_MICRO_BATCHES=args.micro_batches, NUM_CHUNKS=args.chunks,
+                            PIPELINE_SCHEDULE=args.schedule, parallel=dict(pipeline=args.pipeline),
+                            debug=args.debug or None)
+    stages, world = config.parallel.get("pipeline", 1), int(os.environ.get("WORLD_SIZE", "1"))
+    if world < stages:  # one process (python train_pipeline.py): the same training without a pipeline
+        config.parallel.pipeline = 1
     nc.launch_from_torch(config=config, backend=args.backend, allow_single_process=True)
     logger = nc.get_dist_logger()
-    if pipeline != args.pipeline:
-        logger.warning(f"{world} process(es) cannot hold {args.pipeline} stages: training without a pipeline; "
-                       f"run torchrun --nproc_per_node {args.pipeline} train_pipeline.py", ranks=[0])
+    if world < stages:
+        logger.warning(f"{world} process(es) cannot hold {stages} stages: training without a pipeline; "
+                       f"run torchrun --nproc_per_node {stages} train_pipeline.py", ranks=[0])
+    batch_size, micro_batches = gpc.config.BATCH_SIZE, gpc.config.NUM_MICRO_BATCHES
 
     partition = [int(n) for n in args.partition.split(",")] if "," in args.partition else args.partition
-    sample = torch.randn(args.batch_size // args.micro_batches, 3, 32, 32)
-    model = build_pipeline_model(resnet50(), num_chunks=args.chunks, partition=partition, verbose=True,
+    sample = torch.randn(batch_size // micro_batches, 3, 32, 32)
+    model = build_pipeline_model(resnet50(), num_chunks=gpc.config.NUM_CHUNKS, partition=partition, verbose=True,
                                  sample_input=sample)
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     train_set = nc.data.cifar10(args.data, train=True, download=args.download, synthetic_size=args.synthetic_size)
     test_set = nc.data.cifar10(args.data, train=False, download=args.download,
-                               synthetic_size=max(args.batch_size, args.synthetic_size // 3))
+                               synthetic_size=max(batch_size, args.synthetic_size // 3))
     # training drops a last batch so small that BatchNorm would see one-sample micro-batches; the
     # test loader keeps every image (uneven micro-batches are weighted exactly) and pads none
-    train_dataloader = nc.get_dataloader(train_set, shuffle=True, batch_size=args.batch_size, drop_last=True)
-    test_dataloader = nc.get_dataloader(test_set, batch_size=args.batch_size, pad=False)
-    lr_scheduler = linear_warmup_lr(optimizer, args.epochs, args.warmup_epochs)
+    train_dataloader = nc.get_dataloader(train_set, shuffle=True, batch_size=batch_size, drop_last=True)
+    test_dataloader = nc.get_dataloader(test_set, batch_size=batch_size, pad=False)
+    lr_scheduler = linear_warmup_lr(optimizer, gpc.config.NUM_EPOCHS, args.warmup_epochs)
     engine, train_dataloader, test_dataloader, lr_scheduler = nc.initialize(
         model, optimizer, criterion, train_dataloader, test_dataloader, lr_scheduler)
 
@@ -173,7 +183,7 @@ def main():
         if args.resume and trainer.resume(args.checkpoint, lr_scheduler):
             logger.info(f"resumed from {args.checkpoint}: epoch {trainer.cur_epoch + 1}, step {trainer.cur_step}")
     start = time.perf_counter()
-    trainer.fit(train_dataloader=train_dataloader, epochs=args.epochs, test_dataloader=test_dataloader,
+    trainer.fit(train_dataloader=train_dataloader, epochs=gpc.config.NUM_EPOCHS, test_dataloader=test_dataloader,
                 test_interval=1, hooks=hook_list, display_progress=True, max_steps=args.max_steps)
     metrics = trainer.states["metrics"]
     logger.info(f"done in {time.perf_counter() - start:.0f} s: final train loss {metrics['train']['loss']:.4f}, "

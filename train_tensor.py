@@ -113,10 +113,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    config = nc.load_config(args.config)
-    for key, value in (("NUM_EPOCHS", args.epochs), ("BATCH_SIZE", args.batch_size)):
-        if value is not None:
-            config[key] = value
+    config = nc.load_config(args.config, NUM_EPOCHS=args.epochs, BATCH_SIZE=args.batch_size, debug=args.debug or None)
     nc.launch_from_torch(config=config, backend=args.backend, seed=args.seed, allow_single_process=True)
     logger = nc.get_dist_logger()
 

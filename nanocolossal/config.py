@@ -102,8 +102,14 @@ class AMP_TYPE(Enum):
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any], Config, None]
 
 
-def load_config(config: ConfigLike) -> Config:
-    """A path to a .py file, a dict, a Config or None (empty) -> a validated Config."""
+def load_config(config: ConfigLike, **overrides: Any) -> Config:
+    """A path to a .py file, a dict, a Config or None (empty) -> a validated Config.
+
+    Each override that is not None replaces its key; a dict is merged into the key's dict. This
+    is how every script lets its flags override named keys of its config file:
+
+        load_config(args.config, NUM_EPOCHS=args.epochs, parallel=dict(pipeline=args.pipeline))
+    """
     if config is None:
         cfg = Config()
     elif isinstance(config, (str, os.PathLike)):
@@ -112,6 +118,11 @@ def load_config(config: ConfigLike) -> Config:
         cfg = Config(config)
     else:
         raise ConfigError(f"config must be a path to a .py file, a dict or a Config, not {type(config).__name__}")
+    for key, value in overrides.items():
+        if isinstance(value, Mapping):  # a flag for one entry of a nested dict, e.g. parallel.pipeline
+            value = {**cfg.get(key, {}), **{k: v for k, v in value.items() if v is not None}}
+        if value is not None:
+            cfg[key] = value
     validate_config(cfg)
     return cfg
 

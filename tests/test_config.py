@@ -101,3 +101,13 @@ def test_config_file_must_be_python(tmp_path):
     path = write(tmp_path, "BATCH_SIZE: 8\n", name="config.yaml")
     with pytest.raises(ConfigError, match="must be a Python file"):
         load_config(str(path))
+
+
+def test_flags_override_named_keys_of_the_config_file(tmp_path):
+    path = tmp_path / "config.py"
+    path.write_text("BATCH_SIZE = 64\nNUM_EPOCHS = 3\nparallel = dict(pipeline=2, tensor=dict(size=2, mode='1d'))\n")
+    cfg = load_config(str(path), NUM_EPOCHS=5, BATCH_SIZE=None, debug=None, parallel=dict(pipeline=1, data=None))
+    assert cfg.NUM_EPOCHS == 5 and cfg.BATCH_SIZE == 64 and "debug" not in cfg  # None: the flag was not given
+    assert cfg.parallel == {"pipeline": 1, "tensor": {"size": 2, "mode": "1d"}}  # merged, not replaced
+    with pytest.raises(ConfigError, match="NUM_MICRO_BATCHES must be a positive integer"):
+        load_config(str(path), NUM_MICRO_BATCHES=0)  # overrides are validated like the file
