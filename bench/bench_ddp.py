@@ -7,8 +7,10 @@ identical copies of a ~17M-parameter MLP and identical batches; they take turns 
 rounds (which one goes first alternates) after a warm-up, and the median step time of each
 is reported, beside Colossal-AI's DataParallelGradientHandler (all-reduce after backward, no
 overlap) on a third copy. Rank 0 then times the same model with no DDP at all, alone, for scaling
-efficiency (= single-process step time / DDP step time at the same per-rank batch). Finally
-the two DDP models' parameters are compared: they took the same steps, so they must agree.
+efficiency (= single-process step time / DDP step time at the same per-rank batch), and both
+ranks time one all-reduce of all the gradients at once (67 MB fp32, and bf16), alone: the
+communication floor. Finally the DDP models' parameters are compared: they took the same steps,
+so they must agree.
 
 Prints a table and writes bench/results/ddp.json.
 """
@@ -106,6 +108,19 @@ def main() -> None:
     max_diff = max(max_diff_from_ours(m) for m in (theirs, handled, ours_view, theirs_view))
     bf16_diff = {"ours": max_diff_from_ours(ours_bf16), "torch": max_diff_from_ours(theirs_bf16)}
 
+    # the floor: one all-reduce of every gradient at once (67 MB in fp32), nothing else running
+    flat = {"fp32": torch.ones(n_params), "bf16": torch.ones(n_params, dtype=torch.bfloat16)}
+    all_reduce_times = {}
+    for name, buffer in flat.items():
+        dist.all_reduce(buffer)
+        samples = []
+        for _ in range(args.steps):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buffer)
+            samples.append(time.perf_counter() - start)
+        all_reduce_times[name] = statistics.median(samples) * 1e3
+
     dist.barrier()
     single_times = []
     if gpc.rank == 0:  # the other rank waits, so rank 0 has the machine to itself as in a 1-rank run
@@ -130,6 +145,8 @@ def main() -> None:
             bf16_max_param_diff_from_fp32=bf16_diff,
             ratio_bucket_view_ours_over_torch=round(med["ours view"] / med["torch view"], 3),
             single_rank_ms=round(single_ms, 2),
+            all_reduce_mb=round(n_params * 4 / 1e6, 1), all_reduce_fp32_ms=round(all_reduce_times["fp32"], 2),
+            all_reduce_bf16_ms=round(all_reduce_times["bf16"], 2),
             scaling_efficiency_ours=round(single_ms / med["ours"], 3),
             scaling_efficiency_torch=round(single_ms / med["torch"], 3),
             max_param_diff=max_diff, torch_version=torch.__version__, machine=platform.machine(),
@@ -145,6 +162,8 @@ def main() -> None:
                 ("bf16: max |param - fp32 param| ours/torch", f"{bf16_diff['ours']:.1e} / {bf16_diff['torch']:.1e}"),
                 ("ratio handler / torch", f"{result['ratio_handler_over_torch']:.3f}"),
                 ("step time, 1 rank without DDP", f"{single_ms:.1f} ms"),
+                (f"all-reduce {n_params * 4 / 1e6:.0f} MB alone, fp32 / bf16",
+                 f"{all_reduce_times['fp32']:.1f} / {all_reduce_times['bf16']:.1f} ms"),
                 ("scaling efficiency ours / torch", f"{result['scaling_efficiency_ours']:.2f} / "
                                                     f"{result['scaling_efficiency_torch']:.2f}"),
                 ("max |param diff| ours vs torch, handler", f"{max_diff:.2e}")]

@@ -132,6 +132,7 @@ _UNSUPPORTED = {
     "zero": "ZeRO is not implemented; remove `zero` (plain data parallelism shards nothing)",
 }
 _PARALLEL_KEYS = ("pipeline", "data", "tensor", "sequence")
+_DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "compress")  # DistributedDataParallel's, by config
 
 
 def _positive_int(cfg: Mapping, key: str, where: str) -> None:
@@ -191,6 +192,13 @@ def validate_config(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r} is not supported: {hint}")
 
     parallel_settings(cfg)
+    ddp = cfg.get("ddp", {})
+    unknown = sorted(set(ddp) - set(_DDP_OPTIONS)) if isinstance(ddp, Mapping) else None
+    if unknown is None or unknown:
+        raise ConfigError(f"ddp must be a dict of {', '.join(_DDP_OPTIONS)}; got {ddp!r}"
+                          + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    if ddp.get("compress") not in (None, "bf16", "fp16"):
+        raise ConfigError(f"ddp.compress must be None, 'bf16' or 'fp16', got {ddp['compress']!r}")
     handlers = cfg.get("gradient_handler")
     if handlers is not None:
         types = [h.get("type") if isinstance(h, Mapping) else h for h in

@@ -72,6 +72,32 @@ def test_gloo_gradient_handler_equals_one_process_with_accumulation_and_clipping
             assert ours == pytest.approx(single, rel=1e-5)
 
 
+def _grads_worker(rank, world_size, port, ddp):
+    engine = _engine({"ddp": ddp}, rank, world_size, port)
+    x, y = _batch(0, 2 * B)
+    engine.zero_grad()
+    engine.backward(engine.criterion(engine(x[rank * B:(rank + 1) * B]), y[rank * B:(rank + 1) * B]))
+    grads = [p.grad for p in engine.model.parameters()]
+    return [g.clone() for g in grads], len({g.untyped_storage().data_ptr() for g in grads})
+
+
+def test_gloo_ddp_options_from_the_config_reach_ddp_and_keep_training_exact():
+    """ddp=dict(gradient_as_bucket_view=True): the grads are views of one bucket, the result unchanged."""
+    assert run_ranks(_grads_worker, 2, {})[0][1] == 4, "by default each parameter owns its grad"
+    assert run_ranks(_grads_worker, 2, {"gradient_as_bucket_view": True})[0][1] == 1
+    run_ranks(_accumulation_worker, 2, 2, 0.0, {"ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0002}})
+
+
+def test_gloo_ddp_compress_from_the_config_all_reduces_in_bf16():
+    exact = run_ranks(_grads_worker, 2, {})[0][0]
+    compressed = run_ranks(_grads_worker, 2, {"compress": "bf16"})[0][0]
+    for e, c in zip(exact, compressed):
+        assert_close(c, e, rtol=2**-7, atol=1e-3)  # bf16 keeps 8 bits of mantissa
+    assert any(not torch.equal(c, e) for e, c in zip(exact, compressed)), "the wire really was bf16"
+    for c in compressed:  # each averaged gradient went over the wire as bf16
+        assert torch.equal(c, c.bfloat16().float())
+
+
 def test_gloo_engine_clipping_uses_the_whole_batch_norm():
     for norms, _ in run_ranks(_accumulation_worker, 2, 1, 0.05):
         for ours, single in norms:

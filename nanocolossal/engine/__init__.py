@@ -266,6 +266,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Op
 
     # 3. data parallelism (and, for a pipeline stage, its schedule) -> 4. the Engine
     clip = cfg.get("clip_grad_norm", 0.0)
+    ddp_options = dict(cfg.get("ddp", {}))  # bucket_cap_mb, gradient_as_bucket_view, compress ("bf16")
     handler = None
     if cfg.get("gradient_handler") and gpc.data_size > 1:  # Colossal-AI's after-backward all-reduce
         handler = DataParallelGradientHandler(model)
@@ -276,7 +277,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Op
         chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
         if gpc.data_size > 1 and handler is None:  # each chunk is its own DDP unit, averaged over its data group
             # buffers are synced once per batch by the engine, not on every micro-batch's forward
-            chunks = [DistributedDataParallel(chunk, broadcast_buffers=False) for chunk in chunks]
+            chunks = [DistributedDataParallel(chunk, **{**ddp_options, "broadcast_buffers": False}) for chunk in chunks]
             features.append(f"data parallel x{gpc.data_size}")
         features.insert(0, f"pipeline {schedule.name} x{gpc.pipeline_size} stages, "
                            f"{schedule.num_microbatches} micro-batches, {schedule.num_chunks} chunk(s)")
@@ -284,8 +285,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Op
     else:
         forward_module = model
         if gpc.data_size > 1 and handler is None:
-            forward_module = DistributedDataParallel(model)
-            features.append(f"DDP x{gpc.data_size}")
+            forward_module = DistributedDataParallel(model, **ddp_options)
+            features.append(f"DDP x{gpc.data_size}" + "".join(f", {k}={v}" for k, v in ddp_options.items()))
         accumulation = cfg.get("gradient_accumulation", 1)
         if accumulation > 1:
             features.append(f"gradient accumulation x{accumulation}")
