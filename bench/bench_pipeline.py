@@ -12,7 +12,11 @@ at batch 256 and 1024, and train_pipeline.py's ResNet-50 at batch 64 -- with M =
       saved-tensor hooks (live saved tensors, parameters excluded, a tensor saved twice counted once);
       the bound is P/M of GPipe's peak plus one micro-batch;
   (c) speed-up over one process running the whole model on the whole batch, against the
-      ideal M*P/(M+P-1).
+      ideal M*P/(M+P-1);
+  (d) the limit: the slowest stage's own forward + backward over the M micro-batches (no
+      communication), times (M+P-1)/M; timed alone (the other rank waiting) and busy (both
+      ranks computing at once, as in the steady state). limit/ours is the fraction reached;
+      the gap between the two limits is what two processes lose to sharing the machine.
 
 Prints a table and writes bench/results/pipeline.json.
 """
@@ -137,6 +141,43 @@ def timed(impl, batches):
     return times
 
 
+def stage_compute_ms(stage, kind, batch, steps, alone: bool) -> float:
+    """This rank's stage: forward + backward over M micro-batches, with no communication at all.
+
+    alone=True: one rank at a time, the other waiting (the issue's limit: the machine to itself).
+    alone=False: every rank at once, as in a pipeline's steady state (what two busy processes get
+    from a 2-core machine: they share memory bandwidth and caches)."""
+    x, y = data(kind, batch // M, 1, 3)[0]
+    inputs = [x]  # each stage's micro-batch input: computed by the stage before and handed on
+    for s in range(gpc.pipeline_size - 1):
+        out = [stage(inputs[-1]).detach() if gpc.pipeline_rank == s else None]
+        dist.broadcast_object_list(out, src=gpc.pipeline_ranks[s])
+        inputs.append(out[0])
+    x = inputs[gpc.pipeline_rank]
+    grad = None if gpc.is_last_stage() else torch.ones_like(stage(x)) / x.numel()
+
+    def one_batch() -> float:
+        start = time.perf_counter()
+        for _ in range(M):
+            out = stage(x)
+            if gpc.is_last_stage():
+                nn.functional.cross_entropy(out, y).backward()
+            else:
+                out.backward(grad)
+        return time.perf_counter() - start
+
+    times = []
+    for turn in range(gpc.pipeline_size if alone else 1):
+        dist.barrier()
+        if not alone or turn == gpc.pipeline_rank:
+            one_batch()  # warm-up
+            times = [one_batch() for _ in range(steps)]
+    dist.barrier()
+    everyone = [None] * gpc.world_size
+    dist.all_gather_object(everyone, statistics.median(times) * 1e3)
+    return max(everyone)  # the slowest stage sets the pace
+
+
 def run_workload(kind, batch, args):
     build = mlp if kind == "mlp" else resnet
     full = build()
@@ -177,14 +218,22 @@ def run_workload(kind, batch, args):
         single_ms = statistics.median(ts[1:]) * 1e3
     dist.barrier()
     P = gpc.pipeline_size
-    return dict(workload=f"{kind} batch {batch}", ours_ms=round(med["ours"] * 1e3, 1),
-                torch_ms=round(med["torch"] * 1e3, 1), throughput_ratio=round(med["torch"] / med["ours"], 3),
+    # the limit: the slowest stage's compute for M micro-batches, stretched by the bubble (M+P-1)/M
+    stretch = (M + P - 1) / M
+    limit_ms = stage_compute_ms(copy.deepcopy(stage), kind, batch, args.steps, alone=True) * stretch
+    busy_limit_ms = stage_compute_ms(copy.deepcopy(stage), kind, batch, args.steps, alone=False) * stretch
+    ours_ms, torch_ms = med["ours"] * 1e3, med["torch"] * 1e3
+    return dict(workload=f"{kind} batch {batch}", ours_ms=round(ours_ms, 1), torch_ms=round(torch_ms, 1),
+                throughput_ratio=round(torch_ms / ours_ms, 3),
                 peak_bytes_1f1b=[p["1f1b"] for p in all_peaks], peak_bytes_gpipe=[p["gpipe"] for p in all_peaks],
                 peak_ratio_1f1b_over_gpipe=[round(p["1f1b"] / p["gpipe"], 3) for p in all_peaks],
                 bound_ratio=round((P + 1) / M, 3),  # GPipe holds M micro-batches: P/M of that, plus one
                 single_process_ms=round(single_ms, 1) if single_ms else None,
-                speedup=round(single_ms / (med["ours"] * 1e3), 2) if single_ms else None,
-                ideal_speedup=round(M * P / (M + P - 1), 2))
+                speedup=round(single_ms / ours_ms, 2) if single_ms else None,
+                ideal_speedup=round(M * P / (M + P - 1), 2),
+                limit_ms=round(limit_ms, 1), ours_over_limit=round(limit_ms / ours_ms, 3),
+                torch_over_limit=round(limit_ms / torch_ms, 3), busy_limit_ms=round(busy_limit_ms, 1),
+                ours_over_busy_limit=round(busy_limit_ms / ours_ms, 3))
 
 
 def main():
@@ -202,11 +251,12 @@ def main():
         skipped = [] if (os.cpu_count() or 1) >= 4 else [f"4 stages (needs 4 cores, this machine has {os.cpu_count()})"]
         print(f"\nPipeline benchmark: {gpc.pipeline_size} stages (gloo, 1 thread each), M={M}, 1F1B unless noted")
         print(f"  {'workload':<18}{'ours ms':>9}{'torch ms':>10}{'thrpt ours/torch':>18}{'1F1B/GPipe act.':>18}"
-              f"{'bound':>7}{'speed-up':>10}{'ideal':>7}")
+              f"{'bound':>7}{'speed-up':>10}{'ideal':>7}{'limit ms':>10}{'limit/ours':>12}{'busy limit/ours':>17}")
         for r in results:
             ratios = "/".join(f"{x:.2f}" for x in r["peak_ratio_1f1b_over_gpipe"])
             print(f"  {r['workload']:<18}{r['ours_ms']:>9.1f}{r['torch_ms']:>10.1f}{r['throughput_ratio']:>18.3f}"
-                  f"{ratios:>18}{r['bound_ratio']:>7.3f}{r['speedup']:>10.2f}{r['ideal_speedup']:>7.2f}")
+                  f"{ratios:>18}{r['bound_ratio']:>7.3f}{r['speedup']:>10.2f}{r['ideal_speedup']:>7.2f}"
+                  f"{r['limit_ms']:>10.1f}{r['ours_over_limit']:>12.3f}{r['ours_over_busy_limit']:>17.3f}")
         for reason in skipped:
             print(f"  skipped: {reason}")
         out = dict(benchmark="pipeline", stages=gpc.pipeline_size, microbatches=M, threads_per_rank=1,
