@@ -122,7 +122,7 @@ def _serve(rank: int, world_size: int, inbox, results, parent: int) -> None:
 
 
 _POOLS: dict[tuple[int, bool], _Pool] = {}  # (world size, cuda) -> its ranks, most recently used last
-_MAX_POOLS = 2  # each rank holds a torch import (~0.3 GB): keep the two latest world sizes up
+_MAX_POOLS = 4  # each rank holds a torch import (~0.3 GB): keep the four latest world sizes up
 _JOB_IDS = itertools.count()
 
 
