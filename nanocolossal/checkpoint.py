@@ -2,8 +2,9 @@
 
 What is saved: model (keys exactly the plain model's), optimizer (with the AMP loss scaler
 and fp32 master weights), LR scheduler, epoch, anything passed as **extra (e.g. step), and
-the RNG states of every data-parallel rank, so a resumed run draws the same random numbers
-(dropout, shuffling, augmentation) as one that never stopped.
+the RNG states of every data-parallel rank (tensor-parallel dropout's own generators too), so a
+resumed run draws the same random numbers (dropout, shuffling, augmentation) as one that never
+stopped.
 
 Who writes: data-parallel rank 0 of each (pipeline stage, tensor rank), one file each
 (`ckpt.pt` -> `ckpt-stage0.pt`, `ckpt-stage1.pt` when pipeline > 1; `ckpt-stage0-tensor1.pt`
@@ -80,6 +81,8 @@ def _rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    if gpc.dropout_generators:  # tensor-parallel dropout's own generators (tensor/base.py)
+        state["dropout"] = {str(device): gen.get_state() for device, gen in gpc.dropout_generators.items()}
     try:
         import numpy as np
         state["numpy"] = np.random.get_state()
@@ -96,6 +99,9 @@ def set_rng_state(state: dict) -> None:
     if "numpy" in state:
         import numpy as np
         np.random.set_state(state["numpy"])
+    for device, gen_state in state.get("dropout", {}).items():
+        gen = gpc.dropout_generators.setdefault(torch.device(device), torch.Generator(device=device))
+        gen.set_state(gen_state.cpu())
 
 
 def atomic_save(obj: Any, path: PathLike) -> None:

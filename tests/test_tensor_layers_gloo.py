@@ -12,6 +12,8 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
+from nanocolossal.checkpoint import load_checkpoint, save_checkpoint
+from nanocolossal.context import gpc
 from nanocolossal.tensor import layers_1d, layers_2d
 from nanocolossal.tensor.base import PatchEmbedding, shard, unshard
 
@@ -128,3 +130,23 @@ def _dropout_worker(rank, world_size, port):
 
 def test_gloo_dropout_masks_differ_where_sharded_and_agree_where_replicated():
     assert run_ranks(_dropout_worker, 2, timeout=60) == [(True, False, True, True)] * 2
+
+
+def _dropout_resume_worker(rank, world_size, port, path):
+    """A checkpoint carries the sharded dropout's generator: after loading, the masks repeat."""
+    nc.launch({"parallel": {"tensor": {"size": world_size, "mode": "1d"}}}, rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port)
+    col_nn.reset_1d_alternation()
+    model = nn.Sequential(col_nn.Linear(8, 8), col_nn.Dropout(0.5))  # column-parallel: sharded dropout
+    x = torch.ones(4, 8)
+    model(x)  # the generator exists and has moved on
+    save_checkpoint(path, 0, model)
+    saved = model(x)
+    gpc.dropout_generators.clear()  # as in a fresh process, which then draws on for a while
+    model(x), model(x)
+    load_checkpoint(path, model)
+    return torch.equal(model(x), saved)
+
+
+def test_gloo_checkpoint_restores_the_sharded_dropout_generator(tmp_path):
+    assert run_ranks(_dropout_resume_worker, 2, str(tmp_path / "ckpt.pt"), timeout=60) == [True, True]
