@@ -62,7 +62,7 @@ class Trainer:
         self.last_batch_size = len(batch[1]) if isinstance(batch, (list, tuple)) and len(batch) > 1 else 0
         return self.engine.execute_schedule(batch, forward_only=forward_only)
 
-    def _progress(self, loader: Iterable, desc: str, show: bool, total: Optional[int] = None):
+    def _bar(self, loader: Iterable, desc: str, show: bool, total: Optional[int] = None):
         return tqdm(loader, desc=desc, total=total, leave=False, disable=not show or gpc.rank != 0)
 
     # cur_epoch (epochs done), cur_step (steps in all), step_in_epoch: the hooks' names for progress
@@ -106,7 +106,7 @@ class Trainer:
         self.engine.train()
         self._call("before_train_epoch")
         self.timer.start("train-epoch")
-        bar = self._progress(self.progress.batches(loader), f"epoch {self.cur_epoch + 1}/{epochs}", show,
+        bar = self._bar(self.progress.batches(loader), f"epoch {self.cur_epoch + 1}/{epochs}", show,
                              self.progress.remaining(loader))
         stopped = False
         for batch in bar:
@@ -133,7 +133,7 @@ class Trainer:
         self.engine.eval()
         self._call("before_test_epoch")
         self.timer.start("test-epoch")
-        for batch in self._progress(loader, "test", show):
+        for batch in self._bar(loader, "test", show):
             self._call("before_test_iter")
             output, label, loss = self._execute(batch, forward_only=True)
             self._call("after_test_iter", output, label, loss)
