@@ -76,8 +76,8 @@ def test_gloo_pipeline_schedules_equal_one_process(world_size):
         assert sum(r[name] for r in reports) == total, "the stages hold the whole model, once"
 
 
-def _pipe_data_worker(rank, world_size, port, path):
-    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": M, "clip_grad_norm": 0.5},
+def _pipe_data_worker(rank, world_size, port, path, ddp=None):
+    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": M, "clip_grad_norm": 0.5, "ddp": ddp or {}},
               rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     stage = build_pipeline_model(_model(), partition="parameters")
     opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
@@ -92,6 +92,7 @@ def _pipe_data_worker(rank, world_size, port, path):
         mine = slice(gpc.data_rank * BATCH, (gpc.data_rank + 1) * BATCH)
         engine.zero_grad()
         _, _, loss = engine.execute_schedule((x[mine], y[mine]))
+        storages = len({p.grad.untyped_storage().data_ptr() for p in engine.model.parameters()})
         assert engine.step()
         losses.append(loss.item())
         single_opt.zero_grad()
@@ -107,12 +108,16 @@ def _pipe_data_worker(rank, world_size, port, path):
         plain.load_state_dict(merge_pipeline_checkpoint([path.replace(".pt", f"-stage{s}.pt") for s in (0, 1)]))
         for key, p in plain.named_parameters():
             assert_close(p, expected[key])
-    return losses
+    return losses, storages
 
 
-def test_gloo_pipeline_times_data_parallel_equals_one_process(tmp_path):
-    losses = run_ranks(_pipe_data_worker, 4, str(tmp_path / "ckpt.pt"), timeout=120)
+@pytest.mark.parametrize("ddp", [None, {"gradient_as_bucket_view": True}], ids=["ddp", "bucket-view"])
+def test_gloo_pipeline_times_data_parallel_equals_one_process(tmp_path, ddp):
+    results = run_ranks(_pipe_data_worker, 4, str(tmp_path / "ckpt.pt"), ddp, timeout=120)
+    losses = [r[0] for r in results]
     assert losses[0] == losses[1] and losses[2] == losses[3], "the loss reaches every stage of a pipeline"
+    # config's ddp options reach each stage's DDP: with bucket views, a stage's grads share one bucket
+    assert all((storages == 1) == bool(ddp) for _, storages in results), results
 
 
 def _amp_worker(rank, world_size, port):
