@@ -39,9 +39,11 @@ class ConvNet(nn.Module):
 
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
-        self.layer1 = nn.Sequential(nn.Conv2d(1, 16, kernel_size=5, stride=1, padding=2), nn.BatchNorm2d(16),
+        self.layer1 = nn.Sequential(nn.Conv2d(1, 16, kernel_size=5, stride=1, padding=2),
+                                    nn.BatchNorm2d(16),
                                     nn.ReLU(), nn.MaxPool2d(kernel_size=2, stride=2))
-        self.layer2 = nn.Sequential(nn.Conv2d(16, 32, kernel_size=5, stride=1, padding=2), nn.BatchNorm2d(32),
+        self.layer2 = nn.Sequential(nn.Conv2d(16, 32, kernel_size=5, stride=1, padding=2),
+                                    nn.BatchNorm2d(32),
                                     nn.ReLU(), nn.MaxPool2d(kernel_size=2, stride=2))
         self.fc = nn.Linear(7 * 7 * 32, num_classes)
 
@@ -57,17 +59,24 @@ def parse_args() -> argparse.Namespace:
     parser = nc.get_default_parser()
     parser.set_defaults(config=DEFAULT_CONFIG)
     parser.add_argument("--epochs", type=int, default=None, help="override NUM_EPOCHS")
-    parser.add_argument("--batch-size", type=int, default=None, help="override BATCH_SIZE (per rank)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="override BATCH_SIZE (per rank)")
     parser.add_argument("--lr", type=float, default=0.02)
-    parser.add_argument("--data", type=str, default=None, help="dataset directory (default $DATA or ./data)")
-    parser.add_argument("--download", action="store_true", help="download MNIST if it is not on disk")
-    parser.add_argument("--sync-bn", action="store_true", help="convert BatchNorm layers to SyncBatchNorm")
+    parser.add_argument("--data", type=str, default=None,
+                        help="dataset directory (default $DATA or ./data)")
+    parser.add_argument("--download", action="store_true",
+                        help="download MNIST if it is not on disk")
+    parser.add_argument("--sync-bn", action="store_true",
+                        help="convert BatchNorm layers to SyncBatchNorm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--synthetic-size", type=int, default=12000,
                         help="training images in the synthetic stand-in (test: a sixth of it)")
-    parser.add_argument("--checkpoint", type=str, default=None, help="save model and optimizer here every epoch")
-    parser.add_argument("--checkpoint-every", type=int, default=None, help="also save every N steps")
-    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint when it exists")
+    parser.add_argument("--checkpoint", type=str, default=None,
+                        help="save model and optimizer here every epoch")
+    parser.add_argument("--checkpoint-every", type=int, default=None,
+                        help="also save every N steps")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from --checkpoint when it exists")
     return parser.parse_args()
 
 
@@ -82,42 +91,52 @@ def evaluate(model: nn.Module, loader) -> float:
 
 def main() -> None:
     args = parse_args()
-    config = nc.load_config(args.config, NUM_EPOCHS=args.epochs, BATCH_SIZE=args.batch_size, debug=args.debug or None)
-    nc.launch_from_torch(config=config, backend=args.backend, seed=args.seed, allow_single_process=True)  # 1. launch
+    config = nc.load_config(args.config, NUM_EPOCHS=args.epochs, BATCH_SIZE=args.batch_size,
+                            debug=args.debug or None)
+    nc.launch_from_torch(config=config, backend=args.backend, seed=args.seed,
+                         allow_single_process=True)  # 1. launch
     logger = nc.get_dist_logger()
     if gpc.device.type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads() // max(1, gpc.world_size)))
 
-    train_set = nc.data.mnist(args.data, train=True, download=args.download, synthetic_size=args.synthetic_size)
+    train_set = nc.data.mnist(args.data, train=True, download=args.download,
+                              synthetic_size=args.synthetic_size)
     test_set = nc.data.mnist(args.data, train=False, download=args.download,
                              synthetic_size=max(1, args.synthetic_size // 6))
-    train_loader = nc.get_dataloader(train_set, shuffle=True, seed=args.seed, batch_size=gpc.config.BATCH_SIZE,
-                                     drop_last=True)                                  # 2. shard the data
+    train_loader = nc.get_dataloader(train_set, shuffle=True, seed=args.seed,
+                                     batch_size=gpc.config.BATCH_SIZE,
+                                     drop_last=True)  # 2. shard the data
     test_loader = nc.get_dataloader(test_set, pad=False, batch_size=gpc.config.BATCH_SIZE)
 
     model = ConvNet().to(gpc.device)
     if args.sync_bn:
         model = convert_sync_batchnorm(model)
     if gpc.data_size > 1:
-        model = DistributedDataParallel(model)                                        # 3. wrap the model
+        model = DistributedDataParallel(model)  # 3. wrap the model
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     logger.info(f"training on {gpc.data_size} rank(s), {len(train_loader)} steps/epoch of "
                 f"{gpc.config.BATCH_SIZE} x {gpc.data_size} images, sync_bn={args.sync_bn}")
 
     # 5. survive crashes: save every N steps; a restarted job (torchrun --max-restarts) carries on
-    progress = nc.Progress()  # epoch, step, step in epoch: what a checkpoint records and a resume restores
+    # epoch, step, step in epoch: what a checkpoint records and a resume restores
+    progress = nc.Progress()
     if args.resume and args.checkpoint and progress.resume(args.checkpoint, model, optimizer):
-        logger.info(f"resumed from {args.checkpoint}: epoch {progress.epoch + 1}, step {progress.step}")
+        logger.info(f"resumed from {args.checkpoint}: epoch {progress.epoch + 1}, step "
+                    f"{progress.step}")
 
-    check_consistency(model, train_loader)  # ranks that disagree (data, config, model) fail now, not hang later
+    # ranks that disagree (data, config, model) fail now, not hang later
+    check_consistency(model, train_loader)
     start, samples, accuracy = time.perf_counter(), 0, float("nan")
     while progress.epoch < gpc.config.NUM_EPOCHS:
         model.train()
         loss_sum, seen = 0.0, 0
-        for images, labels in tqdm(progress.batches(train_loader), total=progress.remaining(train_loader),
-                                   desc=f"epoch {progress.epoch + 1}/{gpc.config.NUM_EPOCHS}", disable=gpc.rank != 0,
-                                   leave=False):  # the sampler's epoch set; on a resume, the batches not yet done
+        for images, labels in tqdm(progress.batches(train_loader),
+                                   total=progress.remaining(train_loader),
+                                   desc=f"epoch {progress.epoch + 1}/{gpc.config.NUM_EPOCHS}",
+                                   disable=gpc.rank != 0,
+                                   # the sampler's epoch set; on a resume, the batches not yet done
+                                   leave=False):
             images, labels = images.to(gpc.device), labels.to(gpc.device)
             loss = criterion(model(images), labels)
             optimizer.zero_grad()
@@ -126,10 +145,14 @@ def main() -> None:
             loss_sum += loss.item() * len(labels)
             seen += len(labels)
             progress.step_done()
-            if args.checkpoint and args.checkpoint_every and progress.step % args.checkpoint_every == 0:
+            if (
+                args.checkpoint
+                and args.checkpoint_every
+                and progress.step % args.checkpoint_every == 0
+            ):
                 progress.save(args.checkpoint, model, optimizer)
         progress.epoch_done()
-        train_loss = all_reduce_mean(loss_sum / max(seen, 1), weight=seen)              # 4. global numbers
+        train_loss = all_reduce_mean(loss_sum / max(seen, 1), weight=seen)  # 4. global numbers
         samples += seen * gpc.data_size
         accuracy = evaluate(model, test_loader)
         logger.info(f"epoch {progress.epoch}/{gpc.config.NUM_EPOCHS}: train loss {train_loss:.4f}, "

@@ -1,9 +1,9 @@
 """ResNet-50 on CIFAR-10 in a 2-stage pipeline, as in the pipeline tutorial (seed 002).
 
-    torchrun --nproc_per_node 2 train_pipeline.py                       # 2 stages, 4 micro-batches, 1F1B
-    torchrun --nproc_per_node 2 train_pipeline.py --chunks 2            # interleaved 1F1B, 2 chunks per rank
+    torchrun --nproc_per_node 2 train_pipeline.py             # 2 stages, 4 micro-batches, 1F1B
+    torchrun --nproc_per_node 2 train_pipeline.py --chunks 2  # interleaved 1F1B, 2 chunks a rank
     torchrun --nproc_per_node 2 train_pipeline.py --schedule gpipe --trace trace.json
-    torchrun --nproc_per_node 4 train_pipeline.py                       # 2 stages x 2 data-parallel replicas
+    torchrun --nproc_per_node 4 train_pipeline.py             # 2 stages x 2 data-parallel replicas
 
 The config file (--config, default configs/pipeline_resnet50.py) holds the tutorial's keys:
 BATCH_SIZE, NUM_EPOCHS, NUM_MICRO_BATCHES, NUM_CHUNKS and parallel=dict(pipeline=2); the flags
@@ -71,7 +71,7 @@ def resnet50(num_classes: int = 10) -> nn.Sequential:
 
 
 def linear_warmup_lr(optimizer, total_epochs: int, warmup_epochs: int):
-    """Colossal-AI's LinearWarmupLR: linear warm-up, then linear decay to zero (stepped per epoch)."""
+    """Colossal-AI's LinearWarmupLR: linear warm-up, then linear decay to zero (per epoch)."""
     def factor(epoch: int) -> float:
         if epoch < warmup_epochs:
             return (epoch + 1) / (warmup_epochs + 1)
@@ -89,7 +89,8 @@ class ChromeTrace(hooks.BaseHook):
 
     def __call__(self, name: str, start: float, end: float) -> None:
         self.events.append({"name": name, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
-                            "pid": gpc.rank, "tid": 0, "cat": "comm" if name.startswith("send") else "compute"})
+                            "pid": gpc.rank, "tid": 0,
+                            "cat": "comm" if name.startswith("send") else "compute"})
 
     def before_train_iter(self, trainer) -> None:
         recording = self.skip <= trainer.cur_step < self.skip + self.keep
@@ -109,33 +110,46 @@ class ChromeTrace(hooks.BaseHook):
                     for r in range(gpc.world_size)]
             with open(self.path, "w") as f:
                 json.dump({"traceEvents": meta + [e for events in everyone for e in events]}, f)
-            nc.get_dist_logger().info(f"wrote {sum(map(len, everyone))} schedule steps to {self.path}")
+            nc.get_dist_logger().info(f"wrote {sum(map(len, everyone))} schedule steps to "
+                                      f"{self.path}")
 
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "pipeline_resnet50.py")
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
+                              "pipeline_resnet50.py")
 
 
 def parse_args():
     parser = nc.get_default_parser()
     parser.set_defaults(config=DEFAULT_CONFIG)
     parser.add_argument("--epochs", type=int, default=None, help="override NUM_EPOCHS")
-    parser.add_argument("--batch-size", type=int, default=None, help="override BATCH_SIZE (per data replica)")
-    parser.add_argument("--micro-batches", type=int, default=None, help="override NUM_MICRO_BATCHES")
-    parser.add_argument("--pipeline", type=int, default=None, help="override parallel.pipeline (stages)")
-    parser.add_argument("--chunks", type=int, default=None, help="override NUM_CHUNKS (> 1: interleaved 1F1B)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="override BATCH_SIZE (per data replica)")
+    parser.add_argument("--micro-batches", type=int, default=None,
+                        help="override NUM_MICRO_BATCHES")
+    parser.add_argument("--pipeline", type=int, default=None,
+                        help="override parallel.pipeline (stages)")
+    parser.add_argument("--chunks", type=int, default=None,
+                        help="override NUM_CHUNKS (> 1: interleaved 1F1B)")
     parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default=None,
                         help="override PIPELINE_SCHEDULE")
-    parser.add_argument("--partition", default="profile", help="profile, parameters, uniform or counts like 5,13")
+    parser.add_argument("--partition", default="profile",
+                        help="profile, parameters, uniform or counts like 5,13")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-epochs", type=int, default=1)
-    parser.add_argument("--data", type=str, default=None, help="dataset directory (default $DATA or ./data)")
+    parser.add_argument("--data", type=str, default=None,
+                        help="dataset directory (default $DATA or ./data)")
     parser.add_argument("--download", action="store_true")
-    parser.add_argument("--synthetic-size", type=int, default=1536, help="training images in the synthetic stand-in")
+    parser.add_argument("--synthetic-size", type=int, default=1536,
+                        help="training images in the synthetic stand-in")
     parser.add_argument("--max-steps", type=int, default=None)
-    parser.add_argument("--trace", type=str, default=None, help="write a Chrome/Perfetto trace of the schedule here")
-    parser.add_argument("--checkpoint", type=str, default=None, help="save here (one file per stage) every epoch")
-    parser.add_argument("--checkpoint-every", type=int, default=None, help="also save every N steps")
-    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint when it exists")
+    parser.add_argument("--trace", type=str, default=None,
+                        help="write a Chrome/Perfetto trace of the schedule here")
+    parser.add_argument("--checkpoint", type=str, default=None,
+                        help="save here (one file per stage) every epoch")
+    parser.add_argument("--checkpoint-every", type=int, default=None,
+                        help="also save every N steps")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from --checkpoint when it exists")
     return parser.parse_args()
 
 
@@ -146,27 +160,33 @@ def main():
                             PIPELINE_SCHEDULE=args.schedule, parallel=dict(pipeline=args.pipeline),
                             debug=args.debug or None)
     stages, world = config.parallel.get("pipeline", 1), int(os.environ.get("WORLD_SIZE", "1"))
-    if world < stages:  # one process (python train_pipeline.py): the same training without a pipeline
+    # one process (python train_pipeline.py): the same training without a pipeline
+    if world < stages:
         config.parallel.pipeline = 1
     nc.launch_from_torch(config=config, backend=args.backend, allow_single_process=True)
     logger = nc.get_dist_logger()
     if world < stages:
-        logger.warning(f"{world} process(es) cannot hold {stages} stages: training without a pipeline; "
-                       f"run torchrun --nproc_per_node {stages} train_pipeline.py", ranks=[0])
+        logger.warning(f"{world} process(es) cannot hold {stages} stages: training without a "
+                       f"pipeline; run torchrun --nproc_per_node {stages} train_pipeline.py",
+                       ranks=[0])
     batch_size, micro_batches = gpc.config.BATCH_SIZE, gpc.config.NUM_MICRO_BATCHES
 
-    partition = [int(n) for n in args.partition.split(",")] if "," in args.partition else args.partition
+    partition = (
+        [int(n) for n in args.partition.split(",")] if "," in args.partition else args.partition
+    )
     sample = torch.randn(batch_size // micro_batches, 3, 32, 32)
-    model = build_pipeline_model(resnet50(), num_chunks=gpc.config.NUM_CHUNKS, partition=partition, verbose=True,
-                                 sample_input=sample)
+    model = build_pipeline_model(resnet50(), num_chunks=gpc.config.NUM_CHUNKS, partition=partition,
+                                 verbose=True, sample_input=sample)
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    train_set = nc.data.cifar10(args.data, train=True, download=args.download, synthetic_size=args.synthetic_size)
+    train_set = nc.data.cifar10(args.data, train=True, download=args.download,
+                                synthetic_size=args.synthetic_size)
     test_set = nc.data.cifar10(args.data, train=False, download=args.download,
                                synthetic_size=max(batch_size, args.synthetic_size // 3))
     # training drops a last batch so small that BatchNorm would see one-sample micro-batches; the
     # test loader keeps every image (uneven micro-batches are weighted exactly) and pads none
-    train_dataloader = nc.get_dataloader(train_set, shuffle=True, batch_size=batch_size, drop_last=True)
+    train_dataloader = nc.get_dataloader(train_set, shuffle=True, batch_size=batch_size,
+                                         drop_last=True)
     test_dataloader = nc.get_dataloader(test_set, batch_size=batch_size, pad=False)
     lr_scheduler = linear_warmup_lr(optimizer, gpc.config.NUM_EPOCHS, args.warmup_epochs)
     engine, train_dataloader, test_dataloader, lr_scheduler = nc.initialize(
@@ -174,20 +194,24 @@ def main():
 
     trainer = Trainer(engine=engine, timer=nc.utils.MultiTimer(), logger=logger)
     hook_list = [hooks.LossHook(), hooks.AccuracyHook(Accuracy()), hooks.ThroughputHook(),
-                 hooks.LogMetricByEpochHook(logger), hooks.LRSchedulerHook(lr_scheduler, by_epoch=True)]
+                 hooks.LogMetricByEpochHook(logger),
+                 hooks.LRSchedulerHook(lr_scheduler, by_epoch=True)]
     if args.trace and isinstance(engine, nc.PipelineEngine):
         hook_list.append(ChromeTrace(args.trace))
     if args.checkpoint:
         hook_list.append(hooks.SaveCheckpointHook(args.checkpoint, lr_scheduler=lr_scheduler,
                                                   every_steps=args.checkpoint_every))
         if args.resume and trainer.resume(args.checkpoint, lr_scheduler):
-            logger.info(f"resumed from {args.checkpoint}: epoch {trainer.cur_epoch + 1}, step {trainer.cur_step}")
+            logger.info(f"resumed from {args.checkpoint}: epoch {trainer.cur_epoch + 1}, step "
+                        f"{trainer.cur_step}")
     start = time.perf_counter()
-    trainer.fit(train_dataloader=train_dataloader, epochs=gpc.config.NUM_EPOCHS, test_dataloader=test_dataloader,
+    trainer.fit(train_dataloader=train_dataloader, epochs=gpc.config.NUM_EPOCHS,
+                test_dataloader=test_dataloader,
                 test_interval=1, hooks=hook_list, display_progress=True, max_steps=args.max_steps)
     metrics = trainer.states["metrics"]
-    logger.info(f"done in {time.perf_counter() - start:.0f} s: final train loss {metrics['train']['loss']:.4f}, "
-                f"test accuracy {metrics['test'].get('accuracy', float('nan')):.4f}")
+    logger.info(f"done in {time.perf_counter() - start:.0f} s: final train loss "
+                f"{metrics['train']['loss']:.4f}, test accuracy "
+                f"{metrics['test'].get('accuracy', float('nan')):.4f}")
     gpc.destroy()
 
 

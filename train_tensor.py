@@ -1,7 +1,7 @@
-"""A small Vision Transformer on CIFAR-10 with tensor x pipeline x data parallelism (seed 000's config).
+"""A small Vision Transformer on CIFAR-10, tensor x pipeline x data parallel (seed 000's config).
 
-    torchrun --nproc_per_node 8 train_tensor.py                     # the tutorial: pipeline 2 x tensor 2d 4
-    torchrun --nproc_per_node 2 train_tensor.py --config configs/tensor_1d.py   # Megatron 1d over 2 ranks
+    torchrun --nproc_per_node 8 train_tensor.py       # the tutorial: pipeline 2 x tensor 2d 4
+    torchrun --nproc_per_node 2 train_tensor.py --config configs/tensor_1d.py   # Megatron 1d x2
 
 The model is written once, with nanocolossal.nn layers: with parallel.tensor they are the 1d
 (Megatron) or 2d (SUMMA) layers, without it plain torch layers, and under one seed every
@@ -25,7 +25,8 @@ from nanocolossal.metrics import Accuracy
 from nanocolossal.pipeline import build_pipeline_model
 from nanocolossal.trainer import Trainer, hooks
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tensor_vit.py")
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
+                              "tensor_vit.py")
 
 
 class Attention(nn.Module):
@@ -33,8 +34,9 @@ class Attention(nn.Module):
         super().__init__()
         parts = gpc.summa_dim if gpc.tensor_mode == "2d" else gpc.tensor_size
         if heads % parts or dim % heads:
-            raise ValueError(f"[rank {gpc.rank}] {heads} heads of a {dim}-wide model do not split over {parts} "
-                             f"tensor ranks; use a number of heads divisible by {parts} that divides {dim}")
+            raise ValueError(f"[rank {gpc.rank}] {heads} heads of a {dim}-wide model do not split "
+                             f"over {parts} tensor ranks; use a number of heads divisible by "
+                             f"{parts} that divides {dim}")
         self.head_dim, self.scale = dim // heads, (dim // heads) ** -0.5
         self.qkv = col_nn.Linear(dim, 3 * dim)   # 1d: column-parallel (heads split)
         self.attn_drop = col_nn.Dropout(dropout)
@@ -100,37 +102,46 @@ def parse_args():
     parser = nc.get_default_parser()
     parser.set_defaults(config=DEFAULT_CONFIG)
     parser.add_argument("--epochs", type=int, default=None, help="override NUM_EPOCHS")
-    parser.add_argument("--batch-size", type=int, default=None, help="override BATCH_SIZE (per data replica)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="override BATCH_SIZE (per data replica)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=1024)
     parser.add_argument("--max-steps", type=int, default=None)
-    parser.add_argument("--data", type=str, default=None, help="dataset directory (default $DATA or ./data)")
+    parser.add_argument("--data", type=str, default=None,
+                        help="dataset directory (default $DATA or ./data)")
     parser.add_argument("--download", action="store_true")
-    parser.add_argument("--synthetic-size", type=int, default=4096, help="training images in the synthetic stand-in")
+    parser.add_argument("--synthetic-size", type=int, default=4096,
+                        help="training images in the synthetic stand-in")
     return parser.parse_args()
 
 
 def main():
     args = parse_args()
-    config = nc.load_config(args.config, NUM_EPOCHS=args.epochs, BATCH_SIZE=args.batch_size, debug=args.debug or None)
-    nc.launch_from_torch(config=config, backend=args.backend, seed=args.seed, allow_single_process=True)
+    config = nc.load_config(args.config, NUM_EPOCHS=args.epochs, BATCH_SIZE=args.batch_size,
+                            debug=args.debug or None)
+    nc.launch_from_torch(config=config, backend=args.backend, seed=args.seed,
+                         allow_single_process=True)
     logger = nc.get_dist_logger()
 
     model = vit(dropout=args.dropout)
     if gpc.pipeline_size > 1:
         model = build_pipeline_model(model, partition="uniform", verbose=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    train_set = nc.data.cifar10(args.data, train=True, download=args.download, synthetic_size=args.synthetic_size)
+    train_set = nc.data.cifar10(args.data, train=True, download=args.download,
+                                synthetic_size=args.synthetic_size)
     test_set = nc.data.cifar10(args.data, train=False, download=args.download,
                                synthetic_size=max(gpc.config.BATCH_SIZE, args.synthetic_size // 4))
     train_dataloader = nc.get_dataloader(train_set, shuffle=True, seed=args.seed,
                                          batch_size=gpc.config.BATCH_SIZE, drop_last=True)
-    test_dataloader = nc.get_dataloader(test_set, batch_size=gpc.config.BATCH_SIZE, pad=False)  # every image once
-    engine, train_dataloader, test_dataloader, _ = nc.initialize(model, optimizer, col_nn.CrossEntropyLoss(),
-                                                                 train_dataloader, test_dataloader)
+    # every image once
+    test_dataloader = nc.get_dataloader(test_set, batch_size=gpc.config.BATCH_SIZE, pad=False)
+    engine, train_dataloader, test_dataloader, _ = nc.initialize(
+        model, optimizer, col_nn.CrossEntropyLoss(), train_dataloader, test_dataloader
+    )
     trainer = Trainer(engine=engine, logger=logger)
-    trainer.fit(train_dataloader=train_dataloader, epochs=gpc.config.NUM_EPOCHS, test_dataloader=test_dataloader,
+    trainer.fit(train_dataloader=train_dataloader, epochs=gpc.config.NUM_EPOCHS,
+                test_dataloader=test_dataloader,
                 hooks=[hooks.LossHook(), hooks.AccuracyHook(Accuracy()), hooks.ThroughputHook(),
                        hooks.LogMetricByEpochHook(logger)],
                 display_progress=True, max_steps=args.max_steps)

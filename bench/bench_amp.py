@@ -37,9 +37,10 @@ def mlp(width: int, depth: int) -> nn.Module:
 
 class Ours:
     def __init__(self, model, dtype, device, scaler_kwargs):
-        self.model, self.opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=1e-3), "O1", dtype=dtype,
-                                              device_type=device.type)
-        self.opt.scaler = amp.DynamicLossScaler(**scaler_kwargs)  # on for bf16 too, to compare like with like
+        self.model, self.opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=1e-3),
+                                              "O1", dtype=dtype, device_type=device.type)
+        # on for bf16 too, to compare like with like
+        self.opt.scaler = amp.DynamicLossScaler(**scaler_kwargs)
 
     def step(self, x, y, poison):
         self.opt.zero_grad()
@@ -107,12 +108,14 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=str, default=str(Path(__file__).parent / "results" / "amp.json"))
+    parser.add_argument("--out", type=str,
+                        default=str(Path(__file__).parent / "results" / "amp.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    scaler_kwargs = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=10)
+    scaler_kwargs = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                         growth_interval=10)
 
     base = mlp(args.width, args.depth).to(device)
     sides = {"ours": Ours(copy.deepcopy(base), dtype, device, scaler_kwargs),
@@ -124,7 +127,8 @@ def main() -> None:
         out = []
         for _ in range(n):
             step_no[0] += 1
-            poison = float("inf") if step_no[0] % 13 == 0 else 1.0  # the same overflow schedule for both
+            # the same overflow schedule for both
+            poison = float("inf") if step_no[0] % 13 == 0 else 1.0
             out.append((torch.randn(args.batch, args.width, generator=g).to(device),
                         torch.randint(0, 10, (args.batch,), generator=g).to(device), poison))
         return out
@@ -152,24 +156,28 @@ def main() -> None:
         speed[f"{name}_speedup"] = round(speed["fp32_ms"] / speed[f"{name}_ms"], 3)
 
     result = dict(
-        benchmark="amp", device=device.type, dtype=str(dtype).replace("torch.", ""), threads=args.threads,
-        model=f"MLP {args.depth}x Linear({args.width}) + head", batch=args.batch, steps_timed=len(times["ours"]),
+        benchmark="amp", device=device.type, dtype=str(dtype).replace("torch.", ""),
+        threads=args.threads,
+        model=f"MLP {args.depth}x Linear({args.width}) + head", batch=args.batch,
+        steps_timed=len(times["ours"]),
         ours_ms=round(med["ours"], 2), torch_ms=round(med["torch"], 2),
         ratio_ours_over_torch=round(med["ours"] / med["torch"], 3),
         scale_trajectories_equal=trajectory["ours"] == trajectory["torch"],
-        skipped_steps=sum(1 for a, b in zip([2.0**16] + trajectory["ours"], trajectory["ours"]) if b < a),
+        skipped_steps=sum(1 for a, b in zip([2.0**16] + trajectory["ours"],
+                                            trajectory["ours"]) if b < a),
         final_scale=trajectory["ours"][-1], scale_trajectory=trajectory["ours"],
-        dtype_speed=speed, skipped=skipped, torch_version=torch.__version__, machine=platform.machine(),
-        date=time.strftime("%Y-%m-%d"))
-    print(f"\nAMP benchmark: {result['model']}, batch {args.batch}, {device.type} {result['dtype']}, "
-          f"{args.threads} thread(s), {len(times['ours'])} timed steps each")
+        dtype_speed=speed, skipped=skipped, torch_version=torch.__version__,
+        machine=platform.machine(), date=time.strftime("%Y-%m-%d"))
+    print(f"\nAMP benchmark: {result['model']}, batch {args.batch}, {device.type} "
+          f"{result['dtype']}, {args.threads} thread(s), {len(times['ours'])} timed steps each")
     rows = [("step time, nanocolossal amp O1", f"{med['ours']:.1f} ms"),
             ("step time, autocast + GradScaler", f"{med['torch']:.1f} ms"),
             ("ratio ours / torch", f"{result['ratio_ours_over_torch']:.3f}"),
             ("loss-scale trajectories equal", f"{result['scale_trajectories_equal']} "
                                               f"({result['skipped_steps']} backoffs)"),
             ("fp32 step (no autocast)", f"{speed['fp32_ms']:.1f} ms")]
-    rows += [(f"{k[:4]} speed-up over fp32", f"{v:.2f}x") for k, v in speed.items() if k.endswith("speedup")]
+    rows += [(f"{k[:4]} speed-up over fp32",
+              f"{v:.2f}x") for k, v in speed.items() if k.endswith("speedup")]
     for label, value in rows:
         print(f"  {label:<34} {value:>22}")
     for reason in skipped:

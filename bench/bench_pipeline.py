@@ -1,4 +1,4 @@
-"""Benchmark: nanocolossal pipeline schedules vs torch.distributed.pipelining, same split, same data.
+"""Benchmark: nanocolossal's pipeline schedules vs torch.distributed.pipelining, same split/data.
 
     python bench/bench_pipeline.py [--steps 6 --rounds 4 --no-resnet]
 
@@ -9,7 +9,8 @@ at batch 256 and 1024, and train_pipeline.py's ResNet-50 at batch 64 -- with M =
   (a) throughput of our 1F1B vs torch's Schedule1F1B (A/B rounds, alternating who goes
       first, after a warm-up; medians), as a ratio;
   (b) peak bytes of activations held for backward per rank, 1F1B vs GPipe, measured with
-      saved-tensor hooks (live saved tensors, parameters excluded, a tensor saved twice counted once);
+      saved-tensor hooks (live saved tensors, parameters excluded, a tensor saved twice
+      counted once);
       the bound is P/M of GPipe's peak plus one micro-batch;
   (c) speed-up over one process running the whole model on the whole batch, against the
       ideal M*P/(M+P-1);
@@ -100,7 +101,8 @@ def resnet():
 def data(kind, batch, n, seed):
     g = torch.Generator().manual_seed(seed)
     shape = (batch, 1024) if kind == "mlp" else (batch, 3, 32, 32)
-    return [(torch.randn(*shape, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
+    return [(torch.randn(*shape, generator=g),
+             torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
 
 
 class Ours:
@@ -118,7 +120,8 @@ class Torch:
     def __init__(self, stage):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
         self.stage = stage
-        self.pipe = Schedule1F1B(PipelineStage(stage, gpc.pipeline_rank, gpc.pipeline_size, gpc.device), M,
+        self.pipe = Schedule1F1B(PipelineStage(stage, gpc.pipeline_rank, gpc.pipeline_size,
+                                               gpc.device), M,
                                  loss_fn=nn.CrossEntropyLoss())
         self.opt = torch.optim.SGD(stage.parameters(), lr=1e-3)
 
@@ -181,8 +184,10 @@ def stage_compute_ms(stage, kind, batch, steps, alone: bool) -> float:
 def run_workload(kind, batch, args):
     build = mlp if kind == "mlp" else resnet
     full = build()
-    stage = build_pipeline_model(copy.deepcopy(full), partition="parameters" if kind == "mlp" else "profile",
-                                 sample_input=data(kind, batch // M, 1, 9)[0][0] if kind != "mlp" else None)
+    stage = build_pipeline_model(copy.deepcopy(full),
+                                 partition="parameters" if kind == "mlp" else "profile",
+                                 sample_input=data(kind, batch // M, 1,
+                                                   9)[0][0] if kind != "mlp" else None)
     impls = {"ours": Ours(copy.deepcopy(stage)), "torch": Torch(copy.deepcopy(stage))}
     for impl in impls.values():
         timed(impl, data(kind, batch, 2, 1))  # warm-up (and torch's shape inference)
@@ -221,18 +226,22 @@ def run_workload(kind, batch, args):
     # the limit: the slowest stage's compute for M micro-batches, stretched by the bubble (M+P-1)/M
     stretch = (M + P - 1) / M
     limit_ms = stage_compute_ms(copy.deepcopy(stage), kind, batch, args.steps, alone=True) * stretch
-    busy_limit_ms = stage_compute_ms(copy.deepcopy(stage), kind, batch, args.steps, alone=False) * stretch
+    busy_limit_ms = stage_compute_ms(copy.deepcopy(stage), kind, batch, args.steps,
+                                     alone=False) * stretch
     ours_ms, torch_ms = med["ours"] * 1e3, med["torch"] * 1e3
-    return dict(workload=f"{kind} batch {batch}", ours_ms=round(ours_ms, 1), torch_ms=round(torch_ms, 1),
-                throughput_ratio=round(torch_ms / ours_ms, 3),
-                peak_bytes_1f1b=[p["1f1b"] for p in all_peaks], peak_bytes_gpipe=[p["gpipe"] for p in all_peaks],
+    return dict(workload=f"{kind} batch {batch}", ours_ms=round(ours_ms, 1),
+                torch_ms=round(torch_ms, 1), throughput_ratio=round(torch_ms / ours_ms, 3),
+                peak_bytes_1f1b=[p["1f1b"] for p in all_peaks],
+                peak_bytes_gpipe=[p["gpipe"] for p in all_peaks],
                 peak_ratio_1f1b_over_gpipe=[round(p["1f1b"] / p["gpipe"], 3) for p in all_peaks],
-                bound_ratio=round((P + 1) / M, 3),  # GPipe holds M micro-batches: P/M of that, plus one
+                # GPipe holds M micro-batches: P/M of that, plus one
+                bound_ratio=round((P + 1) / M, 3),
                 single_process_ms=round(single_ms, 1) if single_ms else None,
                 speedup=round(single_ms / ours_ms, 2) if single_ms else None,
                 ideal_speedup=round(M * P / (M + P - 1), 2),
                 limit_ms=round(limit_ms, 1), ours_over_limit=round(limit_ms / ours_ms, 3),
-                torch_over_limit=round(limit_ms / torch_ms, 3), busy_limit_ms=round(busy_limit_ms, 1),
+                torch_over_limit=round(limit_ms / torch_ms, 3),
+                busy_limit_ms=round(busy_limit_ms, 1),
                 ours_over_busy_limit=round(busy_limit_ms / ours_ms, 3))
 
 
@@ -241,27 +250,33 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--no-resnet", action="store_true")
-    parser.add_argument("--out", type=str, default=str(Path(__file__).parent / "results" / "pipeline.json"))
+    parser.add_argument("--out", type=str,
+                        default=str(Path(__file__).parent / "results" / "pipeline.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     nc.launch_from_torch({"parallel": {"pipeline": int(os.environ["WORLD_SIZE"])}}, backend="gloo")
     workloads = [("mlp", 256), ("mlp", 1024)] + ([] if args.no_resnet else [("resnet", 64)])
     results = [run_workload(kind, batch, args) for kind, batch in workloads]
     if gpc.rank == 0:
-        skipped = [] if (os.cpu_count() or 1) >= 4 else [f"4 stages (needs 4 cores, this machine has {os.cpu_count()})"]
-        print(f"\nPipeline benchmark: {gpc.pipeline_size} stages (gloo, 1 thread each), M={M}, 1F1B unless noted")
-        print(f"  {'workload':<18}{'ours ms':>9}{'torch ms':>10}{'thrpt ours/torch':>18}{'1F1B/GPipe act.':>18}"
-              f"{'bound':>7}{'speed-up':>10}{'ideal':>7}{'limit ms':>10}{'limit/ours':>12}{'busy limit/ours':>17}")
+        skipped = [] if (os.cpu_count() or 1) >= 4 else [f"4 stages (needs 4 cores, this machine "
+                                                         f"has {os.cpu_count()})"]
+        print(f"\nPipeline benchmark: {gpc.pipeline_size} stages (gloo, 1 thread each), M={M}, "
+              f"1F1B unless noted")
+        print(f"  {'workload':<18}{'ours ms':>9}{'torch ms':>10}{'thrpt ours/torch':>18}"
+              f"{'1F1B/GPipe act.':>18}{'bound':>7}{'speed-up':>10}{'ideal':>7}{'limit ms':>10}"
+              f"{'limit/ours':>12}{'busy limit/ours':>17}")
         for r in results:
             ratios = "/".join(f"{x:.2f}" for x in r["peak_ratio_1f1b_over_gpipe"])
-            print(f"  {r['workload']:<18}{r['ours_ms']:>9.1f}{r['torch_ms']:>10.1f}{r['throughput_ratio']:>18.3f}"
-                  f"{ratios:>18}{r['bound_ratio']:>7.3f}{r['speedup']:>10.2f}{r['ideal_speedup']:>7.2f}"
-                  f"{r['limit_ms']:>10.1f}{r['ours_over_limit']:>12.3f}{r['ours_over_busy_limit']:>17.3f}")
+            print(f"  {r['workload']:<18}{r['ours_ms']:>9.1f}{r['torch_ms']:>10.1f}"
+                  f"{r['throughput_ratio']:>18.3f}{ratios:>18}{r['bound_ratio']:>7.3f}"
+                  f"{r['speedup']:>10.2f}{r['ideal_speedup']:>7.2f}{r['limit_ms']:>10.1f}"
+                  f"{r['ours_over_limit']:>12.3f}{r['ours_over_busy_limit']:>17.3f}")
         for reason in skipped:
             print(f"  skipped: {reason}")
-        out = dict(benchmark="pipeline", stages=gpc.pipeline_size, microbatches=M, threads_per_rank=1,
-                   results=results, skipped=skipped, torch_version=torch.__version__, machine=platform.machine(),
-                   cpus=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
+        out = dict(benchmark="pipeline", stages=gpc.pipeline_size, microbatches=M,
+                   threads_per_rank=1,
+                   results=results, skipped=skipped, torch_version=torch.__version__,
+                   machine=platform.machine(), cpus=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
         write_result(args.out, out)
     gpc.destroy()
 

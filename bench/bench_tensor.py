@@ -41,7 +41,7 @@ from nanocolossal.tensor.base import shard  # noqa: E402
 
 
 class Counter:
-    """Counts the elements this rank hands to each collective (wraps torch.distributed's functions)."""
+    """Counts the elements this rank hands to each collective (wraps torch.distributed)."""
 
     def __init__(self) -> None:
         self.elements, self.on = 0, False
@@ -80,27 +80,35 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--out", type=str, default=str(Path(__file__).parent / "results" / "tensor.json"))
+    parser.add_argument("--out", type=str,
+                        default=str(Path(__file__).parent / "results" / "tensor.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     nc.launch_from_torch({"parallel": {"tensor": {"size": 4, "mode": "2d"}}}, backend="gloo")
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     b, d, h, q = args.tokens, args.dim, args.hidden, gpc.summa_dim
     torch.manual_seed(0)
     plain = block(nn.Linear(d, h), nn.Linear(h, d))
     torch.manual_seed(0)
-    ours_1d = block(layers_1d.ColumnLinear1D(d, h), layers_1d.RowLinear1D(h, d))  # same draws: the same weights
+    # same draws: the same weights
+    ours_1d = block(layers_1d.ColumnLinear1D(d, h), layers_1d.RowLinear1D(h, d))
     torch.manual_seed(0)
     ours_2d = block(layers_2d.Linear2D(d, h), layers_2d.Linear2D(h, d))
     theirs = parallelize_module(plain, init_device_mesh("cpu", (gpc.world_size,)),
                                 {"0": ColwiseParallel(), "2": RowwiseParallel()})
     models = {"ours 1d": ours_1d, "torch 1d": theirs, "ours 2d": ours_2d}
-    inputs = {"ours 1d": lambda x: x, "torch 1d": lambda x: x, "ours 2d": lambda x: shard(x, [(0, "row"), (1, "col")])}
+    inputs = {"ours 1d": lambda x: x, "torch 1d": lambda x: x,
+              "ours 2d": lambda x: shard(x, [(0, "row"), (1, "col")])}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
 
-    g = torch.Generator().manual_seed(1)  # the same batches on every rank (tensor parallel: one replica)
+    # the same batches on every rank (tensor parallel: one replica)
+    g = torch.Generator().manual_seed(1)
     def batches(name, n):
         return [inputs[name](torch.randn(b, d, generator=g)) for _ in range(n)]
 
@@ -126,21 +134,25 @@ def main() -> None:
     formula_2d = 3 * (b * d + d * h) // q + 3 * (b * h + h * d) // q + h // q + d // q
     if gpc.rank == 0:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        result = dict(benchmark="tensor", world_size=gpc.world_size, backend=gpc.backend, threads_per_rank=1,
+        result = dict(benchmark="tensor", world_size=gpc.world_size, backend=gpc.backend,
+                      threads_per_rank=1,
                       block=f"Linear({d},{h}) GELU Linear({h},{d}) on {b} tokens",
                       ours_1d_ms=round(med["ours 1d"], 2), torch_1d_ms=round(med["torch 1d"], 2),
                       ours_2d_ms=round(med["ours 2d"], 2),
                       ratio_ours_1d_over_torch=round(med["ours 1d"] / med["torch 1d"], 3),
                       elements_per_step_rank0={k: v for k, v in elements.items()},
-                      formula_1d=formula_1d, formula_2d=formula_2d, max_output_diff_1d_vs_torch=max_diff,
+                      formula_1d=formula_1d, formula_2d=formula_2d,
+                      max_output_diff_1d_vs_torch=max_diff,
                       steps_timed=len(times["ours 1d"]), torch_version=torch.__version__,
-                      machine=platform.machine(), cpus=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
-        print(f"\nTensor-parallel MLP block: {result['block']}, {gpc.world_size} gloo ranks x 1 thread, "
-              f"{result['steps_timed']} timed steps each")
+                      machine=platform.machine(), cpus=os.cpu_count(),
+                      date=time.strftime("%Y-%m-%d"))
+        print(f"\nTensor-parallel MLP block: {result['block']}, {gpc.world_size} gloo ranks x 1 "
+              f"thread, {result['steps_timed']} timed steps each")
         print(f"  {'':<10} {'step ms':>9} {'elements sent/step':>20} {'formula':>12}")
         for name in models:
             formula = {"ours 1d": formula_1d, "ours 2d": formula_2d}.get(name)
-            print(f"  {name:<10} {med[name]:>9.1f} {elements[name]:>20,} {formula if formula else '-':>12,}"
+            print(f"  {name:<10} {med[name]:>9.1f} {elements[name]:>20,} "
+                  f"{formula if formula else '-':>12,}"
                   if formula else f"  {name:<10} {med[name]:>9.1f} {elements[name]:>20,} {'-':>12}")
         print(f"  ratio ours 1d / torch 1d: {result['ratio_ours_1d_over_torch']:.3f}; "
               f"max |output ours - torch| {max_diff:.1e}")

@@ -22,5 +22,5 @@ def run_on_ranks(main: Callable[[], None], script: str, nproc: int = 2, port: in
         main()
         return
     from nanocolossal.run import main as run
-    sys.exit(run(["--nproc_per_node", str(nproc), "--master_port", os.environ.get("MASTER_PORT", str(port)),
-                  script, *sys.argv[1:]]))
+    sys.exit(run(["--nproc_per_node", str(nproc), "--master_port",
+                  os.environ.get("MASTER_PORT", str(port)), script, *sys.argv[1:]]))

@@ -1,5 +1,5 @@
-# The tutorial's "simple config to copy and paste" (seed 000): 2 pipeline stages, each split
-# over a 2 x 2 grid of tensor ranks (SUMMA) -- 8 processes: torchrun --nproc_per_node 8 train_tensor.py
+# The tutorial's "simple config to copy and paste" (seed 000): 2 pipeline stages, each split over a
+# 2 x 2 grid of tensor ranks (SUMMA) -- 8 processes: torchrun --nproc_per_node 8 train_tensor.py
 from nanocolossal.amp import AMP_TYPE
 
 BATCH_SIZE = 128          # per data-parallel replica
@@ -14,4 +14,4 @@ parallel = dict(          # pipeline x tensor size = number of processes (2 x 4 
     tensor=dict(size=4, mode='2d'),
 )
 
-NUM_MICRO_BATCHES = 4     # the pipeline needs it; each micro-batch (32) splits over the grid's 2 rows
+NUM_MICRO_BATCHES = 4  # the pipeline needs it; each micro-batch (32) splits over the grid's 2 rows

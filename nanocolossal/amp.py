@@ -55,18 +55,27 @@ class DynamicLossScaler:
     error -- the loss itself is then inf/nan, which no scale can fix.
     """
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5,
                  growth_interval: int = 2000, hysteresis: int = 1, min_scale: float = 1.0,
                  max_scale: float = 2.0**24, max_consecutive_overflows: int = 32) -> None:
-        if not (growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1 and hysteresis >= 1
-                and 0 < min_scale <= init_scale <= max_scale):
-            raise ValueError("DynamicLossScaler needs growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1, "
-                             f"hysteresis >= 1 and 0 < min_scale <= init_scale <= max_scale; got {locals()}")
+        if not (
+            growth_factor > 1
+            and 0 < backoff_factor < 1
+            and growth_interval >= 1
+            and hysteresis >= 1
+            and 0 < min_scale <= init_scale <= max_scale
+        ):
+            raise ValueError("DynamicLossScaler needs growth_factor > 1, 0 < backoff_factor < 1, "
+                             f"growth_interval >= 1, hysteresis >= 1 and 0 < min_scale <= "
+                             f"init_scale <= max_scale; got {locals()}")
         self.scale = float(init_scale)
-        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
         self.hysteresis, self.min_scale, self.max_scale = hysteresis, min_scale, max_scale
         self.max_consecutive_overflows = max_consecutive_overflows
-        self.growth_tracker, self.hysteresis_tracker, self.consecutive_overflows, self.steps = 0, hysteresis, 0, 0
+        self.growth_tracker, self.hysteresis_tracker = 0, hysteresis
+        self.consecutive_overflows, self.steps = 0, 0
 
     def update(self, found_inf: bool) -> None:
         self.steps += 1
@@ -76,11 +85,15 @@ class DynamicLossScaler:
             self.hysteresis_tracker -= 1
             if self.hysteresis_tracker <= 0:
                 self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-            if self.scale <= self.min_scale and self.consecutive_overflows >= self.max_consecutive_overflows:
+            if (
+                self.scale <= self.min_scale
+                and self.consecutive_overflows >= self.max_consecutive_overflows
+            ):
                 raise FloatingPointError(
-                    f"[rank {gpc.rank}] step {self.steps}: gradients overflowed {self.consecutive_overflows} steps "
-                    f"in a row and the loss scale is down to min_scale={self.min_scale:g}; the loss is probably "
-                    f"NaN/inf (check the inputs, the learning rate, or a division by zero in the loss)")
+                    f"[rank {gpc.rank}] step {self.steps}: gradients overflowed "
+                    f"{self.consecutive_overflows} steps in a row and the loss scale is down to "
+                    f"min_scale={self.min_scale:g}; the loss is probably NaN/inf (check the "
+                    f"inputs, the learning rate, or a division by zero in the loss)")
             return
         self.consecutive_overflows = 0
         self.growth_tracker += 1
@@ -129,7 +142,8 @@ class _Autocast:
         return _cast_floats(output, torch.float32)
 
 
-def unscale_and_check(grads: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor) -> None:
+def unscale_and_check(grads: list[torch.Tensor], found: torch.Tensor,
+                      inv_scale: torch.Tensor) -> None:
     """What torch's fused `_amp_foreach_non_finite_check_and_unscale_` does, in two steps:
     found += 1 if any gradient holds an inf or NaN; every gradient *= inv_scale."""
     largest = torch.stack(torch._foreach_norm(grads, float("inf")))  # inf and NaN survive the max
@@ -144,8 +158,11 @@ class MixedPrecisionOptimizer:
                  master_weights: bool = False, check_finite: Optional[bool] = None) -> None:
         self.optimizer, self.scaler = optimizer, scaler
         # skip steps whose gradients are inf/nan on any rank; always on with a scaler
-        self.check_finite = scaler is not None if check_finite is None else (check_finite or scaler is not None)
-        self._copies: list[tuple[nn.Parameter, nn.Parameter]] = []  # (model half param, fp32 master)
+        self.check_finite = (
+            scaler is not None if check_finite is None else (check_finite or scaler is not None)
+        )
+        # (model half param, fp32 master)
+        self._copies: list[tuple[nn.Parameter, nn.Parameter]] = []
         if master_weights:
             for group in optimizer.param_groups:  # same group dicts, so LR schedulers keep working
                 masters = []
@@ -154,7 +171,8 @@ class MixedPrecisionOptimizer:
                         masters.append(p)
                     else:
                         master = nn.Parameter(p.detach().float())
-                        master.__dict__.update(p.__dict__)  # tensor-parallel marks (splits, replicas)
+                        # tensor-parallel marks (splits, replicas)
+                        master.__dict__.update(p.__dict__)
                         self._copies.append((p, master))
                         masters.append(master)
                 group["params"] = masters
@@ -207,11 +225,13 @@ class MixedPrecisionOptimizer:
             for g in grads:
                 by_device.setdefault((g.device, g.dtype), []).append(g)
             for (device, dtype), group in by_device.items():
-                if device.type == "cuda" and dtype == torch.bfloat16:  # the fused kernel has no bf16 CUDA version
+                # the fused kernel has no bf16 CUDA version
+                if device.type == "cuda" and dtype == torch.bfloat16:
                     unscale_and_check(group, found, inv_scale)
                 else:  # fused: one kernel per (device, dtype) unscales and checks
                     torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
-            if gpc.is_initialized and gpc.world_size > 1:  # data, pipeline and tensor ranks skip together
+            # data, pipeline and tensor ranks skip together
+            if gpc.is_initialized and gpc.world_size > 1:
                 found = found.to(gpc.device)
                 dist.all_reduce(found, op=dist.ReduceOp.MAX)
             self._found_inf = bool(found.item())
@@ -236,7 +256,8 @@ class MixedPrecisionOptimizer:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)
         total = sq.sqrt()
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # same formula as torch.nn.utils.clip_grad_norm_
+        # same formula as torch.nn.utils.clip_grad_norm_
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         if params:
             torch._foreach_mul_([p.grad for p in params], coef.to(device))
         return total.item()
@@ -245,8 +266,8 @@ class MixedPrecisionOptimizer:
         """Unscale, then step unless some rank overflowed; returns whether a step was taken."""
         found_inf = self.unscale_()
         if found_inf and self.scaler is None:  # a scaler's back-off says it all; here, say it
-            get_dist_logger().warning(f"non-finite gradient on some rank: step {self.skipped_steps + 1} skipped "
-                                      f"on every rank")
+            get_dist_logger().warning(f"non-finite gradient on some rank: step "
+                                      f"{self.skipped_steps + 1} skipped on every rank")
         self.skipped_steps += found_inf
         if not found_inf:
             self.optimizer.step()
@@ -294,7 +315,8 @@ def cpu_half_dtype() -> Optional[torch.dtype]:
             best = math.inf
             for _ in range(3):
                 start = time.perf_counter()
-                with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                with torch.autocast("cpu", dtype=dtype or torch.bfloat16,
+                                    enabled=dtype is not None):
                     y = lin(conv(x).flatten(1)[:, :256])
                 y.float().sum().backward()
                 best = min(best, time.perf_counter() - start)
@@ -312,12 +334,15 @@ OPT_LEVELS = ("O0", "O1", "O2", "O3")
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: str = "O1",
                loss_scale: Union[str, float, None] = "dynamic", dtype: torch.dtype = torch.float16,
-               device_type: Optional[str] = None, **scaler_kwargs: Any) -> tuple[nn.Module, MixedPrecisionOptimizer]:
+               device_type: Optional[str] = None,
+               **scaler_kwargs: Any) -> tuple[nn.Module, MixedPrecisionOptimizer]:
     """Prepare `model` in place for `opt_level` and wrap `optimizer` (apex's amp.initialize)."""
     if opt_level not in OPT_LEVELS:
-        raise ValueError(f"[rank {gpc.rank}] unknown opt_level {opt_level!r}; use one of {', '.join(OPT_LEVELS)}")
+        raise ValueError(f"[rank {gpc.rank}] unknown opt_level {opt_level!r}; use one of "
+                         f"{', '.join(OPT_LEVELS)}")
     if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"[rank {gpc.rank}] amp dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        raise ValueError(f"[rank {gpc.rank}] amp dtype must be torch.float16 or torch.bfloat16, "
+                         f"got {dtype}")
     device_type = device_type or next(model.parameters()).device.type
     # a ModuleList (pipeline chunks) has no forward of its own: each chunk gets the hooks
     for part in (model if isinstance(model, nn.ModuleList) else [model]):
@@ -338,8 +363,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
     # apex's loss_scale="dynamic" also means "skip non-finite steps": keep that in bf16 too
     check_finite = opt_level != "O0" and loss_scale == "dynamic"
     if use_scaler and loss_scale != "dynamic":  # a fixed scale: never grows, never backs off
-        scaler_kwargs = dict(init_scale=float(loss_scale), min_scale=float(loss_scale), max_scale=float(loss_scale),
-                             growth_interval=2**62)
+        scaler_kwargs = dict(init_scale=float(loss_scale), min_scale=float(loss_scale),
+                             max_scale=float(loss_scale), growth_interval=2**62)
     scaler = DynamicLossScaler(**scaler_kwargs) if use_scaler else None
     return model, MixedPrecisionOptimizer(optimizer, scaler, master_weights=opt_level == "O2",
                                           check_finite=check_finite)

@@ -66,8 +66,10 @@ def unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def stage_path(path: PathLike, stage: Optional[int] = None, tensor_rank: Optional[int] = None) -> Path:
-    """This rank's file: ckpt.pt alone, ckpt-stage{p}.pt with pipelines, ...-tensor{t}.pt with tensor parallelism."""
+def stage_path(path: PathLike, stage: Optional[int] = None,
+               tensor_rank: Optional[int] = None) -> Path:
+    """This rank's file: ckpt.pt alone, ckpt-stage{p}.pt with pipelines, ...-tensor{t}.pt with
+    tensor parallelism."""
     path = Path(path)
     parts = []
     if gpc.pipeline_size > 1 or stage is not None:
@@ -82,7 +84,9 @@ def _rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if gpc.dropout_generators:  # tensor-parallel dropout's own generators (tensor/base.py)
-        state["dropout"] = {str(device): gen.get_state() for device, gen in gpc.dropout_generators.items()}
+        state["dropout"] = {
+            str(device): gen.get_state() for device, gen in gpc.dropout_generators.items()
+        }
     try:
         import numpy as np
         state["numpy"] = np.random.get_state()
@@ -100,7 +104,8 @@ def set_rng_state(state: dict) -> None:
         import numpy as np
         np.random.set_state(state["numpy"])
     for device, gen_state in state.get("dropout", {}).items():
-        gen = gpc.dropout_generators.setdefault(torch.device(device), torch.Generator(device=device))
+        gen = gpc.dropout_generators.setdefault(torch.device(device),
+                                                torch.Generator(device=device))
         gen.set_state(gen_state.cpu())
 
 
@@ -120,8 +125,8 @@ def atomic_save(obj: Any, path: PathLike) -> None:
             tmp.unlink()
 
 
-def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None,
-                    **extra: Any) -> None:
+def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any = None,
+                    lr_scheduler: Any = None, **extra: Any) -> None:
     """Save (collective when launched: every rank must call it)."""
     rng = [_rng_state()]
     if gpc.is_initialized and gpc.data_size > 1:
@@ -131,12 +136,14 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
     if gpc.is_initialized and gpc.world_size > 1:
         dist.broadcast_object_list(save_id, src=0)  # one id for the whole set of stage files
     if gpc.data_rank == 0:
-        state = {"epoch": epoch, "save_id": save_id[0], "model": strip_prefixes(unwrap(model).state_dict()),
+        state = {"epoch": epoch, "save_id": save_id[0],
+                 "model": strip_prefixes(unwrap(model).state_dict()),
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
                  "rng": rng, "extra": extra,
                  "pipeline": {"rank": gpc.pipeline_rank, "size": gpc.pipeline_size},
-                 "tensor": {"rank": gpc.tensor_rank, "size": gpc.tensor_size, "mode": gpc.tensor_mode,
+                 "tensor": {"rank": gpc.tensor_rank, "size": gpc.tensor_size,
+                            "mode": gpc.tensor_mode,
                             "splits": {name: list(getattr(p, "tensor_splits", []))
                                        for name, p in unwrap(model).named_parameters()}}}
         atomic_save(state, stage_path(path))
@@ -144,8 +151,9 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
         dist.barrier()
 
 
-def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None,
-                    map_location: Any = None, strict: bool = True, restore_rng: bool = True) -> dict:
+def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None,
+                    lr_scheduler: Any = None, map_location: Any = None, strict: bool = True,
+                    restore_rng: bool = True) -> dict:
     """Load into model/optimizer/scheduler; returns {"epoch": ..., **extra}."""
     file = stage_path(path)
     if not file.is_file():
@@ -154,9 +162,9 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None, lr_
     for kind, size in (("pipeline", gpc.pipeline_size), ("tensor", gpc.tensor_size)):
         saved = state.get(kind, {}).get("size", 1)
         if saved != size:
-            raise ValueError(f"[rank {gpc.rank}] {file} was saved with {kind} size {saved}, this job has {size}; "
-                             f"launch the same layout, or merge_checkpoint() it into a plain state_dict and "
-                             f"load_plain_state_dict() that")
+            raise ValueError(f"[rank {gpc.rank}] {file} was saved with {kind} size {saved}, this "
+                             f"job has {size}; launch the same layout, or merge_checkpoint() it "
+                             f"into a plain state_dict and load_plain_state_dict() that")
     if gpc.is_initialized and gpc.pipeline_size * gpc.tensor_size > 1:
         parts: list[Any] = [None] * (gpc.pipeline_size * gpc.tensor_size)
         dist.all_gather_object(parts, _describe_save(state, file), group=gpc.model_group)
@@ -185,12 +193,13 @@ def _check_one_save(stages: list[dict]) -> None:
     """All stage files must come from the same save (a crash can leave a mixed set)."""
     if len({s["id"] for s in stages}) > 1:
         listed = "; ".join(f"{s['file']}: epoch {s['epoch']}, step {s['step']}" for s in stages)
-        raise RuntimeError(f"[rank {gpc.rank}] the pipeline stage files come from different saves ({listed}); "
-                           f"a save was interrupted between files. Resume from an older complete checkpoint, "
-                           f"or delete these files and start again")
+        raise RuntimeError(f"[rank {gpc.rank}] the pipeline stage files come from different saves "
+                           f"({listed}); a save was interrupted between files. Resume from an "
+                           f"older complete checkpoint, or delete these files and start again")
 
 
-def _rebuild(blocks: dict[int, torch.Tensor], splits: list, size: int, mode: Optional[str]) -> torch.Tensor:
+def _rebuild(blocks: dict[int, torch.Tensor], splits: list, size: int,
+             mode: Optional[str]) -> torch.Tensor:
     """Undo tensor/base.shard offline: concatenate the tensor ranks' blocks of one parameter."""
     q = math.isqrt(size)
     position = {"tensor": lambda t: t, "col": lambda t: t % q, "row": lambda t: t // q}
@@ -216,8 +225,8 @@ def _merge_tensor_states(states: list[dict]) -> dict:
     info = [state.get("tensor", {"rank": 0, "size": 1, "splits": {}}) for state in states]
     size, mode = info[0]["size"], info[0].get("mode")
     if sorted(i["rank"] for i in info) != list(range(size)):
-        raise ValueError(f"merging needs the files of all {size} tensor ranks of a stage, got ranks "
-                         f"{sorted(i['rank'] for i in info)}")
+        raise ValueError(f"merging needs the files of all {size} tensor ranks of a stage, got "
+                         f"ranks {sorted(i['rank'] for i in info)}")
     models = {i["rank"]: strip_prefixes(state["model"]) for i, state in zip(info, states)}
     splits = info[0]["splits"]
     return {key: _rebuild({t: m[key] for t, m in models.items()}, splits.get(key, []), size, mode)
@@ -230,13 +239,14 @@ def merge_tensor_parallel(paths: list[PathLike]) -> dict:
 
 
 def merge_checkpoint(path: PathLike) -> dict:
-    """The plain model's state_dict from every file a save wrote for `path` (stages x tensor ranks)."""
+    """The plain model's state_dict from all files one save wrote for `path` (stages x tensor)."""
     path = Path(path)
     if path.is_file():
         return strip_prefixes(torch.load(path, map_location="cpu", weights_only=False)["model"])
     files = sorted(path.parent.glob(f"{path.stem}-*{path.suffix}"))
     if not files:
-        raise FileNotFoundError(f"no checkpoint files for {str(path)!r} (looked for {path.stem}-*{path.suffix})")
+        raise FileNotFoundError(f"no checkpoint files for {str(path)!r} (looked for "
+                                f"{path.stem}-*{path.suffix})")
     by_stage: dict[int, list[dict]] = {}
     for state in _load_all(files):
         by_stage.setdefault(state.get("pipeline", {}).get("rank", 0), []).append(state)
@@ -248,7 +258,8 @@ def merge_checkpoint(path: PathLike) -> dict:
 
 @torch.no_grad()
 def load_plain_state_dict(model: nn.Module, state_dict: dict) -> None:
-    """Load a plain (unsplit) state_dict into a model of any layout: each parameter keeps its slice."""
+    """Load a plain (unsplit) state_dict into a model of any layout: each parameter keeps its
+    slice."""
     from .tensor.base import shard
     state_dict = strip_prefixes(state_dict)
     model = unwrap(model)
@@ -268,6 +279,7 @@ def merge_pipeline_checkpoint(paths: list[PathLike]) -> dict:
         part = strip_prefixes(state["model"])
         overlap = sorted(set(part) & set(merged))
         if overlap:
-            raise ValueError(f"{path} repeats keys of an earlier stage ({overlap[:3]}...): pass each stage once")
+            raise ValueError(f"{path} repeats keys of an earlier stage ({overlap[:3]}...): pass "
+                             f"each stage once")
         merged.update(part)
     return merged

@@ -69,19 +69,22 @@ def check_consistency(model: nn.Module, train_dataloader: Iterable) -> None:
     if len(set(counts)) > 1:
         listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
         raise RuntimeError(
-            f"[rank {gpc.rank}] ranks disagree on the number of training batches per epoch: {listed}. Every rank "
-            f"must run the same number of steps, or the collectives of the extra steps wait forever; shard the "
-            f"same dataset with DistributedSampler (pad=True or drop_last=True) on every rank")
+            f"[rank {gpc.rank}] ranks disagree on the number of training batches per epoch: "
+            f"{listed}. Every rank must run the same number of steps, or the collectives of the "
+            f"extra steps wait forever; shard the same dataset with DistributedSampler (pad=True "
+            f"or drop_last=True) "
+            f"on every rank")
     for r, other in enumerate(everyone):
         if other["config"] != mine["config"]:
             keys = sorted(k for k in set(mine["config"]) | set(other["config"])
                           if mine["config"].get(k) != other["config"].get(k))
-            raise RuntimeError(f"[rank {gpc.rank}] the config differs between rank {gpc.rank} and rank {r} in "
-                               f"{keys}; start every rank with the same config file")
+            raise RuntimeError(f"[rank {gpc.rank}] the config differs between rank {gpc.rank} and "
+                               f"rank {r} in {keys}; start every rank with the same config file")
         if other["stage"] == mine["stage"] and other["model"] != mine["model"]:
-            raise RuntimeError(f"[rank {gpc.rank}] the model (stage {gpc.pipeline_rank}) differs between rank "
-                               f"{gpc.rank} and rank {r}: parameter names, shapes or dtypes do not match; build the "
-                               f"same model with the same arguments on every rank")
+            raise RuntimeError(f"[rank {gpc.rank}] the model (stage {gpc.pipeline_rank}) differs "
+                               f"between rank {gpc.rank} and rank {r}: parameter names, shapes or "
+                               f"dtypes do not match; build the same model with the same arguments "
+                               f"on every rank")
 
 
 def debug_barrier(where: str) -> None:

@@ -57,7 +57,8 @@ class Config(dict):
     def __delattr__(self, name: str) -> None:
         del self[name]
 
-    def update(self, other: Mapping[str, Any] = (), **kwargs: Any) -> None:  # type: ignore[override]
+    def update(self, other: Mapping[str, Any] = (),
+               **kwargs: Any) -> None:  # type: ignore[override]
         for key, value in {**dict(other), **kwargs}.items():
             self[key] = value
 
@@ -66,19 +67,25 @@ class Config(dict):
         """Run a .py config file and keep its globals (not modules, classes or dunders)."""
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"config file {str(path)!r} not found (working directory {os.getcwd()})")
+            raise FileNotFoundError(f"config file {str(path)!r} not found (working directory "
+                                    f"{os.getcwd()})")
         if path.suffix != ".py":
             raise ConfigError(f"config file {str(path)!r} must be a Python file ending in .py")
         try:
             namespace = runpy.run_path(str(path), run_name="__nanocolossal_config__")
         except SyntaxError as e:
             line = (e.text or "").rstrip()
-            raise ConfigError(f"syntax error in config file {e.filename}, line {e.lineno}: {e.msg}\n"
-                              f"    {line}") from None
+            raise ConfigError(f"syntax error in config file {e.filename}, line {e.lineno}: "
+                              f"{e.msg}\n    {line}") from None
         except Exception as e:
             raise ConfigError(f"config file {str(path)!r} raised {type(e).__name__}: {e}") from e
-        return Config({k: v for k, v in namespace.items()
-                       if not k.startswith("__") and not inspect.ismodule(v) and not inspect.isclass(v)})
+        return Config(
+            {
+                k: v
+                for k, v in namespace.items()
+                if not k.startswith("__") and not inspect.ismodule(v) and not inspect.isclass(v)
+            }
+        )
 
 
 class AMP_TYPE(Enum):
@@ -117,9 +124,11 @@ def load_config(config: ConfigLike, **overrides: Any) -> Config:
     elif isinstance(config, Mapping):
         cfg = Config(config)
     else:
-        raise ConfigError(f"config must be a path to a .py file, a dict or a Config, not {type(config).__name__}")
+        raise ConfigError(f"config must be a path to a .py file, a dict or a Config, not "
+                          f"{type(config).__name__}")
     for key, value in overrides.items():
-        if isinstance(value, Mapping):  # a flag for one entry of a nested dict, e.g. parallel.pipeline
+        # a flag for one entry of a nested dict, e.g. parallel.pipeline
+        if isinstance(value, Mapping):
             value = {**cfg.get(key, {}), **{k: v for k, v in value.items() if v is not None}}
         if value is not None:
             cfg[key] = value
@@ -132,7 +141,8 @@ _UNSUPPORTED = {
     "zero": "ZeRO is not implemented; remove `zero` (plain data parallelism shards nothing)",
 }
 _PARALLEL_KEYS = ("pipeline", "data", "tensor", "sequence")
-_DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "compress")  # DistributedDataParallel's, by config
+# DistributedDataParallel's, by config
+_DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "compress")
 
 
 def _positive_int(cfg: Mapping, key: str, where: str) -> None:
@@ -145,7 +155,8 @@ def _parallel_size(value: Any, key: str) -> int:
     """`tensor=4` and `tensor=dict(size=4, mode='2d')` are both Colossal-AI spellings."""
     size = value.get("size", 1) if isinstance(value, Mapping) else value
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"parallel.{key} must be a positive integer (or dict(size=N)), got {value!r}")
+        raise ConfigError(f"parallel.{key} must be a positive integer (or dict(size=N)), got "
+                          f"{value!r}")
     return size
 
 
@@ -154,7 +165,7 @@ _NOT_YET = ("2.5d", "3d", "sequence")
 
 
 def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[int]]:
-    """(pipeline size P, tensor size T, tensor mode or None, data size asked for or None) from `parallel`."""
+    """`parallel` -> (pipeline size P, tensor size T, tensor mode or None, data size or None)."""
     parallel = cfg.get("parallel") or {}
     if not isinstance(parallel, Mapping):
         raise ConfigError(f"parallel must be a dict such as dict(pipeline=2), got {parallel!r}")
@@ -163,7 +174,8 @@ def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[i
         raise ConfigError(f"unknown parallel key(s) {sorted(unknown)}; supported: pipeline, tensor "
                           f"(data size is world // (pipeline * tensor))")
     if "sequence" in parallel and _parallel_size(parallel["sequence"], "sequence") > 1:
-        raise ConfigError("parallel.sequence (sequence parallelism) is not implemented yet; remove it")
+        raise ConfigError("parallel.sequence (sequence parallelism) is not implemented yet; remove "
+                          "it")
     P = _parallel_size(parallel.get("pipeline", 1), "pipeline")
     tensor = parallel.get("tensor", 1)
     T = _parallel_size(tensor, "tensor")
@@ -171,15 +183,16 @@ def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[i
     if T == 1:
         mode = None
     elif mode in _NOT_YET:
-        raise ConfigError(f"parallel.tensor mode {mode!r} is not implemented yet; use mode='1d' (Megatron) or "
-                          f"mode='2d' (SUMMA)")
+        raise ConfigError(f"parallel.tensor mode {mode!r} is not implemented yet; use mode='1d' "
+                          f"(Megatron) or mode='2d' (SUMMA)")
     elif mode not in TENSOR_MODES:
         raise ConfigError(f"parallel.tensor needs mode='1d' or mode='2d' (got {mode!r}), e.g. "
                           f"tensor=dict(size={T}, mode='1d')")
     if mode == "2d":
         q = math.isqrt(T)
         if q * q != T:
-            raise ConfigError(f"parallel.tensor size {T} is not a perfect square, which mode='2d' needs (a q x q "
+            raise ConfigError(f"parallel.tensor size {T} is not a perfect square, which mode='2d' "
+                              f"needs (a q x q "
                               f"grid); use size {q * q} or {(q + 1) ** 2}")
     data = parallel.get("data")
     return P, T, mode, None if data is None else _parallel_size(data, "data")
@@ -205,29 +218,38 @@ def validate_config(cfg: Config) -> None:
                  (handlers if isinstance(handlers, (list, tuple)) else [handlers])]
         if types != ["DataParallelGradientHandler"]:
             raise ConfigError(f"gradient_handler {types} is not supported; use "
-                              f"[dict(type='DataParallelGradientHandler')] (or leave it out for overlapped DDP)")
+                              f"[dict(type='DataParallelGradientHandler')] (or leave it out for "
+                              f"overlapped DDP)")
 
     fp16 = cfg.get("fp16")
     if fp16 is not None:
         if not isinstance(fp16, Mapping) or "mode" not in fp16:
-            raise ConfigError(f"fp16 must be a dict with a mode, e.g. dict(mode=AMP_TYPE.TORCH), got {fp16!r}")
+            raise ConfigError(f"fp16 must be a dict with a mode, e.g. dict(mode=AMP_TYPE.TORCH), "
+                              f"got {fp16!r}")
         try:
             AMP_TYPE.parse(fp16["mode"])
         except ValueError as e:
             raise ConfigError(f"fp16.mode: {e}") from None
 
-    for key in ("gradient_accumulation", "NUM_MICRO_BATCHES", "NUM_CHUNKS", "BATCH_SIZE", "NUM_EPOCHS"):
+    for key in ("gradient_accumulation", "NUM_MICRO_BATCHES", "NUM_CHUNKS", "BATCH_SIZE",
+                "NUM_EPOCHS"):
         _positive_int(cfg, key, "")
     if "debug" in cfg and not isinstance(cfg.debug, bool):
         raise ConfigError(f"debug must be True or False, got {cfg.debug!r}")
     schedule = cfg.get("PIPELINE_SCHEDULE")
     if schedule is not None and schedule not in ("1f1b", "gpipe", "interleaved"):
-        raise ConfigError(f"PIPELINE_SCHEDULE must be '1f1b', 'gpipe' or 'interleaved', got {schedule!r}")
+        raise ConfigError(f"PIPELINE_SCHEDULE must be '1f1b', 'gpipe' or 'interleaved', got "
+                          f"{schedule!r}")
     shape = cfg.get("TENSOR_SHAPE")
-    if shape is not None and (not isinstance(shape, (list, tuple)) or
-                              not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
-        raise ConfigError(f"TENSOR_SHAPE must be a list of positive ints (one micro-batch's activation), got {shape!r}")
+    if shape is not None and (
+        not isinstance(shape, (list, tuple))
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+    ):
+        raise ConfigError(f"TENSOR_SHAPE must be a list of positive ints (one micro-batch's "
+                          f"activation), got {shape!r}")
     for key in ("clip_grad_norm", "timeout"):
         value = cfg.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0
+        ):
             raise ConfigError(f"{key} must be a positive number, got {value!r}")

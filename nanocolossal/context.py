@@ -6,11 +6,11 @@ innermost, so a tensor group (which talks every layer) is consecutive ranks -- o
 
     rank = data_rank * (P * T) + pipeline_rank * T + tensor_rank
 
-    W = 8, P = 2, T = 2, D = 2        pipeline_rank 0     pipeline_rank 1
-                       data_rank 0    ranks 0 1      ->   ranks 2 3          pipeline groups {0,2} {1,3}
-                       data_rank 1    ranks 4 5      ->   ranks 6 7          pipeline groups {4,6} {5,7}
-                                      ^ tensor group {0,1}
-                                      data groups (same stage, same shard): {0,4} {1,5} {2,6} {3,7}
+    W = 8, P = 2, T = 2, D = 2   pipeline_rank 0   pipeline_rank 1
+                  data_rank 0    ranks 0 1    ->   ranks 2 3        pipeline groups {0,2} {1,3}
+                  data_rank 1    ranks 4 5    ->   ranks 6 7        pipeline groups {4,6} {5,7}
+                                 ^ tensor group {0,1}
+                                 data groups (same stage, same shard): {0,4} {1,5} {2,6} {3,7}
 
 With T = 1 this is `data_rank * P + pipeline_rank`. For mode='2d' the T = q * q tensor
 ranks form a q x q grid, tensor_rank = row * q + col: a *row group* (same row, every col)
@@ -40,12 +40,12 @@ from .config import Config, ConfigError, parallel_settings
 @dataclass
 class Layout:
     """Every group of a job as lists of global ranks, in the order new_group must be called."""
-    data: list[list[int]] = field(default_factory=list)        # same (pipeline, tensor) rank
-    pipeline: list[list[int]] = field(default_factory=list)    # same (data, tensor) rank, stage order
-    tensor: list[list[int]] = field(default_factory=list)      # one stage of one replica
-    row: list[list[int]] = field(default_factory=list)         # 2d: same grid row (splits hidden)
-    col: list[list[int]] = field(default_factory=list)         # 2d: same grid column (splits batch)
-    model: list[list[int]] = field(default_factory=list)       # one whole model replica: P * T ranks
+    data: list[list[int]] = field(default_factory=list)      # same (pipeline, tensor) rank
+    pipeline: list[list[int]] = field(default_factory=list)  # same (data, tensor) rank, stage order
+    tensor: list[list[int]] = field(default_factory=list)    # one stage of one replica
+    row: list[list[int]] = field(default_factory=list)       # 2d: same grid row (splits hidden)
+    col: list[list[int]] = field(default_factory=list)       # 2d: same grid column (splits batch)
+    model: list[list[int]] = field(default_factory=list)     # one whole model replica: P * T ranks
 
 
 def coordinates(rank: int, P: int, T: int) -> tuple[int, int, int]:
@@ -58,8 +58,8 @@ def coordinates(rank: int, P: int, T: int) -> tuple[int, int, int]:
 def layout(world: int, P: int = 1, T: int = 1, mode: Optional[str] = None) -> Layout:
     """The groups of a world of `world` ranks with P stages and T tensor ranks (pure function)."""
     if world % (P * T) != 0:
-        raise ConfigError(f"world size {world} is not divisible by pipeline x tensor = {P} x {T} = {P * T}; "
-                          f"launch a multiple of {P * T} processes or change parallel")
+        raise ConfigError(f"world size {world} is not divisible by pipeline x tensor = {P} x {T} = "
+                          f"{P * T}; launch a multiple of {P * T} processes or change parallel")
     D = world // (P * T)
     rank = lambda d, p, t: d * P * T + p * T + t  # noqa: E731 -- the formula, read as such
     out = Layout()
@@ -99,7 +99,8 @@ class ParallelContext:
         self.tensor_row_rank, self.tensor_col_rank, self.summa_dim = 0, 0, 1
         self.tensor_row_ranks: list[int] = [0]
         self.tensor_col_ranks: list[int] = [0]
-        self.model_group: Optional[dist.ProcessGroup] = None  # pipeline x tensor ranks of my replica
+        # pipeline x tensor ranks of my replica
+        self.model_group: Optional[dist.ProcessGroup] = None
         self.model_ranks: list[int] = [0]
         # sharded dropout's own generators (tensor/base.py): per job, so a relaunch reseeds them
         self.dropout_generators: dict[torch.device, torch.Generator] = {}
@@ -107,15 +108,19 @@ class ParallelContext:
     # -- set-up -------------------------------------------------------------------------
     @staticmethod
     def parallel_sizes(config: Config, world_size: int) -> tuple[int, int, int, Optional[str]]:
-        """(pipeline P, tensor T, data D, tensor mode) for this world; ConfigError if they do not fit."""
+        """(pipeline P, tensor T, data D, tensor mode) for this world; ConfigError if they do not
+        fit."""
         P, T, mode, wanted = parallel_settings(config)
         if world_size % (P * T) != 0:
-            raise ConfigError(f"world size {world_size} is not divisible by pipeline x tensor = {P} x {T} = {P * T}; "
-                              f"launch a multiple of {P * T} processes or change parallel")
+            raise ConfigError(f"world size {world_size} is not divisible by pipeline x tensor = "
+                              f"{P} x {T} = {P * T}; launch a multiple of {P * T} processes or "
+                              f"change parallel")
         D = world_size // (P * T)
         if wanted is not None and wanted != D:
-            raise ConfigError(f"parallel.data={wanted} but world size {world_size} // (pipeline x tensor) = {D}; "
-                              f"drop parallel.data (it is inferred) or launch {wanted * P * T} processes")
+            raise ConfigError(f"parallel.data={wanted} but world size {world_size} // (pipeline x "
+                              f"tensor) = {D}; "
+                              f"drop parallel.data (it is inferred) or launch {wanted * P * T} "
+                              f"processes")
         return P, T, D, mode
 
     def init(self, config: Config, rank: int, world_size: int, local_rank: int,
@@ -177,8 +182,9 @@ class ParallelContext:
         return self.pipeline_ranks[(self.pipeline_rank + 1) % self.pipeline_size]
 
     def __repr__(self) -> str:
-        return (f"ParallelContext(rank={self.rank}/{self.world_size}, local_rank={self.local_rank}, "
-                f"device={self.device}, pipeline={self.pipeline_rank}/{self.pipeline_size}, "
+        return (f"ParallelContext(rank={self.rank}/{self.world_size}, "
+                f"local_rank={self.local_rank}, device={self.device}, "
+                f"pipeline={self.pipeline_rank}/{self.pipeline_size}, "
                 f"tensor={self.tensor_rank}/{self.tensor_size} {self.tensor_mode or ''}, "
                 f"data={self.data_rank}/{self.data_size})")
 

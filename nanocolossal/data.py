@@ -40,8 +40,10 @@ CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)
 class DistributedSampler(Sampler[int]):
     """Shard a dataset over the data-parallel ranks (defaults from gpc)."""
 
-    def __init__(self, dataset: Sized, num_replicas: Optional[int] = None, rank: Optional[int] = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, pad: bool = True) -> None:
+    def __init__(self, dataset: Sized, num_replicas: Optional[int] = None,
+                 rank: Optional[int] = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 pad: bool = True) -> None:
         self.num_replicas = gpc.data_size if num_replicas is None else num_replicas
         self.rank = gpc.data_rank if rank is None else rank
         if self.num_replicas < 1 or not 0 <= self.rank < self.num_replicas:
@@ -68,7 +70,8 @@ class DistributedSampler(Sampler[int]):
             indices = torch.randperm(n, generator=g).tolist()
         else:
             indices = list(range(n))
-        if self.total_size > n:  # pad by repeating from the start (as often as needed for tiny sets)
+        # pad by repeating from the start (as often as needed for tiny sets)
+        if self.total_size > n:
             indices += (indices * math.ceil((self.total_size - n) / n))[: self.total_size - n]
         indices = indices[: self.total_size]
         return iter(indices[self.rank: self.total_size: self.num_replicas])
@@ -81,8 +84,10 @@ class DistributedSampler(Sampler[int]):
         self.epoch = epoch
 
 
-def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, add_sampler: bool = True,
-                   drop_last: bool = False, pin_memory: bool = False, pad: bool = True, **kwargs) -> DataLoader:
+def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024,
+                   add_sampler: bool = True,
+                   drop_last: bool = False, pin_memory: bool = False, pad: bool = True,
+                   **kwargs) -> DataLoader:
     """A DataLoader giving this data-parallel rank its shard; `batch_size` is per rank.
 
     With `add_sampler` a DistributedSampler shards the data over the data-parallel ranks (one
@@ -90,9 +95,12 @@ def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, ad
     shards. Without it, a plain DataLoader shuffles with a generator seeded by `seed`.
     """
     pin_memory = pin_memory and torch.cuda.is_available()  # pinning without a GPU only warns
-    if add_sampler:  # also with one replica: each epoch's order is a function of seed + epoch, so resumable
-        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, pad=pad)
-        return DataLoader(dataset, sampler=sampler, drop_last=drop_last, pin_memory=pin_memory, **kwargs)
+    # also with one replica: each epoch's order is a function of seed + epoch, so resumable
+    if add_sampler:
+        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                     pad=pad)
+        return DataLoader(dataset, sampler=sampler, drop_last=drop_last, pin_memory=pin_memory,
+                          **kwargs)
     generator = torch.Generator().manual_seed(seed) if shuffle else None
     return DataLoader(dataset, shuffle=shuffle, generator=generator, drop_last=drop_last,
                       pin_memory=pin_memory, **kwargs)
@@ -110,17 +118,22 @@ class SyntheticImages(Dataset):
     def __init__(self, size: int, shape: tuple[int, ...], num_classes: int, seed: int = 0,
                  noise: float = 1.0, max_shift: int = 4) -> None:
         if size < 1 or num_classes < 2:
-            raise ValueError(f"synthetic dataset needs size >= 1 and num_classes >= 2, got {size}, {num_classes}")
+            raise ValueError(f"synthetic dataset needs size >= 1 and num_classes >= 2, got {size}, "
+                             f"{num_classes}")
         self.size, self.shape, self.num_classes = size, tuple(shape), num_classes
         self.seed, self.noise, self.max_shift = seed, noise, max_shift
-        g = torch.Generator().manual_seed(1234567 + num_classes)  # templates shared by train and test
-        if len(self.shape) == 3:  # images: upsample a coarse pattern so templates are smooth, like pictures
-            coarse = torch.randn(num_classes, shape[0], max(1, shape[1] // 4), max(1, shape[2] // 4), generator=g)
-            self.templates = torch.nn.functional.interpolate(coarse, size=shape[1:], mode="bilinear",
-                                                             align_corners=False)
+        # templates shared by train and test
+        g = torch.Generator().manual_seed(1234567 + num_classes)
+        # images: upsample a coarse pattern so templates are smooth, like pictures
+        if len(self.shape) == 3:
+            coarse = torch.randn(num_classes, shape[0], max(1, shape[1] // 4),
+                                 max(1, shape[2] // 4), generator=g)
+            self.templates = torch.nn.functional.interpolate(coarse, size=shape[1:],
+                                                             mode="bilinear", align_corners=False)
         else:
             self.templates = torch.randn(num_classes, *shape, generator=g)
-        self.targets = torch.randint(num_classes, (size,), generator=torch.Generator().manual_seed(seed))
+        self.targets = torch.randint(num_classes, (size,),
+                                     generator=torch.Generator().manual_seed(seed))
 
     def __len__(self) -> int:
         return self.size
@@ -132,8 +145,10 @@ class SyntheticImages(Dataset):
         label = int(self.targets[i])
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i + 1)
         x = self.templates[label]
-        if len(self.shape) == 3:  # shift and contrast vary per sample, so a linear model is not enough
-            dy, dx = (int(v) for v in torch.randint(-self.max_shift, self.max_shift + 1, (2,), generator=g))
+        # shift and contrast vary per sample, so a linear model is not enough
+        if len(self.shape) == 3:
+            dy, dx = (int(v) for v in torch.randint(-self.max_shift, self.max_shift + 1, (2,),
+                                                    generator=g))
             x = torch.roll(x, shifts=(dy, dx), dims=(1, 2)) * (0.5 + torch.rand((), generator=g))
         return x + self.noise * torch.randn(self.shape, generator=g), label
 
@@ -164,36 +179,47 @@ def _local_rank0_first() -> Iterator[None]:
 _announced: set[tuple[str, str]] = set()
 
 
-def _load_or_synthesize(name: str, build: Callable[[], Dataset], root: str, download: bool, size: int,
-                        shape: tuple[int, ...], train: bool, synthetic_size: Optional[int]) -> Dataset:
+def _load_or_synthesize(name: str, build: Callable[[], Dataset], root: str, download: bool,
+                        size: int, shape: tuple[int, ...], train: bool,
+                        synthetic_size: Optional[int]) -> Dataset:
     with _local_rank0_first():
         try:
             return build()
-        except (RuntimeError, OSError) as e:  # not on disk ("Dataset not found"), or download failed
+        # not on disk ("Dataset not found"), or download failed
+        except (RuntimeError, OSError) as e:
             where = os.path.abspath(root)
             if (name, where) not in _announced:  # one line per dataset, not one per split
                 _announced.add((name, where))
-                cause = f"could not be downloaded ({str(e).splitlines()[0]})" if download else "is not on disk"
+                cause = (
+                    f"could not be downloaded ({str(e).splitlines()[0]})"
+                    if download
+                    else "is not on disk"
+                )
                 get_dist_logger().warning(
                     f"{name} {cause} under {where}: using a synthetic {name}-shaped stand-in "
-                    f"({'x'.join(map(str, shape))}, 10 classes); use --data DIR or --download for the real one",
+                    f"({'x'.join(map(str, shape))}, 10 classes); use --data DIR or --download for "
+                    f"the real one",
                     ranks=[0])
             return synthetic_images(synthetic_size or size, shape, 10, seed=0 if train else 1)
 
 
 def cifar10(root: Optional[str] = None, train: bool = True, download: bool = False,
             transform: Optional[Callable] = None, synthetic_size: Optional[int] = None) -> Dataset:
-    """CIFAR-10 with the tutorials' transforms (crop + flip for training), or a synthetic stand-in."""
+    """CIFAR-10 with the tutorials' transforms (crop + flip for training), or a synthetic
+    stand-in."""
     from torchvision import datasets, transforms
 
     if transform is None:
-        augment = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if train else []
+        augment = [transforms.RandomCrop(32, padding=4),
+                   transforms.RandomHorizontalFlip()] if train else []
         transform = transforms.Compose(augment + [transforms.ToTensor(),
                                                   transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)])
     root = data_root(root)
-    return _load_or_synthesize("CIFAR-10", lambda: datasets.CIFAR10(root, train=train, download=download,
+    return _load_or_synthesize("CIFAR-10",
+                               lambda: datasets.CIFAR10(root, train=train, download=download,
                                                                      transform=transform),
-                               root, download, 50000 if train else 10000, (3, 32, 32), train, synthetic_size)
+                               root, download, 50000 if train else 10000, (3, 32, 32), train,
+                               synthetic_size)
 
 
 def mnist(root: Optional[str] = None, train: bool = True, download: bool = False,
@@ -205,4 +231,5 @@ def mnist(root: Optional[str] = None, train: bool = True, download: bool = False
     root = data_root(root)
     return _load_or_synthesize("MNIST", lambda: datasets.MNIST(root, train=train, download=download,
                                                                 transform=transform),
-                               root, download, 60000 if train else 10000, (1, 28, 28), train, synthetic_size)
+                               root, download, 60000 if train else 10000, (1, 28, 28), train,
+                               synthetic_size)

@@ -2,11 +2,11 @@
 and averages gradients with its peers before the optimizer step, so all replicas take the
 same step -- the step one process would take on the concatenated batch.
 
-Averaging after backward would leave the network idle during backward and the CPU/GPU idle
-during communication. Instead gradients are packed into flat buckets (~25 MB) in *reverse*
-parameter order, because backward produces the last layers' gradients first. A hook on each
-parameter writes its gradient / N into its bucket slot (one pass: a scaled copy) the moment it
-is accumulated; when a bucket is full its all-reduce starts asynchronously while backward carries on:
+Averaging after backward would leave the network idle during backward and the CPU/GPU idle during
+communication. Instead gradients are packed into flat buckets (~25 MB) in *reverse* parameter order,
+because backward produces the last layers' gradients first. A hook on each parameter writes its
+gradient / N into its bucket slot (one pass: a scaled copy) the moment it is accumulated; when a
+bucket is full its all-reduce starts asynchronously while backward carries on:
 
     backward   | grad L4 L3 | grad L2 L1 | grad L0 |
     all-reduce              |  bucket 0  |  bucket 1  | bucket 2 |
@@ -57,11 +57,13 @@ class _Bucket:
             self.offsets.append(total)
             total += p.numel()
         self.numel = total
-        self.buffer = torch.zeros(total + len(params), dtype=params[0].dtype, device=params[0].device)
+        self.buffer = torch.zeros(total + len(params), dtype=params[0].dtype,
+                                  device=params[0].device)
         self.work: Optional[dist.Work] = None
         self.ready = 0
         self.filled = [False] * len(params)  # which slots got this iteration's gradient
-        self.wire: Optional[torch.Tensor] = None  # what is all-reduced: the buffer, or its half copy
+        # what is all-reduced: the buffer, or its half copy
+        self.wire: Optional[torch.Tensor] = None
 
     def view(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -84,28 +86,35 @@ def _coalesced_broadcast(tensors: list[torch.Tensor], src: int, group) -> None:
 
 
 class DistributedDataParallel(nn.Module):
-    """Wrap `module` so that backward averages gradients over `process_group` (default gpc's data group)."""
+    """Wrap `module` so that backward averages gradients over `process_group` (default: the
+    data-parallel group of gpc)."""
 
     def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
                  bucket_cap_mb: float = 25, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False, compress: Optional[str] = None) -> None:
         super().__init__()
         if compress not in (None, "bf16", "fp16"):
-            raise ValueError(f"[rank {gpc.rank}] compress must be None, 'bf16' or 'fp16', got {compress!r}")
+            raise ValueError(f"[rank {gpc.rank}] compress must be None, 'bf16' or 'fp16', got "
+                             f"{compress!r}")
         if not dist.is_initialized():
-            raise RuntimeError("DistributedDataParallel needs a launched job: call nanocolossal.launch* first")
+            raise RuntimeError("DistributedDataParallel needs a launched job: call "
+                               "nanocolossal.launch* first")
         self.module = module
-        self.process_group = process_group if process_group is not None else (gpc.data_group or dist.group.WORLD)
+        self.process_group = (
+            process_group if process_group is not None else (gpc.data_group or dist.group.WORLD)
+        )
         self.world_size = dist.get_world_size(self.process_group)
         self.src_rank = dist.get_global_rank(self.process_group, 0)
         self.broadcast_buffers = broadcast_buffers
-        self.gradient_as_bucket_view = gradient_as_bucket_view  # .grad *is* the bucket slot: no copy back
+        # .grad *is* the bucket slot: no copy back
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         # all-reduce a half-precision copy of each bucket: half the bytes, a half-precision sum
         self.wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compress)
         self.require_sync = True
 
         self._check_same_structure()
-        _coalesced_broadcast(list(module.parameters()) + list(module.buffers()), self.src_rank, self.process_group)
+        _coalesced_broadcast(list(module.parameters()) + list(module.buffers()), self.src_rank,
+                             self.process_group)
 
         params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = self._make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))
@@ -125,10 +134,12 @@ class DistributedDataParallel(nn.Module):
         for rank, theirs in zip(ranks, everyone):
             if theirs != mine:
                 diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
-                detail = (f"first difference: {diff[0]} here vs {diff[1]} on rank {rank}" if diff else
+                detail = (f"first difference: {diff[0]} here vs {diff[1]} on rank "
+                          f"{rank}" if diff else
                           f"{len(mine)} parameters here vs {len(theirs)} on rank {rank}")
-                raise RuntimeError(f"[rank {gpc.rank}] DistributedDataParallel: the model on rank {gpc.rank} differs "
-                                   f"from the model on rank {rank} ({detail}); build the same model on every rank")
+                raise RuntimeError(f"[rank {gpc.rank}] DistributedDataParallel: the model on rank "
+                                   f"{gpc.rank} differs from the model on rank {rank} ({detail}); "
+                                   f"build the same model on every rank")
 
     @staticmethod
     def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
@@ -151,14 +162,16 @@ class DistributedDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     def sync_buffers(self) -> None:
-        """Give every replica the first rank's buffers (BatchNorm statistics), as one message per dtype."""
+        """Give every replica the first rank's buffers (BatchNorm statistics), as one message per
+        dtype."""
         buffers = list(self.module.buffers())
         if buffers and self.world_size > 1:
             _coalesced_broadcast(buffers, self.src_rank, self.process_group)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside only accumulate local gradients; the next one outside averages them."""
+        """Backward passes inside only accumulate local gradients; the next one outside averages
+        them."""
         previous, self.require_sync = self.require_sync, False
         try:
             yield
@@ -188,7 +201,9 @@ class DistributedDataParallel(nn.Module):
         for i, filled in enumerate(bucket.filled):
             if not filled:  # no gradient here this time: its slot must add nothing
                 bucket.view(i).zero_()
-        bucket.wire = bucket.buffer if self.wire_dtype is None else bucket.buffer.to(self.wire_dtype)
+        bucket.wire = (
+            bucket.buffer if self.wire_dtype is None else bucket.buffer.to(self.wire_dtype)
+        )
         try:
             bucket.work = dist.all_reduce(bucket.wire, group=self.process_group, async_op=True)
         except RuntimeError as e:
@@ -197,10 +212,12 @@ class DistributedDataParallel(nn.Module):
     def _fail(self, bucket: _Bucket, error: Exception) -> None:
         ranks = dist.get_process_group_ranks(self.process_group)
         raise RuntimeError(
-            f"[rank {gpc.rank}] DDP gradient all-reduce of bucket {self.buckets.index(bucket) + 1} of "
-            f"{len(self.buckets)} failed ({str(error).splitlines()[0] if str(error) else type(error).__name__}): "
-            f"another rank of data-parallel group {ranks} stopped, crashed or fell more than "
-            f"{gpc.timeout.total_seconds():.0f} s behind; look for the first error on the other ranks") from error
+            f"[rank {gpc.rank}] DDP gradient all-reduce of bucket {self.buckets.index(bucket) + 1} "
+            f"of {len(self.buckets)} failed "
+            f"({str(error).splitlines()[0] if str(error) else type(error).__name__}): another rank "
+            f"of data-parallel group {ranks} stopped, crashed or fell more than "
+            f"{gpc.timeout.total_seconds():.0f} s behind; look for the first error on the other "
+            f"ranks") from error
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):

@@ -9,7 +9,7 @@ backward time + communication time, where DDP hides most of the communication be
 backward (README: measured difference). It is simpler, and it is what Colossal-AI's
 engine does after `engine.backward`:
 
-    for each dtype: flatten every gradient -> one all-reduce -> divide by the group size -> copy back
+    for each dtype: flatten all gradients -> one all-reduce -> divide by the group size -> copy back
 
 Every trainable parameter takes part (a parameter that got no gradient here contributes
 zeros, so all ranks send the same message) and so gets a gradient, zeros where no rank
@@ -32,7 +32,8 @@ HANDLERS = ("DataParallelGradientHandler",)
 
 
 class DataParallelGradientHandler:
-    """All-reduce (average) the gradients of `model` over the data-parallel group, after backward."""
+    """All-reduce (average) the gradients of `model` over the data-parallel group, after
+    backward."""
 
     def __init__(self, model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
         self.group = group if group is not None else gpc.data_group

@@ -2,10 +2,10 @@
 
     before_train
       before_train_epoch
-        before_train_iter -> [zero_grad, forward, loss, backward, step] -> after_train_iter(output, label, loss)
+        before_train_iter -> [zero_grad, forward, loss, backward, step] -> after_train_iter(...)
       after_train_epoch
       before_test_epoch
-        before_test_iter  -> [forward, loss]                             -> after_test_iter(output, label, loss)
+        before_test_iter  -> [forward, loss]                            -> after_test_iter(...)
       after_test_epoch
     after_train
 
@@ -37,11 +37,13 @@ class BaseHook:
     def before_train_epoch(self, trainer) -> None: ...
     def after_train_epoch(self, trainer) -> None: ...
     def before_train_iter(self, trainer) -> None: ...
-    def after_train_iter(self, trainer, output: Any, label: Any, loss: Optional[torch.Tensor]) -> None: ...
+    def after_train_iter(self, trainer, output: Any, label: Any,
+                         loss: Optional[torch.Tensor]) -> None: ...
     def before_test_epoch(self, trainer) -> None: ...
     def after_test_epoch(self, trainer) -> None: ...
     def before_test_iter(self, trainer) -> None: ...
-    def after_test_iter(self, trainer, output: Any, label: Any, loss: Optional[torch.Tensor]) -> None: ...
+    def after_test_iter(self, trainer, output: Any, label: Any,
+                        loss: Optional[torch.Tensor]) -> None: ...
 
 
 class LossHook(BaseHook):
@@ -132,20 +134,27 @@ class ThroughputHook(BaseHook):
     def after_train_epoch(self, trainer) -> None:
         elapsed = time.perf_counter() - self._start
         per_rank = all_reduce_mean(float(self._samples))
-        trainer.states["metrics"]["train"]["throughput"] = per_rank * gpc.data_size / max(elapsed, 1e-9)
+        trainer.states["metrics"]["train"]["throughput"] = (
+            per_rank * gpc.data_size / max(elapsed, 1e-9)
+        )
 
 
 def _format(metrics: dict) -> str:
-    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} "
+                     f"{v}" for k, v in metrics.items())
 
 
 def _timing(timer) -> str:
-    """', time: epoch 12.3 s, step 0.125 s' from the Trainer's MultiTimer: the last epoch, the mean step so far."""
+    """', time: epoch 12.3 s, step 0.125 s' from the Trainer's MultiTimer: last epoch, mean step."""
     if timer is None or not getattr(timer, "on", False) or not timer.has("train-step"):
         return ""
     step = timer.get_timer("train-step").get_history_mean()
     epoch = timer.get_timer("train-epoch").history
-    return f", time: epoch {epoch[-1]:.3g} s, step {step:.3g} s" if epoch else f", time: step {step:.3g} s"
+    return (
+        f", time: epoch {epoch[-1]:.3g} s, step {step:.3g} s"
+        if epoch
+        else f", time: step {step:.3g} s"
+    )
 
 
 class LogMetricByEpochHook(BaseHook):
@@ -160,12 +169,13 @@ class LogMetricByEpochHook(BaseHook):
 
     def after_train_epoch(self, trainer) -> None:
         if self._due(trainer):
-            self.logger.info(f"epoch {trainer.cur_epoch + 1} train: {_format(trainer.states['metrics']['train'])}"
-                             f"{_timing(trainer.timer)}")
+            self.logger.info(f"epoch {trainer.cur_epoch + 1} train: "
+                             f"{_format(trainer.states['metrics']['train'])}{_timing(trainer.timer)}")
 
     def after_test_epoch(self, trainer) -> None:
         if self._due(trainer):
-            self.logger.info(f"epoch {trainer.cur_epoch + 1} test: {_format(trainer.states['metrics']['test'])}")
+            self.logger.info(f"epoch {trainer.cur_epoch + 1} test: "
+                             f"{_format(trainer.states['metrics']['test'])}")
 
 
 class LogMemoryByEpochHook(BaseHook):
@@ -195,14 +205,17 @@ class SaveCheckpointHook(BaseHook):
         self.every_steps = every_steps
 
     def _save(self, trainer, epoch_end: bool = False) -> None:
-        trainer.progress.save(self.path, trainer.engine.model, trainer.engine.optimizer, self.lr_scheduler, epoch_end)
+        trainer.progress.save(self.path, trainer.engine.model, trainer.engine.optimizer,
+                              self.lr_scheduler, epoch_end)
 
     def after_train_iter(self, trainer, output, label, loss) -> None:
         if self.every_steps and trainer.cur_step % self.every_steps == 0:
             self._save(trainer)
 
     def after_train_epoch(self, trainer) -> None:
-        if not trainer.epoch_finished:  # stopped by max_steps: save where it stopped, to resume there
+        # stopped by max_steps: save where it stopped, to resume there
+        if not trainer.epoch_finished:
             self._save(trainer)
-        elif (trainer.cur_epoch + 1) % self.interval == 0:  # the Trainer counts this epoch done just after
+        # the Trainer counts this epoch done just after
+        elif (trainer.cur_epoch + 1) % self.interval == 0:
             self._save(trainer, epoch_end=True)

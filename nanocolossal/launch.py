@@ -4,11 +4,11 @@ Every distributed job needs each process to know four things -- its `rank`, the
 `world_size`, and the `host:port` where rank 0 listens (the rendezvous) -- plus a config.
 Launchers differ only in *where* those come from:
 
-    launch(config, rank, world_size, host, port)     you pass them (get_default_parser)
-    launch_from_torch(config)                        torchrun / nanocolossal run:  RANK, WORLD_SIZE,
-                                                     LOCAL_RANK, MASTER_ADDR, MASTER_PORT
-    launch_from_slurm(config, host, port)            srun:    SLURM_PROCID, SLURM_NPROCS, SLURM_LOCALID
-    launch_from_openmpi(config, host, port)          mpirun:  OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK
+    launch(config, rank, world_size, host, port)  you pass them (get_default_parser)
+    launch_from_torch(config)                     torchrun / nanocolossal run: RANK, WORLD_SIZE,
+                                                  LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+    launch_from_slurm(config, host, port)         srun: SLURM_PROCID, SLURM_NPROCS, SLURM_LOCALID
+    launch_from_openmpi(config, host, port)       mpirun: OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK
 
 All of them end in the same place: `torch.distributed.init_process_group` (rank 0 opens a
 TCP store at host:port, the others connect and exchange addresses), then `gpc.init` builds
@@ -47,13 +47,16 @@ def get_default_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", type=str, default=None, help="address of the rank-0 node")
     parser.add_argument("--port", type=int, default=None, help="free port on the rank-0 node")
     parser.add_argument("--rank", type=int, default=None, help="global rank of this process")
-    parser.add_argument("--world_size", type=int, default=None, help="number of processes in the job")
+    parser.add_argument("--world_size", type=int, default=None,
+                        help="number of processes in the job")
     # torch.distributed.launch passes --local-rank (newer) or --local_rank (older): accept both
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="rank on this node (selects the GPU)")
-    parser.add_argument("--backend", type=str, default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
+    parser.add_argument("--backend", type=str, default=None,
+                        help="nccl or gloo (default: nccl with CUDA, else gloo)")
     parser.add_argument("--debug", action="store_true",
-                        help="config debug=True: TORCH_DISTRIBUTED_DEBUG=DETAIL and a barrier after each epoch that "
+                        help="config debug=True: TORCH_DISTRIBUTED_DEBUG=DETAIL and a barrier "
+                        "after each epoch that "
                              "names ranks that do not arrive")
     return parser
 
@@ -63,7 +66,8 @@ def _pick_backend(backend: Optional[str], rank: int) -> str:
         return "nccl" if torch.cuda.is_available() else "gloo"
     backend = backend.lower()
     if backend not in ("nccl", "gloo"):
-        raise LaunchError(f"[rank {rank}] unknown backend {backend!r}; use 'nccl' (GPUs) or 'gloo' (CPU)")
+        raise LaunchError(f"[rank {rank}] unknown backend {backend!r}; use 'nccl' (GPUs) or 'gloo' "
+                          f"(CPU)")
     if backend == "nccl" and not torch.cuda.is_available():
         raise LaunchError(f"[rank {rank}] backend 'nccl' needs CUDA, which is not available here; "
                           f"use --backend gloo (or leave it unset)")
@@ -75,9 +79,9 @@ def _pick_device(backend: str, rank: int, local_rank: int) -> torch.device:
         return torch.device("cpu")
     count = torch.cuda.device_count()
     if local_rank >= count:
-        raise LaunchError(f"[rank {rank}] local_rank {local_rank} needs GPU {local_rank}, but this node has "
-                          f"{count} visible GPU(s); start at most {count} processes per node "
-                          f"(--nproc_per_node {count}) or check CUDA_VISIBLE_DEVICES")
+        raise LaunchError(f"[rank {rank}] local_rank {local_rank} needs GPU {local_rank}, but this "
+                          f"node has {count} visible GPU(s); start at most {count} processes per "
+                          f"node (--nproc_per_node {count}) or check CUDA_VISIBLE_DEVICES")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
@@ -120,9 +124,11 @@ def _agent_store(timeout: timedelta) -> Optional[dist.Store]:
     Each attempt gets its own key prefix instead."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=timeout)
-    return dist.PrefixStore(f"nanocolossal/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           is_master=False, timeout=timeout)
+    return dist.PrefixStore(
+        f"nanocolossal/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client
+    )
 
 
 def _init_process_group(backend: str, init_method: str, rank: int, world_size: int,
@@ -130,23 +136,27 @@ def _init_process_group(backend: str, init_method: str, rank: int, world_size: i
     try:
         store = _agent_store(timeout) if init_method == "env://" else None
         if store is not None:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        else:
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                    world_size=world_size, timeout=timeout)
     except (RuntimeError, ValueError, OSError) as e:
         text = str(e)
         if "in use" in text.lower() or "EADDRINUSE" in text:
             hint = f"port at {where} is already in use: choose a free one (--port / --master_port)"
         elif "timed out" in text.lower() or "timeout" in text.lower():
-            hint = (f"could not meet the other processes at {where} within {timeout.total_seconds():.0f} s: "
-                    f"is rank 0 running, is the host reachable, do all ranks agree on world_size={world_size}?")
+            hint = (f"could not meet the other processes at {where} within "
+                    f"{timeout.total_seconds():.0f} s: is rank 0 running, is the host reachable, "
+                    f"do all ranks agree on world_size={world_size}?")
         else:
             hint = f"could not join the job at {where}"
-        raise LaunchError(f"[rank {rank}] {hint} ({type(e).__name__}: {text.splitlines()[0] if text else ''})") from e
+        raise LaunchError(f"[rank {rank}] {hint} ({type(e).__name__}: "
+                          f"{text.splitlines()[0] if text else ''})") from e
 
 
-def _launch(config: ConfigLike, rank: int, world_size: int, local_rank: Optional[int], init_method: str,
+def _launch(config: ConfigLike, rank: int, world_size: int, local_rank: Optional[int],
+            init_method: str,
             where: str, backend: Optional[str], seed: int, timeout: Optional[float]) -> None:
     """Validate everything that can be checked alone, then meet the other ranks."""
     try:
@@ -154,14 +164,17 @@ def _launch(config: ConfigLike, rank: int, world_size: int, local_rank: Optional
     except ConfigError as e:
         raise ConfigError(f"[rank {rank}] {e}") from None
     if gpc.is_initialized:
-        raise LaunchError(f"[rank {gpc.rank}] already launched; call gpc.destroy() before launching again")
+        raise LaunchError(f"[rank {gpc.rank}] already launched; call gpc.destroy() before "
+                          f"launching again")
     for name, value in (("rank", rank), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise LaunchError(f"{name} must be an integer, got {value!r}; pass --{name}")
     if world_size < 1 or not 0 <= rank < world_size:
-        raise LaunchError(f"[rank {rank}] rank must be in [0, world_size={world_size}); check --rank/--world_size")
+        raise LaunchError(f"[rank {rank}] rank must be in [0, world_size={world_size}); check "
+                          f"--rank/--world_size")
     try:
-        gpc.parallel_sizes(cfg, world_size)  # a world that does not fit fails here, before any waiting
+        # a world that does not fit fails here, before any waiting
+        gpc.parallel_sizes(cfg, world_size)
     except ConfigError as e:
         raise ConfigError(f"[rank {rank}] {e}") from None
     local_rank = default_local_rank(rank, local_rank)
@@ -177,16 +190,17 @@ def _launch(config: ConfigLike, rank: int, world_size: int, local_rank: Optional
     _seed_everything(seed)
     get_dist_logger().info(
         f"launched {world_size} process(es): backend {backend}, device {device.type}, "
-        f"pipeline {gpc.pipeline_size} x tensor {gpc.tensor_size}{' ' + gpc.tensor_mode if gpc.tensor_mode else ''} "
-        f"x data {gpc.data_size}, timeout {seconds:g} s"
-        f"{', debug mode' if cfg.get('debug') else ''}")
+        f"pipeline {gpc.pipeline_size} x tensor "
+        f"{gpc.tensor_size}{' ' + gpc.tensor_mode if gpc.tensor_mode else ''} x data "
+        f"{gpc.data_size}, timeout {seconds:g} s{', debug mode' if cfg.get('debug') else ''}")
 
 
 def _check_port(port, rank: int) -> int:
     if isinstance(port, str) and port.isdigit():
         port = int(port)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise LaunchError(f"[rank {rank}] port must be an integer in 1..65535, got {port!r}; pass --port")
+        raise LaunchError(f"[rank {rank}] port must be an integer in 1..65535, got {port!r}; pass "
+                          f"--port")
     return port
 
 
@@ -195,13 +209,15 @@ def launch(config: ConfigLike, rank: int, world_size: int, host: str, port: int,
            timeout: Optional[float] = None) -> None:
     """Start this process as `rank` of `world_size`, meeting the others at host:port."""
     if not host:
-        raise LaunchError(f"[rank {rank}] no host given: pass --host with the address of the rank-0 node")
+        raise LaunchError(f"[rank {rank}] no host given: pass --host with the address of the "
+                          f"rank-0 node")
     port = _check_port(port, rank)
-    _launch(config, rank, world_size, local_rank, f"tcp://{host}:{port}", f"{host}:{port}", backend, seed, timeout)
+    _launch(config, rank, world_size, local_rank, f"tcp://{host}:{port}", f"{host}:{port}",
+            backend, seed, timeout)
 
 
 def _read_env(names: dict[str, str], launcher: str, command: str) -> dict[str, int | str]:
-    """Read {role: "VAR" or "VAR|ALTERNATIVE"}; one error listing everything missing and how to launch."""
+    """Read {role: "VAR" or "VAR|ALTERNATIVE"}; one error lists all that is missing and the fix."""
     values: dict[str, int | str] = {}
     missing = []
     for role, spelling in names.items():
@@ -215,18 +231,19 @@ def _read_env(names: dict[str, str], launcher: str, command: str) -> dict[str, i
         except ValueError:
             raise LaunchError(f"launch_from_{launcher}: {var}={raw!r} is not an integer") from None
     if missing:
-        raise LaunchError(f"launch_from_{launcher}: environment variable(s) {', '.join(missing)} not set. "
-                          f"Start this script with {command}")
+        raise LaunchError(f"launch_from_{launcher}: environment variable(s) {', '.join(missing)} "
+                          f"not set. Start this script with {command}")
     return values
 
 
-def _host_port(host: Optional[str], port: Optional[int], rank: int, launcher: str) -> tuple[str, int]:
+def _host_port(host: Optional[str], port: Optional[int], rank: int,
+               launcher: str) -> tuple[str, int]:
     """host/port arguments, else MASTER_ADDR/MASTER_PORT, else a clear error."""
     host = host or os.environ.get("MASTER_ADDR")
     port = port or os.environ.get("MASTER_PORT")
     if not host or not port:
-        raise LaunchError(f"[rank {rank}] launch_from_{launcher} needs the rank-0 node's address: pass "
-                          f"--host <node> --port <port> (or set MASTER_ADDR and MASTER_PORT)")
+        raise LaunchError(f"[rank {rank}] launch_from_{launcher} needs the rank-0 node's address: "
+                          f"pass --host <node> --port <port> (or set MASTER_ADDR and MASTER_PORT)")
     return host, _check_port(port, rank)
 
 
@@ -243,19 +260,26 @@ def launch_from_torch(config: ConfigLike, backend: Optional[str] = None, seed: i
     """
     if allow_single_process and not any(var in os.environ for var in _TORCHRUN_VARS.values()):
         # Port 0: the OS picks a free one; nobody else needs to find it.
-        _launch(config, 0, 1, 0, "tcp://127.0.0.1:0", "127.0.0.1 (single process)", backend, seed, timeout)
+        _launch(config, 0, 1, 0, "tcp://127.0.0.1:0", "127.0.0.1 (single process)", backend, seed,
+                timeout)
         return
     env = _read_env(_TORCHRUN_VARS, "torch",
-                    "`torchrun --nproc_per_node N script.py` or `nanocolossal run --nproc_per_node N script.py`")
+                    "`torchrun --nproc_per_node N script.py` or `nanocolossal run --nproc_per_node "
+                    "N script.py`")
     where = f"{env['host']}:{env['port']}"
-    # env:// (or the agent's store, see _agent_store): torchrun's agent shares its store with the workers
-    _launch(config, env["rank"], env["world_size"], env["local_rank"], "env://", where, backend, seed, timeout)
+    # env:// (or the agent's store, see _agent_store): torchrun's agent shares its store with the
+    # workers
+    _launch(config, env["rank"], env["world_size"], env["local_rank"], "env://", where, backend,
+            seed, timeout)
 
 
 def launch_from_slurm(config: ConfigLike, host: Optional[str] = None, port: Optional[int] = None,
-                      backend: Optional[str] = None, seed: int = 1024, timeout: Optional[float] = None) -> None:
-    """Launch under `srun`: rank and world size come from SLURM_PROCID and SLURM_NPROCS/SLURM_NTASKS."""
-    env = _read_env({"rank": "SLURM_PROCID", "world_size": "SLURM_NPROCS|SLURM_NTASKS", "local_rank": "SLURM_LOCALID"},
+                      backend: Optional[str] = None, seed: int = 1024,
+                      timeout: Optional[float] = None) -> None:
+    """Launch under `srun`: rank and world size come from SLURM_PROCID and
+    SLURM_NPROCS/SLURM_NTASKS."""
+    env = _read_env({"rank": "SLURM_PROCID", "world_size": "SLURM_NPROCS|SLURM_NTASKS",
+                     "local_rank": "SLURM_LOCALID"},
                     "slurm", "`srun python script.py --host <first node> --port 29500`")
     host, port = _host_port(host, port, env["rank"], "slurm")
     _launch(config, env["rank"], env["world_size"], env["local_rank"], f"tcp://{host}:{port}",
@@ -263,7 +287,8 @@ def launch_from_slurm(config: ConfigLike, host: Optional[str] = None, port: Opti
 
 
 def launch_from_openmpi(config: ConfigLike, host: Optional[str] = None, port: Optional[int] = None,
-                        backend: Optional[str] = None, seed: int = 1024, timeout: Optional[float] = None) -> None:
+                        backend: Optional[str] = None, seed: int = 1024,
+                        timeout: Optional[float] = None) -> None:
     """Launch under `mpirun`: rank, size and local rank come from OMPI_COMM_WORLD_*."""
     env = _read_env({"rank": "OMPI_COMM_WORLD_RANK", "world_size": "OMPI_COMM_WORLD_SIZE",
                      "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK"},

@@ -53,8 +53,9 @@ class Accuracy:
         """output: logits (N, C) or predicted labels (N,); target: labels (N,)."""
         pred = output.argmax(dim=-1) if output.dim() == target.dim() + 1 else output
         if pred.shape != target.shape:
-            raise ValueError(f"[rank {gpc.rank}] Accuracy.update: predictions of shape {tuple(pred.shape)} "
-                             f"do not match targets of shape {tuple(target.shape)}")
+            raise ValueError(f"[rank {gpc.rank}] Accuracy.update: predictions of shape "
+                             f"{tuple(pred.shape)} do not match targets of shape "
+                             f"{tuple(target.shape)}")
         self.correct += int((pred == target).sum())
         self.total += target.numel()
 
@@ -66,14 +67,16 @@ class Accuracy:
             dist.all_reduce(counts, group=group)
         correct, total = counts.tolist()
         if total == 0:
-            raise ValueError("Accuracy.compute: no samples were seen on any rank; call update() first")
+            raise ValueError("Accuracy.compute: no samples were seen on any rank; call update() "
+                             "first")
         return correct / total
 
 
 Number = Union[float, int, torch.Tensor]
 
 
-def all_reduce_mean(values: Union[Mapping[str, Number], Number], group: Optional[dist.ProcessGroup] = None,
+def all_reduce_mean(values: Union[Mapping[str, Number], Number],
+                    group: Optional[dist.ProcessGroup] = None,
                     weight: Optional[float] = None) -> Union[dict[str, float], float]:
     """Mean over the ranks of `group` (default: data-parallel) of a scalar or a dict of scalars.
 

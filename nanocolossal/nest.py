@@ -11,7 +11,8 @@ import torch
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
-    """`obj` with every tensor t replaced by fn(t); containers keep their type, other leaves stay."""
+    """`obj` with every tensor t replaced by fn(t); containers keep their type, other leaves
+    stay."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, (list, tuple)):

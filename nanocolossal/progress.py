@@ -45,21 +45,25 @@ def skip_batches(loader: Iterable, skip: int, rng_state: Optional[dict] = None) 
 
 
 class Progress:
-    """(epoch, step, step_in_epoch) of a run, and the RNG state to restore when its epoch resumes."""
+    """(epoch, step, step_in_epoch) of a run, and the RNG state to restore on a resume."""
 
     def __init__(self) -> None:
         self.epoch, self.step, self.step_in_epoch = 0, 0, 0
-        self._rng: Optional[dict] = None  # restored once the resumed epoch's done batches are skipped
+        # restored once the resumed epoch's done batches are skipped
+        self._rng: Optional[dict] = None
 
-    def resume(self, path: PathLike, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None) -> bool:
+    def resume(self, path: PathLike, model: nn.Module, optimizer: Any = None,
+               lr_scheduler: Any = None) -> bool:
         """Load `path` into model/optimizer/scheduler and continue where it was saved.
         Returns False, changing nothing, when this rank's file does not exist (yet)."""
         if not stage_path(path).is_file():
             return False
         info = load_checkpoint(path, model, optimizer, lr_scheduler, restore_rng=False)
-        self.epoch, self.step, self.step_in_epoch = info["epoch"], info.get("step", 0), info.get("step_in_epoch", 0)
+        self.epoch, self.step = info["epoch"], info.get("step", 0)
+        self.step_in_epoch = info.get("step_in_epoch", 0)
         self._rng = info.get("rng")
-        if self.step_in_epoch == 0 and self._rng is not None:  # saved between epochs: nothing to skip
+        # saved between epochs: nothing to skip
+        if self.step_in_epoch == 0 and self._rng is not None:
             set_rng_state(self._rng)
             self._rng = None
         return True
@@ -73,7 +77,8 @@ class Progress:
         return skip_batches(loader, skip, rng)
 
     def remaining(self, loader: Iterable) -> Optional[int]:
-        """How many batches `batches(loader)` yields (for progress bars), if the loader has a length."""
+        """How many batches `batches(loader)` yields (for progress bars), if the loader has a
+        length."""
         return len(loader) - self.step_in_epoch if hasattr(loader, "__len__") else None
 
     def step_done(self) -> None:
@@ -84,9 +89,10 @@ class Progress:
         self.epoch += 1
         self.step_in_epoch = 0
 
-    def save(self, path: PathLike, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None,
-             epoch_end: bool = False) -> None:
+    def save(self, path: PathLike, model: nn.Module, optimizer: Any = None,
+             lr_scheduler: Any = None, epoch_end: bool = False) -> None:
         """Save a checkpoint at this point (a collective: every rank calls it). `epoch_end=True`
         saves the current epoch as complete, for callers that count it done only afterwards."""
         epoch, in_epoch = (self.epoch + 1, 0) if epoch_end else (self.epoch, self.step_in_epoch)
-        save_checkpoint(path, epoch, model, optimizer, lr_scheduler, step=self.step, step_in_epoch=in_epoch)
+        save_checkpoint(path, epoch, model, optimizer, lr_scheduler, step=self.step,
+                        step_in_epoch=in_epoch)

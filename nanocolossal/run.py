@@ -29,16 +29,22 @@ LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nanocolossal run", description="Launch a distributed training script.")
+    p = argparse.ArgumentParser(prog="nanocolossal run",
+                                description="Launch a distributed training script.")
     p.add_argument("--nproc_per_node", type=int, required=True, help="processes (GPUs) per node")
-    p.add_argument("--master_addr", type=str, default=None, help="rank-0 node (required with several hosts)")
+    p.add_argument("--master_addr", type=str, default=None,
+                   help="rank-0 node (required with several hosts)")
     p.add_argument("--master_port", type=int, default=29500, help="free port on the rank-0 node")
     hosts = p.add_mutually_exclusive_group()
     hosts.add_argument("--host", type=str, default=None, help="comma-separated host names")
-    hosts.add_argument("--hostfile", type=str, default=None, help="file with one host name per line")
-    p.add_argument("--include", type=str, default=None, help="with --hostfile: use only these hosts")
-    p.add_argument("--exclude", type=str, default=None, help="with --hostfile: leave out these hosts")
-    p.add_argument("--dry-run", action="store_true", help="print the commands instead of running them")
+    hosts.add_argument("--hostfile", type=str, default=None,
+                       help="file with one host name per line")
+    p.add_argument("--include", type=str, default=None,
+                   help="with --hostfile: use only these hosts")
+    p.add_argument("--exclude", type=str, default=None,
+                   help="with --hostfile: leave out these hosts")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the commands instead of running them")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
@@ -61,7 +67,8 @@ def parse_hostfile(path: str) -> list[str]:
         if not line:
             continue
         if len(line.split()) != 1:
-            raise SystemExit(f"nanocolossal run: {path}:{number}: expected one host name per line, got {line!r}")
+            raise SystemExit(f"nanocolossal run: {path}:{number}: expected one host name per line, "
+                             f"got {line!r}")
         if line in hosts:
             raise SystemExit(f"nanocolossal run: {path}:{number}: host {line!r} is listed twice")
         hosts.append(line)
@@ -88,7 +95,8 @@ def select_hosts(args: argparse.Namespace) -> list[str]:
         chosen = _names(getattr(args, flag) or "")
         unknown = [h for h in chosen if h not in hosts]
         if unknown:
-            raise SystemExit(f"nanocolossal run: --{flag} names {unknown}, which are not in {args.hostfile} ({hosts})")
+            raise SystemExit(f"nanocolossal run: --{flag} names {unknown}, which are not in "
+                             f"{args.hostfile} ({hosts})")
         if chosen:
             hosts = [h for h in hosts if (h in chosen) == (flag == "include")]
     if not hosts:
@@ -98,24 +106,27 @@ def select_hosts(args: argparse.Namespace) -> list[str]:
 
 def torchrun_args(args: argparse.Namespace, nnodes: int = 1, node_rank: int = 0) -> list[str]:
     master = args.master_addr or "127.0.0.1"
-    return ["-m", "torch.distributed.run", f"--nproc_per_node={args.nproc_per_node}", f"--nnodes={nnodes}",
-            f"--node_rank={node_rank}", f"--master_addr={master}", f"--master_port={args.master_port}",
-            args.script, *args.script_args]
+    return ["-m", "torch.distributed.run", f"--nproc_per_node={args.nproc_per_node}",
+            f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--master_addr={master}",
+            f"--master_port={args.master_port}", args.script, *args.script_args]
 
 
 def build_commands(args: argparse.Namespace) -> list[list[str]]:
     """One argv per node: torchrun locally, or ssh + torchrun for each remote host."""
     if args.nproc_per_node < 1:
-        raise SystemExit(f"nanocolossal run: --nproc_per_node must be >= 1, got {args.nproc_per_node}")
+        raise SystemExit(f"nanocolossal run: --nproc_per_node must be >= 1, got "
+                         f"{args.nproc_per_node}")
     hosts = select_hosts(args)
     if len(hosts) <= 1 and all(h in LOCAL_NAMES or h == socket.gethostname() for h in hosts):
         return [[sys.executable, *torchrun_args(args)]]
     if len(hosts) > 1:
         if not args.master_addr:
-            raise SystemExit("nanocolossal run: several hosts need --master_addr <one of them> (the rank-0 node)")
+            raise SystemExit("nanocolossal run: several hosts need --master_addr <one of them> "
+                             "(the rank-0 node)")
         if args.master_addr in LOCAL_NAMES or args.master_addr.startswith("127."):
-            raise SystemExit(f"nanocolossal run: --master_addr {args.master_addr} cannot be reached from the other "
-                             f"hosts; give the rank-0 node's name or IP address (e.g. {hosts[0]})")
+            raise SystemExit(f"nanocolossal run: --master_addr {args.master_addr} cannot be "
+                             f"reached from the other hosts; give the rank-0 node's name or IP "
+                             f"address (e.g. {hosts[0]})")
     elif not args.master_addr:
         args.master_addr = hosts[0]
     cwd = os.getcwd()

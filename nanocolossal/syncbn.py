@@ -6,7 +6,8 @@ mean and variance of all B samples, with one all-reduce per direction.
 
 Forward, per channel, over N = sum of all ranks' sample counts (times spatial size):
 
-    all_reduce([sum x, sum x^2, n])  ->  mu = S1 / N,  var = S2 / N - mu^2,  invstd = 1/sqrt(var + eps)
+    all_reduce([sum x, sum x^2, n])  ->  mu = S1 / N,  var = S2 / N - mu^2,
+                                         invstd = 1 / sqrt(var + eps)
     y = (x - mu) * invstd * w + b
 
 Uneven per-rank batches are weighted correctly because counts, not means, are summed.
@@ -76,7 +77,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         sum_dy, sum_dy_xmu = g.sum(dims), (g * xmu).sum(dims)
         grad_weight = grad_bias = None
         if weight is not None:  # local: DDP averages parameter gradients over ranks afterwards
-            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype) if ctx.needs_input_grad[1] else None
+            grad_weight = (
+                (sum_dy_xmu * invstd).to(weight.dtype) if ctx.needs_input_grad[1] else None
+            )
             grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -84,7 +87,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             dist.all_reduce(sums, group=ctx.group)
             mean_dy, mean_dy_xmu = (sums / ctx.total).split(C)
             scale = invstd if weight is None else invstd * weight.to(xf.dtype)
-            grad_x = (g - mean_dy.view(shape) - xmu * (invstd * invstd * mean_dy_xmu).view(shape)) * scale.view(shape)
+            grad_x = (
+                g - mean_dy.view(shape) - xmu * (invstd * invstd * mean_dy_xmu).view(shape)
+            ) * scale.view(shape)
             grad_x = grad_x.to(grad_y.dtype)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
@@ -92,15 +97,18 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 class SyncBatchNorm(_BatchNorm):
     """BatchNorm1d/2d/3d whose training statistics span the data-parallel group."""
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, process_group: Optional[dist.ProcessGroup] = None,
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 process_group: Optional[dist.ProcessGroup] = None,
                  device=None, dtype=None) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device,
+                         dtype=dtype)
         self.process_group = process_group
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() < 2:
-            raise ValueError(f"[rank {gpc.rank}] SyncBatchNorm expects (N, C, ...) input, got shape {tuple(x.shape)}")
+            raise ValueError(f"[rank {gpc.rank}] SyncBatchNorm expects (N, C, ...) input, got "
+                             f"shape {tuple(x.shape)}")
 
     def _group(self) -> Optional[dist.ProcessGroup]:
         """The group to synchronise over, or None when alone (then plain batch norm is exact)."""
@@ -112,23 +120,29 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
         if x.shape[1] != self.num_features:
-            raise ValueError(f"[rank {gpc.rank}] SyncBatchNorm({self.num_features}) got {x.shape[1]} channels")
+            raise ValueError(f"[rank {gpc.rank}] SyncBatchNorm({self.num_features}) got "
+                             f"{x.shape[1]} channels")
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            factor = (
+                1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            )
         use_batch_stats = self.training or self.running_mean is None
         running_mean = self.running_mean if not self.training or self.track_running_stats else None
         running_var = self.running_var if not self.training or self.track_running_stats else None
         group = self._group() if self.training else None  # eval: no collective, ever
         if group is None:
-            return F.batch_norm(x, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor, self.eps)
-        return _SyncBatchNormFunction.apply(x, self.weight, self.bias, running_mean, running_var, self.eps, factor,
-                                            group)
+            return F.batch_norm(x, running_mean, running_var, self.weight, self.bias,
+                                use_batch_stats, factor, self.eps)
+        return _SyncBatchNormFunction.apply(x, self.weight, self.bias, running_mean, running_var,
+                                            self.eps, factor, group)
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
-    """Replace every BatchNorm*d in `module` by a SyncBatchNorm with the same weights and statistics."""
+def convert_sync_batchnorm(module: nn.Module,
+                           process_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
+    """Replace every BatchNorm*d in `module` by a SyncBatchNorm with the same weights and
+    statistics."""
     converted = module
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
         converted = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,

@@ -1,7 +1,7 @@
 """Timers for the phases of training: how long an epoch, a step, an evaluation takes.
 
     timer = MultiTimer()
-    trainer = Trainer(engine, timer=timer)      # the Trainer times "train-epoch", "train-step", "test-epoch"
+    trainer = Trainer(engine, timer=timer)      # times "train-epoch", "train-step", "test-epoch"
     trainer.fit(...)
     timer.get_timer("train-step").get_history_mean()    # seconds per training step
 
@@ -28,7 +28,8 @@ class Timer:
         return self._started is not None
 
     def start(self) -> None:
-        """Begin an interval (a start while running -- an exception skipped the stop -- begins anew)."""
+        """Begin an interval (a start while running -- an exception skipped the stop -- begins
+        anew)."""
         self._started = time.perf_counter()
 
     def stop(self, keep_in_history: bool = True) -> float:

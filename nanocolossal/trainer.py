@@ -3,7 +3,8 @@
     trainer = Trainer(engine, logger=logger)
     trainer.fit(train_dataloader, epochs=NUM_EPOCHS, test_dataloader=test_dataloader,
                 hooks=[hooks.LossHook(), hooks.AccuracyHook(Accuracy()),
-                       hooks.LRSchedulerHook(lr_scheduler, by_epoch=True), hooks.LogMetricByEpochHook(logger)],
+                       hooks.LRSchedulerHook(lr_scheduler, by_epoch=True),
+                       hooks.LogMetricByEpochHook(logger)],
                 display_progress=True)
 
 Each training iteration is zero_grad -> engine.execute_schedule(batch) (forward, loss,
@@ -33,19 +34,24 @@ __all__ = ["Trainer", "hooks"]
 
 
 class Trainer:
-    def __init__(self, engine: Engine, schedule: Any = None, timer: Optional[MultiTimer] = None, logger=None) -> None:
+    def __init__(self, engine: Engine, schedule: Any = None, timer: Optional[MultiTimer] = None,
+                 logger=None) -> None:
         if schedule is not None:  # a schedule other than the one initialize chose from the config
             if not isinstance(engine, PipelineEngine):
-                raise ValueError(f"[rank {gpc.rank}] Trainer(schedule=...) needs a pipeline engine: set "
-                                 f"parallel=dict(pipeline=P) and pass build_pipeline_model(model) to initialize")
+                raise ValueError(f"[rank {gpc.rank}] Trainer(schedule=...) needs a pipeline "
+                                 f"engine: set parallel=dict(pipeline=P) and pass "
+                                 f"build_pipeline_model(model) to initialize")
             engine.set_schedule(schedule)
         self.engine = engine
         self.schedule = getattr(engine, "schedule", None)
-        self.timer = timer if timer is not None else MultiTimer()  # train-epoch, train-step, test-epoch
+        # train-epoch, train-step, test-epoch
+        self.timer = timer if timer is not None else MultiTimer()
         self.logger = logger or get_dist_logger()
-        self.progress = Progress()  # epoch, step, step in epoch: saved by SaveCheckpointHook, read by resume
+        # epoch, step, step in epoch: saved by SaveCheckpointHook, read by resume
+        self.progress = Progress()
         self.last_step_taken, self.last_batch_size = False, 0
-        self.epoch_finished = False  # did the last training epoch run to its end (not cut by max_steps)?
+        # did the last training epoch run to its end (not cut by max_steps)?
+        self.epoch_finished = False
         self.states: dict = {"metrics": {"train": {}, "test": {}}}
         self._hooks: list[hooks.BaseHook] = []
 
@@ -56,10 +62,13 @@ class Trainer:
 
     def _set_hooks(self, hook_list: Optional[Iterable[hooks.BaseHook]]) -> None:
         if hook_list is not None:
-            self._hooks = sorted(hook_list, key=lambda h: h.priority)  # stable: ties keep list order
+            # stable: ties keep list order
+            self._hooks = sorted(hook_list, key=lambda h: h.priority)
 
     def _execute(self, batch: Any, forward_only: bool):
-        self.last_batch_size = len(batch[1]) if isinstance(batch, (list, tuple)) and len(batch) > 1 else 0
+        self.last_batch_size = (
+            len(batch[1]) if isinstance(batch, (list, tuple)) and len(batch) > 1 else 0
+        )
         return self.engine.execute_schedule(batch, forward_only=forward_only)
 
     def _bar(self, loader: Iterable, desc: str, show: bool, total: Optional[int] = None):
@@ -84,12 +93,14 @@ class Trainer:
         return self.progress.resume(path, self.engine.model, self.engine.optimizer, lr_scheduler)
 
     # -- loops -----------------------------------------------------------------------------
-    def fit(self, train_dataloader: Iterable, epochs: int, test_dataloader: Optional[Iterable] = None,
+    def fit(self, train_dataloader: Iterable, epochs: int,
+            test_dataloader: Optional[Iterable] = None,
             test_interval: int = 1, hooks: Optional[list] = None, display_progress: bool = False,
             max_steps: Optional[int] = None) -> None:
         """Train from `cur_epoch` to `epochs`, testing every `test_interval` epochs."""
         self._set_hooks(hooks)
-        check_consistency(self.engine.model, train_dataloader)  # disagreeing ranks fail here, not hang later
+        # disagreeing ranks fail here, not hang later
+        check_consistency(self.engine.model, train_dataloader)
         self._call("before_train")
         while self.cur_epoch < epochs:
             stopped = self._train_epoch(train_dataloader, epochs, display_progress, max_steps)
@@ -102,7 +113,8 @@ class Trainer:
                 break
         self._call("after_train")
 
-    def _train_epoch(self, loader: Iterable, epochs: int, show: bool, max_steps: Optional[int]) -> bool:
+    def _train_epoch(self, loader: Iterable, epochs: int, show: bool,
+                     max_steps: Optional[int]) -> bool:
         self.engine.train()
         self._call("before_train_epoch")
         self.timer.start("train-epoch")
@@ -124,7 +136,9 @@ class Trainer:
                 stopped = True
                 break
         self.timer.stop("train-epoch")
-        self.epoch_finished = not stopped or hasattr(loader, "__len__") and self.step_in_epoch == len(loader)
+        self.epoch_finished = (
+            not stopped or hasattr(loader, "__len__") and self.step_in_epoch == len(loader)
+        )
         self._call("after_train_epoch")
         return stopped
 

@@ -1,4 +1,5 @@
-"""`colossalai.utils`: the tutorials' `get_dataloader` (data.py) and `MultiTimer` (timer.py), by that path."""
+"""`colossalai.utils`: the tutorials' `get_dataloader` (data.py) and `MultiTimer` (timer.py), by
+that path."""
 from .data import get_dataloader
 from .timer import MultiTimer, Timer
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-LABEL_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+LABEL_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+               "truck"]
 
 
 def write_cifar(root, per_batch: int = 4, test_size: int | None = None) -> dict:

@@ -67,10 +67,12 @@ class _Pool:
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_serve, args=(r, world_size, self.inboxes[r], self.results, os.getpid()),
+        self.procs = [ctx.Process(target=_serve,
+                                  args=(r, world_size, self.inboxes[r], self.results, os.getpid()),
                                   daemon=True) for r in range(world_size)]
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if not cuda:  # set before the children start: a test module may ask torch.cuda while it is imported
+        # set before the children start: a test module may ask torch.cuda while it is imported
+        if not cuda:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
         try:
             for p in self.procs:
@@ -92,7 +94,7 @@ class _Pool:
 
 
 def _serve(rank: int, world_size: int, inbox, results, parent: int) -> None:
-    """A pooled rank: run jobs until told to stop, cleaning up after each as a new process would be."""
+    """A pooled rank: runs jobs until told to stop, cleaning up after each as a fresh process."""
     _exit_with_parent(parent)
     import torch
 
@@ -121,7 +123,8 @@ def _serve(rank: int, world_size: int, inbox, results, parent: int) -> None:
     os._exit(0)  # skip interpreter teardown: nothing left to flush, and it can stall
 
 
-_POOLS: dict[tuple[int, bool], _Pool] = {}  # (world size, cuda) -> its ranks, most recently used last
+# (world size, cuda) -> its ranks, most recently used last
+_POOLS: dict[tuple[int, bool], _Pool] = {}
 _MAX_POOLS = 4  # each rank holds a torch import (~0.3 GB): keep the four latest world sizes up
 _JOB_IDS = itertools.count()
 
@@ -167,7 +170,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, 
                     if r not in done and r not in errors and not p.is_alive():
                         errors[r] = f"died with exit code {p.exitcode} before reporting"
     finally:
-        if errors or len(done) < world_size:  # failed, hung or interrupted (pytest-timeout): start afresh next time
+        # failed, hung or interrupted (pytest-timeout): start afresh next time
+        if errors or len(done) < world_size:
             _POOLS.pop((world_size, cuda), None)
             pool.close()
     if errors:
@@ -188,7 +192,8 @@ def _script_job(rank: int, world_size: int, port: int, script: str, args: list, 
             runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
-            raise RuntimeError(f"{script} exited with {e.code}; its output:\n{out.getvalue()}") from None
+            raise RuntimeError(f"{script} exited with {e.code}; its "
+                               f"output:\n{out.getvalue()}") from None
     except BaseException as e:
         raise RuntimeError(f"{script} raised; its output:\n{out.getvalue()}") from e
     finally:
@@ -199,8 +204,10 @@ def _script_job(rank: int, world_size: int, port: int, script: str, args: list, 
 
 def run_script(script: Path, args: list[str], nproc: int, cwd: Path, timeout: float = 150.0) -> str:
     """Run a training script on `nproc` pooled ranks, as `torchrun --nproc_per_node nproc` would;
-    the ranks' outputs in rank order. Tests of torchrun itself (restarts, exit codes) use run_cmd."""
-    return "".join(run_ranks(_script_job, nproc, str(script), list(args), str(cwd), timeout=timeout))
+    the ranks' outputs in rank order. Tests of torchrun itself (restarts, exit codes) use run_cmd.
+    """
+    return "".join(run_ranks(_script_job, nproc, str(script), list(args), str(cwd),
+                             timeout=timeout))
 
 
 def run_cmd(argv: list[str], timeout: float, env: dict | None = None, cwd: Path = ROOT,
@@ -209,8 +216,8 @@ def run_cmd(argv: list[str], timeout: float, env: dict | None = None, cwd: Path 
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if not cuda:
         full_env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -77,7 +77,8 @@ def test_scaler_raises_when_the_loss_itself_is_nan():
     s = DynamicLossScaler(init_scale=4.0, min_scale=1.0, max_consecutive_overflows=5)
     for _ in range(4):
         s.update(True)
-    with pytest.raises(FloatingPointError, match=r"step 5: gradients overflowed 5 steps in a row .* probably NaN/inf"):
+    with pytest.raises(FloatingPointError,
+                       match=r"step 5: gradients overflowed 5 steps in a row .* probably NaN/inf"):
         s.update(True)
 
 
@@ -88,12 +89,14 @@ def test_scaler_rejects_bad_settings():
 
 def _net(device="cpu"):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4)).to(device)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                         nn.Linear(32, 4)).to(device)
 
 
 def _train(model, opt, steps=30, use_scale_loss=False):
     device = next(model.parameters()).device
-    g = torch.Generator().manual_seed(1)  # the same data on every device: drawn on the CPU, then moved
+    # the same data on every device: drawn on the CPU, then moved
+    g = torch.Generator().manual_seed(1)
     w = torch.randn(16, 4, generator=g)
     losses = []
     for _ in range(steps):
@@ -132,9 +135,10 @@ def test_mixed_precision_training_tracks_fp32(opt_level, dtype):
     reference = _net()
     ref_losses = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9))
     model = _net()
-    scaling = {} if dtype == torch.bfloat16 else {"init_scale": 256.0}  # a scale this loss never overflows
-    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), opt_level,
-                                dtype=dtype, **scaling)
+    # a scale this loss never overflows
+    scaling = {} if dtype == torch.bfloat16 else {"init_scale": 256.0}
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                opt_level, dtype=dtype, **scaling)
     losses = _train(model, opt, use_scale_loss=True)
     assert losses[-1] < 0.2 * losses[0], "it learns"
     assert abs(losses[-1] - ref_losses[-1]) < 0.01 * ref_losses[-1], (losses[-1], ref_losses[-1])
@@ -144,7 +148,8 @@ def test_mixed_precision_training_tracks_fp32(opt_level, dtype):
 
 def test_overflow_skips_the_step_and_backs_off():
     model = nn.Linear(4, 2)
-    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", init_scale=1024.0)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1",
+                                init_scale=1024.0)
     before = copy.deepcopy(model.state_dict())
     opt.backward(model(torch.randn(3, 4)).sum())
     model.weight.grad[0, 0] = float("nan")
@@ -177,11 +182,13 @@ def test_initialize_rejects_unknown_opt_level_and_dtype():
     with pytest.raises(ValueError, match="unknown opt_level 'O4'"):
         amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O4")
     with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
-        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", dtype=torch.float64)
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1",
+                       dtype=torch.float64)
 
 
 LEVELS_X_DTYPES_X_SCALERS = [(level, dtype, scale) for level in ("O1", "O2", "O3")
-                             for dtype in (torch.float16, torch.bfloat16) for scale in ("dynamic", None, 256.0)]
+                             for dtype in (torch.float16,
+                                           torch.bfloat16) for scale in ("dynamic", None, 256.0)]
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (CI has none)")
@@ -193,17 +200,23 @@ DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 def test_every_amp_combination_trains_every_weight(opt_level, dtype, loss_scale, device):
     """O2 without a scaler once never updated the half weights (masters got no gradients)."""
     reference = _net(device)
-    ref_losses = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9), steps=20)
+    ref_losses = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9),
+                        steps=20)
     model = _net(device)
     before = {k: v.float().clone() for k, v in model.state_dict().items()}
-    start = {"init_scale": 256.0} if loss_scale == "dynamic" else {}  # a scale this loss never overflows
-    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), opt_level,
-                                loss_scale=loss_scale, dtype=dtype, **start)
+    # a scale this loss never overflows
+    start = {"init_scale": 256.0} if loss_scale == "dynamic" else {}
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                opt_level, loss_scale=loss_scale, dtype=dtype, **start)
     losses = _train(model, opt, steps=20, use_scale_loss=True)
     for name in ("0.weight", "0.bias", "1.weight", "3.weight", "3.bias"):
-        assert not torch.equal(model.state_dict()[name].float(), before[name]), f"{name} never trained"
+        assert not torch.equal(model.state_dict()[name].float(),
+                               before[name]), f"{name} never trained"
     assert opt.skipped_steps == 0
-    assert abs(losses[-1] - ref_losses[-1]) < 0.05 * ref_losses[-1] + 1e-3, (losses[-1], ref_losses[-1])
+    assert abs(losses[-1] - ref_losses[-1]) < 0.05 * ref_losses[-1] + 1e-3, (
+        losses[-1],
+        ref_losses[-1],
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _setup(rank, world_size, port):
-    """DDP + fp16 loss scaling + dropout + shuffled sampler + momentum + LR schedule: all state that must resume."""
+    """DDP + fp16 loss scaling + dropout + shuffled sampler + momentum + LR schedule: all state that
+    must resume."""
     nc.launch({"fp16": {"mode": AMP_TYPE.TORCH, "init_scale": 2.0**20, "growth_interval": 3,
                                  "dtype": "float16"}},
               rank=rank, world_size=world_size, host="127.0.0.1", port=port)
@@ -26,9 +27,10 @@ def _setup(rank, world_size, port):
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(48, 6, generator=g)
-    data = nc.get_dataloader(TensorDataset(x, (x.sum(1) > 0).long() + (x[:, 0] > 1).long()), shuffle=True,
-                             batch_size=4)
-    engine, data, _, sched = nc.initialize(model, opt, nn.CrossEntropyLoss(), data, lr_scheduler=sched, verbose=False)
+    data = nc.get_dataloader(TensorDataset(x, (x.sum(1) > 0).long() + (x[:, 0] > 1).long()),
+                             shuffle=True, batch_size=4)
+    engine, data, _, sched = nc.initialize(model, opt, nn.CrossEntropyLoss(), data,
+                                           lr_scheduler=sched, verbose=False)
     return engine, data, sched
 
 
@@ -38,7 +40,8 @@ def _train_worker(rank, world_size, port, path, epochs, resume, max_steps=None, 
     if resume:
         assert trainer.resume(path, sched) and (trainer.cur_epoch, trainer.cur_step) == resume_at
     trainer.fit(data, epochs=epochs, max_steps=max_steps,
-                hooks=[hooks.LRSchedulerHook(sched, by_epoch=True), hooks.SaveCheckpointHook(path, lr_scheduler=sched)])
+                hooks=[hooks.LRSchedulerHook(sched, by_epoch=True),
+                       hooks.SaveCheckpointHook(path, lr_scheduler=sched)])
     return {k: v.clone() for k, v in engine.model.state_dict().items()}, engine.optimizer.loss_scale
 
 
@@ -93,7 +96,8 @@ def _killed_saver(rank, world_size, port, path):
     save_checkpoint(path, 1, model)
     with torch.no_grad():
         model.weight.add_(1.0)
-    checkpoint.os.replace = lambda src, dst: os.kill(os.getpid(), 9)  # dies after writing, before renaming
+    # dies after writing, before renaming
+    checkpoint.os.replace = lambda src, dst: os.kill(os.getpid(), 9)
     save_checkpoint(path, 2, model)
 
 
@@ -102,7 +106,9 @@ def test_gloo_process_killed_between_write_and_rename_leaves_the_old_checkpoint(
     with pytest.raises(AssertionError, match="died with exit code -9"):
         run_ranks(_killed_saver, 1, str(path), timeout=60)
     assert load_checkpoint(path, nn.Linear(3, 3))["epoch"] == 1  # whole, and the old one
-    assert any(name.startswith("ckpt.pt.tmp-") for name in os.listdir(tmp_path)), "the new one was written"
+    assert any(name.startswith("ckpt.pt.tmp-") for name in os.listdir(tmp_path)), (
+        "the new one was written"
+    )
 
 
 def test_checkpoint_keys_are_prefix_free_and_wrapped_files_load(tmp_path):
@@ -125,8 +131,10 @@ def test_merge_pipeline_checkpoint_gives_the_plain_models_state(tmp_path):
     torch.manual_seed(0)
     full = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     state = full.state_dict()
-    checkpoint.atomic_save({"model": {k: v for k, v in state.items() if k.startswith("0.")}}, tmp_path / "s0.pt")
-    checkpoint.atomic_save({"model": {k: v for k, v in state.items() if k.startswith("2.")}}, tmp_path / "s1.pt")
+    checkpoint.atomic_save({"model": {k: v for k, v in state.items() if k.startswith("0.")}},
+                           tmp_path / "s0.pt")
+    checkpoint.atomic_save({"model": {k: v for k, v in state.items() if k.startswith("2.")}},
+                           tmp_path / "s1.pt")
     merged = merge_pipeline_checkpoint([tmp_path / "s0.pt", tmp_path / "s1.pt"])
     plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     plain.load_state_dict(merged, strict=True)
@@ -136,7 +144,8 @@ def test_merge_pipeline_checkpoint_gives_the_plain_models_state(tmp_path):
 
 
 def _mixed_set_worker(rank, world_size, port, path):
-    nc.launch({"parallel": {"pipeline": 2}}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    nc.launch({"parallel": {"pipeline": 2}}, rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
     stage = nn.Linear(3, 3)
     save_checkpoint(path, 0, stage, step=9)
     old = checkpoint.stage_path(path, 1).read_bytes()
@@ -154,7 +163,11 @@ def _mixed_set_worker(rank, world_size, port, path):
 def test_gloo_pipeline_stages_from_different_saves_are_refused(tmp_path):
     path = tmp_path / "ckpt.pt"
     for rank, message in enumerate(run_ranks(_mixed_set_worker, 2, str(path), timeout=60)):
-        assert message.startswith(f"[rank {rank}] the pipeline stage files come from different saves")
-        assert "ckpt-stage0.pt: epoch 1, step 12" in message and "ckpt-stage1.pt: epoch 0, step 9" in message
+        assert message.startswith(f"[rank {rank}] the pipeline stage files come from different "
+                                  f"saves")
+        assert (
+            "ckpt-stage0.pt: epoch 1, step 12" in message
+            and "ckpt-stage1.pt: epoch 0, step 9" in message
+        )
     with pytest.raises(RuntimeError, match="different saves"):
         merge_pipeline_checkpoint([checkpoint.stage_path(path, 0), checkpoint.stage_path(path, 1)])

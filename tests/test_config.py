@@ -65,13 +65,17 @@ def test_config_file_that_raises_is_reported(tmp_path):
 
 @pytest.mark.parametrize("config, message", [
     ({"zero": {"level": 2}}, "'zero' is not supported"),
-    ({"gradient_handler": [dict(type="X")]}, r"gradient_handler \['X'\] is not supported.*DataParallelGradientHandler"),
-    ({"parallel": {"tensor": {"size": 8, "mode": "2d"}}}, "size 8 is not a perfect square.*use size 4 or 9"),
-    ({"parallel": {"tensor": {"size": 2, "mode": "2d"}}}, "size 2 is not a perfect square.*use size 1 or 4"),
+    ({"gradient_handler": [dict(type="X")]},
+     r"gradient_handler \['X'\] is not supported.*DataParallelGradientHandler"),
+    ({"parallel": {"tensor": {"size": 8, "mode": "2d"}}},
+     "size 8 is not a perfect square.*use size 4 or 9"),
+    ({"parallel": {"tensor": {"size": 2, "mode": "2d"}}},
+     "size 2 is not a perfect square.*use size 1 or 4"),
     ({"parallel": {"tensor": 2}}, "parallel.tensor needs mode='1d' or mode='2d'"),
     ({"parallel": {"tensor": {"size": 4, "mode": "2.5d"}}}, "mode '2.5d' is not implemented yet"),
     ({"parallel": {"tensor": {"size": 8, "mode": "3d"}}}, "mode '3d' is not implemented yet"),
-    ({"parallel": {"tensor": {"size": 2, "mode": "sequence"}}}, "mode 'sequence' is not implemented yet"),
+    ({"parallel": {"tensor": {"size": 2, "mode": "sequence"}}},
+     "mode 'sequence' is not implemented yet"),
     ({"parallel": {"sequence": 2}}, "parallel.sequence .* is not implemented yet"),
     ({"parallel": {"pipline": 2}}, r"unknown parallel key\(s\) \['pipline'\]"),
     ({"parallel": {"pipeline": 0}}, "parallel.pipeline must be a positive integer"),
@@ -91,9 +95,11 @@ def test_unsupported_or_bad_config_is_a_clear_error(config, message):
 
 
 def test_supported_spellings_pass():
-    load_config({"parallel": {"pipeline": 2, "tensor": {"size": 1, "mode": None}}, "fp16": {"mode": AMP_TYPE.NAIVE},
+    load_config({"parallel": {"pipeline": 2, "tensor": {"size": 1, "mode": None}},
+                 "fp16": {"mode": AMP_TYPE.NAIVE},
                  "gradient_accumulation": 4, "clip_grad_norm": 1.0, "timeout": 30})
-    load_config({"parallel": {"pipeline": 2, "tensor": {"size": 4, "mode": "2d"}}})  # the tutorial's line
+    # the tutorial's line
+    load_config({"parallel": {"pipeline": 2, "tensor": {"size": 4, "mode": "2d"}}})
     load_config({"parallel": {"tensor": {"size": 2, "mode": "1d"}}})
 
 
@@ -105,15 +111,20 @@ def test_config_file_must_be_python(tmp_path):
 
 def test_flags_override_named_keys_of_the_config_file(tmp_path):
     path = tmp_path / "config.py"
-    path.write_text("BATCH_SIZE = 64\nNUM_EPOCHS = 3\nparallel = dict(pipeline=2, tensor=dict(size=2, mode='1d'))\n")
-    cfg = load_config(str(path), NUM_EPOCHS=5, BATCH_SIZE=None, debug=None, parallel=dict(pipeline=1, data=None))
-    assert cfg.NUM_EPOCHS == 5 and cfg.BATCH_SIZE == 64 and "debug" not in cfg  # None: the flag was not given
-    assert cfg.parallel == {"pipeline": 1, "tensor": {"size": 2, "mode": "1d"}}  # merged, not replaced
+    path.write_text("BATCH_SIZE = 64\nNUM_EPOCHS = 3\nparallel = dict(pipeline=2, "
+                    "tensor=dict(size=2, mode='1d'))\n")
+    cfg = load_config(str(path), NUM_EPOCHS=5, BATCH_SIZE=None, debug=None,
+                      parallel=dict(pipeline=1, data=None))
+    # None: the flag was not given
+    assert cfg.NUM_EPOCHS == 5 and cfg.BATCH_SIZE == 64 and "debug" not in cfg
+    # merged, not replaced
+    assert cfg.parallel == {"pipeline": 1, "tensor": {"size": 2, "mode": "1d"}}
     with pytest.raises(ConfigError, match="NUM_MICRO_BATCHES must be a positive integer"):
         load_config(str(path), NUM_MICRO_BATCHES=0)  # overrides are validated like the file
 
 
-@pytest.mark.parametrize("ddp, message", [({"compress": "int8"}, "ddp.compress must be None, 'bf16' or 'fp16'"),
+@pytest.mark.parametrize("ddp, message",
+                         [({"compress": "int8"}, "ddp.compress must be None, 'bf16' or 'fp16'"),
                                           ({"bucket_mb": 4}, r"unknown: bucket_mb"),
                                           ([1], "ddp must be a dict of bucket_cap_mb")])
 def test_bad_ddp_options_are_named(ddp, message):

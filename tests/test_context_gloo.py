@@ -17,16 +17,19 @@ def test_gpc_describes_one_process_before_launch():
 
 
 def _groups_worker(rank, world_size, port):
-    nc.launch({"parallel": {"pipeline": 2}}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
-    # Membership as torch sees it, and proof by reduction that the groups really connect those ranks.
+    nc.launch({"parallel": {"pipeline": 2}}, rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
+    # Membership as torch sees it, and proof by reduction that the groups really connect those
+    # ranks.
     in_data = torch.tensor([float(rank)])
     dist.all_reduce(in_data, group=gpc.data_group)
     in_pipe = torch.tensor([float(rank)])
     dist.all_reduce(in_pipe, group=gpc.pipeline_group)
     shard = list(nc.get_dataloader(list(range(10)), shuffle=True, batch_size=100))[0].tolist()
-    return dict(rank=gpc.rank, data_rank=gpc.data_rank, data_size=gpc.data_size, pipeline_rank=gpc.pipeline_rank,
-                pipeline_size=gpc.pipeline_size, first=gpc.is_first_stage(), last=gpc.is_last_stage(),
-                prev=gpc.prev_rank, next=gpc.next_rank,
+    return dict(rank=gpc.rank, data_rank=gpc.data_rank, data_size=gpc.data_size,
+                pipeline_rank=gpc.pipeline_rank,
+                pipeline_size=gpc.pipeline_size, first=gpc.is_first_stage(),
+                last=gpc.is_last_stage(), prev=gpc.prev_rank, next=gpc.next_rank,
                 data_ranks=dist.get_process_group_ranks(gpc.data_group),
                 pipeline_ranks=dist.get_process_group_ranks(gpc.pipeline_group),
                 data_sum=in_data.item(), pipe_sum=in_pipe.item(), shard=shard)
@@ -35,17 +38,23 @@ def _groups_worker(rank, world_size, port):
 def test_gloo_four_ranks_pipeline_two_layout_and_groups():
     out = run_ranks(_groups_worker, 4)
     expected = {  # rank = data_rank * P + pipeline_rank, P = 2
-        0: dict(data_rank=0, pipeline_rank=0, data_ranks=[0, 2], pipeline_ranks=[0, 1], prev=1, next=1),
-        1: dict(data_rank=0, pipeline_rank=1, data_ranks=[1, 3], pipeline_ranks=[0, 1], prev=0, next=0),
-        2: dict(data_rank=1, pipeline_rank=0, data_ranks=[0, 2], pipeline_ranks=[2, 3], prev=3, next=3),
-        3: dict(data_rank=1, pipeline_rank=1, data_ranks=[1, 3], pipeline_ranks=[2, 3], prev=2, next=2),
+        0: dict(data_rank=0, pipeline_rank=0, data_ranks=[0, 2], pipeline_ranks=[0, 1], prev=1,
+                next=1),
+        1: dict(data_rank=0, pipeline_rank=1, data_ranks=[1, 3], pipeline_ranks=[0, 1], prev=0,
+                next=0),
+        2: dict(data_rank=1, pipeline_rank=0, data_ranks=[0, 2], pipeline_ranks=[2, 3], prev=3,
+                next=3),
+        3: dict(data_rank=1, pipeline_rank=1, data_ranks=[1, 3], pipeline_ranks=[2, 3], prev=2,
+                next=2),
     }
     for o in out:
         want = expected[o["rank"]]
         assert {k: o[k] for k in want} == want
         assert o["data_size"] == 2 and o["pipeline_size"] == 2
         assert o["first"] == (o["pipeline_rank"] == 0) and o["last"] == (o["pipeline_rank"] == 1)
-        assert o["data_sum"] == sum(want["data_ranks"]) and o["pipe_sum"] == sum(want["pipeline_ranks"])
+        assert o["data_sum"] == sum(want["data_ranks"]) and o["pipe_sum"] == sum(
+            want["pipeline_ranks"]
+        )
     # The sampler shards by *data* rank: both stages of a pipeline read the same samples,
     # and the two pipelines together read each sample once.
     assert out[0]["shard"] == out[1]["shard"] and out[2]["shard"] == out[3]["shard"]

@@ -14,7 +14,8 @@ from nanocolossal.data import DistributedSampler, SyntheticImages, cifar10, mnis
 
 @pytest.mark.parametrize("n, replicas", [(10, 3), (12, 4), (5, 2), (2, 4)])
 def test_sampler_without_padding_covers_dataset_exactly_once(n, replicas):
-    shards = [list(DistributedSampler(range(n), replicas, r, shuffle=True, seed=3, pad=False)) for r in range(replicas)]
+    shards = [list(DistributedSampler(range(n), replicas, r, shuffle=True, seed=3,
+                                      pad=False)) for r in range(replicas)]
     union = [i for shard in shards for i in shard]
     assert sorted(union) == list(range(n)), "every sample exactly once: no duplicates, none missing"
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
@@ -28,9 +29,10 @@ def test_sampler_without_padding_covers_dataset_exactly_once(n, replicas):
 def test_sampler_with_padding_equals_torch(n, replicas, shuffle, drop_last):
     for epoch in (0, 1):
         for rank in range(replicas):
-            ours = DistributedSampler(range(n), replicas, rank, shuffle=shuffle, seed=5, drop_last=drop_last)
-            theirs = torch_dist_data.DistributedSampler(range(n), replicas, rank, shuffle=shuffle, seed=5,
-                                                        drop_last=drop_last)
+            ours = DistributedSampler(range(n), replicas, rank, shuffle=shuffle, seed=5,
+                                      drop_last=drop_last)
+            theirs = torch_dist_data.DistributedSampler(range(n), replicas, rank, shuffle=shuffle,
+                                                        seed=5, drop_last=drop_last)
             ours.set_epoch(epoch)
             theirs.set_epoch(epoch)
             assert list(ours) == list(theirs) and len(ours) == len(theirs)
@@ -44,7 +46,9 @@ def test_sampler_set_epoch_changes_the_order_the_same_way_on_every_rank():
     assert first != second
     b = DistributedSampler(range(100), 2, 1, seed=0)
     b.set_epoch(1)
-    assert sorted(second + list(b)) == list(range(100)), "ranks of one epoch still partition the data"
+    assert sorted(second + list(b)) == list(range(100)), (
+        "ranks of one epoch still partition the data"
+    )
 
 
 def test_sampler_bad_rank_is_a_clear_error():
@@ -65,7 +69,8 @@ def test_get_dataloader_in_one_process_reads_everything_reproducibly():
 def skip_md5(monkeypatch):
     """Our tiny files cannot have the real archive's MD5s; everything else is the real loader."""
     import torchvision.datasets.cifar as tv_cifar
-    monkeypatch.setattr(tv_cifar, "check_integrity", tv_cifar.check_integrity)  # restored after the test
+    # restored after the test
+    monkeypatch.setattr(tv_cifar, "check_integrity", tv_cifar.check_integrity)
     skip_cifar_md5()
 
 
@@ -89,7 +94,8 @@ def test_cifar10_reads_root_from_DATA(tmp_path, monkeypatch, skip_md5):
 
 
 def _write_idx(path, array):
-    header = struct.pack(">HBB", 0, 0x08, array.ndim) + b"".join(struct.pack(">I", d) for d in array.shape)
+    header = struct.pack(">HBB", 0, 0x08,
+                         array.ndim) + b"".join(struct.pack(">I", d) for d in array.shape)
     path.write_bytes(header + array.astype(np.uint8).tobytes())
 
 
@@ -115,12 +121,18 @@ def test_mnist_loads_real_idx_files(tmp_path):
 def test_missing_data_falls_back_to_synthetic_with_one_line(tmp_path, capsys, builder, shape):
     data = builder(str(tmp_path / "empty"), train=True, synthetic_size=64)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
-    assert len(lines) == 1 and "synthetic" in lines[0] and "--download" in lines[0] and "[rank 0]" in lines[0]
+    assert (
+        len(lines) == 1
+        and "synthetic" in lines[0]
+        and "--download" in lines[0]
+        and "[rank 0]" in lines[0]
+    )
     assert isinstance(data, SyntheticImages) and len(data) == 64
     image, label = data[5]
     assert image.shape == shape and 0 <= label < 10
     assert torch.equal(data[5][0], image), "samples are deterministic"
-    assert len(builder(str(tmp_path / "empty"), train=False)) == 10000  # full-size stand-in by default
+    # full-size stand-in by default
+    assert len(builder(str(tmp_path / "empty"), train=False)) == 10000
 
 
 def test_synthetic_images_are_learnable_by_a_small_model():
@@ -128,14 +140,17 @@ def test_synthetic_images_are_learnable_by_a_small_model():
     train, test = synthetic_images(2000, seed=0), synthetic_images(500, seed=1)
     x = torch.stack([train[i][0] for i in range(len(train))])
     xt = torch.stack([test[i][0] for i in range(len(test))])
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.MaxPool2d(2),
                                 torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(),
-                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10))
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                torch.nn.Linear(32, 10))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(3):
         for i in range(0, len(x), 50):
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x[i:i + 50]), train.targets[i:i + 50]).backward()
+            torch.nn.functional.cross_entropy(model(x[i:i + 50]),
+                                              train.targets[i:i + 50]).backward()
             opt.step()
     with torch.no_grad():
         accuracy = (model(xt).argmax(1) == test.targets).float().mean().item()

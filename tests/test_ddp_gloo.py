@@ -33,7 +33,8 @@ class Net(nn.Module):
 
 def _data(step: int, world_size: int):
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(world_size * MICRO, 8, generator=g), torch.randint(0, 3, (world_size * MICRO,), generator=g)
+    return torch.randn(world_size * MICRO, 8,
+                       generator=g), torch.randint(0, 3, (world_size * MICRO,), generator=g)
 
 
 def _optimizer(model):
@@ -51,10 +52,12 @@ def _train_step(model, opt, x, y, use_extra):
 
 
 def _reference_step(model, opt, x, y, world_size, extra_ranks):
-    """One process, whole batch: the mean loss over all samples, slices routed as each rank routes them."""
+    """One process, whole batch: the mean loss over all samples, slices routed as each rank routes
+    them."""
     opt.zero_grad()
     losses = [nn.functional.cross_entropy(model(x[r * MICRO:(r + 1) * MICRO], r in extra_ranks),
-                                          y[r * MICRO:(r + 1) * MICRO], reduction="sum") for r in range(world_size)]
+                                          y[r * MICRO:(r + 1) * MICRO],
+                                          reduction="sum") for r in range(world_size)]
     (sum(losses) / len(y)).backward()
     opt.step()
 
@@ -78,7 +81,9 @@ def _equivalence_worker(rank, world_size, port, bucket_cap_mb, extra_ranks, as_v
     for (name, p), q, s in zip(ours.named_parameters(), theirs.parameters(), single.parameters()):
         assert_close(p, q, msg=lambda m: f"{name} vs torch DDP: {m}")
         assert_close(p, s, msg=lambda m: f"{name} vs one process: {m}")
-        assert (p.grad is None) == (s.grad is None), f"{name}: grad None-ness differs from one process"
+        assert (p.grad is None) == (s.grad is None), (
+            f"{name}: grad None-ness differs from one process"
+        )
     assert ours.never.weight.grad is None  # unused everywhere: untouched, as in one process
     if extra_ranks:
         assert ours.extra.weight.grad is not None  # used on some rank: averaged grad on every rank
@@ -110,7 +115,8 @@ def _no_sync_worker(rank, world_size, port, k, as_view=False):
     opt, opt_single = _optimizer(ddp), _optimizer(single)
     for step in range(2):
         xs, ys = zip(*(_data(10 * step + i, world_size) for i in range(k)))
-        opt.zero_grad(set_to_none=not as_view)  # as a view: zeroed in place, backward accumulates into the bucket
+        # as a view: zeroed in place, backward accumulates into the bucket
+        opt.zero_grad(set_to_none=not as_view)
         for i in range(k):  # k micro-batches: communicate only on the last
             mine = slice(rank * MICRO, (rank + 1) * MICRO)
             if i < k - 1:
@@ -162,7 +168,10 @@ def _mismatch_worker(rank, world_size, port):
 
 def test_gloo_ddp_rejects_models_that_differ_across_ranks():
     messages = run_ranks(_mismatch_worker, 2, timeout=60)
-    assert "[rank 0] DistributedDataParallel: the model on rank 0 differs from the model on rank 1" in messages[0]
+    assert (
+        "[rank 0] DistributedDataParallel: the model on rank 0 differs from the model on rank 1"
+        in messages[0]
+    )
     assert "weight" in messages[0] and "(4, 4)" in messages[0] and "(5, 4)" in messages[0]
     assert "[rank 1]" in messages[1] and "differs from the model on rank 0" in messages[1]
 

@@ -1,5 +1,5 @@
-"""A rank killed mid-epoch under `torchrun --max-restarts 1`: the restarted job resumes from its last
-checkpoint (mid-epoch) and ends bit-identical to a run that was never interrupted."""
+"""A rank killed mid-epoch under `torchrun --max-restarts 1`: the restarted job resumes from its
+last checkpoint (mid-epoch) and ends bit-identical to a run that was never interrupted."""
 import re
 import sys
 
@@ -11,10 +11,11 @@ from nanocolossal.checkpoint import merge_pipeline_checkpoint
 
 
 def _killed_and_restarted(tmp_path, script, args, fail_at="1:11"):
-    """Under a real `torchrun --max-restarts 1`: rank 1 dies after its 11th step, the job restarts."""
-    result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--max-restarts=1", "--nproc_per_node", "2",
-                      "--master_port", str(free_port()), str(SCRIPTS / "fail_at.py"), fail_at, str(ROOT / script),
-                      *args], timeout=200, cwd=tmp_path)
+    """Under a real `torchrun --max-restarts 1`: a rank dies after step N; the job restarts."""
+    result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--max-restarts=1",
+                      "--nproc_per_node", "2",
+                      "--master_port", str(free_port()), str(SCRIPTS / "fail_at.py"), fail_at,
+                      str(ROOT / script), *args], timeout=200, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:]
     return result.stdout
 
@@ -27,26 +28,35 @@ def _assert_identical(a: dict, b: dict):
 
 @pytest.mark.timeout(300)
 def test_gloo_ddp_restart_after_a_killed_rank_is_bit_identical(tmp_path):
-    args = ["--epochs", "2", "--synthetic-size", "800", "--batch-size", "50", "--checkpoint-every", "3",
-            "--data", str(tmp_path), "--resume"]  # 8 steps per epoch; checkpoints at steps 3, 6, 8, 9, ...
+    args = ["--epochs", "2", "--synthetic-size", "800", "--batch-size", "50", "--checkpoint-every",
+            "3",
+            # 8 steps per epoch; checkpoints at steps 3, 6, 8, 9, ...
+            "--data", str(tmp_path), "--resume"]
     run_script(ROOT / "train_ddp.py", [*args, "--checkpoint", "straight.pt"], nproc=2, cwd=tmp_path)
-    out = _killed_and_restarted(tmp_path, "train_ddp.py", [*args, "--checkpoint", "restarted.pt"])  # in epoch 2
+    # in epoch 2
+    out = _killed_and_restarted(tmp_path, "train_ddp.py", [*args, "--checkpoint", "restarted.pt"])
     assert "resumed from restarted.pt: epoch 2, step 9" in out
     straight = torch.load(tmp_path / "straight.pt", weights_only=False)
     restarted = torch.load(tmp_path / "restarted.pt", weights_only=False)
     assert straight["extra"] == restarted["extra"] == {"step": 16, "step_in_epoch": 0}
     _assert_identical(straight["model"], restarted["model"])
-    for s, r in zip(straight["optimizer"]["state"].values(), restarted["optimizer"]["state"].values()):
+    for s, r in zip(straight["optimizer"]["state"].values(),
+                    restarted["optimizer"]["state"].values()):
         assert torch.equal(s["momentum_buffer"], r["momentum_buffer"])
 
 
 @pytest.mark.timeout(300)
 def test_gloo_pipeline_restart_after_a_killed_rank_is_bit_identical(tmp_path):
-    args = ["--epochs", "2", "--synthetic-size", "64", "--batch-size", "16", "--partition", "parameters",
-            "--checkpoint-every", "3", "--data", str(tmp_path), "--resume"]  # 4 steps per epoch: saves at 3, 4, 6, 8
-    run_script(ROOT / "train_pipeline.py", [*args, "--checkpoint", "straight.pt"], nproc=2, cwd=tmp_path)
-    out = _killed_and_restarted(tmp_path, "train_pipeline.py", [*args, "--checkpoint", "restarted.pt"],
-                                fail_at="1:7")  # the second stage dies in epoch 2, a step after a save
+    args = ["--epochs", "2", "--synthetic-size", "64", "--batch-size", "16", "--partition",
+            "parameters",
+            # 4 steps per epoch: saves at 3, 4, 6, 8
+            "--checkpoint-every", "3", "--data", str(tmp_path), "--resume"]
+    run_script(ROOT / "train_pipeline.py", [*args, "--checkpoint", "straight.pt"], nproc=2,
+               cwd=tmp_path)
+    out = _killed_and_restarted(tmp_path, "train_pipeline.py",
+                                [*args, "--checkpoint", "restarted.pt"],
+                                # the second stage dies in epoch 2, a step after a save
+                                fail_at="1:7")
     assert "resumed from restarted.pt: epoch 2, step 6" in out.replace("\r", "\n")
     merged = [merge_pipeline_checkpoint([tmp_path / f"{name}-stage{s}.pt" for s in (0, 1)])
               for name in ("straight", "restarted")]
@@ -55,10 +65,12 @@ def test_gloo_pipeline_restart_after_a_killed_rank_is_bit_identical(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_gloo_torchrun_exits_nonzero_when_a_rank_dies_without_restarts(tmp_path):
-    result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                      str(free_port()), str(SCRIPTS / "fail_at.py"), "1:2", str(ROOT / "train_ddp.py"), "--epochs", "1",
-                      "--synthetic-size", "400", "--batch-size", "50", "--data", str(tmp_path)], timeout=150,
-                     cwd=tmp_path)
+    result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                      "--master_port", str(free_port()), str(SCRIPTS / "fail_at.py"), "1:2",
+                      str(ROOT / "train_ddp.py"), "--epochs", "1",
+                      "--synthetic-size", "400", "--batch-size", "50", "--data", str(tmp_path)],
+                     timeout=150, cwd=tmp_path)
     assert result.returncode != 0
-    assert re.search(r"exitcode\s*:\s*-9", result.stdout), result.stdout[-3000:]  # the injected SIGKILL, not a crash
+    # the injected SIGKILL, not a crash
+    assert re.search(r"exitcode\s*:\s*-9", result.stdout), result.stdout[-3000:]
     assert "training complete" not in result.stdout

@@ -34,7 +34,8 @@ def _engine(config, rank, world_size, port, lr=0.1):
 
 
 def _accumulation_worker(rank, world_size, port, n_accum, clip, extra=None):
-    config = {"gradient_accumulation": n_accum, **({"clip_grad_norm": clip} if clip else {}), **(extra or {})}
+    config = {"gradient_accumulation": n_accum, **({"clip_grad_norm": clip} if clip else {}),
+              **(extra or {})}
     engine = _engine(config, rank, world_size, port)
     single = _model()
     single_opt = torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
@@ -52,7 +53,8 @@ def _accumulation_worker(rank, world_size, port, n_accum, clip, extra=None):
         single_opt.zero_grad()
         nn.functional.cross_entropy(single(xs), ys).backward()
         if clip:
-            norms.append((engine.last_grad_norm, torch.nn.utils.clip_grad_norm_(single.parameters(), clip).item()))
+            norms.append((engine.last_grad_norm,
+                          torch.nn.utils.clip_grad_norm_(single.parameters(), clip).item()))
         single_opt.step()
     for (name, p), q in zip(engine.model.named_parameters(), single.parameters()):
         assert_close(p, q, msg=lambda m: f"{name}: {m}")
@@ -76,16 +78,19 @@ def _grads_worker(rank, world_size, port, ddp):
     engine = _engine({"ddp": ddp}, rank, world_size, port)
     x, y = _batch(0, 2 * B)
     engine.zero_grad()
-    engine.backward(engine.criterion(engine(x[rank * B:(rank + 1) * B]), y[rank * B:(rank + 1) * B]))
+    engine.backward(engine.criterion(engine(x[rank * B:(rank + 1) * B]),
+                                     y[rank * B:(rank + 1) * B]))
     grads = [p.grad for p in engine.model.parameters()]
     return [g.clone() for g in grads], len({g.untyped_storage().data_ptr() for g in grads})
 
 
 def test_gloo_ddp_options_from_the_config_reach_ddp_and_keep_training_exact():
-    """ddp=dict(gradient_as_bucket_view=True): the grads are views of one bucket, the result unchanged."""
+    """ddp=dict(gradient_as_bucket_view=True): the grads are views of one bucket, the result
+    unchanged."""
     assert run_ranks(_grads_worker, 2, {})[0][1] == 4, "by default each parameter owns its grad"
     assert run_ranks(_grads_worker, 2, {"gradient_as_bucket_view": True})[0][1] == 1
-    run_ranks(_accumulation_worker, 2, 2, 0.0, {"ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0002}})
+    run_ranks(_accumulation_worker, 2, 2, 0.0,
+              {"ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0002}})
 
 
 def test_gloo_ddp_compress_from_the_config_all_reduces_in_bf16():
@@ -110,7 +115,8 @@ def _overflow_worker(rank, world_size, port, fp16):
     before = copy.deepcopy(engine.model.state_dict())
     x, y = _batch(0, 2 * B)
     engine.zero_grad()
-    engine.backward(engine.criterion(engine(x[rank * B:(rank + 1) * B]), y[rank * B:(rank + 1) * B]))
+    engine.backward(engine.criterion(engine(x[rank * B:(rank + 1) * B]),
+                                     y[rank * B:(rank + 1) * B]))
     if rank == 1:  # after DDP's all-reduce: only rank 1 knows
         engine.model[0].weight.grad[0, 0] = float("inf")
     stepped = engine.step()
@@ -120,41 +126,57 @@ def _overflow_worker(rank, world_size, port, fp16):
 
 def test_gloo_engine_overflow_on_one_rank_skips_on_all():
     fp16 = {"mode": AMP_TYPE.TORCH, "init_scale": 1024.0, "dtype": "float16"}
-    assert run_ranks(_overflow_worker, 2, fp16, timeout=60) == [(False, 512.0, True), (False, 512.0, True)]
+    assert run_ranks(_overflow_worker, 2, fp16,
+                     timeout=60) == [(False, 512.0, True), (False, 512.0, True)]
 
 
 @pytest.mark.parametrize("mode", [AMP_TYPE.TORCH, AMP_TYPE.NAIVE])
 def test_gloo_engine_bf16_non_finite_on_one_rank_skips_on_all(mode):
     """bf16 has no scaler, but an inf on one rank must still keep every rank's weights."""
     fp16 = {"mode": mode, "dtype": "bfloat16"}
-    assert run_ranks(_overflow_worker, 2, fp16, timeout=60) == [(False, 1.0, True), (False, 1.0, True)]
+    assert run_ranks(_overflow_worker, 2, fp16,
+                     timeout=60) == [(False, 1.0, True), (False, 1.0, True)]
 
 
 def _config_worker(rank, world_size, port, fp16):
     engine = _engine({"sync_bn": True, "fp16": fp16}, rank, world_size, port)
-    return (type(engine.forward_module).__name__, engine.model[0].weight.dtype, engine.optimizer.scaler is not None,
-            nc.amp.cpu_half_dtype())
+    return (type(engine.forward_module).__name__, engine.model[0].weight.dtype,
+            engine.optimizer.scaler is not None, nc.amp.cpu_half_dtype())
 
 
 def test_gloo_initialize_applies_config():
-    for wrapper, dtype, scaled, _ in run_ranks(_config_worker, 2, {"mode": "naive", "dtype": "float16"}):
+    for wrapper, dtype, scaled, _ in run_ranks(_config_worker, 2,
+                                               {"mode": "naive", "dtype": "float16"}):
         assert wrapper == "DistributedDataParallel" and dtype == torch.float16 and scaled
 
 
 def test_gloo_initialize_picks_the_measured_half_type_for_fp16_on_cpu():
-    """bf16 where this CPU runs it fast, else float32 -- rank 0's measurement, so every rank agrees."""
+    """bf16 where this CPU runs it fast, else float32 -- rank 0's measurement, so every rank
+    agrees."""
     results = run_ranks(_config_worker, 2, {"mode": AMP_TYPE.NAIVE})
     assert len({r[3] for r in results}) == 1, "one decision for the whole job"
     for _, dtype, scaled, half in results:
         assert half in (torch.bfloat16, None)
-        assert dtype == (half or torch.float32) and not scaled  # bf16 has fp32's range: nothing to scale
+        # bf16 has fp32's range: nothing to scale
+        assert dtype == (half or torch.float32) and not scaled
 
 
 def test_initialize_without_launch_is_plain_single_process():
     model = _model()
-    engine, train_dl, test_dl, sched = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                                      nn.CrossEntropyLoss(), [1], None, "sched")
-    assert engine.model is model and engine.forward_module is model and train_dl == [1] and sched == "sched"
+    engine, train_dl, test_dl, sched = nc.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        nn.CrossEntropyLoss(),
+        [1],
+        None,
+        "sched",
+    )
+    assert (
+        engine.model is model
+        and engine.forward_module is model
+        and train_dl == [1]
+        and sched == "sched"
+    )
     x, y = _batch(0, 4)
     output, label, loss = engine.execute_schedule((x, y))
     assert output.shape == (4, 4) and torch.equal(label, y) and loss.requires_grad
@@ -165,7 +187,8 @@ def test_initialize_without_launch_is_plain_single_process():
     ({"mode": AMP_TYPE.TORCH, "dtype": "float16"}, "O1", {"dtype": torch.float16}),
     ({"mode": AMP_TYPE.NAIVE, "initial_scale": 2.0**12, "dtype": "float16"}, "O2",
      {"init_scale": 2.0**12, "dtype": torch.float16}),
-    ({"mode": AMP_TYPE.APEX, "opt_level": "O3", "dtype": torch.bfloat16}, "O3", {"dtype": torch.bfloat16}),
+    ({"mode": AMP_TYPE.APEX, "opt_level": "O3", "dtype": torch.bfloat16}, "O3",
+     {"dtype": torch.bfloat16}),
     ({"mode": "apex"}, "O1", {"dtype": torch.bfloat16}),  # CPU default where bf16 is fast
 ])
 def test_fp16_config_maps_to_opt_level(fp16, opt_level, kwargs):
@@ -181,7 +204,7 @@ def test_fp16_config_on_a_cpu_without_fast_half_precision_computes_in_float32():
 
 
 @pytest.mark.parametrize("fp16", [
-    {"mode": AMP_TYPE.NAIVE},                                          # CPU default: bf16, no scaler
+    {"mode": AMP_TYPE.NAIVE},  # CPU default: bf16, no scaler
     {"mode": AMP_TYPE.NAIVE, "dtype": "float16"},
     {"mode": AMP_TYPE.APEX, "opt_level": "O2", "loss_scale": None},
     {"mode": AMP_TYPE.APEX, "opt_level": "O2", "loss_scale": None, "dtype": "float16"},
@@ -193,11 +216,12 @@ def test_engine_amp_modes_train_every_weight(fp16):
     gpc.config = nc.load_config({"fp16": fp16})
     model = _model()
     before = copy.deepcopy(model.state_dict())
-    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                               verbose=False)
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               nn.CrossEntropyLoss(), verbose=False)
     for step in range(3):
         engine.zero_grad()
         engine.execute_schedule(_batch(step, 8))
         assert engine.step() is True
     for key, value in engine.model.state_dict().items():
-        assert not torch.equal(value.float(), before[key].float()), f"{key} never trained under {fp16}"
+        assert not torch.equal(value.float(),
+                               before[key].float()), f"{key} never trained under {fp16}"

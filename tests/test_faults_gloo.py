@@ -24,10 +24,11 @@ def _layers():
 
 
 def _engine(config, rank, world_size, port, pipeline=False):
-    nc.launch({"timeout": TIMEOUT, **config}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    nc.launch({"timeout": TIMEOUT, **config}, rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
     model = build_pipeline_model(_layers(), partition="uniform") if pipeline else _layers()
-    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                               verbose=False)
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               nn.CrossEntropyLoss(), verbose=False)
     return engine
 
 
@@ -46,12 +47,14 @@ def _fit_error(engine, loader, hook_list=None):
 
 def _uneven_worker(rank, world_size, port):
     engine = _engine({}, rank, world_size, port)
-    return _fit_error(engine, DataLoader(_data(12 if rank == 0 else 8), batch_size=4))  # 3 vs 2 batches
+    # 3 vs 2 batches
+    return _fit_error(engine, DataLoader(_data(12 if rank == 0 else 8), batch_size=4))
 
 
 def test_gloo_uneven_batch_counts_are_reported_before_training():
     for rank, message in enumerate(run_ranks(_uneven_worker, 2, timeout=60)):
-        expected = f"[rank {rank}] ranks disagree on the number of training batches per epoch: rank 0: 3, rank 1: 2"
+        expected = (f"[rank {rank}] ranks disagree on the number of training batches per epoch: "
+                    "rank 0: 3, rank 1: 2")
         assert expected in message
 
 
@@ -61,15 +64,16 @@ def _transform(x):
 
 def _config_worker(rank, world_size, port, batch_sizes):
     # functions and objects repr with a memory address, different in every process: not a difference
-    config = {"BATCH_SIZE": batch_sizes[rank], "transform": _transform, "loss": nn.CrossEntropyLoss(),
-              "nested": {"fn": lambda x: x, "sizes": (1, 2)}}
+    config = {"BATCH_SIZE": batch_sizes[rank], "transform": _transform,
+              "loss": nn.CrossEntropyLoss(), "nested": {"fn": lambda x: x, "sizes": (1, 2)}}
     engine = _engine(config, rank, world_size, port)
     return _fit_error(engine, DataLoader(_data(8), batch_size=4))
 
 
 def test_gloo_config_that_differs_between_ranks_is_named():
     for rank, message in enumerate(run_ranks(_config_worker, 2, (32, 64), timeout=60)):
-        assert f"[rank {rank}] the config differs between rank {rank} and rank {1 - rank} in ['BATCH_SIZE']" in message
+        differs = f"the config differs between rank {rank} and rank {1 - rank} in ['BATCH_SIZE']"
+        assert f"[rank {rank}] {differs}" in message
 
 
 def test_gloo_config_with_functions_and_objects_is_not_a_false_difference():
@@ -78,9 +82,12 @@ def test_gloo_config_with_functions_and_objects_is_not_a_false_difference():
 
 def test_comparable_config_values():
     from nanocolossal.checks import comparable
-    assert comparable({"a": [1, (2.0, "x")], "f": _transform}) == comparable({"a": [1, (2.0, "x")], "f": _transform})
+    assert comparable({"a": [1, (2.0, "x")],
+                       "f": _transform}) == comparable({"a": [1, (2.0, "x")], "f": _transform})
     assert comparable({"a": [1, 2]}) != comparable({"a": (1, 2)}) != comparable({"a": [1, 3]})
-    assert comparable(nn.ReLU()) != comparable(nn.Tanh()) and comparable(len) != comparable(_transform)
+    assert comparable(nn.ReLU()) != comparable(nn.Tanh()) and comparable(len) != comparable(
+        _transform
+    )
 
 
 def _kill_worker(rank, world_size, port, pipeline):

@@ -21,15 +21,16 @@ def _describe() -> dict:
     """What a rank knows after launch, plus proof that the world group connects everyone."""
     total = torch.tensor([gpc.rank + 1.0])
     dist.all_reduce(total)
-    return dict(rank=gpc.rank, world_size=gpc.world_size, local_rank=gpc.local_rank, backend=gpc.backend,
+    return dict(rank=gpc.rank, world_size=gpc.world_size, local_rank=gpc.local_rank,
+                backend=gpc.backend,
                 device=str(gpc.device), sum=total.item(), batch=gpc.config.get("BATCH_SIZE"),
                 seed_draw=torch.rand(1).item(), timeout=gpc.timeout.total_seconds())
 
 
 def _explicit_worker(rank, world_size, port):
     args = nc.get_default_parser().parse_args(
-        ["--rank", str(rank), "--world_size", str(world_size), "--host", "127.0.0.1", "--port", str(port),
-         "--backend", "gloo"])
+        ["--rank", str(rank), "--world_size", str(world_size), "--host", "127.0.0.1", "--port",
+         str(port), "--backend", "gloo"])
     nc.launch(config={"BATCH_SIZE": 4, "timeout": 45}, rank=args.rank, world_size=args.world_size,
               host=args.host, port=args.port, backend=args.backend)
     return _describe()
@@ -52,23 +53,31 @@ def _slurm_worker(rank, world_size, port):
 
 def test_gloo_launch_from_slurm():
     out = run_ranks(_slurm_worker, 2)
-    assert [(o["rank"], o["local_rank"], o["world_size"], o["sum"]) for o in out] == [(0, 0, 2, 3.0), (1, 1, 2, 3.0)]
+    assert [(o["rank"], o["local_rank"], o["world_size"],
+             o["sum"]) for o in out] == [(0, 0, 2, 3.0), (1, 1, 2, 3.0)]
 
 
 def _probes(output: str) -> list[dict]:
-    return sorted((json.loads(line.split("PROBE ", 1)[1]) for line in output.splitlines() if "PROBE " in line),
-                  key=lambda p: p["rank"])
+    return sorted(
+        (
+            json.loads(line.split("PROBE ", 1)[1])
+            for line in output.splitlines()
+            if "PROBE " in line
+        ),
+        key=lambda p: p["rank"],
+    )
 
 
 def test_gloo_launch_from_torch_under_torchrun(tmp_path):
     config = tmp_path / "config.py"
     config.write_text("BATCH_SIZE = 32\n")
     result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                      "--master_port", str(free_port()), str(SCRIPTS / "launch_probe.py"), "--mode", "torch",
-                      "--config", str(config)], timeout=90)
+                      "--master_port", str(free_port()), str(SCRIPTS / "launch_probe.py"),
+                      "--mode", "torch", "--config", str(config)], timeout=90)
     assert result.returncode == 0, result.stdout
     probes = _probes(result.stdout)
-    assert [(p["rank"], p["local_rank"], p["world_size"], p["sum"], p["batch_size"]) for p in probes] == \
+    assert [(p["rank"], p["local_rank"], p["world_size"], p["sum"],
+             p["batch_size"]) for p in probes] == \
         [(0, 0, 2, 3.0, 32), (1, 1, 2, 3.0, 32)]
     assert "launched 2 process(es): backend gloo" in result.stdout
 
@@ -76,22 +85,27 @@ def test_gloo_launch_from_torch_under_torchrun(tmp_path):
 def test_gloo_launch_under_torch_distributed_launch():
     """Seed 004's command: the deprecated launcher passes --local-rank to the script."""
     result = run_cmd([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
-                      "--master_port", str(free_port()), str(SCRIPTS / "launch_probe.py"), "--mode", "torch"],
+                      "--master_port", str(free_port()), str(SCRIPTS / "launch_probe.py"),
+                      "--mode", "torch"],
                      timeout=90)
     assert result.returncode == 0, result.stdout
     probes = _probes(result.stdout)
-    assert [(p["rank"], p["local_rank"], p["world_size"], p["sum"]) for p in probes] == [(0, 0, 2, 3.0), (1, 1, 2, 3.0)]
+    assert [(p["rank"], p["local_rank"], p["world_size"],
+             p["sum"]) for p in probes] == [(0, 0, 2, 3.0), (1, 1, 2, 3.0)]
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed (apt-get install openmpi-bin)")
+@pytest.mark.skipif(shutil.which("mpirun") is None,
+                    reason="mpirun not installed (apt-get install openmpi-bin)")
 def test_gloo_launch_from_openmpi_under_mpirun():
     port = free_port()
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    result = run_cmd(["mpirun", "-np", "2", "--oversubscribe", *root, sys.executable, str(SCRIPTS / "launch_probe.py"),
+    result = run_cmd(["mpirun", "-np", "2", "--oversubscribe", *root, sys.executable,
+                      str(SCRIPTS / "launch_probe.py"),
                       "--mode", "openmpi", "--host", "127.0.0.1", "--port", str(port)], timeout=90)
     assert result.returncode == 0, result.stdout
     probes = _probes(result.stdout)
-    assert [(p["rank"], p["local_rank"], p["world_size"], p["sum"]) for p in probes] == [(0, 0, 2, 3.0), (1, 1, 2, 3.0)]
+    assert [(p["rank"], p["local_rank"], p["world_size"],
+             p["sum"]) for p in probes] == [(0, 0, 2, 3.0), (1, 1, 2, 3.0)]
 
 
 # ---- bad inputs: each one a clear error, none of them waiting on a peer ----------------------
@@ -99,11 +113,16 @@ def test_gloo_launch_from_openmpi_under_mpirun():
 @pytest.mark.parametrize("launcher, variables, command", [
     (nc.launch_from_torch, ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"],
      "torchrun --nproc_per_node"),
-    (nc.launch_from_slurm, ["SLURM_PROCID", "SLURM_NPROCS (or SLURM_NTASKS)", "SLURM_LOCALID"], "srun"),
-    (nc.launch_from_openmpi, ["OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"], "mpirun"),
+    (nc.launch_from_slurm, ["SLURM_PROCID", "SLURM_NPROCS (or SLURM_NTASKS)", "SLURM_LOCALID"],
+     "srun"),
+    (nc.launch_from_openmpi,
+     ["OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"], "mpirun"),
 ])
-def test_missing_environment_variables_are_listed_with_the_command(monkeypatch, launcher, variables, command):
-    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NPROCS",
+def test_missing_environment_variables_are_listed_with_the_command(
+    monkeypatch, launcher, variables, command
+):
+    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
+                "SLURM_NPROCS",
                 "SLURM_NTASKS", "SLURM_LOCALID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                 "OMPI_COMM_WORLD_LOCAL_RANK"]:
         monkeypatch.delenv(var, raising=False)
@@ -127,8 +146,10 @@ def test_launch_from_openmpi_without_host_says_pass_host(monkeypatch):
 
 def test_launch_rejects_world_not_divisible_by_pipeline_before_waiting():
     start = time.monotonic()
-    with pytest.raises(ConfigError, match=r"\[rank 0\] world size 3 is not divisible by pipeline x tensor = 2 x 1"):
-        nc.launch({"parallel": {"pipeline": 2}}, rank=0, world_size=3, host="127.0.0.1", port=free_port(), timeout=30)
+    with pytest.raises(ConfigError, match=r"\[rank 0\] world size 3 is not divisible by pipeline x "
+                       r"tensor = 2 x 1"):
+        nc.launch({"parallel": {"pipeline": 2}}, rank=0, world_size=3, host="127.0.0.1",
+                  port=free_port(), timeout=30)
     assert time.monotonic() - start < 5 and not dist.is_initialized()
 
 
@@ -151,7 +172,8 @@ def test_launch_local_rank_beyond_gpu_count(monkeypatch):
     # Simulate a node with one GPU and a job that starts a second process on it.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(nc.LaunchError, match=r"\[rank 1\] local_rank 1 needs GPU 1, but this node has 1 visible"):
+    with pytest.raises(nc.LaunchError,
+                       match=r"\[rank 1\] local_rank 1 needs GPU 1, but this node has 1 visible"):
         nc.launch({}, rank=1, world_size=2, host="127.0.0.1", port=free_port(), local_rank=1)
     assert not dist.is_initialized()
 
@@ -161,14 +183,16 @@ def test_gloo_launch_port_already_in_use():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(nc.LaunchError, match=rf"\[rank 0\] port at 127.0.0.1:{port} is already in use"):
+        with pytest.raises(nc.LaunchError,
+                           match=rf"\[rank 0\] port at 127.0.0.1:{port} is already in use"):
             nc.launch({}, rank=0, world_size=2, host="127.0.0.1", port=port, timeout=10)
     assert not dist.is_initialized()
 
 
 def test_gloo_launch_without_rank0_times_out_with_a_clear_error():
     start = time.monotonic()
-    with pytest.raises(nc.LaunchError, match=r"\[rank 1\] could not meet the other processes .* within 3 s"):
+    with pytest.raises(nc.LaunchError,
+                       match=r"\[rank 1\] could not meet the other processes .* within 3 s"):
         nc.launch({}, rank=1, world_size=2, host="127.0.0.1", port=free_port(), timeout=3)
     assert time.monotonic() - start < 20
 
@@ -188,7 +212,9 @@ def _logging_worker(rank, world_size, port):
 
 def test_gloo_logger_labels_ranks_and_filters_info():
     out = run_ranks(_logging_worker, 2)
-    assert "[rank 0] INFO nanocolossal: launched 2 process(es)" in out[0] and "launched" not in out[1]
+    assert (
+        "[rank 0] INFO nanocolossal: launched 2 process(es)" in out[0] and "launched" not in out[1]
+    )
     assert "only rank zero says this" in out[0] and "only rank zero" not in out[1]
     for rank, text in enumerate(out):
         assert f"[rank {rank}] INFO nanocolossal: everyone says this" in text
@@ -207,8 +233,8 @@ def test_gloo_launch_from_torch_can_run_as_a_single_process(monkeypatch):
 
 
 def test_default_parser_has_the_launch_arguments_and_debug():
-    args = nc.get_default_parser().parse_args(["--rank", "1", "--world_size", "2", "--host", "h", "--port", "29500",
-                                               "--debug"])
+    args = nc.get_default_parser().parse_args(["--rank", "1", "--world_size", "2", "--host", "h",
+                                               "--port", "29500", "--debug"])
     got = (args.rank, args.world_size, args.host, args.port, args.debug, args.backend)
     assert got == (1, 2, "h", 29500, True, None)
 

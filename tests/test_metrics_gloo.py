@@ -37,7 +37,8 @@ def _mean_worker(rank, world_size, port):
     nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     plain = all_reduce_mean({"loss": float(rank + 1), "acc": torch.tensor(rank * 0.5)})
     scalar = all_reduce_mean(10.0 * (rank + 1))
-    # rank 0 averaged 3 samples to 2.0, rank 1 averaged 1 sample to 6.0: whole mean (6 + 6) / 4 = 3.0
+    # rank 0 averaged 3 samples to 2.0, rank 1 averaged 1 sample to 6.0: whole mean (6 + 6) / 4 =
+    # 3.0
     weighted = all_reduce_mean({"loss": [2.0, 6.0][rank]}, weight=[3, 1][rank])
     return plain, scalar, weighted
 
@@ -60,5 +61,6 @@ def test_metrics_work_in_one_process_without_launch():
 
 
 def test_accuracy_shape_mismatch_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"\[rank 0\] .*shape \(4,\) do not match targets of shape \(3,\)"):
+    with pytest.raises(ValueError,
+                       match=r"\[rank 0\] .*shape \(4,\) do not match targets of shape \(3,\)"):
         Accuracy().update(torch.zeros(4, 10), torch.zeros(3, dtype=torch.long))

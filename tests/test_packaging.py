@@ -34,18 +34,20 @@ def test_editable_install_imports_every_module():
 
 def test_wheel_in_a_clean_venv_imports_every_module(tmp_path):
     src = tmp_path / "src"  # a copy: setuptools would otherwise reuse a stale build/ of the tree
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build",
+                                                             "*.egg-info", "__pycache__",
                                                              "data", "bench"))
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(wheels), str(src)], check=True, cwd=tmp_path)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(wheels), str(src)], check=True, cwd=tmp_path)
     wheel = next(wheels.glob("nanocolossal-*.whl"))
     env_dir = tmp_path / "clean"
     venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
-                    str(wheel)], check=True, cwd=tmp_path)
-    site = Path(subprocess.check_output([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+                    "-q", str(wheel)], check=True, cwd=tmp_path)
+    site = Path(subprocess.check_output([str(python), "-c",
+                                         "import sysconfig; print(sysconfig.get_path('purelib'))"],
                                         text=True).strip())
     (site / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")  # torch, not nanocolossal
     modules = _all_modules()
@@ -54,4 +56,6 @@ def test_wheel_in_a_clean_venv_imports_every_module(tmp_path):
             "print(nanocolossal.__file__)")
     out = subprocess.run([str(python), "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().startswith(str(site)), f"imported from {out.stdout.strip()}, not the wheel"
+    assert out.stdout.strip().startswith(str(site)), (
+        f"imported from {out.stdout.strip()}, not the wheel"
+    )

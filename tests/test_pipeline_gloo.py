@@ -36,7 +36,8 @@ def _chunks(stage):
 
 
 def _equivalence_worker(rank, world_size, port):
-    nc.launch({"parallel": {"pipeline": world_size}}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    nc.launch({"parallel": {"pipeline": world_size}}, rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port)
     x, y = _batch()
     reference = _model()
     ref_out = reference(x)
@@ -51,7 +52,8 @@ def _equivalence_worker(rank, world_size, port):
         assert_close(loss, ref_loss.detach(), msg=lambda m: f"{name} loss: {m}")
         for chunk in _chunks(stage):
             for key, p in chunk.named_parameters():
-                assert_close(p.grad, ref_grads[key], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name} grad {key}: {m}")
+                assert_close(p.grad, ref_grads[key], rtol=1e-6, atol=1e-6,
+                             msg=lambda m: f"{name} grad {key}: {m}")
         if gpc.is_last_stage():
             assert_close(out, ref_out.detach())
             assert torch.equal(label, y)
@@ -59,7 +61,9 @@ def _equivalence_worker(rank, world_size, port):
             assert out is None and label is None
         # evaluation: forward only, no activations kept, same outputs
         with torch.no_grad():
-            out, _, eval_loss = schedule.forward_backward_step(stage, (x, y), nn.CrossEntropyLoss(), forward_only=True)
+            out, _, eval_loss = schedule.forward_backward_step(stage, (x, y),
+                                                               nn.CrossEntropyLoss(),
+                                                               forward_only=True)
         assert schedule.max_in_flight == 0
         assert_close(eval_loss, ref_loss.detach())
         if gpc.is_last_stage():
@@ -77,7 +81,8 @@ def test_gloo_pipeline_schedules_equal_one_process(world_size):
 
 
 def _pipe_data_worker(rank, world_size, port, path, ddp=None):
-    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": M, "clip_grad_norm": 0.5, "ddp": ddp or {}},
+    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": M, "clip_grad_norm": 0.5,
+               "ddp": ddp or {}},
               rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     stage = build_pipeline_model(_model(), partition="parameters")
     opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
@@ -105,18 +110,24 @@ def _pipe_data_worker(rank, world_size, port, path, ddp=None):
     save_checkpoint(path, 1, engine.model, engine.optimizer)
     if rank == 0:  # the stage files merge into the unsplit model
         plain = _model()
-        plain.load_state_dict(merge_pipeline_checkpoint([path.replace(".pt", f"-stage{s}.pt") for s in (0, 1)]))
+        plain.load_state_dict(
+            merge_pipeline_checkpoint([path.replace(".pt", f"-stage{s}.pt") for s in (0, 1)])
+        )
         for key, p in plain.named_parameters():
             assert_close(p, expected[key])
     return losses, storages
 
 
-@pytest.mark.parametrize("ddp", [None, {"gradient_as_bucket_view": True}], ids=["ddp", "bucket-view"])
+@pytest.mark.parametrize("ddp", [None, {"gradient_as_bucket_view": True}],
+                         ids=["ddp", "bucket-view"])
 def test_gloo_pipeline_times_data_parallel_equals_one_process(tmp_path, ddp):
     results = run_ranks(_pipe_data_worker, 4, str(tmp_path / "ckpt.pt"), ddp, timeout=120)
     losses = [r[0] for r in results]
-    assert losses[0] == losses[1] and losses[2] == losses[3], "the loss reaches every stage of a pipeline"
-    # config's ddp options reach each stage's DDP: with bucket views, a stage's grads share one bucket
+    assert losses[0] == losses[1] and losses[2] == losses[3], (
+        "the loss reaches every stage of a pipeline"
+    )
+    # config's ddp options reach each stage's DDP: with bucket views, a stage's grads share one
+    # bucket
     assert all((storages == 1) == bool(ddp) for _, storages in results), results
 
 
@@ -125,8 +136,8 @@ def _amp_worker(rank, world_size, port):
                "fp16": {"mode": nc.AMP_TYPE.TORCH, "dtype": "float16", "init_scale": 256.0}},
               rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     stage = build_pipeline_model(_model(2), partition="uniform")
-    engine, *_ = nc.initialize(stage, torch.optim.SGD(stage.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                               verbose=False)
+    engine, *_ = nc.initialize(stage, torch.optim.SGD(stage.parameters(), lr=0.1),
+                               nn.CrossEntropyLoss(), verbose=False)
     before = copy.deepcopy(engine.model.state_dict())
     results = []
     for poison in (True, False):
@@ -136,7 +147,9 @@ def _amp_worker(rank, world_size, port):
             next(engine.model.parameters()).grad.view(-1)[0] = float("inf")
         results.append((engine.step(), engine.optimizer.loss_scale))
         if poison:
-            results.append(all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items()))
+            results.append(
+                all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
+            )
     return results
 
 
@@ -146,7 +159,8 @@ def test_gloo_pipeline_amp_overflow_on_one_stage_skips_on_both():
 
 
 def _bad_batch_worker(rank, world_size, port):
-    nc.launch({"parallel": {"pipeline": 2}}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    nc.launch({"parallel": {"pipeline": 2}}, rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
     stage = build_pipeline_model(_model(), partition="uniform")
     try:
         make_schedule("1f1b", M).forward_backward_step(stage, _batch(n=3), nn.CrossEntropyLoss())
@@ -162,7 +176,8 @@ def test_gloo_batch_smaller_than_micro_batches():
 def _any_batch_worker(rank, world_size, port):
     """One schedule object, batches of 16, 8, 10 and 13 in turn (a test loader's last batch):
     near-equal micro-batches weighted by their share give the whole batch's loss and gradients."""
-    nc.launch({"parallel": {"pipeline": world_size}}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    nc.launch({"parallel": {"pipeline": world_size}}, rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port)
     checked = []
     for name, chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]:
         stage = build_pipeline_model(_model(), num_chunks=chunks, partition="uniform")
@@ -183,8 +198,9 @@ def _any_batch_worker(rank, world_size, port):
                     assert_close(p.grad, ref_grads[key], rtol=1e-6, atol=1e-6,
                                  msg=lambda m: f"{name} n={n} grad {key}: {m}")
             with torch.no_grad():
-                out, label, eval_loss = schedule.forward_backward_step(stage, (x, y), nn.CrossEntropyLoss(),
-                                                                       forward_only=True)
+                out, label, eval_loss = schedule.forward_backward_step(
+                    stage, (x, y), nn.CrossEntropyLoss(), forward_only=True
+                )
             assert_close(eval_loss, ref_loss.detach())
             if gpc.is_last_stage():
                 assert_close(out, ref_out.detach())
@@ -211,9 +227,10 @@ class ShapeShifter(nn.Module):
 
 
 def _shape_worker(rank, world_size, port):
-    nc.launch({"parallel": {"pipeline": 2}, "timeout": 20}, rank=rank, world_size=world_size, host="127.0.0.1",
-              port=port)
-    stage = build_pipeline_model(nn.Sequential(nn.Linear(12, 12), ShapeShifter(), nn.Linear(12, 5)), partition=[2, 1])
+    nc.launch({"parallel": {"pipeline": 2}, "timeout": 20}, rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port)
+    stage = build_pipeline_model(nn.Sequential(nn.Linear(12, 12), ShapeShifter(),
+                                               nn.Linear(12, 5)), partition=[2, 1])
     try:
         make_schedule("gpipe", M).forward_backward_step(stage, _batch(), nn.CrossEntropyLoss())
     except RuntimeError as e:
@@ -229,20 +246,28 @@ def test_gloo_stage_changing_its_output_shape_is_an_error_on_both_ranks():
 
 
 def _config_worker(rank, world_size, port, config, whole_model):
-    nc.launch({"parallel": {"pipeline": 2}, **config}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
-    model = _model() if whole_model else build_pipeline_model(_model(), num_chunks=config.get("NUM_CHUNKS", 1))
+    nc.launch({"parallel": {"pipeline": 2}, **config}, rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port)
+    model = (
+        _model()
+        if whole_model
+        else build_pipeline_model(_model(), num_chunks=config.get("NUM_CHUNKS", 1))
+    )
     try:
-        nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), verbose=False)
+        nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                      verbose=False)
     except nc.ConfigError as e:
         return str(e)
     return "no error"
 
 
 @pytest.mark.parametrize("config, whole_model, message", [
-    ({"NUM_MICRO_BATCHES": 4}, True, "the model is a whole Sequential; pass build_pipeline_model(model)"),
+    ({"NUM_MICRO_BATCHES": 4}, True,
+     "the model is a whole Sequential; pass build_pipeline_model(model)"),
     ({}, False, "needs NUM_MICRO_BATCHES in the config"),
     ({"NUM_MICRO_BATCHES": 1}, False, "NUM_MICRO_BATCHES=1 is smaller than the pipeline size 2"),
-    ({"NUM_MICRO_BATCHES": 3, "NUM_CHUNKS": 2}, False, "multiple of the pipeline size: M=3, P=2; use M=4"),
+    ({"NUM_MICRO_BATCHES": 3, "NUM_CHUNKS": 2}, False,
+     "multiple of the pipeline size: M=3, P=2; use M=4"),
     ({"NUM_MICRO_BATCHES": 4, "gradient_accumulation": 2}, False, "raise NUM_MICRO_BATCHES"),
 ])
 def test_gloo_pipeline_config_errors(config, whole_model, message):
@@ -253,13 +278,13 @@ def test_gloo_pipeline_config_errors(config, whole_model, message):
 def _bn_broadcast_worker(rank, world_size, port):
     """Pipeline x data with BatchNorm: the replicas' statistics are synced once per batch, not once
     per micro-batch forward (M = 4 micro-batches here)."""
-    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": M}, rank=rank, world_size=world_size,
-              host="127.0.0.1", port=port)
+    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": M}, rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(12, 12), nn.BatchNorm1d(12), nn.Tanh(), nn.Linear(12, 5))
     stage = build_pipeline_model(layers, partition=[2, 2])
-    engine, *_ = nc.initialize(stage, torch.optim.SGD(stage.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                               verbose=False)
+    engine, *_ = nc.initialize(stage, torch.optim.SGD(stage.parameters(), lr=0.1),
+                               nn.CrossEntropyLoss(), verbose=False)
     data_group_broadcasts = []
     original = torch.distributed.broadcast
 
@@ -280,5 +305,6 @@ def _bn_broadcast_worker(rank, world_size, port):
 
 def test_gloo_pipeline_syncs_batchnorm_buffers_once_per_batch():
     # stage 0 holds the BatchNorm: per batch one float message (running mean and var) and one int64
-    # (batches tracked), so 4 over 2 batches -- on every micro-batch it would be 16; stage 1 has none
+    # (batches tracked), so 4 over 2 batches -- on every micro-batch it would be 16; stage 1 has
+    # none
     assert run_ranks(_bn_broadcast_worker, 4, timeout=90) == [4, 0, 4, 0]

@@ -19,17 +19,24 @@ from nanocolossal.pipeline import (
 from nanocolossal.pipeline.__main__ import main as show_main
 from nanocolossal.pipeline.plan import Comm, Compute, build_plan, timeline
 
-GRID = [(s, P, M, V) for s in ("gpipe", "1f1b", "interleaved") for P in (2, 3, 4) for V in (1, 2)
-        for M in range(P, 3 * P + 1) if (s == "interleaved" or V == 1) and (s != "interleaved" or M % P == 0)]
+GRID = [
+    (s, P, M, V)
+    for s in ("gpipe", "1f1b", "interleaved")
+    for P in (2, 3, 4)
+    for V in (1, 2)
+    for M in range(P, 3 * P + 1)
+    if (s == "interleaved" or V == 1) and (s != "interleaved" or M % P == 0)
+]
 
 
 def _fifo(plans, P):
-    """Per ordered pair of ranks, the sequence of messages as the sender posts them and as the receiver does."""
+    """Per ordered pair of ranks, the sequence of messages as the sender posts them and as the
+    receiver does."""
     sent, got = {}, {}
     for r, plan in enumerate(plans):
         for step in plan:
             if isinstance(step, Comm):
-                key = lambda t: (t.what, t.src, t.dst, t.mb)  # noqa: E731  (the order p2p.py posts in)
+                key = lambda t: (t.what, t.src, t.dst, t.mb)  # noqa: E731  (p2p.py's order)
                 for t in sorted(step.sends, key=key):
                     sent.setdefault((r, t.dst % P), []).append(t)
                 for t in sorted(step.recvs, key=key):
@@ -42,13 +49,16 @@ def _fifo(plans, P):
 def test_plans_match_every_send_and_finish_without_deadlock(schedule, P, M, V, forward_only):
     plans = all_plans(schedule, P, M, V, forward_only)
     sent, got = _fifo(plans, P)
-    assert sent == got, "each receive matches a send, in the same order per pair of ranks (NCCL is FIFO)"
+    assert sent == got, (
+        "each receive matches a send, in the same order per pair of ranks (NCCL is FIFO)"
+    )
     result = simulate(plans, P, V)
     assert result["transfers"] == sum(len(v) for v in sent.values())
     for r, plan in enumerate(plans):
         computes = Counter((s.kind, s.chunk, s.mb) for s in plan if isinstance(s, Compute))
         kinds = ["F"] if forward_only else ["F", "B"]
-        assert computes == Counter(itertools.product(kinds, range(V), range(M))), "each step exactly once"
+        assert computes == Counter(itertools.product(kinds, range(V),
+                                                     range(M))), "each step exactly once"
 
 
 @pytest.mark.parametrize("schedule, P, M, V", [g for g in GRID if g[0] != "gpipe"])
@@ -77,7 +87,8 @@ def test_in_flight_activations_stay_within_the_bound(schedule, P, M, V):
             assert held[r] <= min(warmup + 1, M * V)
 
 
-@pytest.mark.parametrize("schedule, P, M, V", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 4, 1),
+@pytest.mark.parametrize("schedule, P, M, V",
+                         [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 4, 1),
                                                 ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 2)])
 def test_bubble_equals_the_formula(schedule, P, M, V):
     assert timeline(schedule, P, M, V)["bubble"] == pytest.approx((P - 1) / (V * M + P - 1))
@@ -106,7 +117,8 @@ def test_show_prints_a_timeline(capsys):
 
 # ---- partitioning ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("costs, parts", [([5, 1, 1, 1, 1, 5], 3), ([1] * 7, 3), ([9, 1, 1, 1], 2), ([3, 3, 3], 3)])
+@pytest.mark.parametrize("costs, parts",
+                         [([5, 1, 1, 1, 1, 5], 3), ([1] * 7, 3), ([9, 1, 1, 1], 2), ([3, 3, 3], 3)])
 def test_balanced_split_is_optimal(costs, parts):
     sizes = balanced_split(costs, parts)
     assert sum(sizes) == len(costs) and min(sizes) >= 1
@@ -117,7 +129,8 @@ def test_balanced_split_is_optimal(costs, parts):
             out.append(sum(costs[i:i + s]))
             i += s
         return max(out)
-    best = min(worst(c) for c in itertools.product(range(1, len(costs) + 1), repeat=parts) if sum(c) == len(costs))
+    best = min(worst(c) for c in itertools.product(range(1, len(costs) + 1),
+                                                   repeat=parts) if sum(c) == len(costs))
     assert worst(sizes) == best
 
 
@@ -142,7 +155,8 @@ def test_stage_state_dict_keys_are_the_sequentials(two_stages):
         two_stages(rank)
         stage = build_pipeline_model(_layers(), partition="uniform")
         keys.append(list(stage.state_dict()))
-    assert keys == [["0.weight", "0.bias", "2.weight", "2.bias"], ["4.weight", "4.bias", "6.weight", "6.bias"]]
+    assert keys == [["0.weight", "0.bias", "2.weight", "2.bias"],
+                    ["4.weight", "4.bias", "6.weight", "6.bias"]]
     two_stages(1)
     chunks = build_pipeline_model(_layers(), num_chunks=2, partition="uniform")  # parts 1 and 3
     assert list(chunks.state_dict()) == ["2.weight", "2.bias", "6.weight", "6.bias"]
@@ -152,9 +166,11 @@ def test_stage_state_dict_keys_are_the_sequentials(two_stages):
 
 def test_parameters_partition_balances_parameter_counts(two_stages):
     two_stages(0)
-    layers = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 10), nn.Linear(10, 10), nn.Linear(10, 10))
+    layers = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 10), nn.Linear(10, 10),
+                           nn.Linear(10, 10))
     assert list(build_pipeline_model(layers, partition="parameters").state_dict())[0] == "0.weight"
-    assert len(list(build_pipeline_model(layers, partition="parameters").children())) == 1  # the big layer alone
+    # the big layer alone
+    assert len(list(build_pipeline_model(layers, partition="parameters").children())) == 1
 
 
 class Heavy(nn.Module):
@@ -200,8 +216,10 @@ def test_profiling_leaves_the_model_and_the_rng_as_seeded(two_stages):
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(layers=nn.Linear(2, 2)), TypeError, "needs an nn.Sequential"),
-    (dict(layers=nn.Sequential(nn.Linear(2, 2)), num_chunks=1), ValueError, "has 1 layers but the pipeline needs 2"),
-    (dict(partition=[1, 2]), ValueError, r"partition \[1, 2\] must be 2 positive layer counts summing to 8"),
+    (dict(layers=nn.Sequential(nn.Linear(2, 2)), num_chunks=1), ValueError,
+     "has 1 layers but the pipeline needs 2"),
+    (dict(partition=[1, 2]), ValueError,
+     r"partition \[1, 2\] must be 2 positive layer counts summing to 8"),
     (dict(partition="size"), ValueError, "unknown partition 'size'"),
     (dict(partition="profile"), ValueError, "needs sample_input"),
 ])
@@ -217,5 +235,6 @@ def test_more_than_eight_chunks_render_with_distinct_labels(V, first, last):
     from nanocolossal.pipeline.plan import step_label
     text = render("interleaved", 2, 2, V)
     assert first in text and last in text
-    labels = {step_label(s, V) for s in build_plan("interleaved", 2, 2, V, 0) if isinstance(s, Compute)}
+    labels = {step_label(s, V) for s in build_plan("interleaved", 2, 2, V,
+                                                   0) if isinstance(s, Compute)}
     assert len(labels) == 2 * V * 2  # F and B of each (chunk, micro-batch) on rank 0, all distinct

@@ -52,7 +52,8 @@ def _bn_worker(rank, world_size, port, sizes, spatial, momentum):
     assert sync.num_batches_tracked == reference.num_batches_tracked == 2
 
 
-@pytest.mark.parametrize("spatial", [(), (5,), (4, 4), (2, 3, 3)], ids=["1d-NC", "1d-NCL", "2d", "3d"])
+@pytest.mark.parametrize("spatial", [(), (5,), (4, 4), (2, 3, 3)],
+                         ids=["1d-NC", "1d-NCL", "2d", "3d"])
 def test_gloo_syncbn_halves_equal_batchnorm_on_full_batch(spatial):
     run_ranks(_bn_worker, 2, (4, 4), spatial, 0.1)
 
@@ -97,7 +98,10 @@ def test_convert_sync_batchnorm_keeps_a_resnets_state_and_flags():
     model.bn1.weight.requires_grad_(False)
     before = copy.deepcopy(model.state_dict())
     converted = convert_sync_batchnorm(model)
-    assert not any(isinstance(m, nn.BatchNorm2d) and not isinstance(m, SyncBatchNorm) for m in converted.modules())
+    assert not any(
+        isinstance(m, nn.BatchNorm2d) and not isinstance(m, SyncBatchNorm)
+        for m in converted.modules()
+    )
     assert sum(isinstance(m, SyncBatchNorm) for m in converted.modules()) == 20
     after = converted.state_dict()
     assert list(after) == list(before)

@@ -35,20 +35,25 @@ def _inputs(kind):
 
 # (name, tensor-parallel factory, plain factory, input kind, input splits, output splits)
 CASES_1D = [
-    ("column", lambda: layers_1d.ColumnLinear1D(D, 2 * D), lambda: nn.Linear(D, 2 * D), "seq", [], HIDDEN_1D),
-    ("row", lambda: layers_1d.RowLinear1D(2 * D, D), lambda: nn.Linear(2 * D, D), "seq2", HIDDEN_1D, []),
+    ("column", lambda: layers_1d.ColumnLinear1D(D, 2 * D), lambda: nn.Linear(D, 2 * D), "seq", [],
+     HIDDEN_1D),
+    ("row", lambda: layers_1d.RowLinear1D(2 * D, D), lambda: nn.Linear(2 * D, D), "seq2",
+     HIDDEN_1D, []),
     ("embedding", lambda: layers_1d.Embedding1D(10, D), lambda: nn.Embedding(10, D), "ids", [], []),
-    ("patch", lambda: layers_1d.PatchEmbedding1D(IMG, PATCH, 3, D), lambda: PatchEmbedding(IMG, PATCH, 3, D),
-     "images", [], []),
+    ("patch", lambda: layers_1d.PatchEmbedding1D(IMG, PATCH, 3, D),
+     lambda: PatchEmbedding(IMG, PATCH, 3, D), "images", [], []),
     ("classifier", lambda: layers_1d.Classifier1D(D, C), lambda: nn.Linear(D, C), "flat", [], []),
 ]
 CASES_2D = [
-    ("linear", lambda: layers_2d.Linear2D(D, 2 * D), lambda: nn.Linear(D, 2 * D), "seq", GRID, GRID),
+    ("linear", lambda: layers_2d.Linear2D(D, 2 * D), lambda: nn.Linear(D, 2 * D), "seq", GRID,
+     GRID),
     ("layernorm", lambda: layers_2d.LayerNorm2D(D), lambda: nn.LayerNorm(D), "seq", GRID, GRID),
-    ("embedding", lambda: layers_2d.Embedding2D(10, D), lambda: nn.Embedding(10, D), "ids", [], GRID),
-    ("patch", lambda: layers_2d.PatchEmbedding2D(IMG, PATCH, 3, D), lambda: PatchEmbedding(IMG, PATCH, 3, D),
-     "images", [], GRID),
-    ("classifier", lambda: layers_2d.Classifier2D(D, C), lambda: nn.Linear(D, C), "flat", GRID, [(0, "row")]),
+    ("embedding", lambda: layers_2d.Embedding2D(10, D), lambda: nn.Embedding(10, D), "ids", [],
+     GRID),
+    ("patch", lambda: layers_2d.PatchEmbedding2D(IMG, PATCH, 3, D),
+     lambda: PatchEmbedding(IMG, PATCH, 3, D), "images", [], GRID),
+    ("classifier", lambda: layers_2d.Classifier2D(D, C), lambda: nn.Linear(D, C), "flat", GRID,
+     [(0, "row")]),
 ]
 
 
@@ -58,9 +63,13 @@ def _check_layer(name, make_tp, make_plain, kind, in_splits, out_splits):
     torch.manual_seed(0)
     tp = make_tp()
     params = dict(tp.named_parameters())
-    assert set(params) == set(dict(plain.named_parameters())), f"{name}: state_dict keys are the plain layer's"
-    for key, p in plain.named_parameters():  # the initialisation contract: shard == slice of the plain layer
-        assert torch.equal(params[key], shard(p.detach(), params[key].tensor_splits)), f"{name}.{key} init"
+    assert set(params) == set(dict(plain.named_parameters())), (
+        f"{name}: state_dict keys are the plain layer's"
+    )
+    # the initialisation contract: shard == slice of the plain layer
+    for key, p in plain.named_parameters():
+        assert torch.equal(params[key],
+                           shard(p.detach(), params[key].tensor_splits)), f"{name}.{key} init"
     for module in (plain, tp):  # same perturbation in both, drawn full and sliced
         g = torch.Generator().manual_seed(3)
         with torch.no_grad():
@@ -78,9 +87,11 @@ def _check_layer(name, make_tp, make_plain, kind, in_splits, out_splits):
     dy = torch.randn(y_plain.shape, generator=torch.Generator().manual_seed(11))
     y_plain.backward(dy)
     y_tp.backward(shard(dy, out_splits))
-    assert_close(unshard(y_tp.detach(), out_splits), y_plain.detach(), msg=lambda m: f"{name} output: {m}")
+    assert_close(unshard(y_tp.detach(), out_splits), y_plain.detach(),
+                 msg=lambda m: f"{name} output: {m}")
     if floating:
-        assert_close(unshard(x_tp.grad, in_splits), x_plain.grad, msg=lambda m: f"{name} input grad: {m}")
+        assert_close(unshard(x_tp.grad, in_splits), x_plain.grad,
+                     msg=lambda m: f"{name} input grad: {m}")
     for key, p in plain.named_parameters():
         got = unshard(params[key].grad, params[key].tensor_splits)
         assert_close(got, p.grad, msg=lambda m: f"{name}.{key} grad: {m}")
@@ -88,8 +99,8 @@ def _check_layer(name, make_tp, make_plain, kind, in_splits, out_splits):
 
 
 def _layers_worker(rank, world_size, port, mode):
-    nc.launch({"parallel": {"tensor": {"size": world_size, "mode": mode}}}, rank=rank, world_size=world_size,
-              host="127.0.0.1", port=port)
+    nc.launch({"parallel": {"tensor": {"size": world_size, "mode": mode}}}, rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
     cases = CASES_2D if mode == "2d" else CASES_1D
     done = [_check_layer(*case) for case in cases]
     if mode == "2d":  # the loss: each row's block mean, averaged down the column
@@ -108,15 +119,17 @@ def _layers_worker(rank, world_size, port, mode):
 
 @pytest.mark.parametrize("mode, world", [("1d", 2), ("1d", 4), ("2d", 4)])
 def test_gloo_tensor_parallel_layers_equal_the_plain_layers(mode, world):
-    expected = [c[0] for c in (CASES_2D if mode == "2d" else CASES_1D)] + (["loss"] if mode == "2d" else [])
+    expected = [c[0] for c in (CASES_2D if mode == "2d" else CASES_1D)] + (
+        ["loss"] if mode == "2d" else []
+    )
     assert run_ranks(_layers_worker, world, mode, timeout=90) == [expected] * world
 
 
 def _dropout_worker(rank, world_size, port):
     """Replicated activations must drop the same units on every tensor rank (they are one tensor);
     sharded ones draw their own masks (they are different slices)."""
-    nc.launch({"parallel": {"tensor": {"size": world_size, "mode": "1d"}}}, rank=rank, world_size=world_size,
-              host="127.0.0.1", port=port)
+    nc.launch({"parallel": {"tensor": {"size": world_size, "mode": "1d"}}}, rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
     col_nn.reset_1d_alternation()
     col_nn.Linear(8, 8)                      # column-parallel: what follows is sharded
     after_column = col_nn.Dropout(0.5)
@@ -125,7 +138,12 @@ def _dropout_worker(rank, world_size, port):
     masks = [(d(torch.ones(64)) == 0).tolist() for d in (after_column, after_row)]
     everyone = [None] * world_size
     torch.distributed.all_gather_object(everyone, masks)
-    return after_column.sharded, after_row.sharded, everyone[0][0] != everyone[1][0], everyone[0][1] == everyone[1][1]
+    return (
+        after_column.sharded,
+        after_row.sharded,
+        everyone[0][0] != everyone[1][0],
+        everyone[0][1] == everyone[1][1],
+    )
 
 
 def test_gloo_dropout_masks_differ_where_sharded_and_agree_where_replicated():
@@ -134,10 +152,11 @@ def test_gloo_dropout_masks_differ_where_sharded_and_agree_where_replicated():
 
 def _dropout_resume_worker(rank, world_size, port, path):
     """A checkpoint carries the sharded dropout's generator: after loading, the masks repeat."""
-    nc.launch({"parallel": {"tensor": {"size": world_size, "mode": "1d"}}}, rank=rank, world_size=world_size,
-              host="127.0.0.1", port=port)
+    nc.launch({"parallel": {"tensor": {"size": world_size, "mode": "1d"}}}, rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
     col_nn.reset_1d_alternation()
-    model = nn.Sequential(col_nn.Linear(8, 8), col_nn.Dropout(0.5))  # column-parallel: sharded dropout
+    # column-parallel: sharded dropout
+    model = nn.Sequential(col_nn.Linear(8, 8), col_nn.Dropout(0.5))
     x = torch.ones(4, 8)
     model(x)  # the generator exists and has moved on
     save_checkpoint(path, 0, model)
@@ -149,4 +168,5 @@ def _dropout_resume_worker(rank, world_size, port, path):
 
 
 def test_gloo_checkpoint_restores_the_sharded_dropout_generator(tmp_path):
-    assert run_ranks(_dropout_resume_worker, 2, str(tmp_path / "ckpt.pt"), timeout=60) == [True, True]
+    assert run_ranks(_dropout_resume_worker, 2, str(tmp_path / "ckpt.pt"),
+                     timeout=60) == [True, True]

@@ -59,12 +59,15 @@ def _layout_worker(rank, world_size, port, parallel, expected, norms, initial, p
     model = _model()
     if gpc.pipeline_size > 1:
         model = build_pipeline_model(model, partition="uniform")
-    other = _model(seed=123)  # other weights, then the plain initial state_dict loaded into this layout
+    # other weights, then the plain initial state_dict loaded into this layout
+    other = _model(seed=123)
     if gpc.pipeline_size > 1:
         other = build_pipeline_model(other, partition="uniform")
     load_plain_state_dict(other, initial)
     for (name, p), q in zip(model.named_parameters(), other.parameters()):
-        assert torch.equal(p, q), f"load_plain_state_dict gave {name} other values than the seeded shard"
+        assert torch.equal(p, q), (
+            f"load_plain_state_dict gave {name} other values than the seeded shard"
+        )
     engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
                                col_nn.CrossEntropyLoss(), verbose=False)
     per_replica = BATCH // gpc.data_size
@@ -74,7 +77,9 @@ def _layout_worker(rank, world_size, port, parallel, expected, norms, initial, p
         engine.zero_grad()
         engine.execute_schedule((x[mine], y[mine]))
         assert engine.step()
-        assert engine.last_grad_norm == pytest.approx(norms[step], rel=1e-4), "the global norm counts each element once"
+        assert engine.last_grad_norm == pytest.approx(norms[step], rel=1e-4), (
+            "the global norm counts each element once"
+        )
     checked = []
     for name, p in engine.model.named_parameters():
         assert_close(p.detach(), shard(expected[name], getattr(p, "tensor_splits", [])),
@@ -90,7 +95,8 @@ LAYOUTS = [
     ("pipeline 2 x 1d 2", 4, {"pipeline": 2, "tensor": {"size": 2, "mode": "1d"}}),
     ("data 2 x 1d 2", 4, {"tensor": {"size": 2, "mode": "1d"}}),
     ("data 2 x pipeline 2, gradient handler", 4, {"pipeline": 2, "gradient_handler": True}),
-    ("pipeline 2 x 2d 4 (the tutorial's config)", 8, {"pipeline": 2, "tensor": {"size": 4, "mode": "2d"}}),
+    ("pipeline 2 x 2d 4 (the tutorial's config)", 8,
+     {"pipeline": 2, "tensor": {"size": 4, "mode": "2d"}}),
 ]
 
 
@@ -100,17 +106,21 @@ def reference():
 
 
 @pytest.mark.parametrize("name, world, parallel", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_gloo_tensor_parallel_training_equals_one_process(reference, name, world, parallel, tmp_path):
+def test_gloo_tensor_parallel_training_equals_one_process(reference, name, world, parallel,
+                                                          tmp_path):
     expected, norms, initial = reference
     assert norms[0] > CLIP, "the clip really clips"
     path = tmp_path / "ckpt.pt"
-    checked = run_ranks(_layout_worker, world, parallel, expected, norms, initial, str(path), timeout=150)
+    checked = run_ranks(_layout_worker, world, parallel, expected, norms, initial, str(path),
+                        timeout=150)
     covered = {key for names in checked for key in names}
     assert covered == set(expected), "every parameter of the model is checked on some rank"
     files = sorted(p.name for p in tmp_path.iterdir())
     tensor = parallel.get("tensor", {}).get("size", 1)
-    assert len(files) == parallel.get("pipeline", 1) * tensor, files  # data rank 0 of each part writes
-    merged = merge_checkpoint(path)  # the per-(stage, tensor rank) files -> the plain model's state_dict
+    # data rank 0 of each part writes
+    assert len(files) == parallel.get("pipeline", 1) * tensor, files
+    # the per-(stage, tensor rank) files -> the plain model's state_dict
+    merged = merge_checkpoint(path)
     assert set(merged) == set(expected)
     for key, value in expected.items():
         assert_close(merged[key], value, msg=lambda m: f"merged {key}: {m}")

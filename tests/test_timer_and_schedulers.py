@@ -1,4 +1,5 @@
-"""MultiTimer against wall time, and each learning-rate scheduler against its Colossal-AI definition."""
+"""MultiTimer against wall time, and each learning-rate scheduler against its Colossal-AI
+definition."""
 import math
 import time
 
@@ -23,7 +24,10 @@ def test_multitimer_measures_wall_time_per_phase():
     assert step.elapsed == pytest.approx(step.get_history_sum()) and step.get_history_mean() >= 0.02
     assert timer.get_timer("other").history == [] and timer.get_timer("other").elapsed >= 0.01
     timer.reset("step")
-    assert timer.get_timer("step").elapsed == 0.0 and {name for name, _ in timer} == {"step", "other"}
+    assert timer.get_timer("step").elapsed == 0.0 and {name for name, _ in timer} == {
+        "step",
+        "other",
+    }
     off = MultiTimer(on=False)
     off.start("x")
     assert off.stop("x") == 0.0 and not off.has("x")
@@ -41,19 +45,26 @@ def _lrs(make, steps=8, base=0.1):
 
 
 def _cos(t, T, w=0, base=0.1, eta_min=0.0):
-    return base * (t + 1) / w if t < w else eta_min + (base - eta_min) * (1 + math.cos(math.pi * (t - w) / (T - w))) / 2
+    return (
+        base * (t + 1) / w
+        if t < w
+        else eta_min + (base - eta_min) * (1 + math.cos(math.pi * (t - w) / (T - w))) / 2
+    )
 
 
 @pytest.mark.parametrize("name, make, expected", [
-    ("cosine", lambda o: S.CosineAnnealingLR(o, total_steps=6), [_cos(t, 6) for t in range(6)] + [0.0, 0.0]),
+    ("cosine", lambda o: S.CosineAnnealingLR(o, total_steps=6),
+     [_cos(t, 6) for t in range(6)] + [0.0, 0.0]),
     ("cosine eta_min", lambda o: S.CosineAnnealingLR(o, 4, eta_min=0.01),
      [_cos(t, 4, eta_min=0.01) for t in range(4)] + [0.01] * 4),
     ("cosine warm-up", lambda o: S.CosineAnnealingWarmupLR(o, 6, warmup_steps=2),
      [0.05, 0.1] + [_cos(t, 6, 2) for t in range(2, 6)] + [0.0, 0.0]),
     ("linear warm-up", lambda o: S.LinearWarmupLR(o, 6, warmup_steps=2),
      [0.1 / 3, 0.2 / 3, 0.1, 0.075, 0.05, 0.025, 0.0, 0.0]),  # (t+1)/(w+1), then (T-t)/(T-w)
-    ("multi-step", lambda o: S.MultiStepLR(o, 8, milestones=[2, 5], gamma=0.5), [0.1] * 2 + [0.05] * 3 + [0.025] * 3),
-    ("step", lambda o: S.StepLR(o, 8, step_size=3, gamma=0.1), [0.1] * 3 + [0.01] * 3 + [0.001] * 2),
+    ("multi-step", lambda o: S.MultiStepLR(o, 8, milestones=[2, 5], gamma=0.5),
+     [0.1] * 2 + [0.05] * 3 + [0.025] * 3),
+    ("step", lambda o: S.StepLR(o, 8, step_size=3, gamma=0.1),
+     [0.1] * 3 + [0.01] * 3 + [0.001] * 2),
     ("exponential", lambda o: S.ExponentialLR(o, 8, gamma=0.5), [0.1 * 0.5 ** t for t in range(8)]),
     ("polynomial", lambda o: S.PolynomialLR(o, 4, end_lr=0.02, power=2.0),
      [(0.1 - 0.02) * (1 - t / 4) ** 2 + 0.02 for t in range(4)] + [0.02] * 4),
@@ -68,7 +79,8 @@ def test_scheduler_state_round_trip_and_bad_arguments():
     for _ in range(4):
         opt.step()
         a.step()
-    b = S.LinearWarmupLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), 10, warmup_steps=3)
+    b = S.LinearWarmupLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), 10,
+                         warmup_steps=3)
     b.load_state_dict(a.state_dict())
     assert b.get_last_lr() == a.get_last_lr()
     with pytest.raises(ValueError, match="0 <= warmup_steps < total_steps"):

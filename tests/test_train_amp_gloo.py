@@ -1,5 +1,6 @@
-"""train_amp.py end to end on 2 ranks: stopped mid-epoch and resumed, the Engine loop and the Trainer
-each end bit-identical to a run that never stopped (one resume path, progress.py, for both)."""
+"""train_amp.py end to end on 2 ranks: stopped mid-epoch and resumed, the Engine loop and the
+Trainer each end bit-identical to a run that never stopped (one resume path, progress.py, for
+both)."""
 import re
 
 import pytest
@@ -8,30 +9,46 @@ from dist_helpers import ROOT, run_script
 
 
 def _train(tmp_path, *args):
-    return run_script(ROOT / "train_amp.py", ["--synthetic-size", "128", "--batch-size", "32", "--epochs", "2",
-                                              "--data", str(tmp_path), *args], nproc=2, cwd=tmp_path)
+    return run_script(ROOT / "train_amp.py",
+                      ["--synthetic-size", "128", "--batch-size", "32", "--epochs", "2",
+                                              "--data", str(tmp_path), *args], nproc=2,
+                      cwd=tmp_path)
 
 
 @pytest.mark.timeout(320)
 @pytest.mark.parametrize("loop", [[], ["--trainer"]], ids=["engine-loop", "trainer"])
 def test_gloo_train_amp_resumes_mid_epoch_bit_identically(tmp_path, loop):
-    straight = _train(tmp_path, *loop, "--checkpoint", "straight.pt")  # 2 epochs of 2 steps (128 / (32 x 2))
-    assert re.search(r"initialize: AMP O1 \(TORCH\)( in float32 on this CPU)?, DDP x2", straight), straight
+    # 2 epochs of 2 steps (128 / (32 x 2))
+    straight = _train(tmp_path, *loop, "--checkpoint", "straight.pt")
+    assert re.search(r"initialize: AMP O1 \(TORCH\)( in float32 on this CPU)?, DDP x2",
+                     straight), straight
     if loop:
         assert re.search(r"epoch 2 train: .*loss [0-9.]+.*throughput", straight), straight
         assert re.search(r"epoch 2 test: loss [0-9.e+]+, accuracy", straight), straight
     else:
         assert "Epoch 0 - train loss" in straight and "Epoch 1 - train loss" in straight, straight
-    stopped = _train(tmp_path, *loop, "--checkpoint", "resumed.pt", "--max-steps", "3")  # in the middle of epoch 2
-    assert "Epoch 1 -" not in stopped and "epoch 2 train" in stopped if loop else "Epoch 1 -" not in stopped, stopped
+    # in the middle of epoch 2
+    stopped = _train(tmp_path, *loop, "--checkpoint", "resumed.pt", "--max-steps", "3")
+    assert (
+        "Epoch 1 -" not in stopped and "epoch 2 train" in stopped
+        if loop
+        else "Epoch 1 -" not in stopped
+    ), stopped
     resumed = _train(tmp_path, *loop, "--checkpoint", "resumed.pt", "--resume")
     assert "resumed from resumed.pt: epoch 2, step 3" in resumed, resumed
-    assert "Epoch 0 -" not in resumed and "epoch 1 train" not in resumed, "the resumed run starts in epoch 2"
-    a, b = (torch.load(tmp_path / name, weights_only=False) for name in ("straight.pt", "resumed.pt"))
-    assert a["epoch"] == b["epoch"] == 2 and a["extra"] == b["extra"] == {"step": 4, "step_in_epoch": 0}
+    assert "Epoch 0 -" not in resumed and "epoch 1 train" not in resumed, (
+        "the resumed run starts in epoch 2"
+    )
+    a, b = (torch.load(tmp_path / name,
+                       weights_only=False) for name in ("straight.pt", "resumed.pt"))
+    assert a["epoch"] == b["epoch"] == 2 and a["extra"] == b["extra"] == {
+        "step": 4,
+        "step_in_epoch": 0,
+    }
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
-    opt_a, opt_b = a["optimizer"], b["optimizer"]  # the AMP optimizer's: torch's state and the loss scaler
+    # the AMP optimizer's: torch's state and the loss scaler
+    opt_a, opt_b = a["optimizer"], b["optimizer"]
     for s, r in zip(opt_a["optimizer"]["state"].values(), opt_b["optimizer"]["state"].values()):
         assert torch.equal(s["momentum_buffer"], r["momentum_buffer"])
     assert opt_a["scaler"] == opt_b["scaler"] and a["lr_scheduler"] == b["lr_scheduler"]

@@ -8,7 +8,8 @@ from dist_helpers import ROOT, run_script
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("extra", [[], ["--sync-bn", "--debug"]], ids=["ddp", "ddp-syncbn-debug"])
 def test_gloo_train_ddp_two_ranks_learns(tmp_path, extra):
-    out = run_script(ROOT / "train_ddp.py", ["--epochs", "1", "--synthetic-size", "2400", "--data", str(tmp_path),
+    out = run_script(ROOT / "train_ddp.py",
+                     ["--epochs", "1", "--synthetic-size", "2400", "--data", str(tmp_path),
                                              *extra], nproc=2, cwd=tmp_path, timeout=120)
     assert "synthetic MNIST-shaped stand-in" in out
     assert f"sync_bn={bool(extra)}" in out

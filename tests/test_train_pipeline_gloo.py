@@ -1,4 +1,4 @@
-"""train_pipeline.py end to end on 2 ranks started as torchrun would (short runs on the synthetic stand-in)."""
+"""train_pipeline.py end to end on 2 ranks started as torchrun would (short synthetic runs)."""
 import json
 import re
 
@@ -7,16 +7,23 @@ from dist_helpers import ROOT, run_script
 
 
 def _train(tmp_path, *args):
-    return run_script(ROOT / "train_pipeline.py", ["--epochs", "1", "--synthetic-size", "128", "--batch-size", "16",
-                                                   "--data", str(tmp_path), *args], nproc=2, cwd=tmp_path)
+    return run_script(ROOT / "train_pipeline.py",
+                      ["--epochs", "1", "--synthetic-size", "128", "--batch-size", "16",
+                                                   "--data", str(tmp_path), *args], nproc=2,
+                      cwd=tmp_path)
 
 
 @pytest.mark.timeout(200)
 def test_gloo_train_pipeline_1f1b_logs_loss_accuracy_and_writes_a_trace(tmp_path):
     out = _train(tmp_path, "--trace", str(tmp_path / "trace.json")).replace("\r", "\n")
     assert "initialize: pipeline 1f1b x2 stages, 4 micro-batches" in out
-    assert re.search(r"epoch 1 train: .*loss [0-9.]+", out) and re.search(r"epoch 1 test: loss [0-9.]+, accuracy", out)
-    events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert re.search(r"epoch 1 train: .*loss [0-9.]+",
+                     out) and re.search(r"epoch 1 test: loss [0-9.]+, accuracy", out)
+    events = [
+        e
+        for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+        if e["ph"] == "X"
+    ]
     for rank in (0, 1):
         names = [e["name"] for e in events if e["pid"] == rank]
         assert {"F0", "F3", "B0", "B3"} <= set(names), names

@@ -1,5 +1,6 @@
 """train_tensor.py end to end: with dropout 0, the same seed and global batch, the final train loss
-is the same for one process, Megatron 1d over 2 ranks and the tutorial's pipeline 2 x 2d 4 (8 ranks)."""
+is the same for one process, Megatron 1d over 2 ranks and the tutorial's pipeline 2 x 2d 4 on 8
+ranks."""
 import re
 
 import pytest
@@ -8,7 +9,9 @@ from dist_helpers import ROOT, run_script
 LAYOUTS = {
     "one process": (1, ""),
     "1d x2": (2, "parallel = dict(tensor=dict(size=2, mode='1d'))\n"),
-    "pipeline 2 x 2d 4": (8, "parallel = dict(pipeline=2, tensor=dict(size=4, mode='2d'))\nNUM_MICRO_BATCHES = 2\n"),
+    "pipeline 2 x 2d "
+    "4": (8, "parallel = dict(pipeline=2, tensor=dict(size=4, mode='2d'))\nNUM_MICRO_BATCHES = "
+          "2\n"),
 }
 
 
@@ -16,9 +19,10 @@ def _final_loss(tmp_path, name):
     nproc, parallel = LAYOUTS[name]
     config = tmp_path / f"{name.replace(' ', '_')}.py"
     config.write_text("BATCH_SIZE = 16\nNUM_EPOCHS = 1\n" + parallel)
-    out = run_script(ROOT / "train_tensor.py", ["--config", str(config), "--max-steps", "3", "--seed", "5",
-                                                "--synthetic-size", "64", "--data", str(tmp_path)], nproc=nproc,
-                     cwd=tmp_path).replace("\r", "\n")
+    out = run_script(ROOT / "train_tensor.py",
+                     ["--config", str(config), "--max-steps", "3", "--seed", "5",
+                                                "--synthetic-size", "64", "--data", str(tmp_path)],
+                     nproc=nproc, cwd=tmp_path).replace("\r", "\n")
     return float(re.search(r"final train loss ([0-9.e+-]+)", out).group(1))
 
 

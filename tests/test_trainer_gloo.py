@@ -26,8 +26,10 @@ def _engine(config=None):
 
 
 class Recorder(hooks.BaseHook):
-    POINTS = ["before_train", "after_train", "before_train_epoch", "after_train_epoch", "before_train_iter",
-              "after_train_iter", "before_test_epoch", "after_test_epoch", "before_test_iter", "after_test_iter"]
+    POINTS = ["before_train", "after_train", "before_train_epoch", "after_train_epoch",
+              "before_train_iter",
+              "after_train_iter", "before_test_epoch", "after_test_epoch", "before_test_iter",
+              "after_test_iter"]
 
     def __init__(self, name, log, priority):
         super().__init__(priority)
@@ -47,15 +49,18 @@ class EpochSampler(torch.utils.data.SequentialSampler):
 def test_trainer_calls_hooks_in_order_and_by_priority_and_sets_epochs():
     engine, _ = _engine()
     log, epochs = [], []
-    train = torch.utils.data.DataLoader(_data(6), batch_size=3, sampler=EpochSampler(_data(6), epochs))
+    train = torch.utils.data.DataLoader(_data(6), batch_size=3,
+                                        sampler=EpochSampler(_data(6), epochs))
     test = torch.utils.data.DataLoader(_data(2, seed=1), batch_size=2)
     Trainer(engine).fit(train, epochs=2, test_dataloader=test,
-                        hooks=[Recorder("late", log, priority=5), Recorder("early", log, priority=1)])
+                        hooks=[Recorder("late", log, priority=5),
+                               Recorder("early", log, priority=1)])
     assert epochs == [0, 1]
     names = [name for _, name in log]
     assert names == ["early", "late"] * (len(log) // 2), "lower priority first at every point"
     points = [point for point, name in log if name == "early"]
-    one_epoch = (["before_train_epoch"] + ["before_train_iter", "after_train_iter"] * 2 + ["after_train_epoch"]
+    one_epoch = (["before_train_epoch"] + ["before_train_iter",
+                                           "after_train_iter"] * 2 + ["after_train_epoch"]
                  + ["before_test_epoch", "before_test_iter", "after_test_iter", "after_test_epoch"])
     assert points == ["before_train"] + one_epoch * 2 + ["after_train"]
 
@@ -63,7 +68,8 @@ def test_trainer_calls_hooks_in_order_and_by_priority_and_sets_epochs():
 def test_trainer_schedule_needs_a_pipeline_engine():
     from nanocolossal.pipeline import GPipeSchedule
     engine, _ = _engine()
-    with pytest.raises(ValueError, match=r"\[rank 0\] Trainer\(schedule=...\) needs a pipeline engine"):
+    with pytest.raises(ValueError,
+                       match=r"\[rank 0\] Trainer\(schedule=...\) needs a pipeline engine"):
         Trainer(engine, schedule=GPipeSchedule(4))
 
 
@@ -88,7 +94,9 @@ def test_trainer_lr_hook_steps_per_optimizer_step_under_accumulation():
     trainer = Trainer(engine)
     trainer.fit(torch.utils.data.DataLoader(_data(8), batch_size=2), epochs=1,
                 hooks=[hooks.LRSchedulerHook(scheduler, by_epoch=False)])
-    assert trainer.cur_step == 4 and scheduler.last_epoch == 2 and opt.param_groups[0]["lr"] == 0.125
+    assert (
+        trainer.cur_step == 4 and scheduler.last_epoch == 2 and opt.param_groups[0]["lr"] == 0.125
+    )
 
 
 def _fit_worker(rank, world_size, port):

@@ -1,6 +1,7 @@
 """Engine: model + optimizer + criterion behind the five calls of a PyTorch training loop.
 
-    engine, train_dl, test_dl, lr_scheduler = nc.initialize(model, optimizer, criterion, train_dl, test_dl)
+    engine, train_dl, test_dl, lr_scheduler = nc.initialize(model, optimizer, criterion, train_dl,
+                                                            test_dl)
     for img, label in train_dl:
         engine.zero_grad()
         output = engine(img)                 # forward (DDP, autocast, device placement)
@@ -61,37 +62,46 @@ def labels_of_output(label: torch.Tensor) -> torch.Tensor:
 
 def _check_tensor_parallel_model(model: nn.Module) -> None:
     """Plain torch layers would silently compute on shards as if they were whole tensors."""
-    plain = [name for name, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding, nn.Conv2d)
-             or (gpc.tensor_mode == "2d" and type(m) is nn.LayerNorm)]
+    plain = [
+        name
+        for name, m in model.named_modules()
+        if type(m) in (nn.Linear, nn.Embedding, nn.Conv2d)
+        or (gpc.tensor_mode == "2d" and type(m) is nn.LayerNorm)
+    ]
     if plain:
-        raise ConfigError(f"[rank {gpc.rank}] parallel.tensor={gpc.tensor_size} ({gpc.tensor_mode}) but the model has "
-                          f"plain torch layers ({', '.join(plain[:4])}{', ...' if len(plain) > 4 else ''}), which "
-                          f"cannot split over tensor ranks; build it with nanocolossal.nn layers (nc.nn.Linear, "
+        raise ConfigError(f"[rank {gpc.rank}] parallel.tensor={gpc.tensor_size} "
+                          f"({gpc.tensor_mode}) but the model has plain torch layers "
+                          f"({', '.join(plain[:4])}{', ...' if len(plain) > 4 else ''}), which "
+                          f"cannot split over tensor ranks; build it with nanocolossal.nn layers "
+                          f"(nc.nn.Linear, "
                           f"nc.nn.LayerNorm, nc.nn.PatchEmbedding, nc.nn.Classifier) after launch")
 
 
 class Engine:
-    """One process's model (possibly DDP-wrapped), optimizer and criterion: the plain loop's five calls."""
+    """One process's model (maybe DDP-wrapped), optimizer and criterion: the loop's five calls."""
 
-    def __init__(self, model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Optional[Callable] = None,
+    def __init__(self, model: nn.Module, optimizer: MixedPrecisionOptimizer,
+                 criterion: Optional[Callable] = None,
                  forward_module: Optional[nn.Module] = None, gradient_accumulation: int = 1,
-                 clip_grad_norm: float = 0.0, gradient_handler: Optional[DataParallelGradientHandler] = None) -> None:
-        self.model = model                                   # the user's model: prefix-free state_dict
+                 clip_grad_norm: float = 0.0,
+                 gradient_handler: Optional[DataParallelGradientHandler] = None) -> None:
+        self.model = model  # the user's model: prefix-free state_dict
         self.optimizer = optimizer
         self._criterion = criterion
-        self.forward_module = forward_module or model        # what forward runs through (DDP wrapper)
+        self.forward_module = forward_module or model  # what forward runs through (DDP wrapper)
         self.gradient_accumulation = gradient_accumulation
         self.clip_grad_norm = clip_grad_norm
-        self.gradient_handler = gradient_handler             # all-reduce after backward (instead of DDP)
+        self.gradient_handler = gradient_handler  # all-reduce after backward (instead of DDP)
         self.last_grad_norm: Optional[float] = None
-        self._micro = 0                                      # backward calls since the last real step
+        self._micro = 0  # backward calls since the last real step
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward_module(*_to_device(args), **_to_device(kwargs))
 
     def criterion(self, output: Any, label: Any) -> torch.Tensor:
         if self._criterion is None:
-            raise RuntimeError(f"[rank {gpc.rank}] no criterion: pass one to nanocolossal.initialize")
+            raise RuntimeError(f"[rank {gpc.rank}] no criterion: pass one to "
+                               f"nanocolossal.initialize")
         return self._criterion(output, _to_device(label))
 
     def train(self) -> None:
@@ -108,12 +118,15 @@ class Engine:
         self._micro += 1
         loss = loss / self.gradient_accumulation
         # all-reduce once, on the last of the accumulated backwards
-        defer = self._micro < self.gradient_accumulation and isinstance(self.forward_module, DistributedDataParallel)
+        defer = self._micro < self.gradient_accumulation and isinstance(
+            self.forward_module, DistributedDataParallel
+        )
         with self.forward_module.no_sync() if defer else nullcontext():
             self.optimizer.backward(loss)
 
     def step(self) -> bool:
-        """Take the optimizer step once every `gradient_accumulation` calls; True if a step was taken."""
+        """Take the optimizer step once every `gradient_accumulation` calls; True if a step was
+        taken."""
         if self._micro < self.gradient_accumulation:
             return False
         self._micro = 0
@@ -121,11 +134,13 @@ class Engine:
             self.gradient_handler.handle_gradient()
         if self.clip_grad_norm:
             # ranks holding *other* parameters (pipeline stages, tensor shards) add their squares
-            self.last_grad_norm = self.optimizer.clip_grad_norm(self.clip_grad_norm, gpc.model_group)
+            self.last_grad_norm = self.optimizer.clip_grad_norm(self.clip_grad_norm,
+                                                                gpc.model_group)
         return self.optimizer.step()
 
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
-        """One iteration on `batch` = (inputs, label): forward, loss and (unless forward_only) backward."""
+        """One iteration on `batch` = (inputs, label): forward, loss and (unless forward_only)
+        backward."""
         inputs, label = batch
         output = self(inputs)
         loss = self.criterion(output, label) if return_loss else None
@@ -142,25 +157,27 @@ class PipelineEngine(Engine):
     schedule's forwards and backwards and returns (output, label, loss) (output/label on the
     last stage, the mean loss on every stage)."""
 
-    def __init__(self, model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Optional[Callable],
+    def __init__(self, model: nn.Module, optimizer: MixedPrecisionOptimizer,
+                 criterion: Optional[Callable],
                  schedule: Any, chunks: list, clip_grad_norm: float = 0.0,
                  gradient_handler: Optional[DataParallelGradientHandler] = None) -> None:
         super().__init__(model, optimizer, criterion, clip_grad_norm=clip_grad_norm,
                          gradient_handler=gradient_handler)
-        self.schedule = schedule                        # GPipe / 1F1B / interleaved
-        self.chunks = chunks                            # what the schedule runs (DDP-wrapped per chunk)
+        self.schedule = schedule  # GPipe / 1F1B / interleaved
+        self.chunks = chunks      # what the schedule runs (DDP-wrapped per chunk)
 
     def set_schedule(self, schedule: Any) -> None:
         """Run batches with another schedule (e.g. GPipe instead of the config's 1F1B)."""
         self.schedule = schedule
 
     def trace(self, recorder: Optional[Callable[[str, float, float], None]]) -> None:
-        """Call recorder(step label, start, end) for every schedule step from now on (None: stop)."""
+        """Call recorder(step label, start, end) for every schedule step from now on (None:
+        stop)."""
         self.schedule.recorder = recorder
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"[rank {gpc.rank}] a pipeline stage has no forward of its own; run whole batches "
-                           f"with engine.execute_schedule(batch) (the Trainer does)")
+        raise RuntimeError(f"[rank {gpc.rank}] a pipeline stage has no forward of its own; run "
+                           f"whole batches with engine.execute_schedule(batch) (the Trainer does)")
 
     def backward(self, loss: torch.Tensor) -> None:
         raise RuntimeError(f"[rank {gpc.rank}] engine.backward does not apply to a pipeline stage: "
@@ -172,15 +189,22 @@ class PipelineEngine(Engine):
         for chunk in self.chunks:  # replicas start the batch with the same BatchNorm statistics
             if isinstance(chunk, DistributedDataParallel):
                 chunk.sync_buffers()
-        output, label, loss = self.schedule.forward_backward_step(self.chunks, batch, self._criterion, forward_only,
-                                                                  return_loss, loss_scale=self.optimizer.loss_scale)
+        output, label, loss = self.schedule.forward_backward_step(
+            self.chunks,
+            batch,
+            self._criterion,
+            forward_only,
+            return_loss,
+            loss_scale=self.optimizer.loss_scale,
+        )
         if label is not None and gpc.tensor_mode == "2d":  # per micro-batch row blocks, in order
             M = self.schedule.num_microbatches
             label = torch.cat([labels_of_output(part) for part in label.tensor_split(M)])
         return output, label, loss
 
 
-def _amp_settings(fp16: dict, cpu_half: Optional[torch.dtype] = torch.bfloat16) -> tuple[str, Optional[dict]]:
+def _amp_settings(fp16: dict,
+                  cpu_half: Optional[torch.dtype] = torch.bfloat16) -> tuple[str, Optional[dict]]:
     """fp16=dict(mode=AMP_TYPE.X, ...) -> (opt_level, keyword arguments for amp.initialize), or
     (opt_level, None) on a CPU with no fast half-precision kernels (`cpu_half` None): float32."""
     fp16 = dict(fp16)
@@ -188,18 +212,22 @@ def _amp_settings(fp16: dict, cpu_half: Optional[torch.dtype] = torch.bfloat16) 
     if "initial_scale" in fp16:  # Colossal-AI's spelling for the naive mode
         fp16["init_scale"] = fp16.pop("initial_scale")
     fp16.pop("enabled", None)
-    opt_level = {AMP_TYPE.TORCH: "O1", AMP_TYPE.NAIVE: "O2"}.get(mode) or fp16.pop("opt_level", "O1")
+    opt_level = {AMP_TYPE.TORCH: "O1",
+                 AMP_TYPE.NAIVE: "O2"}.get(mode) or fp16.pop("opt_level", "O1")
     fp16.pop("opt_level", None)
     if isinstance(fp16.get("dtype"), str):
         fp16["dtype"] = getattr(torch, fp16["dtype"])
     if "dtype" not in fp16 and gpc.device.type == "cpu":
         # CPUs have no fast fp16 kernels; bf16 (fp32's range: no loss scaling) where it is fast
         if cpu_half is None:
-            get_dist_logger().info("fp16 on CPU: this CPU has no fast half-precision kernels (measured), so "
-                                   "computing in float32; set fp16=dict(..., dtype='bfloat16') to force bf16")
+            get_dist_logger().info("fp16 on CPU: this CPU has no fast half-precision kernels "
+                                   "(measured), so computing in float32; set fp16=dict(..., "
+                                   "dtype='bfloat16') to "
+                                   "force bf16")
             return opt_level, None
         fp16["dtype"] = cpu_half
-        get_dist_logger().info("fp16 on CPU: computing in bfloat16 (CPUs have no fast float16 kernels); "
+        get_dist_logger().info("fp16 on CPU: computing in bfloat16 (CPUs have no fast float16 "
+                               "kernels); "
                                "set fp16=dict(..., dtype='float16') to force float16")
     return opt_level, fp16
 
@@ -209,18 +237,22 @@ def _pipeline_schedule(model: nn.Module):
     from ..pipeline import PipelineChunks, PipelineStage, make_schedule
     cfg = gpc.config
     if not isinstance(model, (PipelineStage, PipelineChunks)):
-        raise ConfigError(f"[rank {gpc.rank}] parallel.pipeline={gpc.pipeline_size} but the model is a whole "
-                          f"{type(model).__name__}; pass build_pipeline_model(model) (this rank's stage) to initialize")
+        raise ConfigError(f"[rank {gpc.rank}] parallel.pipeline={gpc.pipeline_size} but the model "
+                          f"is a whole {type(model).__name__}; pass build_pipeline_model(model) "
+                          f"(this rank's "
+                          f"stage) to initialize")
     if "NUM_MICRO_BATCHES" not in cfg:
-        raise ConfigError(f"[rank {gpc.rank}] parallel.pipeline={gpc.pipeline_size} needs NUM_MICRO_BATCHES in the "
-                          f"config (at least {gpc.pipeline_size})")
+        raise ConfigError(f"[rank {gpc.rank}] parallel.pipeline={gpc.pipeline_size} needs "
+                          f"NUM_MICRO_BATCHES in the config (at least {gpc.pipeline_size})")
     if cfg.get("gradient_accumulation", 1) > 1:
-        raise ConfigError(f"[rank {gpc.rank}] gradient_accumulation is not combined with pipelines: micro-batches "
-                          f"already accumulate; raise NUM_MICRO_BATCHES (and the batch size) instead")
+        raise ConfigError(f"[rank {gpc.rank}] gradient_accumulation is not combined with "
+                          f"pipelines: micro-batches already accumulate; raise NUM_MICRO_BATCHES "
+                          f"(and the batch size) instead")
     chunks = len(model) if isinstance(model, PipelineChunks) else 1
     if cfg.get("NUM_CHUNKS", 1) != chunks:
-        raise ConfigError(f"[rank {gpc.rank}] NUM_CHUNKS={cfg.get('NUM_CHUNKS', 1)} but the stage has {chunks} "
-                          f"chunk(s); pass num_chunks=NUM_CHUNKS to build_pipeline_model")
+        raise ConfigError(f"[rank {gpc.rank}] NUM_CHUNKS={cfg.get('NUM_CHUNKS', 1)} but the stage "
+                          f"has {chunks} chunk(s); pass num_chunks=NUM_CHUNKS to "
+                          f"build_pipeline_model")
     name = cfg.get("PIPELINE_SCHEDULE", "interleaved" if chunks > 1 else "1f1b")
     try:
         return make_schedule(name, cfg.NUM_MICRO_BATCHES, chunks, cfg.get("TENSOR_SHAPE"))
@@ -232,14 +264,17 @@ def _describe(features: list[str]) -> str:
     return f"initialize: {', '.join(features) or 'plain fp32, single process'}"
 
 
-def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Optional[Callable] = None,
-               train_dataloader: Optional[DataLoader] = None, test_dataloader: Optional[DataLoader] = None,
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
+               criterion: Optional[Callable] = None, train_dataloader: Optional[DataLoader] = None,
+               test_dataloader: Optional[DataLoader] = None,
                lr_scheduler: Any = None, verbose: bool = True):
-    """Apply gpc.config to the training components; returns (engine, train_dl, test_dl, lr_scheduler).
+    """Apply gpc.config to the training components; returns (engine, train_dl, test_dl,
+    lr_scheduler).
 
     The tutorial's sequence: SyncBN -> AMP -> DDP or pipeline -> Engine."""
     cfg = gpc.config
-    schedule = _pipeline_schedule(model) if gpc.pipeline_size > 1 else None  # check before changing anything
+    # check before changing anything
+    schedule = _pipeline_schedule(model) if gpc.pipeline_size > 1 else None
     if gpc.tensor_size > 1:
         _check_tensor_parallel_model(model)
     model = model.to(gpc.device)
@@ -253,20 +288,24 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Op
     # 2. AMP: may change parameter dtypes (O2/O3), so it comes before DDP buckets them
     if cfg.get("fp16") is not None:
         needs_probe = gpc.device.type == "cpu" and "dtype" not in cfg.fp16
-        opt_level, kwargs = _amp_settings(cfg.fp16, amp.cpu_half_dtype() if needs_probe else torch.bfloat16)
+        opt_level, kwargs = _amp_settings(
+            cfg.fp16, amp.cpu_half_dtype() if needs_probe else torch.bfloat16
+        )
         name = f"AMP {opt_level} ({AMP_TYPE.parse(cfg.fp16.mode).name})"
         if kwargs is None:  # a CPU without fast half precision: the same training, in float32
             optimizer = MixedPrecisionOptimizer(optimizer)
             features.append(f"{name} in float32 on this CPU")
         else:
-            model, optimizer = amp.initialize(model, optimizer, opt_level, device_type=gpc.device.type, **kwargs)
+            model, optimizer = amp.initialize(model, optimizer, opt_level,
+                                              device_type=gpc.device.type, **kwargs)
             features.append(name)
     else:
         optimizer = MixedPrecisionOptimizer(optimizer)  # fp32: no scaling, same interface
 
     # 3. data parallelism (and, for a pipeline stage, its schedule) -> 4. the Engine
     clip = cfg.get("clip_grad_norm", 0.0)
-    ddp_options = dict(cfg.get("ddp", {}))  # bucket_cap_mb, gradient_as_bucket_view, compress ("bf16")
+    # bucket_cap_mb, gradient_as_bucket_view, compress ("bf16")
+    ddp_options = dict(cfg.get("ddp", {}))
     handler = None
     if cfg.get("gradient_handler") and gpc.data_size > 1:  # Colossal-AI's after-backward all-reduce
         handler = DataParallelGradientHandler(model)
@@ -275,18 +314,26 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Op
         features.insert(0, f"tensor parallel {gpc.tensor_mode} x{gpc.tensor_size}")
     if schedule is not None:
         chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
-        if gpc.data_size > 1 and handler is None:  # each chunk is its own DDP unit, averaged over its data group
+        # each chunk is its own DDP unit, averaged over its data group
+        if gpc.data_size > 1 and handler is None:
             # buffers are synced once per batch by the engine, not on every micro-batch's forward
-            chunks = [DistributedDataParallel(chunk, **{**ddp_options, "broadcast_buffers": False}) for chunk in chunks]
+            chunks = [
+                DistributedDataParallel(chunk, **{**ddp_options, "broadcast_buffers": False})
+                for chunk in chunks
+            ]
             features.append(f"data parallel x{gpc.data_size}")
         features.insert(0, f"pipeline {schedule.name} x{gpc.pipeline_size} stages, "
-                           f"{schedule.num_microbatches} micro-batches, {schedule.num_chunks} chunk(s)")
-        engine: Engine = PipelineEngine(model, optimizer, criterion, schedule, chunks, clip, handler)
+                           f"{schedule.num_microbatches} micro-batches, {schedule.num_chunks} "
+                        f"chunk(s)")
+        engine: Engine = PipelineEngine(model, optimizer, criterion, schedule, chunks, clip,
+                                        handler)
     else:
         forward_module = model
         if gpc.data_size > 1 and handler is None:
             forward_module = DistributedDataParallel(model, **ddp_options)
-            features.append(f"DDP x{gpc.data_size}" + "".join(f", {k}={v}" for k, v in ddp_options.items()))
+            features.append(
+                f"DDP x{gpc.data_size}" + "".join(f", {k}={v}" for k, v in ddp_options.items())
+            )
         accumulation = cfg.get("gradient_accumulation", 1)
         if accumulation > 1:
             features.append(f"gradient accumulation x{accumulation}")

@@ -18,5 +18,5 @@ from .layers import (
                      reset_1d_alternation,
 )
 
-__all__ = ["lr_scheduler", "metric", "Classifier", "CrossEntropyLoss", "Dropout", "Embedding", "LayerNorm",
-           "Linear", "PatchEmbedding", "reset_1d_alternation"]
+__all__ = ["lr_scheduler", "metric", "Classifier", "CrossEntropyLoss", "Dropout", "Embedding",
+           "LayerNorm", "Linear", "PatchEmbedding", "reset_1d_alternation"]

@@ -1,9 +1,9 @@
 """Layers that follow the job's tensor-parallel mode, so one model definition runs everywhere.
 
-    parallel.tensor mode   nc.nn.Linear                  nc.nn.LayerNorm   nc.nn.Classifier   nc.nn.CrossEntropyLoss
-    (none)                 torch.nn.Linear               torch LayerNorm   torch Linear       torch CrossEntropyLoss
-    '1d'                   column, row, column, ...      torch LayerNorm   Classifier1D       torch CrossEntropyLoss
-    '2d'                   Linear2D (SUMMA)              LayerNorm2D       Classifier2D       CrossEntropyLoss2D
+    tensor mode  nc.nn.Linear            nc.nn.LayerNorm  nc.nn.Classifier  nc.nn.CrossEntropyLoss
+    (none)       torch.nn.Linear         torch LayerNorm  torch Linear      torch's
+    '1d'         column, row, column...  torch LayerNorm  Classifier1D      torch's
+    '2d'         Linear2D (SUMMA)        LayerNorm2D      Classifier2D      CrossEntropyLoss2D
 
 In 1d, Linears alternate automatically, as Colossal-AI's Linear1D does: the first is
 column-parallel (output split), the next row-parallel (input split, output whole), so a
@@ -84,7 +84,9 @@ class Dropout(nn.Dropout):
     def __init__(self, p: float = 0.5, sharded: bool | None = None) -> None:
         super().__init__(p)
         if sharded is None:
-            sharded = gpc.tensor_mode == "2d" or (gpc.tensor_mode == "1d" and _state["1d_input_is_split"])
+            sharded = gpc.tensor_mode == "2d" or (
+                gpc.tensor_mode == "1d" and _state["1d_input_is_split"]
+            )
         self.sharded = sharded
 
     def forward(self, x):

@@ -5,7 +5,7 @@ LRSchedulerHook steps by epoch, optimizer steps when it steps per iteration -- a
 every parameter group's base learning rate `base` at step t = 0, 1, ...:
 
     CosineAnnealingLR        t < w: base * (t + 1) / w            (warm-up, w = warmup_steps)
-                             else:  eta_min + (base - eta_min) * (1 + cos(pi * (t - w) / (T - w))) / 2
+                             else:  eta_min + (base - eta_min) * (1 + cos(pi * (t-w) / (T-w))) / 2
     CosineAnnealingWarmupLR  the same (Colossal-AI's name when w > 0)
     LinearWarmupLR           t < w: base * (t + 1) / (w + 1)   else: base * (T - t) / (T - w)
     MultiStepLR              base * gamma ** (number of milestones <= t)
@@ -26,8 +26,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-__all__ = ["CosineAnnealingLR", "CosineAnnealingWarmupLR", "ExponentialLR", "LinearWarmupLR", "MultiStepLR",
-           "PolynomialLR", "StepLR"]
+__all__ = ["CosineAnnealingLR", "CosineAnnealingWarmupLR", "ExponentialLR", "LinearWarmupLR",
+           "MultiStepLR", "PolynomialLR", "StepLR"]
 
 
 def _per_group(optimizer: torch.optim.Optimizer, rule: Callable[[int, float], float]) -> list:
@@ -36,8 +36,10 @@ def _per_group(optimizer: torch.optim.Optimizer, rule: Callable[[int, float], fl
     return [lambda t, b=base: rule(t, b) / b if b else 0.0 for base in bases]
 
 
-def _warmup_then(T: int, w: int, decay: Callable[[float, float], float]) -> Callable[[int, float], float]:
-    """lr(t, base): linear warm-up over w steps, then decay(progress in [0, 1], base), held after T."""
+def _warmup_then(T: int, w: int,
+                 decay: Callable[[float, float], float]) -> Callable[[int, float], float]:
+    """lr(t, base): linear warm-up over w steps, then decay(progress in [0, 1], base), held after
+    T."""
     def lr(t: int, base: float) -> float:
         if t < w:
             return base * (t + 1) / w
@@ -47,16 +49,19 @@ def _warmup_then(T: int, w: int, decay: Callable[[float, float], float]) -> Call
 
 def _check(total_steps: int, warmup_steps: int) -> None:
     if total_steps < 1 or not 0 <= warmup_steps < total_steps:
-        raise ValueError(f"need total_steps >= 1 and 0 <= warmup_steps < total_steps, got {total_steps}, "
-                         f"{warmup_steps}")
+        raise ValueError(f"need total_steps >= 1 and 0 <= warmup_steps < total_steps, got "
+                         f"{total_steps}, {warmup_steps}")
 
 
 class CosineAnnealingLR(LambdaLR):
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
                  eta_min: float = 0.0, last_epoch: int = -1) -> None:
         _check(total_steps, warmup_steps)
-        lr = _warmup_then(total_steps, warmup_steps,
-                          lambda p, base: eta_min + (base - eta_min) * (1 + math.cos(math.pi * p)) / 2)
+        lr = _warmup_then(
+            total_steps,
+            warmup_steps,
+            lambda p, base: eta_min + (base - eta_min) * (1 + math.cos(math.pi * p)) / 2,
+        )
         super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
 
 
@@ -80,28 +85,35 @@ class LinearWarmupLR(LambdaLR):
 
 
 class MultiStepLR(LambdaLR):
-    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, milestones: Optional[Sequence[int]] = None,
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int,
+                 milestones: Optional[Sequence[int]] = None,
                  gamma: float = 0.1, last_epoch: int = -1) -> None:
         _check(total_steps, 0)
         marks = sorted(milestones or [])
-        super().__init__(optimizer, _per_group(optimizer, lambda t, base: base * gamma ** bisect_right(marks, t)),
+        super().__init__(optimizer, _per_group(optimizer, lambda t,
+                                               base: base * gamma ** bisect_right(marks, t)),
                          last_epoch)
 
 
 class StepLR(LambdaLR):
-    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, step_size: int = 1, gamma: float = 0.1,
-                 last_epoch: int = -1) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, step_size: int = 1,
+                 gamma: float = 0.1, last_epoch: int = -1) -> None:
         _check(total_steps, 0)
-        super().__init__(optimizer, _per_group(optimizer, lambda t, base: base * gamma ** (min(t, total_steps)
-                                                                                            // step_size)),
-                         last_epoch)
+        super().__init__(
+            optimizer,
+            _per_group(
+                optimizer, lambda t, base: base * gamma ** (min(t, total_steps) // step_size)
+            ),
+            last_epoch,
+        )
 
 
 class ExponentialLR(LambdaLR):
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, gamma: float = 1.0,
                  last_epoch: int = -1) -> None:
         _check(total_steps, 0)
-        super().__init__(optimizer, _per_group(optimizer, lambda t, base: base * gamma ** min(t, total_steps)),
+        super().__init__(optimizer,
+                         _per_group(optimizer, lambda t, base: base * gamma ** min(t, total_steps)),
                          last_epoch)
 
 
@@ -109,5 +121,6 @@ class PolynomialLR(LambdaLR):
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, end_lr: float = 0.0001,
                  power: float = 1.0, warmup_steps: int = 0, last_epoch: int = -1) -> None:
         _check(total_steps, warmup_steps)
-        lr = _warmup_then(total_steps, warmup_steps, lambda p, base: (base - end_lr) * (1 - p) ** power + end_lr)
+        lr = _warmup_then(total_steps, warmup_steps, lambda p,
+                          base: (base - end_lr) * (1 - p) ** power + end_lr)
         super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)

@@ -1,4 +1,4 @@
-"""`colossalai.nn.metric`: the tutorials' `Accuracy` is nanocolossal.metrics.Accuracy (exact over ranks)."""
+"""`colossalai.nn.metric`: the tutorials' `Accuracy`, i.e. nanocolossal.metrics.Accuracy."""
 from ..metrics import Accuracy
 
 __all__ = ["Accuracy"]

@@ -1,4 +1,7 @@
-"""python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--chunks 2] [--schedule 1f1b|gpipe|interleaved]
+"""Show a pipeline schedule without starting processes:
+
+    python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--chunks 2]
+                                    [--schedule 1f1b|gpipe|interleaved]
 
 Prints a schedule's timeline (one row per rank) and its bubble, and checks the plan by
 simulating it. No processes are started.
@@ -10,8 +13,10 @@ from .plan import PlanError, all_plans, render, simulate
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanocolossal.pipeline", description=__doc__.splitlines()[2])
-    parser.add_argument("--show", action="store_true", help="print the timeline (the default action)")
+    parser = argparse.ArgumentParser(prog="python -m nanocolossal.pipeline",
+                                     description=__doc__.splitlines()[2])
+    parser.add_argument("--show", action="store_true",
+                        help="print the timeline (the default action)")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--chunks", type=int, default=1)
@@ -21,12 +26,13 @@ def main(argv=None) -> int:
     schedule = args.schedule or ("interleaved" if args.chunks > 1 else "1f1b")
     try:
         print(render(schedule, args.stages, args.microbatches, args.chunks))
-        held = simulate(all_plans(schedule, args.stages, args.microbatches, args.chunks), args.stages,
-                        args.chunks)["max_in_flight"]
+        held = simulate(all_plans(schedule, args.stages, args.microbatches, args.chunks),
+                        args.stages, args.chunks)["max_in_flight"]
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("micro-batches in flight per rank (peak): " + ", ".join(f"rank {r}: {n}" for r, n in enumerate(held)))
+    print("micro-batches in flight per rank "
+          "(peak): " + ", ".join(f"rank {r}: {n}" for r, n in enumerate(held)))
     return 0
 
 

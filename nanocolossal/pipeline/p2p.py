@@ -30,8 +30,8 @@ import torch.distributed as dist
 from ..context import gpc
 from .plan import Transfer
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
-           torch.bool]
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+           torch.uint8, torch.bool]
 _META_LEN = 10  # dtype code, ndim, up to 8 dimensions
 
 
@@ -41,16 +41,22 @@ def _key(t: Transfer) -> tuple:
 
 def _tag(t: Transfer, meta: bool = False) -> int:
     """A distinct 31-bit tag: message kind (2 bits), source virtual stage (9), micro-batch (20)."""
-    return ((2 if meta else (1 if t.what == "grad" else 0)) << 29) | ((t.src % 512) << 20) | (t.mb % 2**20)
+    return (
+        ((2 if meta else (1 if t.what == "grad" else 0)) << 29)
+        | ((t.src % 512) << 20)
+        | (t.mb % 2**20)
+    )
 
 
 class StageComm:
     """One rank's pipeline messaging: P stages, boundaries between virtual stages v -> v + 1."""
 
-    def __init__(self, tensor_shape: Optional[Sequence[int]] = None, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, tensor_shape: Optional[Sequence[int]] = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.P = gpc.pipeline_size
         self.fixed = (tuple(tensor_shape), dtype) if tensor_shape is not None else None
-        self.shapes: dict[tuple, tuple] = {}  # (boundary = source virtual stage, mb size) -> (shape, dtype)
+        # (boundary = source virtual stage, mb size) -> (shape, dtype)
+        self.shapes: dict[tuple, tuple] = {}
         self.sizes: list[int] = []            # this batch's micro-batch sizes (set by the schedule)
         self._sending: list[tuple] = []     # (work, tensor) of sends not yet known to be complete
 
@@ -69,7 +75,8 @@ class StageComm:
             return
         try:
             works = dist.batch_isend_irecv(ops)
-            if len(works) != len(ops):  # coalesced (NCCL): one handle for the whole batch, wait for it
+            # coalesced (NCCL): one handle for the whole batch, wait for it
+            if len(works) != len(ops):
                 for work in works:
                     work.wait()
                 return
@@ -80,9 +87,11 @@ class StageComm:
                     work.wait()
         except RuntimeError as e:
             peers = sorted({op.peer for op in ops})
-            raise RuntimeError(f"[rank {gpc.rank}] pipeline transfer with rank(s) {peers} failed at {where} "
-                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); a peer may have "
-                               f"stopped or timed out (timeout {gpc.timeout.total_seconds():.0f} s)") from e
+            raise RuntimeError(f"[rank {gpc.rank}] pipeline transfer with rank(s) {peers} failed "
+                               f"at {where} "
+                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); a "
+                               f"peer may have stopped or timed out (timeout "
+                               f"{gpc.timeout.total_seconds():.0f} s)") from e
 
     def flush(self, where: str = "end of batch") -> None:
         """Wait for every send still in flight (sends are not waited for when posted: a rank goes
@@ -91,7 +100,8 @@ class StageComm:
             for work, _ in self._sending:
                 work.wait()
         except RuntimeError as e:
-            raise RuntimeError(f"[rank {gpc.rank}] a pipeline send did not complete at {where}: {e}") from e
+            raise RuntimeError(f"[rank {gpc.rank}] a pipeline send did not complete at {where}: "
+                               f"{e}") from e
         finally:
             self._sending = []
 
@@ -104,7 +114,8 @@ class StageComm:
                 self.shapes[(t.src, self.sizes[t.mb])] = (tuple(x.shape), x.dtype)
                 meta = torch.zeros(_META_LEN, dtype=torch.int64)
                 meta[:2 + x.dim()] = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape])
-                ops.append(dist.P2POp(dist.isend, meta.to(gpc.device), self._rank(t.dst), tag=_tag(t, True)))
+                ops.append(dist.P2POp(dist.isend, meta.to(gpc.device), self._rank(t.dst),
+                                      tag=_tag(t, True)))
         for t in sorted(recvs, key=_key):
             if t.what == "act" and self._meta_of(t.src, t.mb) is None:
                 meta = torch.zeros(_META_LEN, dtype=torch.int64, device=gpc.device)
@@ -119,9 +130,11 @@ class StageComm:
         """Post all sends ({Transfer: tensor}) and receives together; returns {Transfer: tensor}."""
         for t, x in sends.items():
             if t.what == "act" and x.dim() + 2 > _META_LEN:
-                raise ValueError(f"[rank {gpc.rank}] stage output has {x.dim()} dimensions; at most {_META_LEN - 2}")
+                raise ValueError(f"[rank {gpc.rank}] stage output has {x.dim()} dimensions; at "
+                                 f"most {_META_LEN - 2}")
             if t.what == "act" and x.dtype not in _DTYPES:
-                raise ValueError(f"[rank {gpc.rank}] stage output dtype {x.dtype} cannot be sent between stages")
+                raise ValueError(f"[rank {gpc.rank}] stage output dtype {x.dtype} cannot be sent "
+                                 f"between stages")
         self._handshake(sends, recvs, where)
         ops, received = [], {}
         for t in sorted(sends, key=_key):
@@ -130,10 +143,11 @@ class StageComm:
             if tuple(x.shape) != shape or x.dtype != dtype:
                 peer = self._rank(t.dst)
                 raise RuntimeError(
-                    f"[rank {gpc.rank}] {where}: the {t.what} of micro-batch {t.mb} for rank {peer} has shape "
-                    f"{tuple(x.shape)} and dtype {x.dtype}, but rank {gpc.rank} and rank {peer} agreed on "
-                    f"{shape} {dtype} for micro-batches of this size; a stage must give the same shape for the same "
-                    f"number of samples, or set TENSOR_SHAPE correctly")
+                    f"[rank {gpc.rank}] {where}: the {t.what} of micro-batch {t.mb} for rank "
+                    f"{peer} has shape {tuple(x.shape)} and dtype {x.dtype}, but rank {gpc.rank} "
+                    f"and rank {peer} agreed on {shape} {dtype} for micro-batches of this size; a "
+                    f"stage must give the same shape for the same number of samples, or set "
+                    f"TENSOR_SHAPE correctly")
             ops.append(dist.P2POp(dist.isend, x.contiguous(), self._rank(t.dst), tag=_tag(t)))
         for t in sorted(recvs, key=_key):
             shape, dtype = self._meta_of(t.src if t.what == "act" else t.dst, t.mb)

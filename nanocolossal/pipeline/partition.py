@@ -61,11 +61,13 @@ class PipelineChunks(nn.ModuleList):
         mine = set()
         for chunk in self:
             keys = set(chunk.state_dict())
-            chunk.load_state_dict({k: v for k, v in state_dict.items() if k in keys}, strict=strict, assign=assign)
+            chunk.load_state_dict({k: v for k, v in state_dict.items() if k in keys},
+                                  strict=strict, assign=assign)
             mine |= keys
         unexpected = sorted(set(state_dict) - mine)
         if strict and unexpected:
-            raise RuntimeError(f"[rank {gpc.rank}] unexpected keys for this pipeline stage: {unexpected[:5]}")
+            raise RuntimeError(f"[rank {gpc.rank}] unexpected keys for this pipeline stage: "
+                               f"{unexpected[:5]}")
 
 
 def balanced_split(costs: Sequence[float], parts: int) -> list[int]:
@@ -123,14 +125,19 @@ def partition_sizes(layers: nn.Sequential, parts: int, partition: Union[str, Seq
     """(layer counts per part, cost per layer) for the chosen method."""
     n = len(layers)
     if n < parts:
-        raise ValueError(f"[rank {gpc.rank}] the model has {n} layers but the pipeline needs {parts} parts "
-                         f"(pipeline size x NUM_CHUNKS); use fewer stages/chunks or split the model into more layers")
+        raise ValueError(f"[rank {gpc.rank}] the model has {n} layers but the pipeline needs "
+                         f"{parts} parts (pipeline size x NUM_CHUNKS); use fewer stages/chunks or "
+                         f"split the model into more layers")
     params = [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
     if not isinstance(partition, str):
         sizes = list(partition)
-        if len(sizes) != parts or any(not isinstance(s, int) or s < 1 for s in sizes) or sum(sizes) != n:
-            raise ValueError(f"[rank {gpc.rank}] partition {sizes} must be {parts} positive layer counts summing to "
-                             f"{n}, the number of layers")
+        if (
+            len(sizes) != parts
+            or any(not isinstance(s, int) or s < 1 for s in sizes)
+            or sum(sizes) != n
+        ):
+            raise ValueError(f"[rank {gpc.rank}] partition {sizes} must be {parts} positive layer "
+                             f"counts summing to {n}, the number of layers")
         return sizes, params
     if partition == "uniform":
         return [n // parts + (1 if k < n % parts else 0) for k in range(parts)], [1.0] * n
@@ -138,13 +145,19 @@ def partition_sizes(layers: nn.Sequential, parts: int, partition: Union[str, Seq
         return balanced_split(params, parts), params
     if partition == "profile":
         if sample_input is None:
-            raise ValueError(f"[rank {gpc.rank}] partition='profile' needs sample_input=<one input batch>")
-        costs = [_profile_costs(layers, sample_input)] if gpc.rank == 0 or not gpc.is_initialized else [None]
+            raise ValueError(f"[rank {gpc.rank}] partition='profile' needs sample_input=<one input "
+                             f"batch>")
+        costs = (
+            [_profile_costs(layers, sample_input)]
+            if gpc.rank == 0 or not gpc.is_initialized
+            else [None]
+        )
         if gpc.is_initialized and gpc.world_size > 1:
-            dist.broadcast_object_list(costs, src=0)  # one measurement, so every rank cuts the same way
+            # one measurement, so every rank cuts the same way
+            dist.broadcast_object_list(costs, src=0)
         return balanced_split(costs[0], parts), costs[0]
-    raise ValueError(f"[rank {gpc.rank}] unknown partition {partition!r}; use 'uniform', 'parameters', 'profile' "
-                     f"or a list of layer counts")
+    raise ValueError(f"[rank {gpc.rank}] unknown partition {partition!r}; use 'uniform', "
+                     f"'parameters', 'profile' or a list of layer counts")
 
 
 def build_pipeline_model(layers: nn.Sequential, num_chunks: int = 1,
@@ -153,14 +166,16 @@ def build_pipeline_model(layers: nn.Sequential, num_chunks: int = 1,
     """This rank's part of `layers`: a PipelineStage, or PipelineChunks of num_chunks stages."""
     if not isinstance(layers, nn.Sequential):
         raise TypeError(f"[rank {gpc.rank}] build_pipeline_model needs an nn.Sequential (got "
-                        f"{type(layers).__name__}); write the model as nn.Sequential(stem, block1, ..., head)")
+                        f"{type(layers).__name__}); write the model as nn.Sequential(stem, block1, "
+                        f"..., head)")
     P, V = gpc.pipeline_size, num_chunks
     sizes, costs = partition_sizes(layers, P * V, partition, sample_input)
     starts = [sum(sizes[:k]) for k in range(P * V)]
     if verbose:
         unit = "s" if partition == "profile" else ""
         lines = [f"pipeline partition ({partition if isinstance(partition, str) else 'explicit'}), "
-                 f"{P} stage(s) x {V} chunk(s):", "  part  rank  chunk  layers      params      cost"]
+                 f"{P} stage(s) x {V} chunk(s):",
+                 "  part  rank  chunk  layers      params      cost"]
         for k in range(P * V):
             a, b = starts[k], starts[k] + sizes[k]
             n_params = sum(p.numel() for layer in layers[a:b] for p in layer.parameters())

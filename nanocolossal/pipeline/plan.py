@@ -81,15 +81,16 @@ def check_sizes(schedule: str, P: int, M: int, V: int) -> None:
     if P < 1 or M < 1 or V < 1:
         raise PlanError(f"stages, micro-batches and chunks must be >= 1, got P={P}, M={M}, V={V}")
     if schedule != "interleaved" and V != 1:
-        raise PlanError(f"{schedule} runs one chunk per rank; use the interleaved schedule for NUM_CHUNKS={V}")
+        raise PlanError(f"{schedule} runs one chunk per rank; use the interleaved schedule for "
+                        f"NUM_CHUNKS={V}")
     if schedule == "interleaved" and P < 2:
         raise PlanError("the interleaved schedule needs at least 2 pipeline stages")
     if schedule == "interleaved" and M % P != 0:
-        raise PlanError(f"the interleaved schedule needs NUM_MICRO_BATCHES a multiple of the pipeline size: "
-                        f"M={M}, P={P}; use M={((M + P - 1) // P) * P}")
+        raise PlanError(f"the interleaved schedule needs NUM_MICRO_BATCHES a multiple of the "
+                        f"pipeline size: M={M}, P={P}; use M={((M + P - 1) // P) * P}")
     if M < P:
-        raise PlanError(f"NUM_MICRO_BATCHES={M} is smaller than the pipeline size {P}: stages would idle most of "
-                        f"the time; use at least {P} micro-batches")
+        raise PlanError(f"NUM_MICRO_BATCHES={M} is smaller than the pipeline size {P}: stages "
+                        f"would idle most of the time; use at least {P} micro-batches")
 
 
 def warmup_count(schedule: str, P: int, M: int, V: int, rank: int) -> int:
@@ -98,7 +99,8 @@ def warmup_count(schedule: str, P: int, M: int, V: int, rank: int) -> int:
         return M * V
     if schedule == "1f1b":
         return min(P - rank - 1, M)
-    if M == P:  # Megatron: with one group of micro-batches interleaving degenerates to all-forward-first
+    # Megatron: with one group of micro-batches interleaving degenerates to all-forward-first
+    if M == P:
         return M * V
     return min((P - rank - 1) * 2 + (V - 1) * P, M * V)
 
@@ -125,7 +127,8 @@ def _interleaved_step(k: int, kind: str, P: int, V: int) -> Compute:
     return Compute(kind, chunk if kind == "F" else V - 1 - chunk, group * P + within % P)
 
 
-def _units(schedule: str, P: int, M: int, V: int, rank: int, forward_only: bool) -> list[list[Compute]]:
+def _units(schedule: str, P: int, M: int, V: int, rank: int,
+           forward_only: bool) -> list[list[Compute]]:
     """The compute steps of one rank, grouped into units that run with no communication between
     them: warm-up forwards alone, then (forward, backward) pairs, then the remaining backwards."""
     check_sizes(schedule, P, M, V)
@@ -147,17 +150,20 @@ def _units(schedule: str, P: int, M: int, V: int, rank: int, forward_only: bool)
     # cool-down: the backwards of the micro-batches still in flight drain the pipeline
     cooldown_units = [[b] for b in backwards[steady:]]
     units = warmup_units + steady_units + cooldown_units
-    if schedule != "interleaved":  # plain 1F1B communicates after every step, so activations leave at once
+    # plain 1F1B communicates after every step, so activations leave at once
+    if schedule != "interleaved":
         units = [[step] for unit in units for step in unit]
     return units
 
 
-def compute_order(schedule: str, P: int, M: int, V: int, rank: int, forward_only: bool = False) -> list[Compute]:
+def compute_order(schedule: str, P: int, M: int, V: int, rank: int,
+                  forward_only: bool = False) -> list[Compute]:
     """The forwards and backwards of one rank, in the order it runs them."""
     return [step for unit in _units(schedule, P, M, V, rank, forward_only) for step in unit]
 
 
-def build_plan(schedule: str, P: int, M: int, V: int, rank: int, forward_only: bool = False) -> list[Step]:
+def build_plan(schedule: str, P: int, M: int, V: int, rank: int,
+               forward_only: bool = False) -> list[Step]:
     """Compute steps with their communication. Between two units, one batch posts the previous
     unit's sends together with every receive the next unit needs. GPipe and 1F1B use units of
     one step (Megatron's send_forward_recv_backward and send_backward_recv_forward), so an
@@ -191,7 +197,8 @@ def build_plan(schedule: str, P: int, M: int, V: int, rank: int, forward_only: b
     return plan
 
 
-def all_plans(schedule: str, P: int, M: int, V: int = 1, forward_only: bool = False) -> list[list[Step]]:
+def all_plans(schedule: str, P: int, M: int, V: int = 1,
+              forward_only: bool = False) -> list[list[Step]]:
     return [build_plan(schedule, P, M, V, r, forward_only) for r in range(P)]
 
 
@@ -201,8 +208,9 @@ class DeadlockError(RuntimeError):
 
 def simulate(plans: list[list[Step]], P: int, V: int = 1) -> dict:
     """Run plans symbolically with rendezvous semantics: a transfer completes only when the sender
-    and the receiver have both posted it. Returns {"max_in_flight": [per rank], "transfers": n}; raises
-    PlanError (or DeadlockError) where a plan computes before its input arrives or waits forever."""
+    and the receiver have both posted it. Returns {"max_in_flight": [per rank], "transfers": n};
+    raises PlanError (or DeadlockError) where a plan computes before its input arrives or waits
+    forever."""
     pos = [0] * len(plans)
     completed: set[Transfer] = set()
     received: list[set] = [set() for _ in plans]
@@ -241,7 +249,8 @@ def simulate(plans: list[list[Step]], P: int, V: int = 1) -> dict:
                         if (step.chunk, step.mb) not in done_f[r]:
                             raise PlanError(f"rank {r}: backward {step} before its forward")
                         if v < P * V - 1 and Transfer("grad", v + 1, v, step.mb) not in received[r]:
-                            raise PlanError(f"rank {r}: backward {step} before receiving its gradient")
+                            raise PlanError(f"rank {r}: backward {step} before receiving its "
+                                            f"gradient")
                         in_flight[r] -= 1
                 pos[r] += 1
                 progress = True
@@ -264,7 +273,11 @@ def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost:
             while idx[r] < len(orders[r]):
                 s = orders[r][idx[r]]
                 v = virtual_stage(s.chunk, r, P)
-                dep = ("F", v - 1, s.mb) if s.kind == "F" else (("B", v + 1, s.mb) if v < last else ("F", v, s.mb))
+                dep = (
+                    ("F", v - 1, s.mb)
+                    if s.kind == "F"
+                    else (("B", v + 1, s.mb) if v < last else ("F", v, s.mb))
+                )
                 if s.kind == "F" and v == 0:
                     dep = None
                 if dep is not None and dep not in end:
@@ -283,7 +296,7 @@ def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost:
 
 
 def chunk_name(chunk: int, V: int) -> str:
-    """Chunk suffix of a step label: none without interleaving, a, b, ... up to 26 chunks, then .12."""
+    """Chunk suffix of a step label: none without interleaving, else a, b, ..., z, then .26, ..."""
     if V == 1:
         return ""
     return string.ascii_lowercase[chunk] if V <= len(string.ascii_lowercase) else f".{chunk}"
@@ -307,6 +320,7 @@ def render(schedule: str, P: int, M: int, V: int = 1) -> str:
                 cells[time] = label
         lines.append(f"rank {r} |{''.join(cells)}|")
     ideal = (P - 1) / (V * M + P - 1)
-    lines.append(f"{schedule}: P={P} stages, M={M} micro-batches, V={V} chunk(s); bubble {t['bubble']:.1%} "
-                 f"(formula (P-1)/(V*M+P-1) = {ideal:.1%}); chunks a, b, ... when interleaved")
+    lines.append(f"{schedule}: P={P} stages, M={M} micro-batches, V={V} chunk(s); bubble "
+                 f"{t['bubble']:.1%} (formula (P-1)/(V*M+P-1) = {ideal:.1%}); chunks a, b, ... "
+                 f"when interleaved")
     return "\n".join(lines)

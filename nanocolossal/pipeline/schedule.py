@@ -30,7 +30,17 @@ from torch import nn
 from ..context import gpc
 from ..ddp import DistributedDataParallel
 from .p2p import StageComm
-from .plan import SCHEDULES, Comm, Compute, PlanError, Transfer, build_plan, check_sizes, step_label, virtual_stage
+from .plan import (
+    SCHEDULES,
+    Comm,
+    Compute,
+    PlanError,
+    Transfer,
+    build_plan,
+    check_sizes,
+    step_label,
+    virtual_stage,
+)
 
 
 def _check(name: str, M: int, V: int) -> None:
@@ -43,17 +53,22 @@ def _check(name: str, M: int, V: int) -> None:
 class _Schedule:
     name = ""
 
-    def __init__(self, num_microbatches: int, tensor_shape: Optional[Sequence[int]] = None, num_chunks: int = 1):
-        self.num_microbatches, self.num_chunks, self.tensor_shape = num_microbatches, num_chunks, tensor_shape
+    def __init__(self, num_microbatches: int, tensor_shape: Optional[Sequence[int]] = None,
+                 num_chunks: int = 1):
+        self.num_microbatches, self.num_chunks = num_microbatches, num_chunks
+        self.tensor_shape = tensor_shape
         self._comm: Optional[StageComm] = None
         self.max_in_flight = 0  # most micro-batches whose activations were held at once (last call)
-        self.recorder: Optional[Callable[[str, float, float], None]] = None  # (step, start, end) wall times
+        # (step, start, end) wall times
+        self.recorder: Optional[Callable[[str, float, float], None]] = None
 
-    def plan(self, rank: Optional[int] = None, stages: Optional[int] = None, forward_only: bool = False) -> list:
+    def plan(self, rank: Optional[int] = None, stages: Optional[int] = None,
+             forward_only: bool = False) -> list:
         """This schedule's steps for `rank` of `stages` (default: this process), as plain data."""
         stages = gpc.pipeline_size if stages is None else stages
         rank = gpc.pipeline_rank if rank is None else rank
-        return build_plan(self.name, stages, self.num_microbatches, self.num_chunks, rank, forward_only)
+        return build_plan(self.name, stages, self.num_microbatches, self.num_chunks, rank,
+                          forward_only)
 
     def _split(self, batch: Any) -> tuple[list, list, torch.Tensor]:
         """M near-equal micro-batches (sizes differ by at most one: a last batch of 13 with M = 4
@@ -61,32 +76,39 @@ class _Schedule:
         inputs, labels = batch
         n, M = len(inputs), self.num_microbatches
         if n < M:
-            raise ValueError(f"[rank {gpc.rank}] batch size {n} is smaller than NUM_MICRO_BATCHES={M}; use batches "
-                             f"of at least {M} samples (or drop_last=True in the dataloader)")
-        inputs, labels = inputs.to(gpc.device, non_blocking=True), labels.to(gpc.device, non_blocking=True)
+            raise ValueError(f"[rank {gpc.rank}] batch size {n} is smaller than "
+                             f"NUM_MICRO_BATCHES={M}; use batches of at least {M} samples (or "
+                             f"drop_last=True in the dataloader)")
+        inputs, labels = inputs.to(gpc.device,
+                                   non_blocking=True), labels.to(gpc.device, non_blocking=True)
         return list(inputs.tensor_split(M)), list(labels.tensor_split(M)), labels
 
     def forward_backward_step(self, model: Any, batch: Any, criterion: Optional[Callable] = None,
-                              forward_only: bool = False, return_loss: bool = True, loss_scale: float = 1.0):
+                              forward_only: bool = False, return_loss: bool = True,
+                              loss_scale: float = 1.0):
         """Run one batch through the pipeline -> (output, label, loss); see the module docstring."""
         P, M, V = gpc.pipeline_size, self.num_microbatches, self.num_chunks
         _check(self.name, M, V)
         chunks = list(model) if isinstance(model, (nn.ModuleList, list, tuple)) else [model]
         if len(chunks) != V:
-            raise ValueError(f"[rank {gpc.rank}] {self.name} schedule expects {V} model chunk(s), got {len(chunks)}; "
-                             f"build the model with build_pipeline_model(..., num_chunks={V})")
+            raise ValueError(f"[rank {gpc.rank}] {self.name} schedule expects {V} model chunk(s), "
+                             f"got {len(chunks)}; build the model with build_pipeline_model(..., "
+                             f"num_chunks={V})")
         if self._comm is None:
             self._comm = StageComm(self.tensor_shape)
         x_mb, y_mb, labels = self._split(batch)
-        self._comm.sizes = [len(x) for x in x_mb]  # a new micro-batch size means new activation shapes
+        # a new micro-batch size means new activation shapes
+        self._comm.sizes = [len(x) for x in x_mb]
         run = _Run(self, chunks, criterion, forward_only, loss_scale, x_mb, y_mb)
         if any(run.is_last) and criterion is None and (return_loss or not forward_only):
-            raise ValueError(f"[rank {gpc.rank}] the last pipeline stage needs a criterion to compute the loss")
+            raise ValueError(f"[rank {gpc.rank}] the last pipeline stage needs a criterion to "
+                             f"compute the loss")
         for i, step in enumerate(run.plan):
             started = time.time() if self.recorder else 0.0
             if isinstance(step, Comm):
                 sends = {t: run.outbox.pop(t) for t in step.sends}
-                run.inbox.update(self._comm.exchange(sends, step.recvs, f"{self.name} step {i} of {len(run.plan)}"))
+                run.inbox.update(self._comm.exchange(sends, step.recvs,
+                                                     f"{self.name} step {i} of {len(run.plan)}"))
             elif step.kind == "F":
                 run.forward(step)
             else:
@@ -113,17 +135,20 @@ def _label(step, V: int) -> str:
 class _Run:
     """The state of one forward_backward_step: what is held, sent and received."""
 
-    def __init__(self, schedule: _Schedule, chunks: list, criterion, forward_only: bool, loss_scale: float,
-                 x_mb: list, y_mb: list) -> None:
+    def __init__(self, schedule: _Schedule, chunks: list, criterion, forward_only: bool,
+                 loss_scale: float, x_mb: list, y_mb: list) -> None:
         P, V = gpc.pipeline_size, schedule.num_chunks
-        self.M, self.P, self.chunks, self.criterion = schedule.num_microbatches, P, chunks, criterion
-        self.forward_only, self.loss_scale, self.x_mb, self.y_mb = forward_only, loss_scale, x_mb, y_mb
+        self.M, self.P, self.chunks = schedule.num_microbatches, P, chunks
+        self.criterion, self.forward_only, self.loss_scale = criterion, forward_only, loss_scale
+        self.x_mb, self.y_mb = x_mb, y_mb
         n = sum(len(y) for y in y_mb)
         self.share = [len(y) / n for y in y_mb]
         self.is_last = [virtual_stage(c, gpc.pipeline_rank, P) == P * V - 1 for c in range(V)]
         self.plan = schedule.plan(forward_only=forward_only)
-        self.last_backward = {s.chunk: i for i, s in enumerate(self.plan) if isinstance(s, Compute) and s.kind == "B"}
-        self.held: dict[tuple, tuple] = {}                 # (chunk, mb) -> (input, output or loss / M)
+        self.last_backward = {
+            s.chunk: i for i, s in enumerate(self.plan) if isinstance(s, Compute) and s.kind == "B"
+        }
+        self.held: dict[tuple, tuple] = {}  # (chunk, mb) -> (input, output or loss / M)
         self.outbox: dict[Transfer, torch.Tensor] = {}
         self.inbox: dict[Transfer, torch.Tensor] = {}
         self.outputs: list[torch.Tensor] = []
@@ -141,17 +166,19 @@ class _Run:
                 self.outputs.append(output.detach())
                 loss = None
                 if self.criterion is not None:
-                    # weighted by its share of the batch: the sum over micro-batches is the batch mean
+                    # weighted by its share of the batch: the sum over micro-batches is the batch
+                    # mean
                     loss = self.criterion(output, self.y_mb[m]) * self.share[m]
                     self.total_loss += loss.detach()
                 backward_from = loss
             elif not isinstance(output, torch.Tensor):
-                raise TypeError(f"[rank {gpc.rank}] pipeline part {v} returned {type(output).__name__}; "
-                                f"stages must return one tensor")
+                raise TypeError(f"[rank {gpc.rank}] pipeline part {v} returned "
+                                f"{type(output).__name__}; stages must return one tensor")
             else:
                 self.outbox[Transfer("act", v, v + 1, m)] = output.detach()
                 backward_from = output
-        if not self.forward_only:  # keep the graph (input, loss or output) until this micro-batch's backward
+        # keep the graph (input, loss or output) until this micro-batch's backward
+        if not self.forward_only:
             self.held[(c, m)] = (x, backward_from)
             self.max_in_flight = max(self.max_in_flight, len(self.held))
 
@@ -159,12 +186,14 @@ class _Run:
         c, m, v = step.chunk, step.mb, virtual_stage(step.chunk, gpc.pipeline_rank, self.P)
         x, backward_from = self.held.pop((c, m))
         # DDP averages a chunk's gradients once, during its last backward
-        defer = isinstance(self.chunks[c], DistributedDataParallel) and index != self.last_backward[c]
+        defer = isinstance(self.chunks[c],
+                           DistributedDataParallel) and index != self.last_backward[c]
         with self.chunks[c].no_sync() if defer else nullcontext():
             if self.is_last[c]:  # the loss, scaled for AMP
                 (backward_from * self.loss_scale).backward()
             else:  # the output, with the gradient the next stage sent back
-                torch.autograd.backward(backward_from, self.inbox.pop(Transfer("grad", v + 1, v, m)))
+                torch.autograd.backward(backward_from,
+                                        self.inbox.pop(Transfer("grad", v + 1, v, m)))
         if v > 0:
             self.outbox[Transfer("grad", v, v - 1, m)] = x.grad
 
@@ -189,14 +218,16 @@ class InterleavedPipelineSchedule(_Schedule):
     """Interleaved 1F1B over `num_chunks` model chunks per rank (Megatron's virtual pipeline)."""
     name = "interleaved"
 
-    def __init__(self, num_microbatches: int, num_chunks: int, tensor_shape: Optional[Sequence[int]] = None):
+    def __init__(self, num_microbatches: int, num_chunks: int,
+                 tensor_shape: Optional[Sequence[int]] = None):
         super().__init__(num_microbatches, tensor_shape, num_chunks)
 
 
 def make_schedule(name: str, num_microbatches: int, num_chunks: int = 1,
                   tensor_shape: Optional[Sequence[int]] = None) -> _Schedule:
     """A schedule by name: 'gpipe', '1f1b' or 'interleaved'."""
-    if gpc.pipeline_size > 1:  # launched: check against the real pipeline now, not at the first batch
+    # launched: check against the real pipeline now, not at the first batch
+    if gpc.pipeline_size > 1:
         _check(name, num_microbatches, num_chunks)
     elif name not in SCHEDULES:
         raise PlanError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")

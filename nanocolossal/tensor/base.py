@@ -38,7 +38,8 @@ def _axis(axis: str) -> tuple[int, int]:
 
 def axis_group(axis: str):
     """The group whose members hold the other parts along `axis`."""
-    return {"tensor": gpc.tensor_group, "col": gpc.tensor_row_group, "row": gpc.tensor_col_group}[axis]
+    return {"tensor": gpc.tensor_group, "col": gpc.tensor_row_group,
+            "row": gpc.tensor_col_group}[axis]
 
 
 def shard(full: torch.Tensor, splits: Splits) -> torch.Tensor:
@@ -46,14 +47,15 @@ def shard(full: torch.Tensor, splits: Splits) -> torch.Tensor:
     for dim, axis in splits:
         index, parts = _axis(axis)
         if full.shape[dim] % parts != 0:
-            raise ValueError(f"[rank {gpc.rank}] a dimension of size {full.shape[dim]} does not split over {parts} "
-                             f"tensor-parallel ranks ({gpc.tensor_mode}); make it a multiple of {parts}")
+            raise ValueError(f"[rank {gpc.rank}] a dimension of size {full.shape[dim]} does not "
+                             f"split over {parts} tensor-parallel ranks ({gpc.tensor_mode}); make "
+                             f"it a multiple of {parts}")
         full = full.chunk(parts, dim=dim)[index]
     return full
 
 
 def unshard(local: torch.Tensor, splits: Splits) -> torch.Tensor:
-    """The whole tensor from every rank's block (collective over the tensor group; the inverse of shard)."""
+    """The whole tensor from every rank's block: shard's inverse (a tensor-group collective)."""
     for dim, axis in reversed(splits):
         group = axis_group(axis)
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
@@ -80,8 +82,9 @@ def replicas(param: torch.Tensor) -> int:
 
 def check_divisible(size: int, parts: int, what: str) -> None:
     if size % parts != 0:
-        raise ValueError(f"[rank {gpc.rank}] {what} {size} is not divisible by {parts} (tensor parallel "
-                         f"{gpc.tensor_mode}, size {gpc.tensor_size}); choose a multiple of {parts}")
+        raise ValueError(f"[rank {gpc.rank}] {what} {size} is not divisible by {parts} (tensor "
+                         f"parallel {gpc.tensor_mode}, size {gpc.tensor_size}); choose a multiple "
+                         f"of {parts}")
 
 
 class PatchEmbedding(nn.Module):
@@ -95,10 +98,12 @@ class PatchEmbedding(nn.Module):
         self.patch_size = patch_size
         self.proj = nn.Conv2d(in_chans, embed_size, patch_size, stride=patch_size)
         self.cls_token = nn.Parameter(torch.randn(1, 1, embed_size) * 0.02)
-        self.pos_embed = nn.Parameter(torch.randn(1, 1 + (img_size // patch_size) ** 2, embed_size) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, 1 + (img_size // patch_size) ** 2,
+                                                  embed_size) * 0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return embed_patches(x, self.proj.weight, self.proj.bias, self.cls_token, self.pos_embed, self.patch_size)
+        return embed_patches(x, self.proj.weight, self.proj.bias, self.cls_token, self.pos_embed,
+                             self.patch_size)
 
 
 def embed_patches(x, weight, bias, cls_token, pos_embed, patch: int) -> torch.Tensor:

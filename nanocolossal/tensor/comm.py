@@ -4,13 +4,13 @@ A tensor-parallel layer is ordinary math on slices plus a collective wherever a 
 is needed. Each collective's backward is its *conjugate*: what the gradients need so that
 every rank ends with the gradient one process would compute for its slice.
 
-    op               forward                      backward               used where
-    copy_to          identity                     all-reduce (sum)       a replicated input enters sharded math
-    reduce_from      all-reduce (sum)             identity               sharded partial sums become replicated
-    gather           all-gather along dim         keep my slice          sharded -> replicated (output)
-    split            keep my slice                all-gather along dim   replicated -> sharded (input)
-    group_sum        all-reduce (sum)             all-reduce (sum)       a replicated statistic of sharded
-                                                                         values feeds sharded math (LayerNorm2D)
+    op           forward            backward           used where
+    copy_to      identity           all-reduce (sum)   a replicated input enters sharded math
+    reduce_from  all-reduce (sum)   identity           sharded partial sums become replicated
+    gather       all-gather (dim)   keep my slice      sharded -> replicated (output)
+    split        keep my slice      all-gather (dim)   replicated -> sharded (input)
+    group_sum    all-reduce (sum)   all-reduce (sum)   a replicated statistic of sharded values
+                                                       feeds sharded math (LayerNorm2D)
 
 copy_to / reduce_from are Megatron's `f` and `g`. Why the backwards: after `copy_to`, each
 rank's sharded math yields only its part of dL/dx, so the parts are summed. After
@@ -54,8 +54,8 @@ def _my_slice(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     if n == 1:
         return x
     if x.shape[dim] % n != 0:
-        raise ValueError(f"[rank {dist.get_rank()}] dimension {dim} of size {x.shape[dim]} does not split over "
-                         f"{n} tensor-parallel ranks; make it a multiple of {n}")
+        raise ValueError(f"[rank {dist.get_rank()}] dimension {dim} of size {x.shape[dim]} does "
+                         f"not split over {n} tensor-parallel ranks; make it a multiple of {n}")
     return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
 
 

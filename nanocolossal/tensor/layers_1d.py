@@ -38,16 +38,19 @@ class ColumnLinear1D(nn.Module):
         super().__init__()
         T = gpc.tensor_size
         check_divisible(out_features, T, "Linear out_features")
-        full = nn.Linear(in_features, out_features, bias=bias)  # same random draws as the plain layer
+        # same random draws as the plain layer
+        full = nn.Linear(in_features, out_features, bias=bias)
         self.in_features, self.out_features = in_features, out_features
         self.weight = keep_slice(full.weight, [(0, "tensor")])
         self.bias = keep_slice(full.bias, [(0, "tensor")]) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"[rank {gpc.rank}] column-parallel Linear({self.in_features}, {self.out_features}) got "
-                             f"an input with {x.shape[-1]} features; 1d Linears alternate column/row, so a model "
-                             f"needs its Linears in pairs (or pass a replicated input here)")
+            raise ValueError(f"[rank {gpc.rank}] column-parallel Linear({self.in_features}, "
+                             f"{self.out_features}) got "
+                             f"an input with {x.shape[-1]} features; 1d Linears alternate "
+                             f"column/row, so a model needs its Linears in pairs (or pass a "
+                             f"replicated input here)")
         return F.linear(copy_to(x, gpc.tensor_group), self.weight, self.bias)
 
 
@@ -65,9 +68,12 @@ class RowLinear1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] * gpc.tensor_size != self.in_features:
-            raise ValueError(f"[rank {gpc.rank}] row-parallel Linear({self.in_features}, {self.out_features}) expects "
-                             f"its input split over {gpc.tensor_size} ranks ({self.in_features // gpc.tensor_size} "
-                             f"features), got {x.shape[-1]}; put a column-parallel Linear before it")
+            raise ValueError(f"[rank {gpc.rank}] row-parallel Linear({self.in_features}, "
+                             f"{self.out_features}) expects "
+                             f"its input split over {gpc.tensor_size} ranks "
+                             f"({self.in_features // gpc.tensor_size} "
+                             f"features), got {x.shape[-1]}; put a column-parallel Linear before "
+                             f"it")
         y = reduce_from(F.linear(x, self.weight), gpc.tensor_group)
         return y + self.bias if self.bias is not None else y  # bias once, after the sum
 
@@ -103,8 +109,10 @@ class PatchEmbedding1D(nn.Module):
         self.pos_embed = keep_slice(full.pos_embed, [(2, "tensor")])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to(x, gpc.tensor_group)  # every rank convolves the same images: sum their input gradients
-        mine = embed_patches(x, self.proj.weight, self.proj.bias, self.cls_token, self.pos_embed, self.patch_size)
+        # every rank convolves the same images: sum their input gradients
+        x = copy_to(x, gpc.tensor_group)
+        mine = embed_patches(x, self.proj.weight, self.proj.bias, self.cls_token, self.pos_embed,
+                             self.patch_size)
         return gather(mine, -1, gpc.tensor_group)
 
 

@@ -40,8 +40,9 @@ def split_batch(x: torch.Tensor) -> torch.Tensor:
     """This grid row's block of a batch that every tensor rank holds whole (inputs, labels)."""
     q = gpc.summa_dim
     if x.shape[0] % q != 0:
-        raise ValueError(f"[rank {gpc.rank}] a batch of {x.shape[0]} cannot be split over the {q} rows of the 2d "
-                         f"grid (tensor size {gpc.tensor_size}); use a batch size that is a multiple of {q}")
+        raise ValueError(f"[rank {gpc.rank}] a batch of {x.shape[0]} cannot be split over the {q} "
+                         f"rows of the 2d grid (tensor size {gpc.tensor_size}); use a batch size "
+                         f"that is a multiple of {q}")
     return split(x, 0, gpc.tensor_col_group)  # backward: the column group's blocks gathered
 
 
@@ -70,9 +71,10 @@ class Linear2D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] * gpc.summa_dim != self.in_features:
-            raise ValueError(f"[rank {gpc.rank}] 2d Linear({self.in_features}, {self.out_features}) expects its "
-                             f"input's last dimension split over the {gpc.summa_dim} columns of the grid "
-                             f"({self.in_features // gpc.summa_dim}), got {x.shape[-1]}")
+            raise ValueError(f"[rank {gpc.rank}] 2d Linear({self.in_features}, "
+                             f"{self.out_features}) expects its "
+                             f"input's last dimension split over the {gpc.summa_dim} columns of "
+                             f"the grid ({self.in_features // gpc.summa_dim}), got {x.shape[-1]}")
         y = summa_matmul(x, self.weight)
         return y + _down_column(self.bias) if self.bias is not None else y
 
@@ -112,9 +114,11 @@ class PatchEmbedding2D(nn.Module):
         self.pos_embed = _along_row(full.pos_embed, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        params = [_down_column(p) for p in (self.proj.weight, self.proj.bias, self.cls_token, self.pos_embed)]
+        params = [_down_column(p) for p in (self.proj.weight, self.proj.bias, self.cls_token,
+                                            self.pos_embed)]
         # every column convolves the same images with its own channels: sum their input gradients
-        return embed_patches(copy_to(split_batch(x), gpc.tensor_row_group), *params, self.patch_size)
+        return embed_patches(copy_to(split_batch(x), gpc.tensor_row_group), *params,
+                             self.patch_size)
 
 
 class Embedding2D(nn.Module):
@@ -130,7 +134,7 @@ class Embedding2D(nn.Module):
 
 
 class Classifier2D(nn.Module):
-    """logits_i = sum_j x_ij W_j^T + b: whole classes for this row's samples (sum over the row group)."""
+    """logits_i = sum_j x_ij W_j^T + b: whole classes for this row's samples (row-group sum)."""
 
     def __init__(self, in_features: int, num_classes: int, bias: bool = True) -> None:
         super().__init__()

@@ -33,14 +33,16 @@ import torch.distributed as dist
 from ..context import gpc
 
 
-def _panel(mine: torch.Tensor, owner: int, group: dist.ProcessGroup, ranks: list[int]) -> torch.Tensor:
+def _panel(mine: torch.Tensor, owner: int, group: dist.ProcessGroup,
+           ranks: list[int]) -> torch.Tensor:
     """The owner's block (position `owner` in the group), received by every member."""
     buf = mine.contiguous() if dist.get_rank(group) == owner else torch.empty_like(mine)
     dist.broadcast(buf, src=ranks[owner], group=group)
     return buf
 
 
-def _reduce_to(partial: torch.Tensor, owner: int, group: dist.ProcessGroup, ranks: list[int]) -> torch.Tensor:
+def _reduce_to(partial: torch.Tensor, owner: int, group: dist.ProcessGroup,
+               ranks: list[int]) -> torch.Tensor:
     """Sum of every member's `partial`, valid on the member at position `owner`."""
     partial = partial.contiguous()
     dist.reduce(partial, dst=ranks[owner], group=group)
@@ -83,7 +85,8 @@ def summa_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., in/q] @ w[out/q, in/q]^T on the 2d grid -> [..., out/q]."""
     lead = x.shape[:-1]
     device = x.device.type
-    if torch.is_autocast_enabled(device):  # cast here, differentiably: backward runs outside autocast
+    # cast here, differentiably: backward runs outside autocast
+    if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         x, w = x.to(dtype), w.to(dtype)
     y = _Summa.apply(x.reshape(-1, x.shape[-1]), w)

@@ -1,5 +1,5 @@
-"""The tutorials' own code (seeds 004 and 002), with only `colossalai` -> `nanocolossal` changed (and
-`.cuda()` removed), run under torchrun on 2 CPU ranks for one epoch on tiny CIFAR-10 files in
+"""The tutorials' own code (seeds 004 and 002), with only `colossalai` -> `nanocolossal` changed
+(and `.cuda()` removed), run under torchrun on 2 CPU ranks for one epoch on tiny CIFAR-10 files in
 torchvision's real format, whose test set leaves a last batch smaller than the others.
 
 Diff engine_resnet.py / trainer_resnet.py / pipeline_resnet.py against the tutorials to see that
@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 def _run(tmp_path, tutorial, env=None):
     shutil.copy(HERE / tutorial, tmp_path / tutorial)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(HERE / "run_tutorial.py"), tutorial]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(HERE / "run_tutorial.py"), tutorial]
     result = run_cmd(cmd, timeout=280, cwd=tmp_path, env=env)
     out = result.stdout.replace("\r", "\n")
     assert result.returncode == 0, out
@@ -32,17 +32,19 @@ def _run(tmp_path, tutorial, env=None):
 
 @pytest.fixture
 def engine_dir(tmp_path):
-    """seed 004's layout: config.py and ./data beside the script (1 epoch, batch 16 instead of 200 x 128)."""
+    """seed 004's layout: config.py and ./data beside the script (1 epoch of batch 16)."""
     config = (HERE / "config.py").read_text().replace("BATCH_SIZE = 128", "BATCH_SIZE = 16")
     (tmp_path / "config.py").write_text(config.replace("NUM_EPOCHS = 200", "NUM_EPOCHS = 1"))
-    write_cifar(tmp_path / "data", per_batch=8, test_size=18)  # 40 train images; test batches of 16 and 2
+    # 40 train images; test batches of 16 and 2
+    write_cifar(tmp_path / "data", per_batch=8, test_size=18)
     return tmp_path
 
 
 def test_tutorial_engine_loop(engine_dir):
     out = _run(engine_dir, "engine_resnet.py")
     assert re.search(r"initialize: AMP O1 \(TORCH\)( in float32 on this CPU)?, DDP x2", out), out
-    assert re.search(r"Epoch 0 - train loss: [0-9.]+, test loss: [0-9.e+-]+, acc: [0-9.]+, lr: ", out), out
+    assert re.search(r"Epoch 0 - train loss: [0-9.]+, test loss: [0-9.e+-]+, acc: [0-9.]+, lr: ",
+                     out), out
 
 
 def test_tutorial_trainer_with_hooks(engine_dir):
@@ -54,11 +56,14 @@ def test_tutorial_trainer_with_hooks(engine_dir):
 
 
 def test_tutorial_pipeline_resnet50(tmp_path):
-    write_cifar(tmp_path / "data", per_batch=16, test_size=70)  # 80 train; test batches of 64 and 6 (M = 4)
-    out = _run(tmp_path, "pipeline_resnet.py", env={"DATA": str(tmp_path / "data"), "TUTORIAL_EPOCHS": "1"})
+    # 80 train; test batches of 64 and 6 (M = 4)
+    write_cifar(tmp_path / "data", per_batch=16, test_size=70)
+    out = _run(tmp_path, "pipeline_resnet.py",
+               env={"DATA": str(tmp_path / "data"), "TUTORIAL_EPOCHS": "1"})
     assert "initialize: pipeline 1f1b x2 stages, 4 micro-batches" in out, out
     accuracy = re.search(r"epoch 1 test: loss [0-9.e+-]+, accuracy ([0-9.]+)", out)
     assert accuracy, out
     # the last test batch of 6 does not split into 4 equal micro-batches: it once stopped the run
-    assert round(float(accuracy.group(1)) * 70) == pytest.approx(float(accuracy.group(1)) * 70, abs=1e-3), \
-        "accuracy is a count over all 70 test images"
+    assert round(float(accuracy.group(1)) * 70) == pytest.approx(
+        float(accuracy.group(1)) * 70, abs=1e-3
+    ), "accuracy is a count over all 70 test images"
