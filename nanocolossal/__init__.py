@@ -11,35 +11,35 @@ pipeline/, tensor/, nn/, run. And by Colossal-AI's import paths: core, utils, bu
 engine.schedule, nn.lr_scheduler, nn.metric.
 """
 from . import (
-               amp,
-               builder,
-               checkpoint,
-               checks,
-               config,
-               core,
-               data,
-               ddp,
-               hooks,
-               metrics,
-               nn,
-               pipeline,
-               progress,
-               syncbn,
-               tensor,
-               trainer,
-               utils,
+    amp,
+    builder,
+    checkpoint,
+    checks,
+    config,
+    core,
+    data,
+    ddp,
+    hooks,
+    metrics,
+    nn,
+    pipeline,
+    progress,
+    syncbn,
+    tensor,
+    trainer,
+    utils,
 )
 from .config import AMP_TYPE, Config, ConfigError, load_config
 from .context import gpc
 from .data import DistributedSampler, get_dataloader
 from .engine import Engine, PipelineEngine, initialize
 from .launch import (
-               LaunchError,
-               get_default_parser,
-               launch,
-               launch_from_openmpi,
-               launch_from_slurm,
-               launch_from_torch,
+    LaunchError,
+    get_default_parser,
+    launch,
+    launch_from_openmpi,
+    launch_from_slurm,
+    launch_from_torch,
 )
 from .logging import get_dist_logger
 from .progress import Progress

@@ -104,7 +104,7 @@ class DynamicLossScaler:
 
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("scale", "growth_tracker", "hysteresis_tracker",
-                                               "consecutive_overflows", "steps")}
+                                              "consecutive_overflows", "steps")}
 
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():

@@ -79,13 +79,9 @@ class Config(dict):
                               f"{e.msg}\n    {line}") from None
         except Exception as e:
             raise ConfigError(f"config file {str(path)!r} raised {type(e).__name__}: {e}") from e
-        return Config(
-            {
-                k: v
-                for k, v in namespace.items()
-                if not k.startswith("__") and not inspect.ismodule(v) and not inspect.isclass(v)
-            }
-        )
+        # the file's own names: not its imports, helper modules or classes
+        return Config({k: v for k, v in namespace.items() if not k.startswith("__")
+                       and not inspect.ismodule(v) and not inspect.isclass(v)})
 
 
 class AMP_TYPE(Enum):

@@ -190,11 +190,8 @@ def _load_or_synthesize(name: str, build: Callable[[], Dataset], root: str, down
             where = os.path.abspath(root)
             if (name, where) not in _announced:  # one line per dataset, not one per split
                 _announced.add((name, where))
-                cause = (
-                    f"could not be downloaded ({str(e).splitlines()[0]})"
-                    if download
-                    else "is not on disk"
-                )
+                cause = (f"could not be downloaded ({str(e).splitlines()[0]})" if download
+                         else "is not on disk")
                 get_dist_logger().warning(
                     f"{name} {cause} under {where}: using a synthetic {name}-shaped stand-in "
                     f"({'x'.join(map(str, shape))}, 10 classes); use --data DIR or --download for "
@@ -217,7 +214,7 @@ def cifar10(root: Optional[str] = None, train: bool = True, download: bool = Fal
     root = data_root(root)
     return _load_or_synthesize("CIFAR-10",
                                lambda: datasets.CIFAR10(root, train=train, download=download,
-                                                                     transform=transform),
+                                                        transform=transform),
                                root, download, 50000 if train else 10000, (3, 32, 32), train,
                                synthetic_size)
 
@@ -230,6 +227,6 @@ def mnist(root: Optional[str] = None, train: bool = True, download: bool = False
     transform = transform or transforms.ToTensor()
     root = data_root(root)
     return _load_or_synthesize("MNIST", lambda: datasets.MNIST(root, train=train, download=download,
-                                                                transform=transform),
+                                                               transform=transform),
                                root, download, 60000 if train else 10000, (1, 28, 28), train,
                                synthetic_size)

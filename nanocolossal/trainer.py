@@ -119,7 +119,7 @@ class Trainer:
         self._call("before_train_epoch")
         self.timer.start("train-epoch")
         bar = self._bar(self.progress.batches(loader), f"epoch {self.cur_epoch + 1}/{epochs}", show,
-                             self.progress.remaining(loader))
+                        self.progress.remaining(loader))
         stopped = False
         for batch in bar:
             self._call("before_train_iter")

@@ -130,7 +130,7 @@ def test_o2_keeps_fp32_masters_half_model_and_fp32_batchnorm():
 
 
 @pytest.mark.parametrize("opt_level, dtype", [("O1", torch.float16), ("O2", torch.float16),
-                                             ("O1", torch.bfloat16), ("O3", torch.float16)])
+                                              ("O1", torch.bfloat16), ("O3", torch.float16)])
 def test_mixed_precision_training_tracks_fp32(opt_level, dtype):
     reference = _net()
     ref_losses = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9))

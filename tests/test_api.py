@@ -15,20 +15,18 @@ def _defaults(fn):
 
 def test_design_names_exist():
     names = ["get_default_parser", "launch", "launch_from_torch", "launch_from_slurm",
-             "launch_from_openmpi", "gpc",
-             "get_dataloader", "initialize", "get_dist_logger", "data.DistributedSampler",
-             "ddp.DistributedDataParallel", "syncbn.SyncBatchNorm",
+             "launch_from_openmpi", "gpc", "get_dataloader", "initialize", "get_dist_logger",
+             "data.DistributedSampler", "ddp.DistributedDataParallel", "syncbn.SyncBatchNorm",
              "syncbn.convert_sync_batchnorm", "amp.AMP_TYPE", "amp.initialize", "amp.scale_loss",
              "amp.DynamicLossScaler", "metrics.Accuracy", "metrics.all_reduce_mean",
-             "pipeline.build_pipeline_model",
-             "pipeline.PipelineSchedule", "pipeline.InterleavedPipelineSchedule",
-             "pipeline.GPipeSchedule",
-             "trainer.Trainer", "checkpoint.save_checkpoint", "checkpoint.load_checkpoint",
-             "checkpoint.merge_pipeline_checkpoint"] + [
-        f"trainer.hooks.{h}" for h in ["BaseHook", "LossHook", "AccuracyHook", "LRSchedulerHook",
-                                       "LogMetricByEpochHook",
-                                       "LogMemoryByEpochHook", "ThroughputHook",
-                                       "SaveCheckpointHook"]]
+             "pipeline.build_pipeline_model", "pipeline.PipelineSchedule",
+             "pipeline.InterleavedPipelineSchedule", "pipeline.GPipeSchedule", "trainer.Trainer",
+             "checkpoint.save_checkpoint", "checkpoint.load_checkpoint",
+             "checkpoint.merge_pipeline_checkpoint"]
+    names += [f"trainer.hooks.{h}" for h in ["BaseHook", "LossHook", "AccuracyHook",
+                                             "LRSchedulerHook", "LogMetricByEpochHook",
+                                             "LogMemoryByEpochHook", "ThroughputHook",
+                                             "SaveCheckpointHook"]]
     for name in names:
         obj = nc
         for part in name.split("."):
@@ -77,12 +75,9 @@ def test_tensor_parallel_and_colossal_import_paths_exist():
 
 
 def test_design_defaults():
-    assert _defaults(nc.amp.DynamicLossScaler) == dict(init_scale=2.0**16, growth_factor=2.0,
-                                                       backoff_factor=0.5,
-                                                        growth_interval=2000, hysteresis=1,
-                                                       min_scale=1.0,
-                                                        max_scale=2.0**24,
-                                                       max_consecutive_overflows=32)
+    assert _defaults(nc.amp.DynamicLossScaler) == dict(
+        init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+        hysteresis=1, min_scale=1.0, max_scale=2.0**24, max_consecutive_overflows=32)
     assert _defaults(nc.ddp.DistributedDataParallel) == dict(process_group=None, bucket_cap_mb=25,
                                                              # DESIGN's; then ours:
                                                              broadcast_buffers=True,

@@ -19,7 +19,7 @@ def _setup(rank, world_size, port):
     """DDP + fp16 loss scaling + dropout + shuffled sampler + momentum + LR schedule: all state that
     must resume."""
     nc.launch({"fp16": {"mode": AMP_TYPE.TORCH, "init_scale": 2.0**20, "growth_interval": 3,
-                                 "dtype": "float16"}},
+                        "dtype": "float16"}},
               rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))

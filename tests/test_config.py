@@ -125,8 +125,8 @@ def test_flags_override_named_keys_of_the_config_file(tmp_path):
 
 @pytest.mark.parametrize("ddp, message",
                          [({"compress": "int8"}, "ddp.compress must be None, 'bf16' or 'fp16'"),
-                                          ({"bucket_mb": 4}, r"unknown: bucket_mb"),
-                                          ([1], "ddp must be a dict of bucket_cap_mb")])
+                          ({"bucket_mb": 4}, r"unknown: bucket_mb"),
+                          ([1], "ddp must be a dict of bucket_cap_mb")])
 def test_bad_ddp_options_are_named(ddp, message):
     with pytest.raises(ConfigError, match=message):
         load_config({"ddp": ddp})

@@ -121,12 +121,8 @@ def test_mnist_loads_real_idx_files(tmp_path):
 def test_missing_data_falls_back_to_synthetic_with_one_line(tmp_path, capsys, builder, shape):
     data = builder(str(tmp_path / "empty"), train=True, synthetic_size=64)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
-    assert (
-        len(lines) == 1
-        and "synthetic" in lines[0]
-        and "--download" in lines[0]
-        and "[rank 0]" in lines[0]
-    )
+    assert len(lines) == 1
+    assert "synthetic" in lines[0] and "--download" in lines[0] and "[rank 0]" in lines[0]
     assert isinstance(data, SyntheticImages) and len(data) == 64
     image, label = data[5]
     assert image.shape == shape and 0 <= label < 10

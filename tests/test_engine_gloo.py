@@ -163,20 +163,11 @@ def test_gloo_initialize_picks_the_measured_half_type_for_fp16_on_cpu():
 
 def test_initialize_without_launch_is_plain_single_process():
     model = _model()
-    engine, train_dl, test_dl, sched = nc.initialize(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        nn.CrossEntropyLoss(),
-        [1],
-        None,
-        "sched",
-    )
-    assert (
-        engine.model is model
-        and engine.forward_module is model
-        and train_dl == [1]
-        and sched == "sched"
-    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, train_dl, test_dl, sched = nc.initialize(model, optimizer, nn.CrossEntropyLoss(), [1],
+                                                     None, "sched")
+    assert engine.model is model and engine.forward_module is model
+    assert train_dl == [1] and sched == "sched"
     x, y = _batch(0, 4)
     output, label, loss = engine.execute_schedule((x, y))
     assert output.shape == (4, 4) and torch.equal(label, y) and loss.requires_grad

@@ -89,7 +89,7 @@ def test_in_flight_activations_stay_within_the_bound(schedule, P, M, V):
 
 @pytest.mark.parametrize("schedule, P, M, V",
                          [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 4, 1),
-                                                ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 2)])
+                          ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 2)])
 def test_bubble_equals_the_formula(schedule, P, M, V):
     assert timeline(schedule, P, M, V)["bubble"] == pytest.approx((P - 1) / (V * M + P - 1))
 

@@ -22,14 +22,9 @@ def test_gloo_nanocolossal_run_starts_two_ranks():
                       str(free_port()),
                       str(SCRIPTS / "launch_probe.py"), "--mode", "torch"], timeout=90)
     assert result.returncode == 0, result.stdout
-    probes = sorted(
-        (
-            json.loads(line.split("PROBE ", 1)[1])
-            for line in result.stdout.splitlines()
-            if "PROBE " in line
-        ),
-        key=lambda p: p["rank"],
-    )
+    probes = sorted((json.loads(line.split("PROBE ", 1)[1])
+                     for line in result.stdout.splitlines() if "PROBE " in line),
+                    key=lambda p: p["rank"])
     assert [(p["rank"], p["world_size"], p["sum"]) for p in probes] == [(0, 2, 3.0), (1, 2, 3.0)]
     assert probes[0]["pid"] != probes[1]["pid"]
 

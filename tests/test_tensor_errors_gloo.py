@@ -32,9 +32,8 @@ def _errors_worker(rank, world_size, port, mode):
         "hidden": _error(lambda: col_nn.Linear(8, 7)),
         "layernorm": _error(lambda: col_nn.LayerNorm(5)),
         "heads": _error(lambda: vit(img_size=8, patch_size=4, dim=8, heads=1, depth=1)),
-        "plain model": _error(
-            lambda: nc.initialize(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
-        ),
+        "plain model": _error(lambda: nc.initialize(plain,
+                                                    torch.optim.SGD(plain.parameters(), lr=0.1))),
     }
     if mode == "2d":
         model = col_nn.PatchEmbedding(8, 4, 3, 8)
@@ -71,10 +70,9 @@ def test_gloo_2d_bad_inputs_are_clear_errors():
 @pytest.mark.parametrize("world, parallel, message", [
     (3, {"tensor": {"size": 2, "mode": "1d"}},
      r"\[rank 0\] world size 3 is not divisible by pipeline x tensor = "
-                                               r"1 x 2 = 2; launch a multiple of 2 processes"),
+     r"1 x 2 = 2; launch a multiple of 2 processes"),
     (8, {"tensor": {"size": 8, "mode": "2d"}},
-     r"\[rank 0\] parallel.tensor size 8 is not a perfect square.*"
-                                               r"use size 4 or 9"),
+     r"\[rank 0\] parallel.tensor size 8 is not a perfect square.*use size 4 or 9"),
     (4, {"tensor": {"size": 4, "mode": "3d"}},
      r"\[rank 0\] parallel.tensor mode '3d' is not implemented yet"),
 ])

@@ -9,10 +9,9 @@ from dist_helpers import ROOT, run_script
 
 
 def _train(tmp_path, *args):
-    return run_script(ROOT / "train_amp.py",
-                      ["--synthetic-size", "128", "--batch-size", "32", "--epochs", "2",
-                                              "--data", str(tmp_path), *args], nproc=2,
-                      cwd=tmp_path)
+    args = ["--synthetic-size", "128", "--batch-size", "32", "--epochs", "2", "--data",
+            str(tmp_path), *args]
+    return run_script(ROOT / "train_amp.py", args, nproc=2, cwd=tmp_path)
 
 
 @pytest.mark.timeout(320)

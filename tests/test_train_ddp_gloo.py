@@ -10,7 +10,7 @@ from dist_helpers import ROOT, run_script
 def test_gloo_train_ddp_two_ranks_learns(tmp_path, extra):
     out = run_script(ROOT / "train_ddp.py",
                      ["--epochs", "1", "--synthetic-size", "2400", "--data", str(tmp_path),
-                                             *extra], nproc=2, cwd=tmp_path, timeout=120)
+                      *extra], nproc=2, cwd=tmp_path, timeout=120)
     assert "synthetic MNIST-shaped stand-in" in out
     assert f"sync_bn={bool(extra)}" in out
     assert ("timeout 300 s, debug mode" in out) == ("--debug" in extra)

@@ -21,7 +21,7 @@ def _final_loss(tmp_path, name):
     config.write_text("BATCH_SIZE = 16\nNUM_EPOCHS = 1\n" + parallel)
     out = run_script(ROOT / "train_tensor.py",
                      ["--config", str(config), "--max-steps", "3", "--seed", "5",
-                                                "--synthetic-size", "64", "--data", str(tmp_path)],
+                      "--synthetic-size", "64", "--data", str(tmp_path)],
                      nproc=nproc, cwd=tmp_path).replace("\r", "\n")
     return float(re.search(r"final train loss ([0-9.e+-]+)", out).group(1))
 

@@ -190,13 +190,8 @@ class PipelineEngine(Engine):
             if isinstance(chunk, DistributedDataParallel):
                 chunk.sync_buffers()
         output, label, loss = self.schedule.forward_backward_step(
-            self.chunks,
-            batch,
-            self._criterion,
-            forward_only,
-            return_loss,
-            loss_scale=self.optimizer.loss_scale,
-        )
+            self.chunks, batch, self._criterion, forward_only, return_loss,
+            loss_scale=self.optimizer.loss_scale)
         if label is not None and gpc.tensor_mode == "2d":  # per micro-batch row blocks, in order
             M = self.schedule.num_microbatches
             label = torch.cat([labels_of_output(part) for part in label.tensor_split(M)])

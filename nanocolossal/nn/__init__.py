@@ -8,13 +8,13 @@ See layers.py for the table of what each name becomes in each mode. `col_nn.lr_s
 """
 from . import lr_scheduler, metric
 from .layers import (
-                     Classifier,
-                     CrossEntropyLoss,
-                     Dropout,
-                     Embedding,
-                     LayerNorm,
-                     Linear,
-                     PatchEmbedding,
+    Classifier,
+    CrossEntropyLoss,
+    Dropout,
+    Embedding,
+    LayerNorm,
+    Linear,
+    PatchEmbedding,
                      reset_1d_alternation,
 )
 

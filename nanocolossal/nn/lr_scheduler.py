@@ -57,11 +57,9 @@ class CosineAnnealingLR(LambdaLR):
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
                  eta_min: float = 0.0, last_epoch: int = -1) -> None:
         _check(total_steps, warmup_steps)
-        lr = _warmup_then(
-            total_steps,
-            warmup_steps,
-            lambda p, base: eta_min + (base - eta_min) * (1 + math.cos(math.pi * p)) / 2,
-        )
+        def cosine(p: float, base: float) -> float:
+            return eta_min + (base - eta_min) * (1 + math.cos(math.pi * p)) / 2
+        lr = _warmup_then(total_steps, warmup_steps, cosine)
         super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
 
 
@@ -99,13 +97,9 @@ class StepLR(LambdaLR):
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, step_size: int = 1,
                  gamma: float = 0.1, last_epoch: int = -1) -> None:
         _check(total_steps, 0)
-        super().__init__(
-            optimizer,
-            _per_group(
-                optimizer, lambda t, base: base * gamma ** (min(t, total_steps) // step_size)
-            ),
-            last_epoch,
-        )
+        def lr(t: int, base: float) -> float:
+            return base * gamma ** (min(t, total_steps) // step_size)
+        super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
 
 
 class ExponentialLR(LambdaLR):

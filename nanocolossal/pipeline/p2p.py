@@ -41,11 +41,8 @@ def _key(t: Transfer) -> tuple:
 
 def _tag(t: Transfer, meta: bool = False) -> int:
     """A distinct 31-bit tag: message kind (2 bits), source virtual stage (9), micro-batch (20)."""
-    return (
-        ((2 if meta else (1 if t.what == "grad" else 0)) << 29)
-        | ((t.src % 512) << 20)
-        | (t.mb % 2**20)
-    )
+    kind = 2 if meta else (1 if t.what == "grad" else 0)
+    return (kind << 29) | ((t.src % 512) << 20) | (t.mb % 2**20)
 
 
 class StageComm:

@@ -273,11 +273,10 @@ def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost:
             while idx[r] < len(orders[r]):
                 s = orders[r][idx[r]]
                 v = virtual_stage(s.chunk, r, P)
-                dep = (
-                    ("F", v - 1, s.mb)
-                    if s.kind == "F"
-                    else (("B", v + 1, s.mb) if v < last else ("F", v, s.mb))
-                )
+                if s.kind == "F":  # a forward needs the previous virtual stage's forward
+                    dep = ("F", v - 1, s.mb)
+                else:  # a backward needs the next stage's backward, or its own forward on the last
+                    dep = ("B", v + 1, s.mb) if v < last else ("F", v, s.mb)
                 if s.kind == "F" and v == 0:
                     dep = None
                 if dep is not None and dep not in end:
