@@ -341,8 +341,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
         raise ValueError(f"[rank {gpc.rank}] unknown opt_level {opt_level!r}; use one of "
                          f"{', '.join(OPT_LEVELS)}")
     if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"[rank {gpc.rank}] amp dtype must be torch.float16 or torch.bfloat16, "
-                         f"got {dtype}")
+        raise ValueError(f"[rank {gpc.rank}] amp dtype must be "
+                         f"torch.float16 or torch.bfloat16, got {dtype}")
     device_type = device_type or next(model.parameters()).device.type
     # a ModuleList (pipeline chunks) has no forward of its own: each chunk gets the hooks
     for part in (model if isinstance(model, nn.ModuleList) else [model]):

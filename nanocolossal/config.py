@@ -67,8 +67,8 @@ class Config(dict):
         """Run a .py config file and keep its globals (not modules, classes or dunders)."""
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"config file {str(path)!r} not found (working directory "
-                                    f"{os.getcwd()})")
+            raise FileNotFoundError(f"config file {str(path)!r} not found "
+                                    f"(working directory {os.getcwd()})")
         if path.suffix != ".py":
             raise ConfigError(f"config file {str(path)!r} must be a Python file ending in .py")
         try:
@@ -151,8 +151,8 @@ def _parallel_size(value: Any, key: str) -> int:
     """`tensor=4` and `tensor=dict(size=4, mode='2d')` are both Colossal-AI spellings."""
     size = value.get("size", 1) if isinstance(value, Mapping) else value
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"parallel.{key} must be a positive integer (or dict(size=N)), got "
-                          f"{value!r}")
+        raise ConfigError(f"parallel.{key} must be a positive "
+                          f"integer (or dict(size=N)), got {value!r}")
     return size
 
 
@@ -170,8 +170,8 @@ def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[i
         raise ConfigError(f"unknown parallel key(s) {sorted(unknown)}; supported: pipeline, tensor "
                           f"(data size is world // (pipeline * tensor))")
     if "sequence" in parallel and _parallel_size(parallel["sequence"], "sequence") > 1:
-        raise ConfigError("parallel.sequence (sequence parallelism) is not implemented yet; remove "
-                          "it")
+        raise ConfigError("parallel.sequence (sequence parallelism) "
+                          "is not implemented yet; remove it")
     P = _parallel_size(parallel.get("pipeline", 1), "pipeline")
     tensor = parallel.get("tensor", 1)
     T = _parallel_size(tensor, "tensor")

@@ -118,9 +118,8 @@ class ParallelContext:
         D = world_size // (P * T)
         if wanted is not None and wanted != D:
             raise ConfigError(f"parallel.data={wanted} but world size {world_size} // (pipeline x "
-                              f"tensor) = {D}; "
-                              f"drop parallel.data (it is inferred) or launch {wanted * P * T} "
-                              f"processes")
+                              f"tensor) = {D}; drop parallel.data (it is inferred) or launch "
+                              f"{wanted * P * T} processes")
         return P, T, D, mode
 
     def init(self, config: Config, rank: int, world_size: int, local_rank: int,

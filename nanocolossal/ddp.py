@@ -134,9 +134,10 @@ class DistributedDataParallel(nn.Module):
         for rank, theirs in zip(ranks, everyone):
             if theirs != mine:
                 diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
-                detail = (f"first difference: {diff[0]} here vs {diff[1]} on rank "
-                          f"{rank}" if diff else
-                          f"{len(mine)} parameters here vs {len(theirs)} on rank {rank}")
+                if diff:
+                    detail = f"first difference: {diff[0]} here vs {diff[1]} on rank {rank}"
+                else:
+                    detail = f"{len(mine)} parameters here vs {len(theirs)} on rank {rank}"
                 raise RuntimeError(f"[rank {gpc.rank}] DistributedDataParallel: the model on rank "
                                    f"{gpc.rank} differs from the model on rank {rank} ({detail}); "
                                    f"build the same model on every rank")
@@ -212,12 +213,12 @@ class DistributedDataParallel(nn.Module):
     def _fail(self, bucket: _Bucket, error: Exception) -> None:
         ranks = dist.get_process_group_ranks(self.process_group)
         raise RuntimeError(
-            f"[rank {gpc.rank}] DDP gradient all-reduce of bucket {self.buckets.index(bucket) + 1} "
-            f"of {len(self.buckets)} failed "
-            f"({str(error).splitlines()[0] if str(error) else type(error).__name__}): another rank "
-            f"of data-parallel group {ranks} stopped, crashed or fell more than "
-            f"{gpc.timeout.total_seconds():.0f} s behind; look for the first error on the other "
-            f"ranks") from error
+            f"[rank {gpc.rank}] DDP gradient all-reduce of bucket "
+            f"{self.buckets.index(bucket) + 1} of {len(self.buckets)} failed "
+            f"({str(error).splitlines()[0] if str(error) else type(error).__name__}): "
+            f"another rank of data-parallel group {ranks} stopped, crashed "
+            f"or fell more than {gpc.timeout.total_seconds():.0f} s behind; "
+            "look for the first error on the other ranks") from error
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):

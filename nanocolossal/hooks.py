@@ -140,8 +140,8 @@ class ThroughputHook(BaseHook):
 
 
 def _format(metrics: dict) -> str:
-    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} "
-                     f"{v}" for k, v in metrics.items())
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                     for k, v in metrics.items())
 
 
 def _timing(timer) -> str:

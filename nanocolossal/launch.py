@@ -65,8 +65,8 @@ def _pick_backend(backend: Optional[str], rank: int) -> str:
         return "nccl" if torch.cuda.is_available() else "gloo"
     backend = backend.lower()
     if backend not in ("nccl", "gloo"):
-        raise LaunchError(f"[rank {rank}] unknown backend {backend!r}; use 'nccl' (GPUs) or 'gloo' "
-                          f"(CPU)")
+        raise LaunchError(f"[rank {rank}] unknown backend {backend!r}; "
+                          "use 'nccl' (GPUs) or 'gloo' (CPU)")
     if backend == "nccl" and not torch.cuda.is_available():
         raise LaunchError(f"[rank {rank}] backend 'nccl' needs CUDA, which is not available here; "
                           f"use --backend gloo (or leave it unset)")
@@ -198,8 +198,8 @@ def _check_port(port, rank: int) -> int:
     if isinstance(port, str) and port.isdigit():
         port = int(port)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise LaunchError(f"[rank {rank}] port must be an integer in 1..65535, got {port!r}; pass "
-                          f"--port")
+        raise LaunchError(f"[rank {rank}] port must be an integer "
+                          f"in 1..65535, got {port!r}; pass --port")
     return port
 
 
@@ -208,8 +208,8 @@ def launch(config: ConfigLike, rank: int, world_size: int, host: str, port: int,
            timeout: Optional[float] = None) -> None:
     """Start this process as `rank` of `world_size`, meeting the others at host:port."""
     if not host:
-        raise LaunchError(f"[rank {rank}] no host given: pass --host with the address of the "
-                          f"rank-0 node")
+        raise LaunchError(f"[rank {rank}] no host given: pass --host "
+                          "with the address of the rank-0 node")
     port = _check_port(port, rank)
     _launch(config, rank, world_size, local_rank, f"tcp://{host}:{port}", f"{host}:{port}",
             backend, seed, timeout)

@@ -67,8 +67,8 @@ class Accuracy:
             dist.all_reduce(counts, group=group)
         correct, total = counts.tolist()
         if total == 0:
-            raise ValueError("Accuracy.compute: no samples were seen on any rank; call update() "
-                             "first")
+            raise ValueError("Accuracy.compute: no samples were "
+                             "seen on any rank; call update() first")
         return correct / total
 
 

@@ -146,8 +146,8 @@ def test_launch_from_openmpi_without_host_says_pass_host(monkeypatch):
 
 def test_launch_rejects_world_not_divisible_by_pipeline_before_waiting():
     start = time.monotonic()
-    with pytest.raises(ConfigError, match=r"\[rank 0\] world size 3 is not divisible by pipeline x "
-                       r"tensor = 2 x 1"):
+    with pytest.raises(ConfigError, match=r"\[rank 0\] world size 3 is not "
+                                          r"divisible by pipeline x tensor = 2 x 1"):
         nc.launch({"parallel": {"pipeline": 2}}, rank=0, world_size=3, host="127.0.0.1",
                   port=free_port(), timeout=30)
     assert time.monotonic() - start < 5 and not dist.is_initialized()

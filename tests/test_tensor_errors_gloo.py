@@ -63,8 +63,8 @@ def test_gloo_2d_bad_inputs_are_clear_errors():
         assert out["heads"].startswith(f"[rank {rank}] 1 heads of a 8-wide model do not split over "
                                        f"2 tensor ranks")
         assert out["batch"] == (f"[rank {rank}] a batch of 3 cannot be split over the 2 rows of "
-                                f"the 2d grid (tensor size 4); use a batch size that is a multiple "
-                                f"of 2")
+                                "the 2d grid (tensor size 4); use a batch size that is a "
+                                "multiple of 2")
 
 
 @pytest.mark.parametrize("world, parallel, message", [

@@ -9,9 +9,8 @@ from dist_helpers import ROOT, run_script
 LAYOUTS = {
     "one process": (1, ""),
     "1d x2": (2, "parallel = dict(tensor=dict(size=2, mode='1d'))\n"),
-    "pipeline 2 x 2d "
-    "4": (8, "parallel = dict(pipeline=2, tensor=dict(size=4, mode='2d'))\nNUM_MICRO_BATCHES = "
-          "2\n"),
+    "pipeline 2 x 2d 4": (8, "parallel = dict(pipeline=2, tensor=dict(size=4, mode='2d'))\n"
+                             "NUM_MICRO_BATCHES = 2\n"),
 }
 
 

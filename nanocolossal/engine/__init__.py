@@ -100,8 +100,8 @@ class Engine:
 
     def criterion(self, output: Any, label: Any) -> torch.Tensor:
         if self._criterion is None:
-            raise RuntimeError(f"[rank {gpc.rank}] no criterion: pass one to "
-                               f"nanocolossal.initialize")
+            raise RuntimeError(f"[rank {gpc.rank}] no criterion: "
+                               "pass one to nanocolossal.initialize")
         return self._criterion(output, _to_device(label))
 
     def train(self) -> None:
@@ -217,13 +217,11 @@ def _amp_settings(fp16: dict,
         if cpu_half is None:
             get_dist_logger().info("fp16 on CPU: this CPU has no fast half-precision kernels "
                                    "(measured), so computing in float32; set fp16=dict(..., "
-                                   "dtype='bfloat16') to "
-                                   "force bf16")
+                                   "dtype='bfloat16') to force bf16")
             return opt_level, None
         fp16["dtype"] = cpu_half
         get_dist_logger().info("fp16 on CPU: computing in bfloat16 (CPUs have no fast float16 "
-                               "kernels); "
-                               "set fp16=dict(..., dtype='float16') to force float16")
+                               "kernels); set fp16=dict(..., dtype='float16') to force float16")
     return opt_level, fp16
 
 
@@ -317,9 +315,9 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
                 for chunk in chunks
             ]
             features.append(f"data parallel x{gpc.data_size}")
-        features.insert(0, f"pipeline {schedule.name} x{gpc.pipeline_size} stages, "
-                           f"{schedule.num_microbatches} micro-batches, {schedule.num_chunks} "
-                        f"chunk(s)")
+        features.insert(0, f"pipeline {schedule.name} x{gpc.pipeline_size} "
+                           f"stages, {schedule.num_microbatches} "
+                           f"micro-batches, {schedule.num_chunks} chunk(s)")
         engine: Engine = PipelineEngine(model, optimizer, criterion, schedule, chunks, clip,
                                         handler)
     else:

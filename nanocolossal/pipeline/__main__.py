@@ -31,8 +31,8 @@ def main(argv=None) -> int:
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("micro-batches in flight per rank "
-          "(peak): " + ", ".join(f"rank {r}: {n}" for r, n in enumerate(held)))
+    peaks = ", ".join(f"rank {r}: {n}" for r, n in enumerate(held))
+    print(f"micro-batches in flight per rank (peak): {peaks}")
     return 0
 
 

@@ -84,10 +84,10 @@ class StageComm:
                     work.wait()
         except RuntimeError as e:
             peers = sorted({op.peer for op in ops})
-            raise RuntimeError(f"[rank {gpc.rank}] pipeline transfer with rank(s) {peers} failed "
-                               f"at {where} "
-                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); a "
-                               f"peer may have stopped or timed out (timeout "
+            raise RuntimeError(f"[rank {gpc.rank}] pipeline transfer with "
+                               f"rank(s) {peers} failed at {where} "
+                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                               "a peer may have stopped or timed out (timeout "
                                f"{gpc.timeout.total_seconds():.0f} s)") from e
 
     def flush(self, where: str = "end of batch") -> None:
@@ -97,8 +97,8 @@ class StageComm:
             for work, _ in self._sending:
                 work.wait()
         except RuntimeError as e:
-            raise RuntimeError(f"[rank {gpc.rank}] a pipeline send did not complete at {where}: "
-                               f"{e}") from e
+            raise RuntimeError(f"[rank {gpc.rank}] a pipeline send did not complete at "
+                               f"{where}: {e}") from e
         finally:
             self._sending = []
 

@@ -145,8 +145,8 @@ def partition_sizes(layers: nn.Sequential, parts: int, partition: Union[str, Seq
         return balanced_split(params, parts), params
     if partition == "profile":
         if sample_input is None:
-            raise ValueError(f"[rank {gpc.rank}] partition='profile' needs sample_input=<one input "
-                             f"batch>")
+            raise ValueError(f"[rank {gpc.rank}] partition='profile' "
+                             "needs sample_input=<one input batch>")
         costs = (
             [_profile_costs(layers, sample_input)]
             if gpc.rank == 0 or not gpc.is_initialized
@@ -165,9 +165,9 @@ def build_pipeline_model(layers: nn.Sequential, num_chunks: int = 1,
                          sample_input: Optional[torch.Tensor] = None) -> nn.Module:
     """This rank's part of `layers`: a PipelineStage, or PipelineChunks of num_chunks stages."""
     if not isinstance(layers, nn.Sequential):
-        raise TypeError(f"[rank {gpc.rank}] build_pipeline_model needs an nn.Sequential (got "
-                        f"{type(layers).__name__}); write the model as nn.Sequential(stem, block1, "
-                        f"..., head)")
+        raise TypeError(f"[rank {gpc.rank}] build_pipeline_model needs an "
+                        f"nn.Sequential (got {type(layers).__name__}); write "
+                        "the model as nn.Sequential(stem, block1, ..., head)")
     P, V = gpc.pipeline_size, num_chunks
     sizes, costs = partition_sizes(layers, P * V, partition, sample_input)
     starts = [sum(sizes[:k]) for k in range(P * V)]

@@ -249,8 +249,8 @@ def simulate(plans: list[list[Step]], P: int, V: int = 1) -> dict:
                         if (step.chunk, step.mb) not in done_f[r]:
                             raise PlanError(f"rank {r}: backward {step} before its forward")
                         if v < P * V - 1 and Transfer("grad", v + 1, v, step.mb) not in received[r]:
-                            raise PlanError(f"rank {r}: backward {step} before receiving its "
-                                            f"gradient")
+                            raise PlanError(f"rank {r}: backward {step} "
+                                            "before receiving its gradient")
                         in_flight[r] -= 1
                 pos[r] += 1
                 progress = True

@@ -82,9 +82,9 @@ def replicas(param: torch.Tensor) -> int:
 
 def check_divisible(size: int, parts: int, what: str) -> None:
     if size % parts != 0:
-        raise ValueError(f"[rank {gpc.rank}] {what} {size} is not divisible by {parts} (tensor "
-                         f"parallel {gpc.tensor_mode}, size {gpc.tensor_size}); choose a multiple "
-                         f"of {parts}")
+        raise ValueError(f"[rank {gpc.rank}] {what} {size} is not divisible by "
+                         f"{parts} (tensor parallel {gpc.tensor_mode}, size "
+                         f"{gpc.tensor_size}); choose a multiple of {parts}")
 
 
 class PatchEmbedding(nn.Module):

@@ -69,11 +69,9 @@ class RowLinear1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] * gpc.tensor_size != self.in_features:
             raise ValueError(f"[rank {gpc.rank}] row-parallel Linear({self.in_features}, "
-                             f"{self.out_features}) expects "
-                             f"its input split over {gpc.tensor_size} ranks "
-                             f"({self.in_features // gpc.tensor_size} "
-                             f"features), got {x.shape[-1]}; put a column-parallel Linear before "
-                             f"it")
+                             f"{self.out_features}) expects its input split over {gpc.tensor_size} "
+                             f"ranks ({self.in_features // gpc.tensor_size} features), got "
+                             f"{x.shape[-1]}; put a column-parallel Linear before it")
         y = reduce_from(F.linear(x, self.weight), gpc.tensor_group)
         return y + self.bias if self.bias is not None else y  # bias once, after the sum
 
