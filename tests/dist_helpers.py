@@ -1,11 +1,12 @@
 """Helpers for multi-process tests: start N ranks, bound every wait, never leave orphans.
 
-`run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, port, *args)` on N spawned
-processes, one thread each, and returns their results in rank order. The processes are pooled
-(see `_Pool`): a test pays for importing torch only when its world size is new or the last test
-broke the pool. A rank that raises fails the test with its traceback; ranks still running after
-`timeout` seconds are killed and the test fails naming them (a hang becomes an error, not a
-stuck CI). Each child also watches its parent and exits if the test process disappears.
+`run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, port, *args)` on N processes,
+one thread each, and returns their results in rank order. The processes are pooled (see
+`_Pool`) and forked from a server that imported torch once, so a new world size or a pool that
+the last test broke costs milliseconds, not a torch import per rank. A rank that raises fails
+the test with its traceback; ranks still running after `timeout` seconds are killed and the
+test fails naming them (a hang becomes an error, not a stuck CI). Each child also watches the
+test process and exits if it disappears.
 
 `run_script(script, args, nproc, cwd)` runs a training script on pooled ranks as torchrun would
 start it, and returns what the ranks printed.
@@ -47,41 +48,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _exit_with_parent(parent: int) -> None:
+def _exit_with_parent() -> None:
+    """Die with the test process (a forked rank's OS parent is the fork server, not the test)."""
+    parent = mp.parent_process()
+
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
+        parent.join()  # returns when the test process is gone
         os._exit(3)
     threading.Thread(target=watch, daemon=True).start()
 
 
-class _Pool:
-    """`world_size` spawned ranks that outlive one test: tests borrow them one after another.
+# Ranks are forked from one server process that imported these once (a fresh interpreter spends
+# seconds importing torch and torchvision). Forking after `import torch` is safe: the server never
+# runs an op, so no thread pool or CUDA context exists yet to be copied half-initialized.
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torchvision", "tqdm", "nanocolossal",
+                             "nanocolossal.trainer"])
 
-    Starting a rank costs seconds (a fresh interpreter imports torch); most tests cost less. So
-    the ranks stay up and run one job after another, each with a fresh process group and the
+
+class _Pool:
+    """`world_size` ranks that outlive one test: tests borrow them one after another.
+
+    The ranks stay up and run one job after another, each with a fresh process group and the
     environment as it was. A job that fails or overstays kills the pool, and the next test gets a
     fresh one: one broken test never poisons the next."""
 
     def __init__(self, world_size: int, cuda: bool) -> None:
-        ctx = mp.get_context("spawn")
-        self.results = ctx.Queue()
-        self.inboxes = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_serve,
-                                  args=(r, world_size, self.inboxes[r], self.results, os.getpid()),
-                                  daemon=True) for r in range(world_size)]
-        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-        # set before the children start: a test module may ask torch.cuda while it is imported
-        if not cuda:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        try:
-            for p in self.procs:
-                p.start()
-        finally:
-            if hidden is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = hidden
+        self.results = _CTX.Queue()
+        self.inboxes = [_CTX.Queue() for _ in range(world_size)]
+        # the server's environment is the one it started with: send this test's own
+        environ = dict(os.environ)
+        if not cuda:  # set before the job imports anything that may ask torch.cuda
+            environ["CUDA_VISIBLE_DEVICES"] = ""
+        self.procs = [_CTX.Process(target=_serve, args=(r, world_size, self.inboxes[r],
+                                                        self.results, environ),
+                                   daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -93,14 +96,15 @@ class _Pool:
             p.join(timeout=5)
 
 
-def _serve(rank: int, world_size: int, inbox, results, parent: int) -> None:
+def _serve(rank: int, world_size: int, inbox, results, environ: dict) -> None:
     """A pooled rank: runs jobs until told to stop, cleaning up after each as a fresh process."""
-    _exit_with_parent(parent)
+    _exit_with_parent()
+    os.environ.clear()
+    os.environ.update(environ)
     import torch
 
     from nanocolossal.context import gpc
     from nanocolossal.nn import reset_1d_alternation
-    environ = dict(os.environ)
     while True:
         job = inbox.get()
         if job is None:
@@ -125,7 +129,7 @@ def _serve(rank: int, world_size: int, inbox, results, parent: int) -> None:
 
 # (world size, cuda) -> its ranks, most recently used last
 _POOLS: dict[tuple[int, bool], _Pool] = {}
-_MAX_POOLS = 4  # each rank holds a torch import (~0.3 GB): keep the four latest world sizes up
+_MAX_POOLS = 4  # the four latest world sizes stay up (forks: pages shared until written)
 _JOB_IDS = itertools.count()
 
 
