@@ -179,11 +179,14 @@ def _local_rank0_first() -> Iterator[None]:
 _announced: set[tuple[str, str]] = set()
 
 
-def _load_or_synthesize(name: str, build: Callable[[], Dataset], root: str, download: bool,
-                        size: int, shape: tuple[int, ...], train: bool,
+def _load_or_synthesize(name: str, folder: str, build: Callable[[], Dataset], root: str,
+                        download: bool, size: int, shape: tuple[int, ...], train: bool,
                         synthetic_size: Optional[int]) -> Dataset:
     with _local_rank0_first():
         try:
+            # no folder, no download: skip build(), whose torchvision import alone takes seconds
+            if not download and not os.path.isdir(os.path.join(root, folder)):
+                raise FileNotFoundError(f"{os.path.join(root, folder)} does not exist")
             return build()
         # not on disk ("Dataset not found"), or download failed
         except (RuntimeError, OSError) as e:
@@ -204,29 +207,27 @@ def cifar10(root: Optional[str] = None, train: bool = True, download: bool = Fal
             transform: Optional[Callable] = None, synthetic_size: Optional[int] = None) -> Dataset:
     """CIFAR-10 with the tutorials' transforms (crop + flip for training), or a synthetic
     stand-in."""
-    from torchvision import datasets, transforms
+    root = data_root(root)
 
-    if transform is None:
+    def build() -> Dataset:
+        from torchvision import datasets, transforms
         augment = [transforms.RandomCrop(32, padding=4),
                    transforms.RandomHorizontalFlip()] if train else []
-        transform = transforms.Compose(augment + [transforms.ToTensor(),
-                                                  transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)])
-    root = data_root(root)
-    return _load_or_synthesize("CIFAR-10",
-                               lambda: datasets.CIFAR10(root, train=train, download=download,
-                                                        transform=transform),
-                               root, download, 50000 if train else 10000, (3, 32, 32), train,
-                               synthetic_size)
+        normalize = [transforms.ToTensor(), transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
+        return datasets.CIFAR10(root, train=train, download=download,
+                                transform=transform or transforms.Compose(augment + normalize))
+    return _load_or_synthesize("CIFAR-10", "cifar-10-batches-py", build, root, download,
+                               50000 if train else 10000, (3, 32, 32), train, synthetic_size)
 
 
 def mnist(root: Optional[str] = None, train: bool = True, download: bool = False,
           transform: Optional[Callable] = None, synthetic_size: Optional[int] = None) -> Dataset:
     """MNIST as the DDP tutorial loads it (ToTensor only), or a synthetic stand-in."""
-    from torchvision import datasets, transforms
-
-    transform = transform or transforms.ToTensor()
     root = data_root(root)
-    return _load_or_synthesize("MNIST", lambda: datasets.MNIST(root, train=train, download=download,
-                                                               transform=transform),
-                               root, download, 60000 if train else 10000, (1, 28, 28), train,
-                               synthetic_size)
+
+    def build() -> Dataset:
+        from torchvision import datasets, transforms
+        return datasets.MNIST(root, train=train, download=download,
+                              transform=transform or transforms.ToTensor())
+    return _load_or_synthesize("MNIST", "MNIST", build, root, download, 60000 if train else 10000,
+                               (1, 28, 28), train, synthetic_size)

@@ -1,4 +1,6 @@
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -129,6 +131,16 @@ def test_missing_data_falls_back_to_synthetic_with_one_line(tmp_path, capsys, bu
     assert torch.equal(data[5][0], image), "samples are deterministic"
     # full-size stand-in by default
     assert len(builder(str(tmp_path / "empty"), train=False)) == 10000
+
+
+def test_missing_data_does_not_import_torchvision(tmp_path):
+    """Its import takes seconds, paid by every rank of every launch that runs on the stand-in."""
+    code = ("import sys, nanocolossal as nc\n"
+            f"nc.data.cifar10({str(tmp_path)!r}); nc.data.mnist({str(tmp_path)!r})\n"
+            "assert 'torchvision' not in sys.modules, 'torchvision was imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_synthetic_images_are_learnable_by_a_small_model():
