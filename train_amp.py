@@ -6,24 +6,26 @@
     torchrun --nproc_per_node 2 train_amp.py --checkpoint ckpt.pt --resume  # ...and carry on,
                                                                             # mid-epoch if need be
 
-The config file (--config, default configs/amp_cifar10.py; --epochs and --batch-size override
-its NUM_EPOCHS and BATCH_SIZE) turns on AMP with fp16=dict(mode=AMP_TYPE.TORCH); `nc.initialize`
-reads it and returns an Engine whose forward runs under autocast and whose backward/step scale
-the loss and skip overflowing steps. With more than one process the Engine also wraps the model
-in DDP. The training loop itself is the plain PyTorch loop, spelled with engine.* calls.
+The config file (--config, default configs/amp_cifar10.py; --epochs, --batch-size and --model
+override its NUM_EPOCHS, BATCH_SIZE and MODEL) turns on AMP with fp16=dict(mode=AMP_TYPE.TORCH);
+`nc.initialize` reads it and returns an Engine whose forward runs under autocast and whose
+backward/step scale the loss and skip overflowing steps. With more than one process the Engine
+also wraps the model in DDP. The training loop itself is the plain PyTorch loop, spelled with
+engine.* calls.
 
 Without CIFAR-10 on disk (and no --download), a synthetic CIFAR-shaped dataset is used.
 """
 import os
 
 import torch
-from torchvision.models import resnet34
+from torchvision.models import resnet18, resnet34
 
 import nanocolossal as nc
 from nanocolossal.context import gpc
 from nanocolossal.metrics import Accuracy
 from nanocolossal.trainer import Trainer, hooks
 
+MODELS = {"resnet18": resnet18, "resnet34": resnet34}  # 34: the tutorial's; 18: quick checks
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
                               "amp_cifar10.py")
 
@@ -32,6 +34,7 @@ def parse_args():
     parser = nc.get_default_parser()
     parser.set_defaults(config=DEFAULT_CONFIG)
     parser.add_argument("--trainer", action="store_true", help="train with the Trainer and hooks")
+    parser.add_argument("--model", choices=sorted(MODELS), default=None, help="override MODEL")
     parser.add_argument("--epochs", type=int, default=None, help="override NUM_EPOCHS")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="override BATCH_SIZE (per rank)")
@@ -120,11 +123,11 @@ def train_with_trainer(engine, train_dataloader, test_dataloader, lr_scheduler, 
 def main():
     args = parse_args()
     config = nc.load_config(args.config, NUM_EPOCHS=args.epochs, BATCH_SIZE=args.batch_size,
-                            debug=args.debug or None)
+                            MODEL=args.model, debug=args.debug or None)
     nc.launch_from_torch(config=config, backend=args.backend, allow_single_process=True)
     logger = nc.get_dist_logger()
 
-    model = resnet34(num_classes=10)
+    model = MODELS[gpc.config.get("MODEL", "resnet34")](num_classes=10)
     train_dataset = nc.data.cifar10(args.data, train=True, download=args.download,
                                     synthetic_size=args.synthetic_size)
     test_dataset = nc.data.cifar10(args.data, train=False, download=args.download,

@@ -6,8 +6,9 @@
     torchrun --nproc_per_node 4 train_pipeline.py             # 2 stages x 2 data-parallel replicas
 
 The config file (--config, default configs/pipeline_resnet50.py) holds the tutorial's keys:
-BATCH_SIZE, NUM_EPOCHS, NUM_MICRO_BATCHES, NUM_CHUNKS and parallel=dict(pipeline=2); the flags
---epochs, --batch-size, --micro-batches, --chunks, --pipeline and --schedule override them.
+BATCH_SIZE, NUM_EPOCHS, NUM_MICRO_BATCHES, NUM_CHUNKS and parallel=dict(pipeline=2), and MODEL;
+the flags --epochs, --batch-size, --micro-batches, --chunks, --pipeline, --schedule and --model
+override them.
 The model is written as one nn.Sequential (stem, the 16 bottleneck blocks, classifier) so that
 `build_pipeline_model` can cut it; each rank builds the whole model with the same seed and
 keeps its part. `nc.initialize` reads NUM_MICRO_BATCHES / NUM_CHUNKS / PIPELINE_SCHEDULE from
@@ -26,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torchvision.models.resnet import Bottleneck, conv1x1
+from torchvision.models.resnet import BasicBlock, Bottleneck, conv1x1
 
 import nanocolossal as nc
 from nanocolossal.context import gpc
@@ -45,22 +46,29 @@ class ResNetClassifier(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def resnet50(num_classes: int = 10) -> nn.Sequential:
-    """The tutorial's ResNet-50, with the residual stages flattened into their blocks: 18 layers
-    instead of 6, so the pipeline can be cut between any two blocks."""
+# name -> (residual block, blocks per stage); 18 is a quick smoke-test size, 50 the tutorial's
+RESNETS = {"resnet18": (BasicBlock, [2, 2, 2, 2]), "resnet50": (Bottleneck, [3, 4, 6, 3])}
+
+
+def resnet(name: str = "resnet50", num_classes: int = 10) -> nn.Sequential:
+    """The tutorial's ResNet-50 (or ResNet-18), with the residual stages flattened into their
+    blocks: 18 layers instead of 6 for ResNet-50, so the pipeline can cut between any two blocks."""
+    if name not in RESNETS:
+        raise ValueError(f"MODEL must be one of {sorted(RESNETS)}, got {name!r}")
+    block, counts = RESNETS[name]
     inplanes, blocks = 64, []
     stem = nn.Sequential(nn.Conv2d(3, inplanes, kernel_size=7, stride=2, padding=3, bias=False),
                          nn.BatchNorm2d(inplanes), nn.ReLU(inplace=True),
                          nn.MaxPool2d(kernel_size=3, stride=2, padding=1))
-    for planes, count, stride in [(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)]:
+    for planes, count, stride in zip([64, 128, 256, 512], counts, [1, 2, 2, 2]):
         for i in range(count):
             downsample = None
-            if i == 0 and (stride != 1 or inplanes != planes * Bottleneck.expansion):
-                downsample = nn.Sequential(conv1x1(inplanes, planes * Bottleneck.expansion, stride),
-                                           nn.BatchNorm2d(planes * Bottleneck.expansion))
-            blocks.append(Bottleneck(inplanes, planes, stride if i == 0 else 1, downsample))
-            inplanes = planes * Bottleneck.expansion
-    model = nn.Sequential(stem, *blocks, ResNetClassifier(Bottleneck.expansion, num_classes))
+            if i == 0 and (stride != 1 or inplanes != planes * block.expansion):
+                downsample = nn.Sequential(conv1x1(inplanes, planes * block.expansion, stride),
+                                           nn.BatchNorm2d(planes * block.expansion))
+            blocks.append(block(inplanes, planes, stride if i == 0 else 1, downsample))
+            inplanes = planes * block.expansion
+    model = nn.Sequential(stem, *blocks, ResNetClassifier(block.expansion, num_classes))
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -110,8 +118,8 @@ class ChromeTrace(hooks.BaseHook):
                     for r in range(gpc.world_size)]
             with open(self.path, "w") as f:
                 json.dump({"traceEvents": meta + [e for events in everyone for e in events]}, f)
-            nc.get_dist_logger().info(f"wrote {sum(map(len, everyone))} schedule steps to "
-                                      f"{self.path}")
+            nc.get_dist_logger().info(f"wrote {sum(map(len, everyone))} "
+                                      f"schedule steps to {self.path}")
 
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
@@ -132,6 +140,7 @@ def parse_args():
                         help="override NUM_CHUNKS (> 1: interleaved 1F1B)")
     parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default=None,
                         help="override PIPELINE_SCHEDULE")
+    parser.add_argument("--model", choices=sorted(RESNETS), default=None, help="override MODEL")
     parser.add_argument("--partition", default="profile",
                         help="profile, parameters, uniform or counts like 5,13")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -157,7 +166,8 @@ def main():
     args = parse_args()
     config = nc.load_config(args.config, NUM_EPOCHS=args.epochs, BATCH_SIZE=args.batch_size,
                             NUM_MICRO_BATCHES=args.micro_batches, NUM_CHUNKS=args.chunks,
-                            PIPELINE_SCHEDULE=args.schedule, parallel=dict(pipeline=args.pipeline),
+                            PIPELINE_SCHEDULE=args.schedule, MODEL=args.model,
+                            parallel=dict(pipeline=args.pipeline),
                             debug=args.debug or None)
     stages, world = config.parallel.get("pipeline", 1), int(os.environ.get("WORLD_SIZE", "1"))
     # one process (python train_pipeline.py): the same training without a pipeline
@@ -171,11 +181,12 @@ def main():
                        ranks=[0])
     batch_size, micro_batches = gpc.config.BATCH_SIZE, gpc.config.NUM_MICRO_BATCHES
 
-    partition = (
-        [int(n) for n in args.partition.split(",")] if "," in args.partition else args.partition
-    )
+    partition = args.partition
+    if "," in partition:  # layer counts per part, e.g. 5,13
+        partition = [int(n) for n in partition.split(",")]
     sample = torch.randn(batch_size // micro_batches, 3, 32, 32)
-    model = build_pipeline_model(resnet50(), num_chunks=gpc.config.NUM_CHUNKS, partition=partition,
+    model = build_pipeline_model(resnet(gpc.config.get("MODEL", "resnet50")),
+                                 num_chunks=gpc.config.NUM_CHUNKS, partition=partition,
                                  verbose=True, sample_input=sample)
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)

@@ -93,9 +93,9 @@ def mlp(width=1024, depth=8):
 
 
 def resnet():
-    from train_pipeline import resnet50
+    from train_pipeline import resnet
     torch.manual_seed(0)
-    return resnet50()
+    return resnet("resnet50")
 
 
 def data(kind, batch, n, seed):
@@ -258,8 +258,8 @@ def main():
     workloads = [("mlp", 256), ("mlp", 1024)] + ([] if args.no_resnet else [("resnet", 64)])
     results = [run_workload(kind, batch, args) for kind, batch in workloads]
     if gpc.rank == 0:
-        skipped = [] if (os.cpu_count() or 1) >= 4 else [f"4 stages (needs 4 cores, this machine "
-                                                         f"has {os.cpu_count()})"]
+        skipped = [] if (os.cpu_count() or 1) >= 4 else ["4 stages (needs 4 cores, this "
+                                                         f"machine has {os.cpu_count()})"]
         print(f"\nPipeline benchmark: {gpc.pipeline_size} stages (gloo, 1 thread each), M={M}, "
               f"1F1B unless noted")
         print(f"  {'workload':<18}{'ours ms':>9}{'torch ms':>10}{'thrpt ours/torch':>18}"

@@ -8,7 +8,7 @@ from dist_helpers import ROOT, run_script
 
 def _train(tmp_path, *args):
     return run_script(ROOT / "train_pipeline.py",
-                      ["--epochs", "1", "--synthetic-size", "128", "--batch-size", "16",
+                      ["--epochs", "1", "--synthetic-size", "64", "--batch-size", "16",
                        "--data", str(tmp_path), *args], nproc=2, cwd=tmp_path)
 
 
