@@ -127,7 +127,10 @@ def main():
     nc.launch_from_torch(config=config, backend=args.backend, allow_single_process=True)
     logger = nc.get_dist_logger()
 
-    model = MODELS[gpc.config.get("MODEL", "resnet34")](num_classes=10)
+    name = gpc.config.get("MODEL", "resnet34")
+    if name not in MODELS:
+        raise ValueError(f"[rank {gpc.rank}] MODEL must be one of {sorted(MODELS)}, got {name!r}")
+    model = MODELS[name](num_classes=10)
     train_dataset = nc.data.cifar10(args.data, train=True, download=args.download,
                                     synthetic_size=args.synthetic_size)
     test_dataset = nc.data.cifar10(args.data, train=False, download=args.download,

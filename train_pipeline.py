@@ -54,7 +54,7 @@ def resnet(name: str = "resnet50", num_classes: int = 10) -> nn.Sequential:
     """The tutorial's ResNet-50 (or ResNet-18), with the residual stages flattened into their
     blocks: 18 layers instead of 6 for ResNet-50, so the pipeline can cut between any two blocks."""
     if name not in RESNETS:
-        raise ValueError(f"MODEL must be one of {sorted(RESNETS)}, got {name!r}")
+        raise ValueError(f"[rank {gpc.rank}] MODEL must be one of {sorted(RESNETS)}, got {name!r}")
     block, counts = RESNETS[name]
     inplanes, blocks = 64, []
     stem = nn.Sequential(nn.Conv2d(3, inplanes, kernel_size=7, stride=2, padding=3, bias=False),

@@ -47,3 +47,12 @@ def test_gloo_train_amp_resumes_mid_epoch_bit_identically(tmp_path, loop):
     for s, r in zip(opt_a["optimizer"]["state"].values(), opt_b["optimizer"]["state"].values()):
         assert torch.equal(s["momentum_buffer"], r["momentum_buffer"])
     assert opt_a["scaler"] == opt_b["scaler"] and a["lr_scheduler"] == b["lr_scheduler"]
+
+
+def test_gloo_train_amp_names_a_model_it_does_not_know(tmp_path):
+    config = tmp_path / "config.py"
+    config.write_text("BATCH_SIZE = 4\nNUM_EPOCHS = 1\nMODEL = 'vgg'\n")
+    with pytest.raises(AssertionError, match=r"\[rank 0\] MODEL must be one of "
+                                             r"\['resnet18', 'resnet34'\], got 'vgg'"):
+        run_script(ROOT / "train_amp.py", ["--config", str(config), "--data", str(tmp_path)],
+                   nproc=1, cwd=tmp_path)

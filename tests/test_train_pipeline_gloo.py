@@ -1,9 +1,12 @@
 """train_pipeline.py end to end on 2 ranks started as torchrun would (short synthetic runs)."""
 import json
 import re
+import sys
 
 import pytest
+import torch
 from dist_helpers import ROOT, run_script
+from torch import nn
 
 
 def _train(tmp_path, *args):
@@ -33,3 +36,14 @@ def test_gloo_train_pipeline_interleaved(tmp_path):
     out = _train(tmp_path, "--chunks", "2", "--partition", "parameters").replace("\r", "\n")
     assert "initialize: pipeline interleaved x2 stages, 4 micro-batches, 2 chunk(s)" in out
     assert "test accuracy" in out
+
+
+def test_model_choices_are_flat_sequentials_and_a_bad_name_is_named():
+    sys.path.insert(0, str(ROOT))
+    from train_pipeline import resnet
+    for name, layers in (("resnet18", 1 + 8 + 1), ("resnet50", 1 + 16 + 1)):
+        model = resnet(name)  # stem, one layer per residual block, classifier: cut anywhere
+        assert isinstance(model, nn.Sequential) and len(model) == layers
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    with pytest.raises(ValueError, match=r"MODEL must be one of .*'resnet50'\], got 'vgg'"):
+        resnet("vgg")
