@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.utils.data.distributed as torch_dist_data
 from cifar_files import skip_cifar_md5, write_cifar
-from torchvision import transforms
 
 import nanocolossal as nc
 from nanocolossal.data import DistributedSampler, SyntheticImages, cifar10, mnist, synthetic_images
@@ -77,6 +76,7 @@ def skip_md5(monkeypatch):
 
 
 def test_cifar10_loads_real_pickled_batches(tmp_path, skip_md5):
+    from torchvision import transforms  # here, not at the top: `pytest -k gloo` skips its import
     written = write_cifar(tmp_path)
     train = cifar10(str(tmp_path), train=True, transform=transforms.PILToTensor())
     test = cifar10(str(tmp_path), train=False, transform=transforms.PILToTensor())

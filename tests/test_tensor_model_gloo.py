@@ -10,6 +10,7 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
+from nanocolossal.amp import AMP_TYPE
 from nanocolossal.checkpoint import load_plain_state_dict, merge_checkpoint, save_checkpoint
 from nanocolossal.context import gpc
 from nanocolossal.pipeline import build_pipeline_model
@@ -124,3 +125,57 @@ def test_gloo_tensor_parallel_training_equals_one_process(reference, name, world
     assert set(merged) == set(expected)
     for key, value in expected.items():
         assert_close(merged[key], value, msg=lambda m: f"merged {key}: {m}")
+
+
+def _amp_worker(rank, world_size, port, parallel, opt_level, dtype, reference=None):
+    """Train the ViT under AMP in `parallel`'s layout. Returns (loss, step taken, grad norm) per
+    step, the parameter dtypes, and the whole parameters (one process) or, against `reference`,
+    per parameter the largest difference from its slice and how far that slice moved."""
+    fp16 = {"mode": AMP_TYPE.APEX, "opt_level": opt_level, "dtype": dtype, "init_scale": 2.0**8}
+    # a threshold never reached: the global norm is measured (replicas counted once), not applied
+    nc.launch({"fp16": fp16, "parallel": parallel, "clip_grad_norm": 1e9}, rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    model = _model()  # this rank's slices of the seeded plain model (the fp32 test checks it)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                               col_nn.CrossEntropyLoss(), verbose=False)
+    losses = []
+    for step in range(STEPS):
+        engine.zero_grad()
+        loss = engine.execute_schedule(_batch(step))[2].item()
+        losses.append((loss, engine.step(), engine.last_grad_norm))
+    dtypes = {name: p.dtype for name, p in engine.model.named_parameters()}
+    if reference is None:
+        return losses, dtypes, {name: p.detach().float() for name, p in model.named_parameters()}
+    compared = {}
+    for name, p in engine.model.named_parameters():
+        splits = getattr(p, "tensor_splits", [])
+        want = shard(reference[name], splits)
+        compared[name] = (float((p.float() - want).abs().max()),
+                          float((p.float() - initial[name].float()).abs().max()))
+    return losses, dtypes, compared
+
+
+AMP_LAYOUTS = [  # the tensor layouts under each AMP level, in both half types
+    ("O2", "bfloat16", "1d x2", 2, {"tensor": {"size": 2, "mode": "1d"}}),
+    ("O3", "float16", "2d x4", 4, {"tensor": {"size": 4, "mode": "2d"}}),
+]
+
+
+@pytest.mark.parametrize("opt_level, dtype, name, world, parallel", AMP_LAYOUTS,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in AMP_LAYOUTS])
+def test_gloo_tensor_parallel_mixed_precision_tracks_one_process(opt_level, dtype, name, world,
+                                                                 parallel):
+    """The same AMP run on one process and split over tensor ranks: only the order of half-
+    precision sums differs, so losses and parameters agree to a few half-precision steps."""
+    [(ref_losses, ref_dtypes, ref)] = run_ranks(_amp_worker, 1, {}, opt_level, dtype, timeout=60)
+    assert ref_dtypes["1.mlp.fc1.weight"] == getattr(torch, dtype), "O2/O3: Linears in half"
+    assert all(taken for _, taken, _ in ref_losses), "every step is taken (no overflow here)"
+    for rank, (losses, dtypes, compared) in enumerate(
+            run_ranks(_amp_worker, world, parallel, opt_level, dtype, ref, timeout=120)):
+        assert dtypes == ref_dtypes, "each layer keeps the dtype it has in one process"
+        for (loss, taken, norm), (ref_loss, ref_taken, ref_norm) in zip(losses, ref_losses):
+            assert taken == ref_taken and loss == pytest.approx(ref_loss, rel=2e-2)
+            assert norm == pytest.approx(ref_norm, rel=2e-2), "the global norm counts each once"
+        for key, (diff, moved) in compared.items():  # every slice trained, and stayed close
+            assert 0 < moved and diff <= 0.05 * moved + 4e-3, f"[{rank}] {key}: {diff=}, {moved=}"

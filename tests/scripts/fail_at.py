@@ -6,12 +6,17 @@ Fault injection for the restart tests, kept out of the library and the scripts: 
 optimizer-step hook counts steps and SIGKILLs (no clean-up) the chosen rank. It fires on a job's
 first attempt only, so the job that `torchrun --max-restarts` starts again runs through.
 """
+import gc
 import os
 import runpy
 import signal
 import sys
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+# torch's objects stop being tracked: the interpreter's exit then skips a final sweep over them
+# that takes over a second per process (the tests start many)
+gc.freeze()
 
 spec, script, *args = sys.argv[1:]
 rank, at = (int(v) for v in spec.split(":"))
