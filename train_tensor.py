@@ -10,6 +10,8 @@ qkv projection's output is laid out head by head, so a contiguous slice is whole
 The model is an nn.Sequential (patch embedding, blocks, head), so `build_pipeline_model`
 cuts it into stages when parallel.pipeline > 1. The run ends with `final train loss X`;
 with dropout 0 (the default) and the same global batch, X is the same for every layout.
+`--checkpoint F --resume` saves one file per (stage, tensor rank) and continues from them,
+mid-epoch too, with the same dropout masks (the sharded dropout's generators are saved).
 
 Without CIFAR-10 on disk (and no --download), a synthetic CIFAR-shaped dataset is used.
 """
@@ -113,6 +115,12 @@ def parse_args():
     parser.add_argument("--download", action="store_true")
     parser.add_argument("--synthetic-size", type=int, default=4096,
                         help="training images in the synthetic stand-in")
+    parser.add_argument("--checkpoint", type=str, default=None,
+                        help="save here (one file per stage and tensor rank) every epoch")
+    parser.add_argument("--checkpoint-every", type=int, default=None,
+                        help="also save every N steps")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from --checkpoint when it exists")
     return parser.parse_args()
 
 
@@ -140,11 +148,17 @@ def main():
         model, optimizer, col_nn.CrossEntropyLoss(), train_dataloader, test_dataloader
     )
     trainer = Trainer(engine=engine, logger=logger)
+    hook_list = [hooks.LossHook(), hooks.AccuracyHook(Accuracy()), hooks.ThroughputHook(),
+                 hooks.LogMetricByEpochHook(logger)]
+    if args.checkpoint:
+        hook_list.append(hooks.SaveCheckpointHook(args.checkpoint,
+                                                  every_steps=args.checkpoint_every))
+        if args.resume and trainer.resume(args.checkpoint):
+            logger.info(f"resumed from {args.checkpoint}: epoch {trainer.cur_epoch + 1}, step "
+                        f"{trainer.cur_step}")
     trainer.fit(train_dataloader=train_dataloader, epochs=gpc.config.NUM_EPOCHS,
-                test_dataloader=test_dataloader,
-                hooks=[hooks.LossHook(), hooks.AccuracyHook(Accuracy()), hooks.ThroughputHook(),
-                       hooks.LogMetricByEpochHook(logger)],
-                display_progress=True, max_steps=args.max_steps)
+                test_dataloader=test_dataloader, hooks=hook_list, display_progress=True,
+                max_steps=args.max_steps)
     last = trainer.states["metrics"]["train"]
     logger.info(f"final train loss {last['loss']:.6g}, test accuracy "
                 f"{trainer.states['metrics']['test'].get('accuracy', float('nan')):.4f}")
