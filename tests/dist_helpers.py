@@ -61,9 +61,13 @@ def _exit_with_parent() -> None:
 # Ranks are forked from one server process that imported these once (a fresh interpreter spends
 # seconds importing torch and torchvision). Forking after `import torch` is safe: the server never
 # runs an op, so no thread pool or CUDA context exists yet to be copied half-initialized.
-_CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "torchvision", "tqdm", "nanocolossal",
-                             "nanocolossal.trainer"])
+# (Windows has no fork server: there the ranks are spawned, each importing torch itself.)
+if "forkserver" in mp.get_all_start_methods():
+    _CTX = mp.get_context("forkserver")
+    _CTX.set_forkserver_preload(["torch", "torch.distributed", "torchvision", "tqdm",
+                                 "nanocolossal", "nanocolossal.trainer"])
+else:
+    _CTX = mp.get_context("spawn")
 
 
 class _Pool:
