@@ -148,8 +148,8 @@ def main():
     engine, train_dataloader, test_dataloader, lr_scheduler = nc.initialize(
         model, optimizer, criterion, train_dataloader, test_dataloader, lr_scheduler)
 
-    # where training is (epoch, step, step in epoch): saved with each checkpoint, restored by
-    # --resume
+    # where training is (epoch, step, step in epoch):
+    # saved with each checkpoint, restored by --resume
     progress = nc.Progress()
     if args.resume:
         if not args.checkpoint:

@@ -76,8 +76,8 @@ def main() -> None:
     # Colossal-AI's gradient handler: all-reduce after backward, no overlap
     handled = copy.deepcopy(base)
     handler = DataParallelGradientHandler(handled)
-    # gradient_as_bucket_view: .grad is the bucket slot (zeroed in place, so backward writes into
-    # it)
+    # gradient_as_bucket_view: .grad is the bucket slot
+    # (zeroed in place, so backward writes into it)
     ours_view = DistributedDataParallel(copy.deepcopy(base), gradient_as_bucket_view=True)
     theirs_view = nn.parallel.DistributedDataParallel(copy.deepcopy(base),
                                                       gradient_as_bucket_view=True)

@@ -68,8 +68,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def stage_path(path: PathLike, stage: Optional[int] = None,
                tensor_rank: Optional[int] = None) -> Path:
-    """This rank's file: ckpt.pt alone, ckpt-stage{p}.pt with pipelines, ...-tensor{t}.pt with
-    tensor parallelism."""
+    """This rank's file: ckpt.pt alone, ckpt-stage{p}.pt with pipelines, and
+    ...-tensor{t}.pt with tensor parallelism."""
     path = Path(path)
     parts = []
     if gpc.pipeline_size > 1 or stage is not None:
@@ -258,8 +258,7 @@ def merge_checkpoint(path: PathLike) -> dict:
 
 @torch.no_grad()
 def load_plain_state_dict(model: nn.Module, state_dict: dict) -> None:
-    """Load a plain (unsplit) state_dict into a model of any layout: each parameter keeps its
-    slice."""
+    """Load a plain (unsplit) state_dict into a model of any layout: each parameter its slice."""
     from .tensor.base import shard
     state_dict = strip_prefixes(state_dict)
     model = unwrap(model)

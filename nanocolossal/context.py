@@ -108,8 +108,7 @@ class ParallelContext:
     # -- set-up -------------------------------------------------------------------------
     @staticmethod
     def parallel_sizes(config: Config, world_size: int) -> tuple[int, int, int, Optional[str]]:
-        """(pipeline P, tensor T, data D, tensor mode) for this world; ConfigError if they do not
-        fit."""
+        """(pipeline P, tensor T, data D, tensor mode) for this world, or a ConfigError."""
         P, T, mode, wanted = parallel_settings(config)
         if world_size % (P * T) != 0:
             raise ConfigError(f"world size {world_size} is not divisible by pipeline x tensor = "

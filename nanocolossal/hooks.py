@@ -134,9 +134,8 @@ class ThroughputHook(BaseHook):
     def after_train_epoch(self, trainer) -> None:
         elapsed = time.perf_counter() - self._start
         per_rank = all_reduce_mean(float(self._samples))
-        trainer.states["metrics"]["train"]["throughput"] = (
-            per_rank * gpc.data_size / max(elapsed, 1e-9)
-        )
+        throughput = per_rank * gpc.data_size / max(elapsed, 1e-9)
+        trainer.states["metrics"]["train"]["throughput"] = throughput
 
 
 def _format(metrics: dict) -> str:

@@ -266,8 +266,8 @@ def launch_from_torch(config: ConfigLike, backend: Optional[str] = None, seed: i
                     "`torchrun --nproc_per_node N script.py` or `nanocolossal run --nproc_per_node "
                     "N script.py`")
     where = f"{env['host']}:{env['port']}"
-    # env:// (or the agent's store, see _agent_store): torchrun's agent shares its store with the
-    # workers
+    # env:// (or the agent's store, see _agent_store):
+    # torchrun's agent shares its store with the workers
     _launch(config, env["rank"], env["world_size"], env["local_rank"], "env://", where, backend,
             seed, timeout)
 

@@ -89,7 +89,7 @@ def disable_existing_loggers(include: Optional[Iterable[str]] = None,
     """Silence other libraries' loggers (those in `include`, default all but `exclude`): the
     tutorials call this first so that only the distributed logger's lines reach the console."""
     for name in list(logging.root.manager.loggerDict):
-        if (include is None and not any(name.startswith(e) for e in exclude)) or (
-            include and name in include
-        ):
+        chosen = (name in include if include is not None
+                  else not any(name.startswith(e) for e in exclude))
+        if chosen:
             logging.getLogger(name).disabled = True

@@ -50,9 +50,8 @@ def test_tensor_parallel_and_colossal_import_paths_exist():
                  "CrossEntropyLoss"]:
         assert callable(getattr(nc.nn, name))
     assert type(nc.nn.Linear(4, 2)) is torch.nn.Linear  # plain torch without tensor parallelism
-    assert callable(nc.checkpoint.merge_tensor_parallel) and callable(
-        nc.checkpoint.load_plain_state_dict
-    )
+    assert callable(nc.checkpoint.merge_tensor_parallel)
+    assert callable(nc.checkpoint.load_plain_state_dict)
     from nanocolossal.builder import build_pipeline_model
     from nanocolossal.context import Config
     from nanocolossal.core import global_context

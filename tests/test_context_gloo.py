@@ -19,8 +19,8 @@ def test_gpc_describes_one_process_before_launch():
 def _groups_worker(rank, world_size, port):
     nc.launch({"parallel": {"pipeline": 2}}, rank=rank, world_size=world_size, host="127.0.0.1",
               port=port)
-    # Membership as torch sees it, and proof by reduction that the groups really connect those
-    # ranks.
+    # Membership as torch sees it, and proof by reduction
+    # that the groups really connect those ranks.
     in_data = torch.tensor([float(rank)])
     dist.all_reduce(in_data, group=gpc.data_group)
     in_pipe = torch.tensor([float(rank)])
@@ -52,9 +52,8 @@ def test_gloo_four_ranks_pipeline_two_layout_and_groups():
         assert {k: o[k] for k in want} == want
         assert o["data_size"] == 2 and o["pipeline_size"] == 2
         assert o["first"] == (o["pipeline_rank"] == 0) and o["last"] == (o["pipeline_rank"] == 1)
-        assert o["data_sum"] == sum(want["data_ranks"]) and o["pipe_sum"] == sum(
-            want["pipeline_ranks"]
-        )
+        assert o["data_sum"] == sum(want["data_ranks"])
+        assert o["pipe_sum"] == sum(want["pipeline_ranks"])
     # The sampler shards by *data* rank: both stages of a pipeline read the same samples,
     # and the two pipelines together read each sample once.
     assert out[0]["shard"] == out[1]["shard"] and out[2]["shard"] == out[3]["shard"]

@@ -58,14 +58,9 @@ def test_gloo_launch_from_slurm():
 
 
 def _probes(output: str) -> list[dict]:
-    return sorted(
-        (
-            json.loads(line.split("PROBE ", 1)[1])
-            for line in output.splitlines()
-            if "PROBE " in line
-        ),
-        key=lambda p: p["rank"],
-    )
+    probes = [json.loads(line.split("PROBE ", 1)[1]) for line in output.splitlines()
+              if "PROBE " in line]
+    return sorted(probes, key=lambda p: p["rank"])
 
 
 def test_gloo_launch_from_torch_under_torchrun(tmp_path):

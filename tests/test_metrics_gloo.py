@@ -37,8 +37,8 @@ def _mean_worker(rank, world_size, port):
     nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     plain = all_reduce_mean({"loss": float(rank + 1), "acc": torch.tensor(rank * 0.5)})
     scalar = all_reduce_mean(10.0 * (rank + 1))
-    # rank 0 averaged 3 samples to 2.0, rank 1 averaged 1 sample to 6.0: whole mean (6 + 6) / 4 =
-    # 3.0
+    # rank 0 averaged 3 samples to 2.0, rank 1 averaged
+    # 1 sample to 6.0: whole mean (6 + 6) / 4 = 3.0
     weighted = all_reduce_mean({"loss": [2.0, 6.0][rank]}, weight=[3, 1][rank])
     return plain, scalar, weighted
 

@@ -310,7 +310,7 @@ def _bn_broadcast_worker(rank, world_size, port):
 
 
 def test_gloo_pipeline_syncs_batchnorm_buffers_once_per_batch():
-    # stage 0 holds the BatchNorm: per batch one float message (running mean and var) and one int64
-    # (batches tracked), so 4 over 2 batches -- on every micro-batch it would be 16; stage 1 has
-    # none
+    # stage 0 holds the BatchNorm: per batch one float message (running
+    # mean and var) and one int64 (batches tracked), so 4 over 2
+    # batches -- on every micro-batch it would be 16; stage 1 has none
     assert run_ranks(_bn_broadcast_worker, 4, timeout=90) == [4, 0, 4, 0]

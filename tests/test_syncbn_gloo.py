@@ -98,10 +98,8 @@ def test_convert_sync_batchnorm_keeps_a_resnets_state_and_flags():
     model.bn1.weight.requires_grad_(False)
     before = copy.deepcopy(model.state_dict())
     converted = convert_sync_batchnorm(model)
-    assert not any(
-        isinstance(m, nn.BatchNorm2d) and not isinstance(m, SyncBatchNorm)
-        for m in converted.modules()
-    )
+    assert not any(isinstance(m, nn.BatchNorm2d) and not isinstance(m, SyncBatchNorm)
+                   for m in converted.modules())
     assert sum(isinstance(m, SyncBatchNorm) for m in converted.modules()) == 20
     after = converted.state_dict()
     assert list(after) == list(before)

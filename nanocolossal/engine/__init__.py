@@ -118,9 +118,8 @@ class Engine:
         self._micro += 1
         loss = loss / self.gradient_accumulation
         # all-reduce once, on the last of the accumulated backwards
-        defer = self._micro < self.gradient_accumulation and isinstance(
-            self.forward_module, DistributedDataParallel
-        )
+        ddp = isinstance(self.forward_module, DistributedDataParallel)
+        defer = ddp and self._micro < self.gradient_accumulation
         with self.forward_module.no_sync() if defer else nullcontext():
             self.optimizer.backward(loss)
 

@@ -84,9 +84,8 @@ class Dropout(nn.Dropout):
     def __init__(self, p: float = 0.5, sharded: bool | None = None) -> None:
         super().__init__(p)
         if sharded is None:
-            sharded = gpc.tensor_mode == "2d" or (
-                gpc.tensor_mode == "1d" and _state["1d_input_is_split"]
-            )
+            split_1d = gpc.tensor_mode == "1d" and _state["1d_input_is_split"]
+            sharded = gpc.tensor_mode == "2d" or split_1d
         self.sharded = sharded
 
     def forward(self, x):

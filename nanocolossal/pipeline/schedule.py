@@ -79,8 +79,8 @@ class _Schedule:
             raise ValueError(f"[rank {gpc.rank}] batch size {n} is smaller than "
                              f"NUM_MICRO_BATCHES={M}; use batches of at least {M} samples (or "
                              f"drop_last=True in the dataloader)")
-        inputs, labels = inputs.to(gpc.device,
-                                   non_blocking=True), labels.to(gpc.device, non_blocking=True)
+        inputs = inputs.to(gpc.device, non_blocking=True)
+        labels = labels.to(gpc.device, non_blocking=True)
         return list(inputs.tensor_split(M)), list(labels.tensor_split(M)), labels
 
     def forward_backward_step(self, model: Any, batch: Any, criterion: Optional[Callable] = None,
@@ -166,8 +166,8 @@ class _Run:
                 self.outputs.append(output.detach())
                 loss = None
                 if self.criterion is not None:
-                    # weighted by its share of the batch: the sum over micro-batches is the batch
-                    # mean
+                    # weighted by its share of the batch: the
+                    # sum over micro-batches is the batch mean
                     loss = self.criterion(output, self.y_mb[m]) * self.share[m]
                     self.total_loss += loss.detach()
                 backward_from = loss
