@@ -100,9 +100,9 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError("DistributedDataParallel needs a launched job: call "
                                "nanocolossal.launch* first")
         self.module = module
-        self.process_group = (
-            process_group if process_group is not None else (gpc.data_group or dist.group.WORLD)
-        )
+        if process_group is None:
+            process_group = gpc.data_group or dist.group.WORLD
+        self.process_group = process_group
         self.world_size = dist.get_world_size(self.process_group)
         self.src_rank = dist.get_global_rank(self.process_group, 0)
         self.broadcast_buffers = broadcast_buffers
@@ -202,9 +202,8 @@ class DistributedDataParallel(nn.Module):
         for i, filled in enumerate(bucket.filled):
             if not filled:  # no gradient here this time: its slot must add nothing
                 bucket.view(i).zero_()
-        bucket.wire = (
-            bucket.buffer if self.wire_dtype is None else bucket.buffer.to(self.wire_dtype)
-        )
+        wire_dtype = self.wire_dtype or bucket.buffer.dtype
+        bucket.wire = bucket.buffer.to(wire_dtype)  # the buffer itself when no compression
         try:
             bucket.work = dist.all_reduce(bucket.wire, group=self.process_group, async_op=True)
         except RuntimeError as e:

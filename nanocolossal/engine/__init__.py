@@ -260,10 +260,10 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
                criterion: Optional[Callable] = None, train_dataloader: Optional[DataLoader] = None,
                test_dataloader: Optional[DataLoader] = None,
                lr_scheduler: Any = None, verbose: bool = True):
-    """Apply gpc.config to the training components; returns (engine, train_dl, test_dl,
-    lr_scheduler).
+    """Apply gpc.config to the training components.
 
-    The tutorial's sequence: SyncBN -> AMP -> DDP or pipeline -> Engine."""
+    Returns (engine, train_dl, test_dl, lr_scheduler). The tutorial's sequence: SyncBN -> AMP ->
+    DDP or pipeline -> Engine."""
     cfg = gpc.config
     # check before changing anything
     schedule = _pipeline_schedule(model) if gpc.pipeline_size > 1 else None
@@ -280,9 +280,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
     # 2. AMP: may change parameter dtypes (O2/O3), so it comes before DDP buckets them
     if cfg.get("fp16") is not None:
         needs_probe = gpc.device.type == "cpu" and "dtype" not in cfg.fp16
-        opt_level, kwargs = _amp_settings(
-            cfg.fp16, amp.cpu_half_dtype() if needs_probe else torch.bfloat16
-        )
+        cpu_half = amp.cpu_half_dtype() if needs_probe else torch.bfloat16
+        opt_level, kwargs = _amp_settings(cfg.fp16, cpu_half)
         name = f"AMP {opt_level} ({AMP_TYPE.parse(cfg.fp16.mode).name})"
         if kwargs is None:  # a CPU without fast half precision: the same training, in float32
             optimizer = MixedPrecisionOptimizer(optimizer)
@@ -309,23 +308,20 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
         # each chunk is its own DDP unit, averaged over its data group
         if gpc.data_size > 1 and handler is None:
             # buffers are synced once per batch by the engine, not on every micro-batch's forward
-            chunks = [
-                DistributedDataParallel(chunk, **{**ddp_options, "broadcast_buffers": False})
-                for chunk in chunks
-            ]
+            options = {**ddp_options, "broadcast_buffers": False}
+            chunks = [DistributedDataParallel(chunk, **options) for chunk in chunks]
             features.append(f"data parallel x{gpc.data_size}")
-        features.insert(0, f"pipeline {schedule.name} x{gpc.pipeline_size} "
-                           f"stages, {schedule.num_microbatches} "
-                           f"micro-batches, {schedule.num_chunks} chunk(s)")
+        features.insert(0, f"pipeline {schedule.name} x{gpc.pipeline_size} stages, "
+                           f"{schedule.num_microbatches} micro-batches, "
+                           f"{schedule.num_chunks} chunk(s)")
         engine: Engine = PipelineEngine(model, optimizer, criterion, schedule, chunks, clip,
                                         handler)
     else:
         forward_module = model
         if gpc.data_size > 1 and handler is None:
             forward_module = DistributedDataParallel(model, **ddp_options)
-            features.append(
-                f"DDP x{gpc.data_size}" + "".join(f", {k}={v}" for k, v in ddp_options.items())
-            )
+            options = "".join(f", {k}={v}" for k, v in ddp_options.items())
+            features.append(f"DDP x{gpc.data_size}{options}")
         accumulation = cfg.get("gradient_accumulation", 1)
         if accumulation > 1:
             features.append(f"gradient accumulation x{accumulation}")

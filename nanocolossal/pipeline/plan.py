@@ -295,7 +295,8 @@ def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost:
 
 
 def chunk_name(chunk: int, V: int) -> str:
-    """Chunk suffix of a step label: none without interleaving, else a, b, ..., z, then .26, ..."""
+    """Chunk suffix of a step label: none without interleaving, a, b, ... up to 26 chunks, else
+    .0, .1, ..."""
     if V == 1:
         return ""
     return string.ascii_lowercase[chunk] if V <= len(string.ascii_lowercase) else f".{chunk}"
