@@ -56,9 +56,9 @@ class DynamicLossScaler:
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, hysteresis: int = 1, min_scale: float = 1.0,
-                 max_scale: float = 2.0**24, max_consecutive_overflows: int = 32) -> None:
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, hysteresis: int = 1,
+                 min_scale: float = 1.0, max_scale: float = 2.0**24,
+                 max_consecutive_overflows: int = 32) -> None:
         if not (
             growth_factor > 1
             and 0 < backoff_factor < 1

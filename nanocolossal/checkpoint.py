@@ -84,9 +84,8 @@ def _rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if gpc.dropout_generators:  # tensor-parallel dropout's own generators (tensor/base.py)
-        state["dropout"] = {
-            str(device): gen.get_state() for device, gen in gpc.dropout_generators.items()
-        }
+        generators = gpc.dropout_generators.items()
+        state["dropout"] = {str(device): gen.get_state() for device, gen in generators}
     try:
         import numpy as np
         state["numpy"] = np.random.get_state()

@@ -57,8 +57,7 @@ class Config(dict):
     def __delattr__(self, name: str) -> None:
         del self[name]
 
-    def update(self, other: Mapping[str, Any] = (),
-               **kwargs: Any) -> None:  # type: ignore[override]
+    def update(self, other: Mapping[str, Any] = (), **kwargs: Any) -> None:  # type: ignore[override]
         for key, value in {**dict(other), **kwargs}.items():
             self[key] = value
 
@@ -237,15 +236,14 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError(f"PIPELINE_SCHEDULE must be '1f1b', 'gpipe' or 'interleaved', got "
                           f"{schedule!r}")
     shape = cfg.get("TENSOR_SHAPE")
-    if shape is not None and (
-        not isinstance(shape, (list, tuple))
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
-    ):
+    def positive_int(d: Any) -> bool:
+        return isinstance(d, int) and not isinstance(d, bool) and d > 0
+    if shape is not None and not (isinstance(shape, (list, tuple))
+                                  and all(map(positive_int, shape))):
         raise ConfigError(f"TENSOR_SHAPE must be a list of positive ints (one micro-batch's "
                           f"activation), got {shape!r}")
     for key in ("clip_grad_norm", "timeout"):
         value = cfg.get(key)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0
-        ):
+        positive = isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
+        if value is not None and not positive:
             raise ConfigError(f"{key} must be a positive number, got {value!r}")
