@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import socket
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -130,10 +132,29 @@ def _agent_store(timeout: timedelta) -> Optional[dist.Store]:
     )
 
 
+def _wait_for_rank0(where: str, timeout: timedelta) -> None:
+    """Poll the port where rank 0 opens the store until it listens.
+
+    torch's own client tries a second time after its timeout, so an absent rank 0 would cost
+    twice the timeout (and the error would say once); polling first keeps the wait to one."""
+    host, port = where.rsplit(":", 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listened at {where} (timed out)") from None
+            time.sleep(0.1)
+
+
 def _init_process_group(backend: str, init_method: str, rank: int, world_size: int,
                         timeout: timedelta, where: str) -> None:
     try:
         store = _agent_store(timeout) if init_method == "env://" else None
+        if store is None and rank != 0:
+            _wait_for_rank0(where, timeout)
         if store is not None:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timeout)
@@ -144,6 +165,10 @@ def _init_process_group(backend: str, init_method: str, rank: int, world_size: i
         text = str(e)
         if "in use" in text.lower() or "EADDRINUSE" in text:
             hint = f"port at {where} is already in use: choose a free one (--port / --master_port)"
+        elif ("timed out" in text.lower() or "timeout" in text.lower()) and rank == 0:
+            hint = (f"could not meet the other processes at {where} within "
+                    f"{timeout.total_seconds():.0f} s: did all {world_size} start, and do they "
+                    f"agree on world_size={world_size}?")
         elif "timed out" in text.lower() or "timeout" in text.lower():
             hint = (f"could not meet the other processes at {where} within "
                     f"{timeout.total_seconds():.0f} s: is rank 0 running, is the host reachable, "

@@ -184,12 +184,21 @@ def test_gloo_launch_port_already_in_use():
     assert not dist.is_initialized()
 
 
-def test_gloo_launch_without_rank0_times_out_with_a_clear_error():
+def test_gloo_launch_without_rank0_times_out_with_a_clear_error(capfd):
     start = time.monotonic()
     with pytest.raises(nc.LaunchError,
-                       match=r"\[rank 1\] could not meet the other processes .* within 3 s"):
-        nc.launch({}, rank=1, world_size=2, host="127.0.0.1", port=free_port(), timeout=3)
-    assert time.monotonic() - start < 20
+                       match=r"\[rank 1\] could not meet the other processes .* within 4 s"):
+        nc.launch({}, rank=1, world_size=2, host="127.0.0.1", port=free_port(), timeout=4)
+    # the wait is the timeout asked for, not torch's client retrying after a random delay (up
+    # to 8 s), and our one-line error is all that is said: no C++ trace of each try
+    assert time.monotonic() - start < 5.5
+    assert "c10d" not in capfd.readouterr().err
+
+
+def test_gloo_launch_of_rank0_alone_asks_whether_the_others_started():
+    with pytest.raises(nc.LaunchError, match=r"\[rank 0\] could not meet the other processes "
+                                             r".* within 1 s: did all 2 start"):
+        nc.launch({}, rank=0, world_size=2, host="127.0.0.1", port=free_port(), timeout=1)
 
 
 def _logging_worker(rank, world_size, port):
