@@ -12,7 +12,8 @@ test process and exits if it disappears.
 start it, and returns what the ranks printed.
 
 `run_cmd(argv, timeout)` runs a launcher (torchrun, mpirun, nanocolossal run) in its own
-process group and kills the whole group if it overstays.
+process group and kills the whole group if it overstays; `BackgroundCmd(argv)` starts one and
+lets the test do other work (a reference run on the pool) before `finish(timeout)`.
 
 Both hide GPUs from the ranks unless asked (`cuda=True`): the gloo tests are CPU tests, and on a
 machine with one GPU two ranks would otherwise both pick nccl and ask for cuda:0 and cuda:1.
@@ -61,11 +62,12 @@ def _exit_with_parent() -> None:
 # Ranks are forked from one server process that imported these once (a fresh interpreter spends
 # seconds importing torch and torchvision). Forking after `import torch` is safe: the server never
 # runs an op, so no thread pool or CUDA context exists yet to be copied half-initialized.
+# torch._dynamo too: torch imports it (1.4 s) the first time any optimizer is built.
 # (Windows has no fork server: there the ranks are spawned, each importing torch itself.)
 if "forkserver" in mp.get_all_start_methods():
     _CTX = mp.get_context("forkserver")
-    _CTX.set_forkserver_preload(["torch", "torch.distributed", "torchvision", "tqdm",
-                                 "nanocolossal", "nanocolossal.trainer"])
+    _CTX.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "torchvision",
+                                 "tqdm", "nanocolossal", "nanocolossal.trainer"])
 else:
     _CTX = mp.get_context("spawn")
 
@@ -221,18 +223,41 @@ def run_script(script: Path, args: list[str], nproc: int, cwd: Path, timeout: fl
 def run_cmd(argv: list[str], timeout: float, env: dict | None = None, cwd: Path = ROOT,
             cuda: bool = False) -> subprocess.CompletedProcess:
     """Run a launcher command with a deadline; its whole process group dies on timeout."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    if not cuda:
-        full_env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(argv)} did not finish within {timeout} s; output:\n{out}")
-    finally:
-        if proc.poll() is None:
+    return BackgroundCmd(argv, env, cwd, cuda).finish(timeout)
+
+
+class BackgroundCmd:
+    """Start a launcher command in the background, so a test can do other work meanwhile."""
+
+    def __init__(self, argv: list[str], env: dict | None = None, cwd: Path = ROOT,
+                 cuda: bool = False):
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        if not cuda:
+            full_env["CUDA_VISIBLE_DEVICES"] = ""
+        self.argv = argv
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def finish(self, timeout: float) -> subprocess.CompletedProcess:
+        """Wait for the command; kill its process group if it overstays (or the test fails)."""
+        proc = self.proc
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(argv, proc.returncode, out, None)
+            out, _ = proc.communicate()
+            raise AssertionError(f"{' '.join(self.argv)} did not finish within {timeout} s; "
+                                 f"output:\n{out}") from None
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        return subprocess.CompletedProcess(self.argv, proc.returncode, out, None)
+
+    def __enter__(self) -> "BackgroundCmd":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # a test that failed before finish() must not leave the command running
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate()

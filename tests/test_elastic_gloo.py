@@ -5,17 +5,21 @@ import sys
 
 import pytest
 import torch
-from dist_helpers import ROOT, SCRIPTS, free_port, run_cmd, run_script
+from dist_helpers import ROOT, SCRIPTS, BackgroundCmd, free_port, run_cmd, run_script
 
 from nanocolossal.checkpoint import merge_pipeline_checkpoint
 
 
-def _killed_and_restarted(tmp_path, script, args, fail_at="1:11"):
-    """Under a real `torchrun --max-restarts 1`: a rank dies after step N; the job restarts."""
-    result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--max-restarts=1",
-                      "--nproc_per_node", "2", "--master_port", str(free_port()),
-                      str(SCRIPTS / "fail_at.py"), fail_at, str(ROOT / script), *args],
-                     timeout=200, cwd=tmp_path)
+def _killed_and_restarted(tmp_path, script, args, fail_at="1:11") -> BackgroundCmd:
+    """Start, under a real `torchrun --max-restarts 1`, a job whose rank dies after step N."""
+    return BackgroundCmd([sys.executable, "-m", "torch.distributed.run", "--max-restarts=1",
+                          "--nproc_per_node", "2", "--master_port", str(free_port()),
+                          str(SCRIPTS / "fail_at.py"), fail_at, str(ROOT / script), *args],
+                         cwd=tmp_path)
+
+
+def _finish(job: BackgroundCmd) -> str:
+    result = job.finish(timeout=200)
     assert result.returncode == 0, result.stdout[-3000:]
     return result.stdout
 
@@ -31,9 +35,13 @@ def test_gloo_ddp_restart_after_a_killed_rank_is_bit_identical(tmp_path):
     # 8 steps per epoch; checkpoints at steps 3, 6, 8, 9, ...
     args = ["--epochs", "2", "--synthetic-size", "800", "--batch-size", "50",
             "--checkpoint-every", "3", "--data", str(tmp_path), "--resume"]
-    run_script(ROOT / "train_ddp.py", [*args, "--checkpoint", "straight.pt"], nproc=2, cwd=tmp_path)
-    # in epoch 2
-    out = _killed_and_restarted(tmp_path, "train_ddp.py", [*args, "--checkpoint", "restarted.pt"])
+    # the killed job (a rank dies in epoch 2) runs while the pool runs the uninterrupted one:
+    # torchrun's start and restart leave a core idle most of the time
+    with _killed_and_restarted(tmp_path, "train_ddp.py",
+                               [*args, "--checkpoint", "restarted.pt"]) as job:
+        run_script(ROOT / "train_ddp.py", [*args, "--checkpoint", "straight.pt"], nproc=2,
+                   cwd=tmp_path)
+        out = _finish(job)
     assert "resumed from restarted.pt: epoch 2, step 9" in out
     straight = torch.load(tmp_path / "straight.pt", weights_only=False)
     restarted = torch.load(tmp_path / "restarted.pt", weights_only=False)
@@ -51,12 +59,13 @@ def test_gloo_pipeline_restart_after_a_killed_rank_is_bit_identical(tmp_path):
     args = ["--epochs", "2", "--synthetic-size", "64", "--batch-size", "16", "--model", "resnet18",
             "--partition", "parameters", "--checkpoint-every", "3", "--data", str(tmp_path),
             "--resume"]
-    run_script(ROOT / "train_pipeline.py", [*args, "--checkpoint", "straight.pt"], nproc=2,
-               cwd=tmp_path)
-    out = _killed_and_restarted(tmp_path, "train_pipeline.py",
-                                [*args, "--checkpoint", "restarted.pt"],
-                                # the second stage dies in epoch 2, a step after a save
-                                fail_at="1:7")
+    with _killed_and_restarted(tmp_path, "train_pipeline.py",
+                               [*args, "--checkpoint", "restarted.pt"],
+                               # the second stage dies in epoch 2, a step after a save
+                               fail_at="1:7") as job:
+        run_script(ROOT / "train_pipeline.py", [*args, "--checkpoint", "straight.pt"], nproc=2,
+                   cwd=tmp_path)
+        out = _finish(job)
     assert "resumed from restarted.pt: epoch 2, step 6" in out.replace("\r", "\n")
     merged = [merge_pipeline_checkpoint([tmp_path / f"{name}-stage{s}.pt" for s in (0, 1)])
               for name in ("straight", "restarted")]

@@ -123,7 +123,7 @@ def test_gloo_killed_rank_makes_the_survivor_fail_clearly_and_quickly(pipeline):
     assert seconds < TIMEOUT + 10, f"the survivor took {seconds} s to notice"
 
 
-BARRIER_TIMEOUT = 3  # short: the test waits it out
+BARRIER_TIMEOUT = 2  # short: the test waits it out
 
 
 class Stall(hooks.BaseHook):
@@ -131,7 +131,7 @@ class Stall(hooks.BaseHook):
 
     def after_train_epoch(self, trainer):
         if nc.gpc.rank == 1:
-            time.sleep(BARRIER_TIMEOUT + 3)
+            time.sleep(BARRIER_TIMEOUT + 2)
 
 
 def _absent_worker(rank, world_size, port):
@@ -146,5 +146,5 @@ def test_gloo_debug_barrier_names_the_rank_that_did_not_arrive():
     assert "[rank 0] debug barrier at the end of epoch 1 failed" in message
     assert "Ranks 1 failed to pass monitoredBarrier" in message  # torch names the absent rank
     # rank 0 gave up at the timeout, before the stalled rank came back
-    assert seconds < BARRIER_TIMEOUT + 3, seconds
+    assert seconds < BARRIER_TIMEOUT + 2, seconds
     assert debug_env == "DETAIL"
