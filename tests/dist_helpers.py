@@ -62,12 +62,11 @@ def _exit_with_parent() -> None:
 # Ranks are forked from one server process that imported these once (a fresh interpreter spends
 # seconds importing torch and torchvision). Forking after `import torch` is safe: the server never
 # runs an op, so no thread pool or CUDA context exists yet to be copied half-initialized.
-# torch._dynamo too: torch imports it (1.4 s) the first time any optimizer is built.
 # (Windows has no fork server: there the ranks are spawned, each importing torch itself.)
 if "forkserver" in mp.get_all_start_methods():
     _CTX = mp.get_context("forkserver")
-    _CTX.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "torchvision",
-                                 "tqdm", "nanocolossal", "nanocolossal.trainer"])
+    _CTX.set_forkserver_preload(["torch", "torch.distributed", "torchvision", "tqdm",
+                                 "nanocolossal", "nanocolossal.trainer"])
 else:
     _CTX = mp.get_context("spawn")
 
