@@ -7,9 +7,10 @@ does that for you:
     nanocolossal run --nproc_per_node 4 --host h1,h2 --master_addr h1 train.py
     nanocolossal run --nproc_per_node 4 --hostfile hosts --master_addr h1 --exclude h2 train.py
 
-One node: torchrun (python -m torch.distributed.run) runs as a child and its exit code is
-ours. Several nodes: one `ssh host 'cd $PWD && python -m torch.distributed.run --nnodes K
---node_rank i ...'` per node, all started at once; if one fails the rest are stopped.
+One node: torchrun's own entry point (what `python -m torch.distributed.run` calls) runs in
+this process, which has imported torch already, and its outcome is our exit code. Several
+nodes: one `ssh host 'cd $PWD && python -m torch.distributed.run --nnodes K --node_rank i ...'`
+per node, all started at once; if one fails the rest are stopped.
 `--dry-run` prints the commands instead. The scripts call `launch_from_torch`.
 
 A hostfile lists one host name per line (blank lines and `# comments` are ignored).
@@ -162,6 +163,23 @@ def run_commands(commands: list[list[str]]) -> int:
     return code or next((p.returncode for p in procs if p.returncode), 0)
 
 
+def run_here(torchrun_argv: list[str]) -> int:
+    """torchrun in this process: a child `python -m torch.distributed.run` would spend two
+    seconds importing torch again before starting a worker. 0, 1 if a worker failed, or
+    128 + the signal that stopped the job."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+    try:
+        torchrun(torchrun_argv)
+    except ChildFailedError as e:  # torchrun's table of which rank failed, and how
+        print(e, file=sys.stderr)
+        return 1
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # `nanocolossal run ...` and `python -m nanocolossal.run ...` both work
@@ -172,6 +190,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for cmd in commands:
             print(shlex.join(cmd))
         return 0
+    local = [sys.executable, "-m", "torch.distributed.run"]
+    if len(commands) == 1 and commands[0][:3] == local:
+        return run_here(commands[0][3:])
     return run_commands(commands)
 
 

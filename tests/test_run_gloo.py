@@ -1,10 +1,11 @@
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
 
 import pytest
-from dist_helpers import SCRIPTS, free_port, run_cmd
+from dist_helpers import SCRIPTS, BackgroundCmd, free_port, run_cmd
 
 from nanocolossal.run import main
 
@@ -18,15 +19,18 @@ def _console_script() -> list[str]:
 
 
 def test_gloo_nanocolossal_run_starts_two_ranks():
-    result = run_cmd([*_console_script(), "run", "--nproc_per_node", "2", "--master_port",
-                      str(free_port()),
-                      str(SCRIPTS / "launch_probe.py"), "--mode", "torch"], timeout=90)
+    with BackgroundCmd([*_console_script(), "run", "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), str(SCRIPTS / "launch_probe.py"), "--mode",
+                        "torch"]) as job:
+        result = job.finish(timeout=90)
     assert result.returncode == 0, result.stdout
     probes = sorted((json.loads(line.split("PROBE ", 1)[1])
                      for line in result.stdout.splitlines() if "PROBE " in line),
                     key=lambda p: p["rank"])
     assert [(p["rank"], p["world_size"], p["sum"]) for p in probes] == [(0, 2, 3.0), (1, 2, 3.0)]
     assert probes[0]["pid"] != probes[1]["pid"]
+    # torchrun ran inside `nanocolossal run`, not as a third process importing torch again
+    assert [p["parent"] for p in probes] == [job.proc.pid] * 2
 
 
 def test_gloo_nanocolossal_run_fails_when_a_rank_fails(tmp_path):
@@ -34,7 +38,10 @@ def test_gloo_nanocolossal_run_fails_when_a_rank_fails(tmp_path):
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
     result = run_cmd([sys.executable, "-m", "nanocolossal.run", "--nproc_per_node", "2",
                       "--master_port", str(free_port()), str(script)], timeout=90)
-    assert result.returncode != 0
+    assert result.returncode == 1, result.stdout
+    # torchrun's failure table, without a traceback of the launcher itself
+    assert re.search(r"rank\s*:\s*1 .*\n.*exitcode\s*:\s*3", result.stdout), result.stdout
+    assert "Traceback" not in result.stdout, result.stdout
 
 
 def _dry_run(capsys, *argv) -> list[list[str]]:

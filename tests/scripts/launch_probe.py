@@ -30,7 +30,8 @@ total = torch.tensor([nc.gpc.rank + 1.0])
 dist.all_reduce(total)
 report = dict(rank=nc.gpc.rank, world_size=nc.gpc.world_size, local_rank=nc.gpc.local_rank,
               backend=nc.gpc.backend, device=str(nc.gpc.device), sum=total.item(),
-              batch_size=nc.gpc.config.get("BATCH_SIZE"), pid=os.getpid())
+              batch_size=nc.gpc.config.get("BATCH_SIZE"), pid=os.getpid(),
+              parent=os.getppid())
 # One write per line: ranks share the pipe, and print() writes text and newline separately.
 os.write(1, ("PROBE " + json.dumps(report) + "\n").encode())
 nc.gpc.destroy()
