@@ -1,7 +1,10 @@
+import dist_helpers
 import pytest
-import torch
 
-from nanocolossal.context import gpc
+dist_helpers.start_server()  # before `import torch` here, so the two imports run side by side
+import torch  # noqa: E402
+
+from nanocolossal.context import gpc  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

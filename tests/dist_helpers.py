@@ -20,6 +20,7 @@ machine with one GPU two ranks would otherwise both pick nccl and ask for cuda:0
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import itertools
@@ -32,6 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -69,6 +71,14 @@ if "forkserver" in mp.get_all_start_methods():
                                  "nanocolossal", "nanocolossal.trainer"])
 else:
     _CTX = mp.get_context("spawn")
+
+
+def start_server() -> None:
+    """Start the rank server now (conftest does, before importing torch itself): its imports then
+    overlap with pytest's own instead of delaying the first multi-process test."""
+    if _CTX.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+        forkserver.ensure_running()
 
 
 class _Pool:
@@ -219,6 +229,43 @@ def run_script(script: Path, args: list[str], nproc: int, cwd: Path, timeout: fl
                              timeout=timeout))
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants. Its process group is not enough: torchrun
+    starts every rank in a session of its own, and a SIGKILLed agent cannot stop them."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):  # (no /proc, as on macOS: the group only)
+        with contextlib.suppress(OSError, IndexError):
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, i = [pid], 0
+    while i < len(tree):  # collect the whole tree first: killed parents' children get reparented
+        tree += children.get(tree[i], [])
+        i += 1
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def _run_module(argv: list[str], env: dict, cwd: str, out_path: str) -> None:
+    """`python -m argv[0] argv[1:]`, in a process forked from the rank server (see BackgroundCmd).
+    """
+    os.setsid()  # its own process group, as start_new_session gives a Popen: one kill ends all
+    out = os.open(out_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(out, 1)  # the processes it starts inherit these, as they would a Popen's pipe
+    os.dup2(out, 2)
+    sys.stdout.reconfigure(line_buffering=True)  # what PYTHONUNBUFFERED gives a fresh python
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv, sys.path[0:0] = list(argv), [cwd]  # -m puts the working directory first
+    try:
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    finally:
+        atexit._run_exitfuncs()  # the interpreter would; a multiprocessing child skips them
+
+
 def run_cmd(argv: list[str], timeout: float, env: dict | None = None, cwd: Path = ROOT,
             cuda: bool = False) -> subprocess.CompletedProcess:
     """Run a launcher command with a deadline; its whole process group dies on timeout."""
@@ -226,7 +273,13 @@ def run_cmd(argv: list[str], timeout: float, env: dict | None = None, cwd: Path 
 
 
 class BackgroundCmd:
-    """Start a launcher command in the background, so a test can do other work meanwhile."""
+    """Start a launcher command in the background, so a test can do other work meanwhile.
+
+    A `python -m module ...` command (torchrun, torch.distributed.launch, nanocolossal.run) runs
+    in a process forked from the rank server, which imported torch already: `runpy` runs the
+    module as `-m` would, minus the 3 s a fresh interpreter spends importing torch. What such a
+    launcher starts (the ranks) are fresh interpreters, as always. Other commands (mpirun, an
+    installed console script) start as they are."""
 
     def __init__(self, argv: list[str], env: dict | None = None, cwd: Path = ROOT,
                  cuda: bool = False):
@@ -234,29 +287,55 @@ class BackgroundCmd:
         if not cuda:
             full_env["CUDA_VISIBLE_DEVICES"] = ""
         self.argv = argv
-        self.proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        if argv[:2] == [sys.executable, "-m"] and _CTX.get_start_method() == "forkserver":
+            fd, self.out_path = tempfile.mkstemp(prefix="launcher-", suffix=".log")
+            os.close(fd)
+            self.proc = _CTX.Process(target=_run_module,
+                                     args=(argv[2:], full_env, str(cwd), self.out_path))
+            self.proc.start()
+        else:
+            self.out_path = None
+            self.proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True,
+                                         start_new_session=True)
+
+    def _wait(self, timeout: float | None) -> tuple[str, int | None]:
+        """(output so far, exit code or None if still running after `timeout`)."""
+        if self.out_path is None:
+            try:
+                out, _ = self.proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return "", None
+            return out, self.proc.returncode
+        self.proc.join(timeout)
+        return Path(self.out_path).read_text(errors="replace"), self.proc.exitcode
+
 
     def finish(self, timeout: float) -> subprocess.CompletedProcess:
         """Wait for the command; kill its process group if it overstays (or the test fails)."""
-        proc = self.proc
         try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            raise AssertionError(f"{' '.join(self.argv)} did not finish within {timeout} s; "
-                                 f"output:\n{out}") from None
+            out, code = self._wait(timeout)
+            if code is None:
+                kill_tree(self.proc.pid)
+                out, _ = self._wait(None)
+                raise AssertionError(f"{' '.join(self.argv)} did not finish within {timeout} s; "
+                                     f"output:\n{out}")
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        return subprocess.CompletedProcess(self.argv, proc.returncode, out, None)
+            self.__exit__()
+        return subprocess.CompletedProcess(self.argv, code, out, None)
 
     def __enter__(self) -> "BackgroundCmd":
         return self
 
     def __exit__(self, *exc) -> None:
-        # a test that failed before finish() must not leave the command running
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.communicate()
+        # a test that failed before finish() must not leave the command (or its ranks) running
+        kill_tree(self.proc.pid)  # the ranks, if the launcher left any
+        if self.out_path is None:
+            if self.proc.returncode is None:
+                self.proc.kill()
+                self.proc.communicate()
+        else:
+            self.proc.kill()
+            self.proc.join()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.out_path)
