@@ -12,7 +12,7 @@ import nanocolossal as nc
 
 
 def _train(tmp_path, *args):
-    args = ["--synthetic-size", "64", "--batch-size", "16", "--epochs", "2", "--model",
+    args = ["--synthetic-size", "32", "--batch-size", "8", "--epochs", "2", "--model",
             "resnet18", "--data", str(tmp_path), *args]
     return run_script(ROOT / "train_amp.py", args, nproc=2, cwd=tmp_path)
 
@@ -22,7 +22,7 @@ def _train(tmp_path, *args):
 # costs twice the compute (test_train_amp_default_model_builds_and_classifies builds it)
 @pytest.mark.parametrize("loop", [[], ["--trainer"]], ids=["engine-loop", "trainer"])
 def test_gloo_train_amp_resumes_mid_epoch_bit_identically(tmp_path, loop):
-    # 2 epochs of 2 steps (64 / (16 x 2))
+    # 2 epochs of 2 steps (32 images / (8 per rank x 2 ranks))
     straight = _train(tmp_path, *loop, "--checkpoint", "straight.pt")
     assert re.search(r"initialize: AMP O1 \(TORCH\)( in float32 on this CPU)?, DDP x2",
                      straight), straight

@@ -34,3 +34,4 @@ if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and int(os.environ["
 sys.argv = [script, *args]
 sys.path[0] = os.path.dirname(os.path.abspath(script))  # as if the script had been started itself
 runpy.run_path(script, run_name="__main__")
+gc.freeze()  # again: what the script made (torch._dynamo's objects, the model) skips it too
