@@ -131,7 +131,7 @@ class Stall(hooks.BaseHook):
 
     def after_train_epoch(self, trainer):
         if nc.gpc.rank == 1:
-            time.sleep(BARRIER_TIMEOUT + 2)
+            time.sleep(BARRIER_TIMEOUT + 1)  # back well after rank 0 gave up
 
 
 def _absent_worker(rank, world_size, port):
