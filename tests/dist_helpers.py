@@ -11,9 +11,10 @@ test process and exits if it disappears.
 `run_script(script, args, nproc, cwd)` runs a training script on pooled ranks as torchrun would
 start it, and returns what the ranks printed.
 
-`run_cmd(argv, timeout)` runs a launcher (torchrun, mpirun, nanocolossal run) in its own
-process group and kills the whole group if it overstays; `BackgroundCmd(argv)` starts one and
-lets the test do other work (a reference run on the pool) before `finish(timeout)`.
+`run_cmd(argv, timeout)` runs a launcher (torchrun, mpirun, nanocolossal run) and kills it and
+every process it started if it overstays; `BackgroundCmd(argv)` starts one and lets the test do
+other work (a reference run on the pool) before `finish(timeout)`. A `python -m` launcher is
+forked from the same server rather than started afresh (see BackgroundCmd).
 
 Both hide GPUs from the ranks unless asked (`cuda=True`): the gloo tests are CPU tests, and on a
 machine with one GPU two ranks would otherwise both pick nccl and ask for cuda:0 and cuda:1.
@@ -268,7 +269,7 @@ def _run_module(argv: list[str], env: dict, cwd: str, out_path: str) -> None:
 
 def run_cmd(argv: list[str], timeout: float, env: dict | None = None, cwd: Path = ROOT,
             cuda: bool = False) -> subprocess.CompletedProcess:
-    """Run a launcher command with a deadline; its whole process group dies on timeout."""
+    """Run a launcher command with a deadline; it and all it started die if it overstays."""
     return BackgroundCmd(argv, env, cwd, cuda).finish(timeout)
 
 
@@ -310,9 +311,8 @@ class BackgroundCmd:
         self.proc.join(timeout)
         return Path(self.out_path).read_text(errors="replace"), self.proc.exitcode
 
-
     def finish(self, timeout: float) -> subprocess.CompletedProcess:
-        """Wait for the command; kill its process group if it overstays (or the test fails)."""
+        """Wait for the command; kill it and all it started if it overstays (or the test fails)."""
         try:
             out, code = self._wait(timeout)
             if code is None:
