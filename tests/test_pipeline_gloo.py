@@ -6,6 +6,7 @@ import torch
 from dist_helpers import run_ranks
 from torch import nn
 from torch.testing import assert_close
+from torch.utils.data import DataLoader, TensorDataset
 
 import nanocolossal as nc
 from nanocolossal.checkpoint import merge_pipeline_checkpoint, save_checkpoint
@@ -279,6 +280,39 @@ def _config_worker(rank, world_size, port, config, whole_model):
 def test_gloo_pipeline_config_errors(config, whole_model, message):
     for rank, text in enumerate(run_ranks(_config_worker, 2, config, whole_model, timeout=60)):
         assert f"[rank {rank}]" in text and message in text
+
+
+def _loader_worker(rank, world_size, port, size, batch_size, drop_last, which):
+    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": M}, rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    stage = build_pipeline_model(_model())
+    loader = DataLoader(TensorDataset(*_batch(n=size)), batch_size=batch_size, drop_last=drop_last)
+    loaders = {"train_dataloader": loader} if which == "train" else {"test_dataloader": loader}
+    try:
+        nc.initialize(stage, torch.optim.SGD(stage.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                      verbose=False, **loaders)
+    except nc.ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("size, batch_size, drop_last, which, message", [
+    (18, 8, False, "train", "the train dataloader's last batch has 2 sample(s), fewer than "
+                            "NUM_MICRO_BATCHES=4"),
+    (3, 8, False, "test", "the test dataloader's last batch has 3 sample(s)"),
+    (18, 8, True, "train", "no error"),  # the short batch is dropped
+    (13, 8, False, "test", "no error"),  # a last batch of 5: micro-batches of 2, 1, 1, 1
+    (16, 8, False, "test", "no error"),
+], ids=["train-last-2", "test-only-3", "train-dropped", "test-last-5", "test-even"])
+def test_gloo_pipeline_refuses_a_loader_whose_last_batch_cannot_fill_the_micro_batches(
+        size, batch_size, drop_last, which, message):
+    """At initialize, not after an epoch of training: every batch needs one sample per
+    micro-batch."""
+    for rank, text in enumerate(run_ranks(_loader_worker, 2, size, batch_size, drop_last, which,
+                                          timeout=60)):
+        assert message in text
+        if message != "no error":
+            assert text.startswith(f"[rank {rank}]") and "drop_last=True" in text
 
 
 def _bn_broadcast_worker(rank, world_size, port):

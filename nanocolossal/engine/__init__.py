@@ -252,6 +252,24 @@ def _pipeline_schedule(model: nn.Module):
         raise ConfigError(str(e)) from None
 
 
+def _check_batches_fill_micro_batches(M: int, loaders: dict[str, Any]) -> None:
+    """Every batch is split into M micro-batches, so it needs at least M samples. A loader whose
+    last batch is shorter would fail only when it reaches it, after a whole epoch: say so now."""
+    for name, loader in loaders.items():
+        if not isinstance(loader, DataLoader) or loader.batch_size is None or loader.drop_last:
+            continue
+        try:
+            n = len(loader.sampler)  # this rank's share where a DistributedSampler shards
+        except TypeError:  # an iterable dataset: no length to check
+            continue
+        last = n % loader.batch_size or min(n, loader.batch_size)
+        if 0 < last < M:
+            raise ConfigError(f"[rank {gpc.rank}] the {name} dataloader's last batch has {last} "
+                              f"sample(s), fewer than NUM_MICRO_BATCHES={M}, and would fail "
+                              f"after a whole epoch; pass drop_last=True, or pick a batch size "
+                              f"that leaves no remainder of {n} or one of at least {M}")
+
+
 def _describe(features: list[str]) -> str:
     return f"initialize: {', '.join(features) or 'plain fp32, single process'}"
 
@@ -267,6 +285,9 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
     cfg = gpc.config
     # check before changing anything
     schedule = _pipeline_schedule(model) if gpc.pipeline_size > 1 else None
+    if schedule is not None:
+        _check_batches_fill_micro_batches(schedule.num_microbatches,
+                                          {"train": train_dataloader, "test": test_dataloader})
     if gpc.tensor_size > 1:
         _check_tensor_parallel_model(model)
     model = model.to(gpc.device)
