@@ -174,24 +174,36 @@ def test_initialize_without_launch_is_plain_single_process():
     assert engine.step() is True
 
 
-@pytest.mark.parametrize("fp16, opt_level, kwargs", [
-    ({"mode": AMP_TYPE.TORCH, "dtype": "float16"}, "O1", {"dtype": torch.float16}),
-    ({"mode": AMP_TYPE.NAIVE, "initial_scale": 2.0**12, "dtype": "float16"}, "O2",
-     {"init_scale": 2.0**12, "dtype": torch.float16}),
-    ({"mode": AMP_TYPE.APEX, "opt_level": "O3", "dtype": torch.bfloat16}, "O3",
-     {"dtype": torch.bfloat16}),
-    ({"mode": "apex"}, "O1", {"dtype": torch.bfloat16}),  # CPU default where bf16 is fast
-])
-def test_fp16_config_maps_to_opt_level(fp16, opt_level, kwargs):
-    from nanocolossal.engine import _amp_settings
-    assert _amp_settings(fp16) == (opt_level, kwargs)
-
-
-def test_fp16_config_on_a_cpu_without_fast_half_precision_computes_in_float32():
-    from nanocolossal.engine import _amp_settings
-    assert _amp_settings({"mode": AMP_TYPE.TORCH}, cpu_half=None) == ("O1", None)
-    assert _amp_settings({"mode": AMP_TYPE.TORCH, "dtype": "bfloat16"}, cpu_half=None) == \
-        ("O1", {"dtype": torch.bfloat16})  # asked for by name: kept
+@pytest.mark.parametrize("fp16, cpu_half, level, compute, weights, scale", [
+    ({"mode": AMP_TYPE.TORCH, "dtype": "float16"}, None,
+     "O1 (TORCH)", torch.float16, torch.float32, 2.0**16),
+    ({"mode": AMP_TYPE.NAIVE, "initial_scale": 2.0**12, "dtype": "float16"}, None,
+     "O2 (NAIVE)", torch.float16, torch.float16, 2.0**12),
+    ({"mode": AMP_TYPE.APEX, "opt_level": "O3", "dtype": torch.bfloat16}, None,
+     "O3 (APEX)", torch.bfloat16, torch.bfloat16, 1.0),
+    # no dtype: a CPU with fast bf16 kernels computes in bf16 (no scaling needed) ...
+    ({"mode": "apex"}, torch.bfloat16, "O1 (APEX)", torch.bfloat16, torch.float32, 1.0),
+    # ... one without them in float32, the same training at full speed
+    ({"mode": AMP_TYPE.TORCH}, None, "O1 (TORCH) in float32 on this CPU", torch.float32,
+     torch.float32, 1.0),
+    ({"mode": AMP_TYPE.TORCH, "dtype": "bfloat16"}, None,  # asked for by name: kept
+     "O1 (TORCH)", torch.bfloat16, torch.float32, 1.0),
+], ids=["torch-fp16", "naive-fp16-scale", "apex-O3-bf16", "cpu-fast-bf16", "cpu-slow-half",
+        "cpu-slow-bf16-asked"])
+def test_fp16_config_picks_the_opt_level_dtype_and_loss_scale(monkeypatch, capsys, fp16,
+                                                              cpu_half, level, compute, weights,
+                                                              scale):
+    monkeypatch.setattr(nc.amp, "cpu_half_dtype", lambda: cpu_half)  # this CPU's measured answer
+    gpc.config = nc.load_config({"fp16": fp16})
+    model = _model()
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               nn.CrossEntropyLoss())
+    assert f"initialize: AMP {level}" in capsys.readouterr().out
+    seen = []
+    model[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    engine(_batch(0, 4)[0])
+    assert seen == [compute] and model[0].weight.dtype == weights
+    assert engine.optimizer.loss_scale == scale
 
 
 @pytest.mark.parametrize("fp16", [
