@@ -1,6 +1,6 @@
 """train_amp.py end to end on 2 ranks: stopped mid-epoch and resumed, the Engine loop and the
-Trainer each end bit-identical to a run that never stopped (one resume path, progress.py, for
-both)."""
+Trainer each end bit-identical to one straight run of the Engine loop (one resume path,
+progress.py, for both; and the two loops are the same training)."""
 import re
 import sys
 
@@ -17,20 +17,23 @@ def _train(tmp_path, *args):
     return run_script(ROOT / "train_amp.py", args, nproc=2, cwd=tmp_path)
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """2 epochs of 2 steps (32 images / (8 per rank x 2 ranks)) by the Engine loop, never
+    stopped: the reference for both loops, since the Trainer must train exactly alike."""
+    path = tmp_path_factory.mktemp("straight")
+    out = _train(path, "--checkpoint", "straight.pt")
+    assert re.search(r"initialize: AMP O1 \(TORCH\)( in float32 on this CPU)?, DDP x2", out), out
+    assert "Epoch 0 - train loss" in out and "Epoch 1 - train loss" in out, out
+    return torch.load(path / "straight.pt", weights_only=False)
+
+
 @pytest.mark.timeout(320)
 # both loops on ResNet-18: resuming does not depend on the model, and the tutorial's ResNet-34
 # costs twice the compute (test_train_amp_default_model_builds_and_classifies builds it)
 @pytest.mark.parametrize("loop", [[], ["--trainer"]], ids=["engine-loop", "trainer"])
-def test_gloo_train_amp_resumes_mid_epoch_bit_identically(tmp_path, loop):
-    # 2 epochs of 2 steps (32 images / (8 per rank x 2 ranks))
-    straight = _train(tmp_path, *loop, "--checkpoint", "straight.pt")
-    assert re.search(r"initialize: AMP O1 \(TORCH\)( in float32 on this CPU)?, DDP x2",
-                     straight), straight
-    if loop:
-        assert re.search(r"epoch 2 train: .*loss [0-9.]+.*throughput", straight), straight
-        assert re.search(r"epoch 2 test: loss [0-9.e+]+, accuracy", straight), straight
-    else:
-        assert "Epoch 0 - train loss" in straight and "Epoch 1 - train loss" in straight, straight
+def test_gloo_train_amp_stopped_mid_epoch_and_resumed_equals_the_straight_run(tmp_path, loop,
+                                                                               straight):
     # in the middle of epoch 2
     stopped = _train(tmp_path, *loop, "--checkpoint", "resumed.pt", "--max-steps", "3")
     assert "Epoch 1 -" not in stopped, stopped
@@ -40,7 +43,10 @@ def test_gloo_train_amp_resumes_mid_epoch_bit_identically(tmp_path, loop):
     assert "resumed from resumed.pt: epoch 2, step 3" in resumed, resumed
     # the resumed run starts in epoch 2
     assert "Epoch 0 -" not in resumed and "epoch 1 train" not in resumed, resumed
-    a, b = (torch.load(tmp_path / f, weights_only=False) for f in ("straight.pt", "resumed.pt"))
+    if loop:
+        assert re.search(r"epoch 2 train: .*loss [0-9.]+.*throughput", resumed), resumed
+        assert re.search(r"epoch 2 test: loss [0-9.e+]+, accuracy", resumed), resumed
+    a, b = straight, torch.load(tmp_path / "resumed.pt", weights_only=False)
     assert a["epoch"] == b["epoch"] == 2
     assert a["extra"] == b["extra"] == {"step": 4, "step_in_epoch": 0}
     for key in a["model"]:
