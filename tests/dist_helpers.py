@@ -52,12 +52,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _exit_with_parent() -> None:
-    """Die with the test process (a forked rank's OS parent is the fork server, not the test)."""
+def _exit_with_parent(kill_children: bool = False) -> None:
+    """Die with the test process (a forked rank's OS parent is the fork server, not the test),
+    taking the processes this one started along if asked."""
     parent = mp.parent_process()
 
     def watch() -> None:
         parent.join()  # returns when the test process is gone
+        if kill_children:
+            kill_tree(os.getpid())
         os._exit(3)
     threading.Thread(target=watch, daemon=True).start()
 
@@ -242,17 +245,18 @@ def kill_tree(pid: int) -> None:
     while i < len(tree):  # collect the whole tree first: killed parents' children get reparented
         tree += children.get(tree[i], [])
         i += 1
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    for p in tree:
+    for p in tree[::-1]:  # the root last: it may be this very process
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _run_module(argv: list[str], env: dict, cwd: str, out_path: str) -> None:
     """`python -m argv[0] argv[1:]`, in a process forked from the rank server (see BackgroundCmd).
     """
     os.setsid()  # its own process group, as start_new_session gives a Popen: one kill ends all
+    _exit_with_parent(kill_children=True)  # and no launcher or rank outlives a killed pytest
     out = os.open(out_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(out, 1)  # the processes it starts inherit these, as they would a Popen's pipe
     os.dup2(out, 2)
