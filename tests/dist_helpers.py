@@ -333,13 +333,14 @@ class BackgroundCmd:
 
     def __exit__(self, *exc) -> None:
         # a test that failed before finish() must not leave the command (or its ranks) running
-        kill_tree(self.proc.pid)  # the ranks, if the launcher left any
+        # (only while it runs: a finished one's pid may already be another process's)
         if self.out_path is None:
-            if self.proc.returncode is None:
-                self.proc.kill()
+            if self.proc.poll() is None:
+                kill_tree(self.proc.pid)
                 self.proc.communicate()
         else:
-            self.proc.kill()
-            self.proc.join()
+            if self.proc.is_alive():
+                kill_tree(self.proc.pid)
+                self.proc.join()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.out_path)
