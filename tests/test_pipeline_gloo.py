@@ -315,6 +315,26 @@ def test_gloo_pipeline_refuses_a_loader_whose_last_batch_cannot_fill_the_micro_b
             assert text.startswith(f"[rank {rank}]") and "drop_last=True" in text
 
 
+def _sharded_loader_worker(rank, world_size, port):
+    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": M}, rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    stage = build_pipeline_model(_model())
+    # 36 samples over 2 data-parallel replicas: 18 each, so batches of 8, 8 and 2
+    test_loader = nc.get_dataloader(TensorDataset(*_batch(n=36)), batch_size=8, pad=False)
+    try:
+        nc.initialize(stage, torch.optim.SGD(stage.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                      test_dataloader=test_loader, verbose=False)
+    except nc.ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_gloo_pipeline_times_data_checks_each_replicas_own_last_batch():
+    """36 % 8 = 4 would pass; each replica's shard of 18 ends in a batch of 2, which does not."""
+    for rank, text in enumerate(run_ranks(_sharded_loader_worker, 4, timeout=60)):
+        assert text.startswith(f"[rank {rank}] the test dataloader's last batch has 2 sample(s)")
+
+
 def _bn_broadcast_worker(rank, world_size, port):
     """Pipeline x data with BatchNorm: the replicas' statistics are synced once per batch, not once
     per micro-batch forward (M = 4 micro-batches here)."""
