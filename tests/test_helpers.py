@@ -1,0 +1,39 @@
+"""The test harness's own promise: a launcher that overstays is killed with every rank it
+started (torchrun puts each rank in a session of its own, so killing its group is not enough)."""
+import os
+import sys
+import time
+
+import pytest
+from dist_helpers import free_port, run_cmd
+
+# a rank that records its pid and then never finishes
+SLEEPER = ("import os, sys, time\n"
+           "open(sys.argv[1] + '/' + str(os.getpid()), 'w').close()\n"
+           "time.sleep(60)\n")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, not reaped
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
+@pytest.mark.timeout(60)
+def test_a_timed_out_launcher_leaves_no_rank_behind(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    with pytest.raises(AssertionError, match="did not finish within 4 s"):
+        run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                 "--master_port", str(free_port()), str(script), str(pids)], timeout=4)
+    ranks = [int(p.name) for p in pids.iterdir()]
+    assert len(ranks) == 2, "both ranks should have started within the 4 s"
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in ranks), f"ranks {ranks} outlived their launcher"
