@@ -1,0 +1,25 @@
+"""Mixture of experts with expert parallelism, on plain torch.distributed.
+
+Reading order: router.py (who goes where, capacity), balance.py (the load-balancing loss over
+the global batch), placement.py (which rank holds which expert), dispatch.py (the two
+all-to-alls), experts.py, layer.py (MoeLayer puts them together), grads.py (which ranks sum
+which gradients).
+"""
+from .balance import load_balancing_loss
+from .dispatch import CommCounter
+from .experts import ExpertMLP, LocalExperts, is_expert
+from .grads import (
+    MoeGroups,
+    allreduce_expert_gradients,
+    allreduce_moe_gradients,
+    build_moe_groups,
+    split_parameters,
+)
+from .layer import MoeLayer, moe_aux_loss, moe_layers
+from .placement import Placement
+from .router import Router, Routing, assign_slots, expert_capacity
+
+__all__ = ["CommCounter", "ExpertMLP", "LocalExperts", "MoeGroups", "MoeLayer", "Placement",
+           "Router", "Routing", "allreduce_expert_gradients", "allreduce_moe_gradients",
+           "assign_slots", "build_moe_groups", "expert_capacity", "is_expert",
+           "load_balancing_loss", "moe_aux_loss", "moe_layers", "split_parameters"]

@@ -1,0 +1,58 @@
+"""The experts: E small MLPs, of which each rank keeps its own (placement.py).
+
+    expert e:  x -> Linear(d, h) -> GELU -> Linear(h, d)
+
+Initialisation matches one process: every rank creates all E experts in order 0..E-1 from the
+torch RNG, as a single process holding all of them would, and keeps only its own (one expert
+is alive at a time while the rest are made and dropped). So under the same seed expert 3 has
+the same weights on whichever rank holds it, replicas are identical, and the router and every
+layer after the experts draw the same random numbers on every layout.
+
+Keys. Local experts sit in a ModuleDict under their *global* index: rank 1 of E = 4, EP = 2
+has `experts.2.*` and `experts.3.*`, exactly those keys of the one-process model, so the
+union of the ranks' state_dicts is the plain model's.
+
+Every expert parameter carries `param.moe_expert = True`: its gradient is summed over the
+ranks that hold the same expert only, not over all data ranks (grads.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .placement import Placement
+
+
+class ExpertMLP(nn.Sequential):
+    """Linear(d, h) -> GELU -> Linear(h, d): one expert, the transformer's MLP."""
+
+    def __init__(self, d_model: int, d_hidden: int) -> None:
+        super().__init__(nn.Linear(d_model, d_hidden), nn.GELU(), nn.Linear(d_hidden, d_model))
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Whether `param` belongs to an expert (its gradient reduces over the expert's holders)."""
+    return getattr(param, "moe_expert", False)
+
+
+class LocalExperts(nn.ModuleDict):
+    """This rank's experts by global index; forward runs each on the tokens it was sent."""
+
+    def __init__(self, d_model: int, d_hidden: int, placement: Placement) -> None:
+        mine = set(placement.local_experts)
+        experts = {}
+        for e in range(placement.num_experts):  # every expert drawn, to keep the RNG in step
+            expert = ExpertMLP(d_model, d_hidden)
+            if e in mine:
+                experts[str(e)] = expert
+        super().__init__(experts)
+        for p in self.parameters():
+            p.moe_expert = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [G, L, C, d] (G sending ranks, L local experts, C slots) -> the same shape."""
+        outputs = []
+        for i, expert in enumerate(self.values()):
+            tokens = x[:, i]  # every sender's slots for this expert at once: [G, C, d]
+            outputs.append(expert(tokens.reshape(-1, x.shape[-1])).view_as(tokens))
+        return torch.stack(outputs, 1)

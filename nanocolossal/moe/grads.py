@@ -1,0 +1,135 @@
+"""Groups and gradients for expert parallelism: who sums what.
+
+The goal, as everywhere here: after the reduction every rank holds the gradient one process
+would compute for the mean loss over the global batch of D data ranks,
+J = (1/D) sum_r L_r. Each rank's backward computes, for each parameter it holds, the
+gradient of sum_r L_r through *its own use* of that parameter:
+
+    non-expert (router, attention, ...): used on this rank's tokens -> d L_r / d theta
+        (plus, through the aux loss's all-reduce, the other ranks' terms: balance.py)
+    expert e on holder h: used on the tokens its block sent it, and the combine all-to-all
+        brought back d L_s / d y for every sender s -> sum over the block of d L_s / d theta_e
+
+The uses of a parameter over all its holders cover every token exactly once, so:
+
+    gradient = (sum over the ranks that hold the parameter) / D
+
+    non-expert: held by all D data ranks     -> all-reduce over the data group, / D (the mean)
+    expert:     held by D / G ranks          -> all-reduce over the expert-data group, / D
+                (G = min(E, EP): the ranks of one exchange block; D = data-parallel size)
+
+Dividing an expert's sum by its D / G holders instead (what DDP on the expert-data group
+would do) gives G times the gradient. Colossal-AI scales the expert gradient by 1/EP inside
+the layer (EPGradScaler) so that a plain average works; here the layer's gradient is the
+plain derivative and the division by D says what it means. `allreduce_moe_gradients` does
+both reductions; the engine may instead keep DDP (mean over the data group) for non-expert
+parameters and reduce only the `is_expert` ones with `allreduce_expert_gradients`.
+
+Groups. Expert parallelism is carved out of the data-parallel ranks (as Colossal-AI): with the
+data group's ranks listed in data-rank order, EP groups are blocks of EP consecutive data
+ranks, and the holders of the same experts are the data ranks with equal data_rank % G.
+D = 4, EP = 2, E = 4 (G = 2): EP groups {0, 1} {2, 3}; experts 0-1 on {0, 2}, 2-3 on {1, 3}.
+D = 4, EP = 4, E = 2 (G = 2): one EP group {0..3}, exchange blocks {0, 1} {2, 3}; expert 0
+on {0, 2}, expert 1 on {1, 3}.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .experts import is_expert
+from .placement import Group, check_sizes, group_size, rank_prefix
+
+
+@dataclass
+class MoeGroups:
+    """This rank's expert-parallel group and the group of ranks holding its experts."""
+
+    ep_group: Group           # EP consecutive data ranks; None when EP = 1
+    expert_data_group: Group  # data ranks holding my experts; None when that is me alone
+    ep_size: int
+    expert_data_size: int
+
+
+def build_moe_groups(ep_size: int, num_experts: int,
+                     data_ranks: Optional[Sequence[Sequence[int]]] = None) -> MoeGroups:
+    """Create the groups on every rank (collective: every rank calls it, same arguments).
+
+    data_ranks: every data-parallel group's global ranks, in data-rank order (default: the
+    whole world is one data group)."""
+    check_sizes(num_experts, ep_size)
+    if data_ranks is None:
+        data_ranks = [list(range(dist.get_world_size()))]
+    block = min(num_experts, ep_size)
+    me, world = dist.get_rank(), dist.get_world_size()
+    mine = MoeGroups(None, None, ep_size, 1)
+    for ranks in data_ranks:
+        if len(ranks) % ep_size:
+            raise ValueError(f"{rank_prefix()} data-parallel size {len(ranks)} is not a multiple "
+                             f"of the expert-parallel size {ep_size}; use a moe size dividing "
+                             f"{len(ranks)}")
+        eps = [list(ranks[i:i + ep_size]) for i in range(0, len(ranks), ep_size)]
+        holders = [list(ranks[g::block]) for g in range(block)]
+        for kind, lists in (("ep_group", eps), ("expert_data_group", holders)):
+            for members in lists:
+                group = _new_group(members, world)
+                if me in members:
+                    setattr(mine, kind, group)
+                    if kind == "expert_data_group":
+                        mine.expert_data_size = len(members)
+    return mine
+
+
+def _new_group(ranks: list[int], world: int) -> Group:
+    """A group of one is None (nothing to exchange); all ranks is the default group."""
+    if len(ranks) == 1:
+        return None
+    if len(ranks) == world:
+        return dist.group.WORLD
+    return dist.new_group(ranks)
+
+
+def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(non-expert, expert) trainable parameters of `model`."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [p for p in params if not is_expert(p)], [p for p in params if is_expert(p)]
+
+
+@torch.no_grad()
+def _sum_and_divide(params: Iterable[nn.Parameter], group: Group, divisor: int) -> None:
+    """grad = (sum over `group` of grad) / divisor, one all-reduce per dtype; a missing grad
+    counts as zeros (every rank must send the same message)."""
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for same in by_dtype.values():
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
+        flat = _flatten_dense_tensors(grads)
+        if group_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+        for p, synced in zip(same, _unflatten_dense_tensors(flat / divisor, grads)):
+            if p.grad is None:
+                p.grad = synced.clone()
+            else:
+                p.grad.copy_(synced)
+
+
+def allreduce_expert_gradients(model: nn.Module, expert_data_group: Group,
+                               data_size: int) -> None:
+    """Expert gradients: sum over the ranks holding the same expert, divided by D."""
+    _sum_and_divide(split_parameters(model)[1], expert_data_group, data_size)
+
+
+def allreduce_moe_gradients(model: nn.Module, data_group: Group, expert_data_group: Group) -> None:
+    """After backward: non-expert gradients averaged over `data_group`, expert gradients summed
+    over `expert_data_group` and divided by the data-parallel size D. Then every rank holds one
+    process's gradient of the mean loss over the global batch."""
+    dense, _ = split_parameters(model)
+    data_size = group_size(data_group)
+    _sum_and_divide(dense, data_group, data_size)
+    allreduce_expert_gradients(model, expert_data_group, data_size)
