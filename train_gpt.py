@@ -4,6 +4,7 @@ examples are: the model is written once with nanocolossal.nn layers, the config 
     torchrun --nproc_per_node 2 train_gpt.py                       # tensor 1d x2 (configs/gpt.py)
     python train_gpt.py --config configs/gpt_single.py             # one process
     torchrun --nproc_per_node 4 train_gpt.py --config configs/gpt_2d.py   # 2d tensor x4
+    torchrun --nproc_per_node 2 train_gpt.py --config configs/gpt_seq.py  # sequence x2 (ring)
 
 The model: a token embedding split by vocabulary (VocabParallelEmbedding), learned positions,
 pre-LayerNorm blocks of causal self-attention (heads split over tensor ranks) and MLP
@@ -28,6 +29,7 @@ from nanocolossal.context import gpc
 from nanocolossal.generate import generate
 from nanocolossal.nn.transformer import Block
 from nanocolossal.pipeline import build_pipeline_model
+from nanocolossal.sequence import token_positions
 from nanocolossal.text import VOCAB_SIZE, byte_datasets, load_text
 from nanocolossal.trainer import Trainer, hooks
 
@@ -46,8 +48,8 @@ class Embeddings(nn.Module):
             self.pos.weight.mul_(0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return self.tok(ids) + self.pos(positions)
+        # 0..s-1, or under sequence parallelism where this rank's tokens sit in the sequence
+        return self.tok(ids) + self.pos(token_positions(ids))
 
 
 class LMHead(nn.Module):

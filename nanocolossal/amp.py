@@ -159,14 +159,18 @@ class MixedPrecisionOptimizer:
         weight) adds its squares / k, so each element counts once."""
         if self.unscale_():
             return math.inf
+        # float32 sums (half gradients overflow), float64 for a float64 model (a float32
+        # coefficient would round its clipped gradients)
+        acc = torch.float64 if any(p.dtype == torch.float64 for p in self.params()) else \
+            torch.float32
         params = [p for p in self.params() if p.grad is not None]
         device = params[0].grad.device if params else gpc.device
-        sq = torch.zeros((), device=device)
+        sq = torch.zeros((), device=device, dtype=acc)
         if params:
             norms = torch._foreach_norm([p.grad for p in params])
             copies = [replicas(p) * getattr(p, "pipeline_copies", 1) for p in params]
-            weights = torch.tensor([1.0 / n for n in copies], device=device)
-            sq = (torch.stack(norms).float() ** 2 * weights).sum()
+            weights = torch.tensor([1.0 / n for n in copies], device=device, dtype=acc)
+            sq = (torch.stack(norms).to(acc) ** 2 * weights).sum()
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)
         total = sq.sqrt()

@@ -73,7 +73,7 @@ def stage_path(path: PathLike, stage: Optional[int] = None,
     parts = []
     if gpc.pipeline_size > 1 or stage is not None:
         parts.append(f"stage{gpc.pipeline_rank if stage is None else stage}")
-    if gpc.tensor_size > 1 or tensor_rank is not None:
+    if _tensor_split() > 1 or tensor_rank is not None:
         parts.append(f"tensor{gpc.tensor_rank if tensor_rank is None else tensor_rank}")
     return path.with_name("-".join([path.stem, *parts]) + path.suffix) if parts else path
 
@@ -140,17 +140,17 @@ def atomic_save(obj: Any, path: PathLike) -> None:
 def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any = None,
                     lr_scheduler: Any = None, **extra: Any) -> None:
     """Save (collective when launched: every rank must call it)."""
-    rng = [_rng_state()]
-    if gpc.is_initialized and gpc.data_size > 1:
-        rng = [None] * gpc.data_size
-        dist.all_gather_object(rng, _rng_state(), group=gpc.data_group)
+    rng = [_rng_state()]  # one per rank holding these parameters: data (x sequence) ranks
+    if gpc.is_initialized and gpc.gradient_size > 1:
+        rng = [None] * gpc.gradient_size
+        dist.all_gather_object(rng, _rng_state(), group=gpc.gradient_group)
     save_id = [f"{os.getpid()}-{time.time_ns()}"]
     if gpc.is_initialized and gpc.world_size > 1:
         dist.broadcast_object_list(save_id, src=0)  # one id for the whole set of stage files
     # every data rank: a ZeRO optimizer gathers its shards into one plain state (collective)
     optimizer_state = optimizer.state_dict() if optimizer is not None else None
     model_state = strip_prefixes(unwrap(model).state_dict())  # ZeRO 3 gathers: every data rank
-    if gpc.data_rank == 0:
+    if gpc.gradient_rank == 0:  # sequence ranks hold replicas too: one of them writes
         layout = tensor_layout(model)
         state = {"epoch": epoch, "save_id": save_id[0],
                  "model": model_state,
@@ -158,8 +158,8 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
                  "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
                  "rng": rng, "extra": extra,
                  "pipeline": {"rank": gpc.pipeline_rank, "size": gpc.pipeline_size},
-                 "tensor": {"rank": gpc.tensor_rank, "size": gpc.tensor_size,
-                            "mode": gpc.tensor_mode,
+                 "tensor": {"rank": gpc.tensor_rank, "size": _tensor_split(),
+                            "mode": _job_layout()[2],
                             "splits": layout, "shapes": _plain_shapes(model, layout)}}
         atomic_save(state, stage_path(path))
     if gpc.is_initialized and gpc.world_size > 1:
@@ -187,7 +187,7 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None,
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     rng = state.get("rng") or []
-    mine = rng[gpc.data_rank] if gpc.data_rank < len(rng) else None
+    mine = rng[gpc.gradient_rank] if gpc.gradient_rank < len(rng) else None
     if restore_rng and mine is not None:
         set_rng_state(mine)
     info = {"epoch": state["epoch"], **state.get("extra", {})}
@@ -214,8 +214,13 @@ def _saved_layout(state: dict) -> Layout:
     return pipeline, size, tensor.get("mode") if size > 1 else None
 
 
+def _tensor_split() -> int:
+    """Parts each parameter is cut into: sequence ranks hold whole replicas (files as without)."""
+    return 1 if gpc.tensor_mode == "sequence" else gpc.tensor_size
+
+
 def _job_layout() -> Layout:
-    return gpc.pipeline_size, gpc.tensor_size, gpc.tensor_mode if gpc.tensor_size > 1 else None
+    return gpc.pipeline_size, _tensor_split(), gpc.tensor_mode if _tensor_split() > 1 else None
 
 
 def _check_layout(state: dict, file: Path, path: PathLike) -> None:

@@ -184,8 +184,8 @@ def _parallel_size(value: Any, key: str) -> int:
     return size
 
 
-TENSOR_MODES = ("1d", "2d")
-_NOT_YET = ("2.5d", "3d", "sequence")
+TENSOR_MODES = ("1d", "2d", "sequence")
+_NOT_YET = ("2.5d", "3d")
 
 
 def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[int]]:
@@ -198,8 +198,10 @@ def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[i
         raise ConfigError(f"unknown parallel key(s) {sorted(unknown)}; supported: pipeline, tensor "
                           f"(data size is world // (pipeline * tensor))")
     if "sequence" in parallel and _parallel_size(parallel["sequence"], "sequence") > 1:
-        raise ConfigError("parallel.sequence (sequence parallelism) "
-                          "is not implemented yet; remove it")
+        raise ConfigError("sequence parallelism is written parallel=dict(tensor=dict(size=N, "
+                          "mode='sequence')), as Colossal-AI: the sequence ranks take the tensor "
+                          "ranks' place, so it combines with pipeline and data, not with a "
+                          "1d/2d tensor split; remove parallel.sequence")
     P = _parallel_size(parallel.get("pipeline", 1), "pipeline")
     tensor = parallel.get("tensor", 1)
     T = _parallel_size(tensor, "tensor")
@@ -208,10 +210,10 @@ def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[i
         mode = None
     elif mode in _NOT_YET:
         raise ConfigError(f"parallel.tensor mode {mode!r} is not implemented yet; use mode='1d' "
-                          f"(Megatron) or mode='2d' (SUMMA)")
+                          f"(Megatron), mode='2d' (SUMMA) or mode='sequence' (ring attention)")
     elif mode not in TENSOR_MODES:
-        raise ConfigError(f"parallel.tensor needs mode='1d' or mode='2d' (got {mode!r}), e.g. "
-                          f"tensor=dict(size={T}, mode='1d')")
+        raise ConfigError(f"parallel.tensor needs mode='1d', '2d' or 'sequence' (got {mode!r}), "
+                          f"e.g. tensor=dict(size={T}, mode='1d')")
     if mode == "2d":
         q = math.isqrt(T)
         if q * q != T:
@@ -245,7 +247,8 @@ def validate_config(cfg: Config) -> None:
     if handlers is not None:
         types = [h.get("type") if isinstance(h, Mapping) else h for h in
                  (handlers if isinstance(handlers, (list, tuple)) else [handlers])]
-        if types != ["DataParallelGradientHandler"]:
+        # both all-reduce over gpc.gradient_group: data ranks, times sequence ranks if any
+        if types not in (["DataParallelGradientHandler"], ["SequenceParallelGradientHandler"]):
             raise ConfigError(f"gradient_handler {types} is not supported; use "
                               f"[dict(type='DataParallelGradientHandler')] (or leave it out for "
                               f"overlapped DDP)")

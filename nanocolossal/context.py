@@ -15,6 +15,10 @@ innermost, so a tensor group (which talks every layer) is consecutive ranks -- o
 With T = 1 this is `data_rank * P + pipeline_rank`. For mode='2d' the T = q * q tensor
 ranks form a q x q grid, tensor_rank = row * q + col: a *row group* (same row, every col)
 splits the hidden dimension, a *column group* (same col, every row) splits the batch.
+For mode='sequence' the T ranks of a "tensor" group split every *sequence* instead
+(sequence.py): they hold the same parameters and different tokens, so their gradients are
+averaged together with the data ranks' -- over the *gradient group*, every rank of a stage.
+Without sequence parallelism the gradient group is the data group.
 
 Gradients are all-reduced in the data group; activations travel along the pipeline group;
 every layer's collectives run in the tensor group (or its rows and columns).
@@ -51,6 +55,7 @@ class Layout:
     row: list[list[int]] = field(default_factory=list)       # 2d: same grid row (splits hidden)
     col: list[list[int]] = field(default_factory=list)       # 2d: same grid column (splits batch)
     model: list[list[int]] = field(default_factory=list)     # one whole model replica: P * T ranks
+    gradient: list[list[int]] = field(default_factory=list)  # same parameters: average grads here
 
 
 def coordinates(rank: int, P: int, T: int) -> tuple[int, int, int]:
@@ -77,6 +82,9 @@ def layout(world: int, P: int = 1, T: int = 1, mode: Optional[str] = None) -> La
     out.pipeline = [[rank(d, p, t) for p in range(P)] for d in range(D) for t in range(T)]
     out.tensor = [[rank(d, p, t) for t in range(T)] for d in range(D) for p in range(P)]
     out.model = [[rank(d, p, t) for p in range(P) for t in range(T)] for d in range(D)]
+    out.gradient = out.data  # sequence: every (data, sequence) rank of a stage, below
+    if mode == "sequence":
+        out.gradient = [[rank(d, p, t) for d in range(D) for t in range(T)] for p in range(P)]
     if mode == "2d":
         q = math.isqrt(T)
         for group in out.tensor:
@@ -114,6 +122,9 @@ class ParallelContext:
         # pipeline x tensor ranks of my replica
         self.model_group: Optional[dist.ProcessGroup] = None
         self.model_ranks: list[int] = [0]
+        # the ranks holding my parameters: gradients, BatchNorm statistics and buffers meet here
+        self.gradient_group: Optional[dist.ProcessGroup] = None
+        self.gradient_ranks: list[int] = [0]
         # sharded dropout's own generators (tensor/base.py): per job, so a relaunch reseeds them
         self.dropout_generators: dict[torch.device, torch.Generator] = {}
         self._job_env: list[str] = []  # environment variables this job set (set_job_env)
@@ -140,7 +151,10 @@ class ParallelContext:
         self.data_rank, self.pipeline_rank, self.tensor_rank = coordinates(rank, P, T)
         groups = layout(world_size, P, T, mode)
         # every rank creates every group, in the same order; each keeps the ones it is in
-        for kind in ("data", "pipeline", "tensor", "row", "col", "model"):
+        for kind in ("data", "pipeline", "tensor", "row", "col", "model", "gradient"):
+            if kind == "gradient" and mode != "sequence":  # the data group itself
+                self.gradient_group, self.gradient_ranks = self.data_group, self.data_ranks
+                continue
             for ranks in getattr(groups, kind):
                 group = self._new_group(ranks)
                 if rank in ranks:
@@ -182,6 +196,28 @@ class ParallelContext:
     def get_global_rank(self) -> int:
         """Colossal-AI's spelling of `gpc.rank`, kept so tutorial code ports unchanged."""
         return self.rank
+
+    @property
+    def sequence_size(self) -> int:
+        """N ranks share each sequence (mode='sequence'), else 1."""
+        return self.tensor_size if self.tensor_mode == "sequence" else 1
+
+    @property
+    def sequence_rank(self) -> int:
+        return self.tensor_rank if self.tensor_mode == "sequence" else 0
+
+    @property
+    def sequence_group(self) -> Optional[dist.ProcessGroup]:
+        return self.tensor_group if self.tensor_mode == "sequence" else None
+
+    @property
+    def gradient_size(self) -> int:
+        """How many ranks average each gradient: data x sequence."""
+        return len(self.gradient_ranks)
+
+    @property
+    def gradient_rank(self) -> int:
+        return self.gradient_ranks.index(self.rank)
 
     def is_first_stage(self) -> bool:
         return self.pipeline_rank == 0

@@ -94,14 +94,14 @@ def _coalesced_broadcast(tensors: list[torch.Tensor], src: int, group) -> None:
 def broadcast_buffers(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
     """Give every replica the group's first rank's buffers (BatchNorm statistics)."""
     buffers = list(module.buffers())
-    group = group or gpc.data_group
+    group = group or gpc.gradient_group
     if buffers and dist.get_world_size(group) > 1:
         _coalesced_broadcast(buffers, dist.get_global_rank(group, 0), group)
 
 
 class DistributedDataParallel(nn.Module):
-    """Wrap `module` so that backward averages gradients over `process_group` (default: the
-    data-parallel group of gpc)."""
+    """Wrap `module` so that backward averages gradients over `process_group` (default: gpc's
+    gradient group: the data-parallel ranks, times the sequence ranks if any)."""
 
     def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
                  bucket_cap_mb: float = 25, broadcast_buffers: bool = True,
@@ -115,7 +115,7 @@ class DistributedDataParallel(nn.Module):
                                "nanocolossal.launch* first")
         self.module = module
         if process_group is None:
-            process_group = gpc.data_group or dist.group.WORLD
+            process_group = gpc.gradient_group or dist.group.WORLD  # data (x sequence) ranks
         self.process_group = process_group
         self.world_size = dist.get_world_size(self.process_group)
         self.src_rank = dist.get_global_rank(self.process_group, 0)

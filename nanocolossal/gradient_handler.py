@@ -36,7 +36,7 @@ class DataParallelGradientHandler:
     backward."""
 
     def __init__(self, model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
-        self.group = group if group is not None else gpc.data_group
+        self.group = group if group is not None else gpc.gradient_group
         self.size = dist.get_world_size(self.group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         _coalesced_broadcast(list(model.parameters()) + list(model.buffers()),

@@ -25,6 +25,8 @@ All of them then do the same three things (`_launch`):
    row, col  mode='2d' only: the T = q * q tensor ranks as a q x q grid (tensor_rank =
              row * q + col); a row group splits the hidden dimension, a column group the batch
    model     P * T consecutive ranks: one whole replica (global gradient norm, checkpoints)
+   gradient  the ranks holding the same parameters: the data group, or with mode='sequence'
+             (whose T ranks split the sequence, not the weights) data x sequence ranks
 
 3. Every rank seeds its RNGs alike, so that the replicas' models are born equal.
 
@@ -138,8 +140,8 @@ def _launch(config: ConfigLike, rank: int, world_size: int, local_rank: Optional
     _seed_everything(seed)                                                   # 3. equal models
     get_dist_logger().info(
         f"launched {world_size} process(es): backend {backend}, device {device.type}, "
-        f"pipeline {gpc.pipeline_size} x tensor "
-        f"{gpc.tensor_size}{' ' + gpc.tensor_mode if gpc.tensor_mode else ''} x data "
+        f"pipeline {gpc.pipeline_size} x {'sequence' if gpc.sequence_size > 1 else 'tensor'} "
+        f"{gpc.tensor_size}{' ' + gpc.tensor_mode if gpc.tensor_size > 1 else ''} x data "
         f"{gpc.data_size}, timeout {seconds:g} s{', debug mode' if cfg.get('debug') else ''}")
 
 

@@ -114,7 +114,7 @@ class SyncBatchNorm(_BatchNorm):
         """The group to synchronise over, or None when alone (then plain batch norm is exact)."""
         if not gpc.is_initialized and self.process_group is None:
             return None
-        group = self.process_group if self.process_group is not None else gpc.data_group
+        group = self.process_group if self.process_group is not None else gpc.gradient_group
         return group if dist.get_world_size(group) > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

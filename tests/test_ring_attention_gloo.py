@@ -12,9 +12,11 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 from nanocolossal.tensor.ring_attention import (
+    COUNTS,
     allgather_attention,
     gather_sequence,
     plan,
+    reset_counts,
     ring_attention,
     split_sequence,
 )
@@ -108,3 +110,33 @@ def test_causal_work_is_balanced(n):
         steps = [plan(r, (r - t) % n, n, causal=True) for t in range(n)]
         work.append(sum(rows[qp] * rows[kp] // (2 if masked else 1) for qp, kp, masked in steps))
     assert work == [(2 * c) ** 2 // 2 + (n - 1) * 2 * c * c] * n
+
+
+B, H, D = 2, 3, 4
+
+
+def _run_counted(s):
+    """Forward and backward of one call on a sequence of s tokens, from transposed
+    (non-contiguous) views as a model makes them; returns what the ring counted."""
+    torch.manual_seed(0)
+    q, k, v = (split_sequence(torch.randn(B, s, H, D), 1, None).requires_grad_() for _ in "qkv")
+    reset_counts()
+    ring_attention(*(t.transpose(1, 2) for t in (q, k, v))).sum().backward()
+    return dict(COUNTS)
+
+
+def _counts(rank, world_size, port):
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    return _run_counted(8 * world_size)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_sends_n_minus_1_blocks_and_holds_one_block_of_scores_gloo(n):
+    s = 8 * n
+    one = _run_counted(s)  # one process: the whole s x s scores at once
+    assert one == dict(kv_forward=0, kv_backward=0, dkv_backward=0,
+                       peak_score_elements=B * H * s * s)
+    for counted in run_ranks(_counts, n, timeout=60):
+        # forward: N-1 K/V pairs; backward: N-1 again, and N dK/dV pairs (the last one home)
+        assert counted == dict(kv_forward=n - 1, kv_backward=n - 1, dkv_backward=n,
+                               peak_score_elements=B * H * (s // n) ** 2), counted

@@ -86,7 +86,7 @@ class Engine:
     def _sync_buffers(self) -> None:
         """Give every data-parallel replica rank 0's buffers: DDP does it itself on eval()
         (ddp.py); the gradient handler and ZeRO level 3 have no forward of their own to do it."""
-        if isinstance(self.forward_module, DistributedDataParallel) or gpc.data_size == 1:
+        if isinstance(self.forward_module, DistributedDataParallel) or gpc.gradient_size == 1:
             return
         broadcast_buffers(self.model)
 
@@ -163,7 +163,7 @@ class PipelineEngine(Engine):
         return super().step()
 
     def _sync_buffers(self) -> None:
-        if gpc.data_size == 1:
+        if gpc.gradient_size == 1:
             return
         for chunk in self.chunks:
             if isinstance(chunk, DistributedDataParallel):

@@ -10,9 +10,11 @@ Each step is a function that returns what it built and a few words for the log l
     apply_amp           fp16=dict(...): may change parameter dtypes (O2/O3), so before DDP
     apply_zero          zero=dict(level=1|2|3): the optimizer steps only this rank's shard (zero/);
                         level 3 also keeps only the shard of the parameters between uses
-    wrap_data_parallel  DDP over the data group (or the gradient handler), after AMP: DDP must
-                        bucket the final parameters; a pipeline stage wraps each chunk
+    wrap_data_parallel  DDP over the gradient group -- the data ranks, times the sequence ranks
+                        if any -- (or the gradient handler), after AMP: DDP must bucket the final
+                        parameters; a pipeline stage wraps each chunk
     build_engine        Engine, or PipelineEngine with the schedule the config asks for
+    split_loader        mode='sequence': the loaders yield this rank's share of each sequence
 
 The order matters: AMP O2 casts parameters, and DDP's buckets hold the final ones; SyncBN
 replaces modules, so it comes before AMP picks which layers stay in fp32.
@@ -33,6 +35,7 @@ from ..context import gpc
 from ..ddp import DistributedDataParallel
 from ..gradient_handler import DataParallelGradientHandler
 from ..logging import get_dist_logger
+from ..sequence import check_sequence_model, split_loader
 from ..syncbn import convert_sync_batchnorm
 from ..zero import ReduceScatterDDP, ShardedOptimizer
 from ..zero.settings import zero_settings
@@ -50,7 +53,9 @@ def check_inputs(model: nn.Module, loaders: dict[str, Any]) -> Any:
     schedule = pipeline_schedule(model) if gpc.pipeline_size > 1 else None
     if schedule is not None:
         check_batches_fill_micro_batches(schedule.num_microbatches, loaders)
-    if gpc.tensor_size > 1:
+    if gpc.sequence_size > 1:
+        check_sequence_model(model)
+    elif gpc.tensor_size > 1:
         check_tensor_parallel_model(model)
     return schedule
 
@@ -143,11 +148,11 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
         return [ReduceScatterDDP(model, optimizer, zero.get("reduce_bucket_size_mb", 25),
                                  zero.get("overlap_communication", True))], None, \
             "reduce-scatter of gradients"
-    if gpc.data_size == 1:
+    if gpc.gradient_size == 1:
         return parts, None, None
     if gpc.config.get("gradient_handler"):  # Colossal-AI's all-reduce after backward
         return parts, DataParallelGradientHandler(model), \
-            f"DataParallelGradientHandler x{gpc.data_size}"
+            f"gradient handler x{gpc.gradient_size}"
     options = dict(gpc.config.get("ddp", {}))  # bucket_cap_mb, gradient_as_bucket_view, compress
     if "reduce_bucket_size_mb" in zero:
         options.setdefault("bucket_cap_mb", zero.reduce_bucket_size_mb)
@@ -155,7 +160,7 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
         options["broadcast_buffers"] = False
     shown = "".join(f", {k}={v}" for k, v in options.items() if k != "broadcast_buffers")
     return [DistributedDataParallel(part, **options) for part in parts], None, \
-        f"{'data parallel' if pipelined else 'DDP'} x{gpc.data_size}{shown}"
+        f"{'data parallel' if pipelined else 'DDP'} x{gpc.gradient_size}{shown}"
 
 
 def build_engine(model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Any,
@@ -175,7 +180,9 @@ def build_engine(model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion
 def describe_layout(schedule: Any) -> Did:
     """The parallel layout, first in the log line."""
     parts = []
-    if gpc.tensor_size > 1:
+    if gpc.sequence_size > 1:
+        parts.append(f"sequence parallel x{gpc.sequence_size} (ring attention)")
+    elif gpc.tensor_size > 1:
         parts.append(f"tensor parallel {gpc.tensor_mode} x{gpc.tensor_size}")
     if schedule is not None:
         parts.append(f"pipeline {schedule.name} x{gpc.pipeline_size} stages, "
@@ -199,4 +206,4 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
     if verbose:
         did = [d for d in (describe_layout(schedule), sync_bn, mixed, zero, data, engine_did) if d]
         get_dist_logger().info(f"initialize: {', '.join(did) or 'plain fp32, single process'}")
-    return engine, train_dataloader, test_dataloader, lr_scheduler
+    return engine, split_loader(train_dataloader), split_loader(test_dataloader), lr_scheduler

@@ -200,7 +200,7 @@ class Dropout(nn.Dropout):
         super().__init__(p)
         if sharded is None:
             split_1d = gpc.tensor_mode == "1d" and _state["1d_input_is_split"]
-            sharded = gpc.tensor_mode == "2d" or split_1d
+            sharded = gpc.tensor_mode in ("2d", "sequence") or split_1d  # other tokens: own mask
         self.sharded = sharded
 
     def forward(self, x):

@@ -5,8 +5,9 @@ row-parallel -- attention's qkv and output projection, the MLP's two layers -- s
 communicates twice forward and twice backward; attention splits its heads over the tensor
 ranks, because the qkv projection's output is laid out head by head (a contiguous slice of it is
 whole heads). In 2d every Linear is a SUMMA product and LayerNorm sums its statistics along the
-grid row; the same code runs on the local blocks. The sequence dimension is never split here, so
-the causal mask is the plain one.
+grid row; the same code runs on the local blocks. Under mode='sequence' every layer sees this
+rank's share of the tokens and only attention changes: ring attention over the sequence group
+(tensor/ring_attention.py, sequence.py), which applies the causal mask by global position.
 """
 from __future__ import annotations
 
@@ -14,15 +15,21 @@ import torch
 from torch import nn
 
 from ..context import gpc
+from ..tensor.ring_attention import ring_attention
 from .layers import Dropout, LayerNorm, Linear
 
 
 class Attention(nn.Module):
     """Multi-head self-attention; `causal`: a token attends only to itself and earlier ones."""
+    splits_sequence = True  # knows when the sequence is split: sequence.check_sequence_model
 
     def __init__(self, dim: int, heads: int, dropout: float = 0.0, causal: bool = False) -> None:
         super().__init__()
-        parts = gpc.summa_dim if gpc.tensor_mode == "2d" else gpc.tensor_size
+        parts = {"2d": gpc.summa_dim, "1d": gpc.tensor_size}.get(gpc.tensor_mode, 1)
+        if gpc.sequence_size > 1 and dropout > 0:
+            raise ValueError(f"[rank {gpc.rank}] ring attention (mode='sequence') computes the "
+                             f"softmax block by block and has no attention dropout; build the "
+                             f"model with dropout=0 (got {dropout})")
         if heads % parts or dim % heads:
             raise ValueError(f"[rank {gpc.rank}] {heads} heads of a {dim}-wide model do not split "
                              f"over {parts} tensor ranks; use a number of heads divisible by "
@@ -39,13 +46,20 @@ class Attention(nn.Module):
         # [B, N, local heads, (q, k, v), head_dim]: a slice of the output is whole heads
         q, k, v = self.qkv(x).view(B, N, -1, 3, self.head_dim).unbind(3)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if gpc.sequence_size > 1:  # my queries meet every rank's keys around the ring
+            out = ring_attention(q, k, v, gpc.sequence_group, self.causal)
+        else:
+            out = self.attend(q, k, v)
+        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, -1)))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v on the whole sequence, [B, heads, N, head_dim]."""
         scores = q @ k.transpose(-2, -1) * self.scale
         if self.causal:  # no looking ahead: mask the scores of later tokens
-            ahead = torch.ones(N, N, dtype=torch.bool, device=x.device).triu(1)
+            N = q.shape[-2]
+            ahead = torch.ones(N, N, dtype=torch.bool, device=q.device).triu(1)
             scores = scores.masked_fill(ahead, float("-inf"))
-        attn = self.attn_drop(scores.softmax(dim=-1))
-        out = (attn @ v).transpose(1, 2).reshape(B, N, -1)
-        return self.proj_drop(self.proj(out))
+        return self.attn_drop(scores.softmax(dim=-1)) @ v
 
 
 class MLP(nn.Module):

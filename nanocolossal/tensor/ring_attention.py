@@ -67,6 +67,14 @@ import torch.distributed as dist
 Group = Optional[dist.ProcessGroup]
 ALL, FIRST, SECOND = "all", "first", "second"
 
+# Counted as the ring runs, for tests and bench/bench_sequence.py: K/V block pairs sent forward
+# (N-1 per call) and in backward (N-1, plus N dK/dV pairs), and the largest score block held.
+COUNTS = dict(kv_forward=0, kv_backward=0, dkv_backward=0, peak_score_elements=0)
+
+
+def reset_counts() -> None:
+    COUNTS.update(dict.fromkeys(COUNTS, 0))
+
 
 def _world(group: Group) -> tuple[int, int]:
     """(size, my rank) in the group; (1, 0) without torch.distributed."""
@@ -90,15 +98,19 @@ def _check_length(length: int, n: int) -> None:
                          f"{', '.join(str(x) for x in (lo, hi) if x > 0)})")
 
 
-def split_sequence(x: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:
-    """This rank's zig-zag share of a whole sequence: chunks r and 2N-1-r of 2N along `dim`."""
-    n, r = _world(group)
+def zigzag_split(x: torch.Tensor, dim: int, n: int, r: int) -> torch.Tensor:
+    """Rank r's share of n: chunks r and 2n-1-r of 2n along `dim` (no communication)."""
     if n == 1:
         return x
     _check_length(x.shape[dim], n)
     chunks = x.chunk(2 * n, dim=dim)
     a, b = _zigzag_chunks(n, r)
     return torch.cat([chunks[a], chunks[b]], dim=dim)
+
+
+def split_sequence(x: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:
+    """This rank's zig-zag share of a whole sequence: chunks r and 2N-1-r of 2N along `dim`."""
+    return zigzag_split(x, dim, *_world(group))
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:
@@ -177,7 +189,8 @@ def _ring_shift(tensors: list[torch.Tensor], group: Group, tag: int) -> tuple[li
     n, r = _world(group)
     g = group if group is not None else dist.group.WORLD
     nxt, prv = dist.get_global_rank(g, (r + 1) % n), dist.get_global_rank(g, (r - 1) % n)
-    bufs = [torch.empty_like(t) for t in tensors]
+    # contiguous: q/k/v are often transposed views, and a receive needs one dense buffer
+    bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group, tag + i)
            for i, t in enumerate(tensors)]
     ops += [dist.P2POp(dist.irecv, b, prv, group, tag + i) for i, b in enumerate(bufs)]
@@ -191,6 +204,7 @@ def _wait(works: list) -> None:
 
 def _scores(q, k, scale: float, masked: bool) -> torch.Tensor:
     s = q @ k.transpose(-2, -1) * scale
+    COUNTS["peak_score_elements"] = max(COUNTS["peak_score_elements"], s.numel())
     if masked:  # the diagonal block: same positions on both sides, plain causal mask
         ahead = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(ahead, float("-inf"))
@@ -209,6 +223,7 @@ class _RingAttention(torch.autograd.Function):
         for t in range(n):
             if t < n - 1:  # the next block travels while this one is computed
                 nxt, works = _ring_shift(kv, group, tag=0)
+                COUNTS["kv_forward"] += 1
             qp, kp, masked = plan(r, (r - t) % n, n, causal)
             s = _scores(_rows(q, qp), _rows(kv[0], kp), scale, masked)
             mr, lr, ar = _rows(m, qp), _rows(l, qp), _rows(acc, qp)  # views: updated in place
@@ -237,6 +252,7 @@ class _RingAttention(torch.autograd.Function):
         for t in range(n):
             if t < n - 1:
                 nxt, works = _ring_shift(kv, group, tag=0)
+                COUNTS["kv_backward"] += 1
             qp, kp, masked = plan(r, (r - t) % n, n, causal=ctx.causal)
             kb, vb = _rows(kv[0], kp), _rows(kv[1], kp)
             qb, dob = _rows(q, qp), _rows(dout, qp)
@@ -251,6 +267,7 @@ class _RingAttention(torch.autograd.Function):
                 dk, dv = dk + dkv[0], dv + dkv[1]
             if n > 1:  # pass it on; after step N-1 this hop delivers it to its owner
                 dkv, dworks = _ring_shift([dk, dv], group, tag=2)
+                COUNTS["dkv_backward"] += 1
             if t < n - 1:
                 _wait(works)
                 kv = nxt

@@ -1,0 +1,108 @@
+"""Sequence parallelism: N ranks share every sequence; attention is the one layer that notices.
+
+`parallel=dict(pipeline=P, tensor=dict(size=N, mode='sequence'))` (Colossal-AI's spelling): the
+N ranks of a tensor group become a *sequence group*. Each holds the whole model (parameters
+replicated) and, of every sequence in its data rank's batch, a zig-zag share of the tokens
+(tensor/ring_attention.py explains the zig-zag). N = 2, a sequence of 8 tokens in 2N chunks:
+
+    tokens         t0 t1 | t2 t3 | t4 t5 | t6 t7
+    rank 0 holds   t0 t1                   t6 t7      chunks 0 and 3
+    rank 1 holds           t2 t3 | t4 t5              chunks 1 and 2
+
+Who does what, layer by layer:
+
+    data        data ranks shard the batch as ever; the N ranks of a sequence group load the
+                same samples and keep their tokens (SequenceSplitLoader: dim 1 of every tensor)
+    embedding   a token's position is its place in the whole sequence (token_positions)
+    LayerNorm,  per token: the local tokens alone, unchanged
+    MLP, head
+    attention   every query needs every key: ring attention, K/V blocks going round the ring
+    loss        the mean over this rank's tokens
+    gradients   averaged over the gradient group: data x sequence ranks (gpc.gradient_group)
+
+Why averaging is exact. The global batch's loss is the mean over its B*s tokens; with equal
+shares that is the mean of the D*N ranks' local means, L = 1/(DN) sum_r L_r. Ring attention's
+backward sends every dK/dV home, so rank r's gradient collects, from every rank's loss, what
+flows through r's tokens; summed over the ranks that is d(sum_r L_r)/dθ, and averaged -- what
+DDP over the gradient group does -- it is dL/dθ. To everything but attention a sequence rank
+is one more data-parallel rank with fewer tokens, which is why DDP, SyncBN, metrics and the
+pipeline need nothing new.
+
+Memory per rank: activations of s/N tokens in every layer, and ring attention's one block of
+scores at a time, (s/N) x (s/N)-shaped where one process holds s x s.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .config import ConfigError
+from .context import gpc
+from .nest import map_tensors
+from .tensor.ring_attention import zigzag_split
+
+
+def token_positions(ids: torch.Tensor) -> torch.Tensor:
+    """The position in the whole sequence of each of this rank's tokens, shaped like `ids`
+    ([batch, local length]): 0..s-1 without sequence parallelism, the zig-zag share with it."""
+    n, r = gpc.sequence_size, gpc.sequence_rank
+    whole = torch.arange(ids.shape[1] * n, device=ids.device)
+    return zigzag_split(whole, 0, n, r).expand_as(ids)
+
+
+def split_batch(batch: Any, n: int, r: int) -> Any:
+    """Rank r's tokens of every tensor of a batch: its zig-zag share of dim 1 (the sequence).
+    n and r are plain numbers, so this also runs in a DataLoader worker, which has no groups."""
+    return map_tensors(lambda t: zigzag_split(t, 1, n, r) if t.dim() >= 2 else t, batch)
+
+
+class SequenceSplitLoader:
+    """Iterates `loader` and yields this rank's share of each batch's sequences; everything else
+    (sampler, dataset, batch_size) is the loader's own."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader, self.n, self.r = loader, gpc.sequence_size, gpc.sequence_rank
+
+    def __iter__(self) -> Iterator[Any]:
+        return (split_batch(batch, self.n, self.r) for batch in self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+class SizedSequenceSplitLoader(SequenceSplitLoader):
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def split_loader(loader: Any) -> Any:
+    """`loader` as this rank of the sequence group sees it (itself without sequence parallelism)."""
+    if loader is None or gpc.sequence_size == 1:
+        return loader
+    sized = hasattr(loader, "__len__")
+    return (SizedSequenceSplitLoader if sized else SequenceSplitLoader)(loader)
+
+
+# -- hardening: what initialize refuses ----------------------------------------------------------
+
+def check_sequence_model(model: nn.Module) -> None:
+    """Sequence parallelism is right only if every layer but attention works per token, and
+    attention knows the sequence is split. A model without such attention (a CNN, a ViT of
+    torch.nn.MultiheadAttention) would train on pieces of sequences as if they were whole."""
+    aware = [n for n, m in model.named_modules() if getattr(m, "splits_sequence", False)]
+    unaware = [n for n, m in model.named_modules()
+               if isinstance(m, (nn.MultiheadAttention, nn.Conv1d, nn.Conv2d))]
+    if not aware or unaware:
+        kind = type(model.get_submodule(unaware[0])).__name__ if unaware else ""
+        found = (f"it has {', '.join(unaware[:3])} ({kind}), which mixes tokens the split "
+                 f"keeps apart" if unaware else "it has no attention that knows the sequence is "
+                 "split")
+        raise ConfigError(
+            f"[rank {gpc.rank}] parallel.tensor mode='sequence' splits every sequence over "
+            f"{gpc.sequence_size} ranks, but {found}; build attention with "
+            f"nanocolossal.nn.transformer.Attention (ring attention) and per-token layers, or "
+            f"use tensor mode '1d'/'2d' or data parallelism")
