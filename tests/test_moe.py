@@ -153,8 +153,18 @@ def test_expert_marks_keys_and_aux_sum():
     names = {n for n, p in model.named_parameters() if is_expert(p)}
     assert names == {f"{i}.experts.{e}.{j}.{w}" for i in (0, 1) for e in (0, 1)
                      for j in (0, 2) for w in ("weight", "bias")}
+    with pytest.raises(ValueError, match="has not run a forward yet"):
+        moe_aux_loss(model)
     model(torch.randn(10, 4))
     assert_close(moe_aux_loss(model), model[0].aux_loss + model[1].aux_loss)
+    assert moe_aux_loss(nn.Linear(2, 2)) == 0  # e.g. a pipeline stage without MoE layers
+
+
+def test_router_runs_in_float32_under_autocast():
+    layer = MoeLayer(8, 16, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(torch.randn(10, 8))
+    assert out.dtype == torch.bfloat16 and layer.routing.probs.dtype == torch.float32
 
 
 @pytest.mark.parametrize("kwargs,message", [

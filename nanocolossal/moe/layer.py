@@ -89,8 +89,11 @@ def moe_layers(model: nn.Module) -> list[MoeLayer]:
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:
-    """Sum of the load-balancing losses of `model`'s MoE layers from their last forward."""
-    losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
-    if not losses:
-        raise ValueError("moe_aux_loss: no MoE layer of the model has run a forward yet")
-    return torch.stack(losses).sum()
+    """Sum of the load-balancing losses of `model`'s MoE layers from their last forward (0 for
+    a model, or a pipeline stage, without MoE layers)."""
+    layers = moe_layers(model)
+    if any(m.aux_loss is None for m in layers):
+        raise ValueError("moe_aux_loss: an MoE layer of the model has not run a forward yet")
+    if not layers:
+        return torch.zeros(())
+    return torch.stack([m.aux_loss for m in layers]).sum()

@@ -165,9 +165,11 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, group: Group = None) -> Routing:
         if self.training and self.jitter_eps > 0:
             x = x * torch.empty_like(x).uniform_(1 - self.jitter_eps, 1 + self.jitter_eps)
-        # at least float32: fp16 scores round ties and the softmax of a few experts is cheap
+        # at least float32, autocast or not: fp16 scores round near-ties into different
+        # choices, and the softmax over a few experts is cheap
         dtype = torch.promote_types(x.dtype, torch.float32)
-        probs = F.linear(x.to(dtype), self.gate.weight.to(dtype)).softmax(-1)
+        with torch.autocast(x.device.type, enabled=False):
+            probs = F.linear(x.to(dtype), self.gate.weight.to(dtype)).softmax(-1)
         capacity = self.capacity(x.shape[0])
         expert, position, kept, weight = assign_slots(probs, self.top_k, capacity)
         aux = load_balancing_loss(probs, expert[:, 0], group)
