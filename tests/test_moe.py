@@ -1,5 +1,7 @@
 """The MoE layer in one process: routing, capacity and the aux loss against hand-computed
 numbers, the layer against a per-token loop, and the errors."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -13,7 +15,7 @@ from nanocolossal.moe import (
     Routing,
     assign_slots,
     expert_capacity,
-    is_expert,
+    expert_parameters,
     load_balancing_loss,
     moe_aux_loss,
 )
@@ -147,10 +149,12 @@ def test_experts_match_one_process_under_the_same_seed():
     assert list(replica.keys()) == ["1"]
 
 
-def test_expert_marks_keys_and_aux_sum():
+def test_expert_parameters_keys_and_aux_sum():
     torch.manual_seed(0)
     model = nn.Sequential(MoeLayer(4, 8, 2), MoeLayer(4, 8, 2))
-    names = {n for n, p in model.named_parameters() if is_expert(p)}
+    copied = copy.deepcopy(model)  # found by module: a deepcopy keeps them (flags would not)
+    experts = {id(p) for p in expert_parameters(copied)}
+    names = {n for n, p in copied.named_parameters() if id(p) in experts}
     assert names == {f"{i}.experts.{e}.{j}.{w}" for i in (0, 1) for e in (0, 1)
                      for j in (0, 2) for w in ("weight", "bias")}
     with pytest.raises(ValueError, match="has not run a forward yet"):

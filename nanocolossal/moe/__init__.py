@@ -7,7 +7,7 @@ which gradients).
 """
 from .balance import load_balancing_loss
 from .dispatch import CommCounter
-from .experts import ExpertMLP, LocalExperts, is_expert
+from .experts import ExpertMLP, LocalExperts, expert_parameters
 from .grads import (
     MoeGroups,
     allreduce_expert_gradients,
@@ -21,5 +21,5 @@ from .router import Router, Routing, assign_slots, expert_capacity
 
 __all__ = ["CommCounter", "ExpertMLP", "LocalExperts", "MoeGroups", "MoeLayer", "Placement",
            "Router", "Routing", "allreduce_expert_gradients", "allreduce_moe_gradients",
-           "assign_slots", "build_moe_groups", "expert_capacity", "is_expert",
+           "assign_slots", "build_moe_groups", "expert_capacity", "expert_parameters",
            "load_balancing_loss", "moe_aux_loss", "moe_layers", "split_parameters"]

@@ -12,8 +12,10 @@ Keys. Local experts sit in a ModuleDict under their *global* index: rank 1 of E 
 has `experts.2.*` and `experts.3.*`, exactly those keys of the one-process model, so the
 union of the ranks' state_dicts is the plain model's.
 
-Every expert parameter carries `param.moe_expert = True`: its gradient is summed over the
-ranks that hold the same expert only, not over all data ranks (grads.py).
+Expert parameters are those of LocalExperts modules (`expert_parameters`): their gradients
+are summed over the ranks that hold the same expert only, not over all data ranks (grads.py).
+They are found by module, not by a flag on the tensor: copy.deepcopy of a Parameter drops any
+attribute set on it, and a lost flag would silently average experts over the wrong ranks.
 """
 from __future__ import annotations
 
@@ -30,9 +32,13 @@ class ExpertMLP(nn.Sequential):
         super().__init__(nn.Linear(d_model, d_hidden), nn.GELU(), nn.Linear(d_hidden, d_model))
 
 
-def is_expert(param: torch.Tensor) -> bool:
-    """Whether `param` belongs to an expert (its gradient reduces over the expert's holders)."""
-    return getattr(param, "moe_expert", False)
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of every LocalExperts module of `model` (each once)."""
+    found: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        if isinstance(module, LocalExperts):
+            found.update((id(p), p) for p in module.parameters())
+    return list(found.values())
 
 
 class LocalExperts(nn.ModuleDict):
@@ -46,8 +52,6 @@ class LocalExperts(nn.ModuleDict):
             if e in mine:
                 experts[str(e)] = expert
         super().__init__(experts)
-        for p in self.parameters():
-            p.moe_expert = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [G, L, C, d] (G sending ranks, L local experts, C slots) -> the same shape."""

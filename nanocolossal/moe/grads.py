@@ -23,7 +23,7 @@ would do) gives G times the gradient. Colossal-AI scales the expert gradient by 
 the layer (EPGradScaler) so that a plain average works; here the layer's gradient is the
 plain derivative and the division by D says what it means. `allreduce_moe_gradients` does
 both reductions; the engine may instead keep DDP (mean over the data group) for non-expert
-parameters and reduce only the `is_expert` ones with `allreduce_expert_gradients`.
+parameters and reduce only `expert_parameters(model)` with `allreduce_expert_gradients`.
 
 Groups. Expert parallelism is carved out of the data-parallel ranks (as Colossal-AI): with the
 data group's ranks listed in data-rank order, EP groups are blocks of EP consecutive data
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .experts import is_expert
+from .experts import expert_parameters
 from .placement import Group, check_sizes, group_size, rank_prefix
 
 
@@ -96,8 +96,9 @@ def _new_group(ranks: list[int], world: int) -> Group:
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(non-expert, expert) trainable parameters of `model`."""
+    experts = {id(p) for p in expert_parameters(model)}
     params = [p for p in model.parameters() if p.requires_grad]
-    return [p for p in params if not is_expert(p)], [p for p in params if is_expert(p)]
+    return ([p for p in params if id(p) not in experts], [p for p in params if id(p) in experts])
 
 
 @torch.no_grad()
