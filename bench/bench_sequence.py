@@ -1,0 +1,173 @@
+"""Benchmark: sequence parallelism -- how long a sequence fits a memory budget, and step time.
+
+    python bench/bench_sequence.py [--dim 64 --heads 2 --depth 2 --batch 1 --seq 1024
+                                    --budget-mib 64 --steps 5]
+
+The GPT of train_gpt.py (byte vocabulary, learned positions, causal blocks) trains one step
+(forward, backward, SGD) on `batch` sequences under N = 1 (one process, plain attention: the
+torch baseline, softmax(q k^T) v of torch ops), and N = 2, 4 ranks of
+parallel.tensor=dict(size=N, mode='sequence') (ring attention; the script starts itself on N
+ranks, gloo, one thread each). torch's own `context_parallel` only handles CUDA's SDPA kernels
+(flash / efficient / cudnn), so it cannot run here on CPU.
+
+Memory, counted from live tensors: the bytes autograd keeps between forward and backward (every
+tensor saved for backward, each storage once) plus the largest block of attention scores held
+at once (ring attention counts it). Per layer and rank, with s tokens, h heads, width d:
+
+    one process   h s^2 (the softmax, saved for backward) + O(s d)  -> grows with s^2
+    N ranks       h (s/N)^2 (one block, transient)      + O(s d / N) -> the s^2 term / N^2
+
+The longest sequence within `budget-mib` per rank is found by running one step at each length
+of a doubling grid and counting -- not extrapolated.
+
+Counted too: K/V block pairs each rank sends per layer and step (forward N-1; backward N-1 and
+N dK/dV pairs), against the formula. Prints a table, writes bench/results/sequence.json.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import write_result  # also puts the repository on sys.path
+
+import nanocolossal as nc  # noqa: E402
+from nanocolossal.context import gpc  # noqa: E402
+from nanocolossal.sequence import split_batch  # noqa: E402
+from nanocolossal.tensor import ring_attention as ring  # noqa: E402
+from train_gpt import gpt  # noqa: E402
+
+GRID = [256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=1024, help="sequence length of the timing")
+    parser.add_argument("--budget-mib", type=float, default=64.0)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--out", type=str, default="bench/results/sequence.json")
+    parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def saved_bytes(step) -> int:
+    """Bytes autograd keeps for backward during `step`'s forward, each storage once."""
+    kept: list[torch.Tensor] = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step()
+    seen, total = set(), 0
+    for t in kept:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    loss.backward()
+    return total
+
+
+def measure(args, n: int) -> dict:
+    """This rank's figures for N = n (n = 1: one process, no launch)."""
+    def build(s):
+        torch.manual_seed(0)
+        model = gpt(seq_len=s, dim=args.dim, depth=args.depth, heads=args.heads)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        engine, *_ = nc.initialize(model, opt, torch.nn.CrossEntropyLoss(), verbose=False)
+        ids = torch.randint(0, 256, (args.batch, s + 1), generator=torch.Generator().manual_seed(1))
+        x, y = split_batch((ids[:, :-1], ids[:, 1:]), n, gpc.sequence_rank)
+
+        def forward():
+            out = engine(x)
+            return engine.criterion(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        return engine, forward
+
+    peaks, longest = {}, None
+    for s in GRID:  # the longest sequence within the budget: run each length, count
+        engine, forward = build(s)
+        ring.reset_counts()
+        saved = saved_bytes(forward)
+        peak = saved + ring.COUNTS["peak_score_elements"] * 4 * (n > 1)  # N=1: scores are saved
+        peaks[s] = peak
+        if gpc.world_size > 1:  # every rank stops at the same length
+            t = torch.tensor([peak], dtype=torch.float64)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            peak = t.item()
+        if peak > args.budget_mib * 2**20:
+            break
+        longest = s
+    engine, forward = build(args.seq)
+    times = []
+    for i in range(args.steps + 1):
+        if gpc.world_size > 1:
+            torch.distributed.barrier()
+        start = time.perf_counter()
+        engine.zero_grad()
+        ring.reset_counts()
+        engine.backward(forward())
+        engine.step()
+        if i:  # the first step warms up
+            times.append(time.perf_counter() - start)
+    counts = {k: v // args.depth for k, v in ring.COUNTS.items() if k != "peak_score_elements"}
+    return {"ranks": n, "longest_seq_in_budget": longest, "peak_bytes_by_seq": peaks,
+            "step_s": statistics.median(times), "blocks_per_layer_step": counts}
+
+
+def worker(args) -> None:
+    nc.launch_from_torch(config={"parallel": {"tensor": {"size": int(os.environ["WORLD_SIZE"]),
+                                                         "mode": "sequence"}}}, seed=0)
+    torch.set_num_threads(1)
+    result = measure(args, gpc.sequence_size)
+    if gpc.rank == 0:
+        Path(args.worker).write_text(json.dumps(result))
+    gpc.destroy()
+
+
+def on_ranks(args, n: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        argv = [sys.executable, "-m", "nanocolossal.run", "--nproc_per_node", str(n),
+                "--master_port", os.environ.get("MASTER_PORT", "29517"), __file__,
+                *sys.argv[1:], "--worker", str(out)]
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    torch.set_num_threads(1)  # as each rank: one thread
+    rows = [measure(args, 1) if n == 1 else on_ranks(args, n) for n in args.ranks]
+    base = rows[0]
+    print(f"\nGPT dim {args.dim}, {args.depth} layers, {args.heads} heads, batch {args.batch}; "
+          f"budget {args.budget_mib:g} MiB per rank; {os.cpu_count()} CPU cores, "
+          f"torch {torch.__version__}")
+    print(f"{'ranks':>5} {'longest seq':>12} {'x one proc':>10} {'step @' + str(args.seq):>12} "
+          f"{'/ one proc':>10} {'K/V sent fwd':>12} {'bwd':>4} {'dK/dV':>6}")
+    for r in rows:
+        c = r["blocks_per_layer_step"]
+        print(f"{r['ranks']:>5} {r['longest_seq_in_budget']:>12} "
+              f"{r['longest_seq_in_budget'] / base['longest_seq_in_budget']:>10.2f} "
+              f"{r['step_s'] * 1e3:>10.1f}ms {r['step_s'] / base['step_s']:>10.2f} "
+              f"{c['kv_forward']:>12} {c['kv_backward']:>4} {c['dkv_backward']:>6}")
+    write_result(args.out, {"args": {k: v for k, v in vars(args).items() if k != "worker"},
+                            "machine": platform.machine(), "cpus": os.cpu_count(),
+                            "torch": torch.__version__, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
