@@ -140,3 +140,23 @@ def test_ring_sends_n_minus_1_blocks_and_holds_one_block_of_scores_gloo(n):
         # forward: N-1 K/V pairs; backward: N-1 again, and N dK/dV pairs (the last one home)
         assert counted == dict(kv_forward=n - 1, kv_backward=n - 1, dkv_backward=n,
                                peak_score_elements=B * H * (s // n) ** 2), counted
+
+
+def _half(rank, world_size, port):
+    """bf16 inputs, under autocast as a model runs them: ring attention's error against float64
+    is no larger than one process's softmax attention in the same autocast."""
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, 16 * world_size, D, dtype=torch.float64) for _ in "qkv")
+    exact = split_sequence(_reference(q, k, v, True), 2, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = [t.to(torch.bfloat16) for t in (q, k, v)]
+        plain = split_sequence(_reference(*half, True), 2, None)
+        ring = ring_attention(*(split_sequence(t, 2, None) for t in half))
+    assert ring.dtype == torch.bfloat16
+    return (ring.double() - exact).abs().max().item(), (plain.double() - exact).abs().max().item()
+
+
+def test_ring_attention_in_bf16_is_as_accurate_as_one_process_gloo():
+    for ring_err, plain_err in run_ranks(_half, 2, timeout=60):
+        assert ring_err <= plain_err * 1.01, (ring_err, plain_err)

@@ -292,4 +292,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
                          f"layout (2 chunks per rank) but the local sequence has odd length "
                          f"{q.shape[-2]}; split a sequence of a multiple of {2 * n} tokens with "
                          f"split_sequence")
-    return _RingAttention.apply(q, k, v, group, causal)
+    # half inputs (or autocast) compute in float32, as FlashAttention does: running sums of
+    # exp() over N blocks in bf16 would lose what one process's float32 softmax keeps
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    with torch.autocast(q.device.type, enabled=False):
+        out = _RingAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), group, causal)
+    return out.to(q.dtype)
