@@ -41,7 +41,7 @@ from torch import nn
 from .config import ConfigError
 from .context import gpc
 from .nest import map_tensors
-from .tensor.ring_attention import zigzag_split
+from .tensor.zigzag import zigzag_split
 
 
 def token_positions(ids: torch.Tensor) -> torch.Tensor:

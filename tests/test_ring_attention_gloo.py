@@ -160,3 +160,36 @@ def _half(rank, world_size, port):
 def test_ring_attention_in_bf16_is_as_accurate_as_one_process_gloo():
     for ring_err, plain_err in run_ranks(_half, 2, timeout=60):
         assert ring_err <= plain_err * 1.01, (ring_err, plain_err)
+
+
+def _padded(rank, world_size, port, causal):
+    """Right padding of a different length per sequence (the last sequence all padding): equal
+    to one process's masked softmax in float64, output and dq/dk/dv; all-padding rows give 0."""
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    S = 8 * world_size
+    q, k, v = (torch.randn(3, H, S, D, dtype=torch.float64) for _ in "qkv")
+    w = torch.randn(3, H, S, D, dtype=torch.float64)
+    pad = torch.arange(S)[None, :] >= torch.tensor([S, S - 5, 0])[:, None]  # True: padding
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    s = full[0] @ full[1].transpose(-2, -1) * D ** -0.5
+    s = s.masked_fill(pad[:, None, None, :], float("-inf"))
+    if causal:
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    ref = (s.softmax(-1) @ full[2]).nan_to_num(0.0)  # torch: NaN where a row saw only padding
+    (ref * w).sum().backward()
+    local = [split_sequence(t, 2, None).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, causal=causal, key_padding_mask=split_sequence(pad, 1, None))
+    (out * split_sequence(w, 2, None)).sum().backward()
+    assert_close(out, split_sequence(ref.detach(), 2, None), rtol=1e-10, atol=1e-10)
+    assert torch.equal(out[2], torch.zeros_like(out[2])), "an all-padding sequence gives 0"
+    for name, mine, theirs in zip("qkv", local, full):
+        assert_close(mine.grad, split_sequence(theirs.grad.nan_to_num(0.0), 2, None), rtol=1e-10,
+                     atol=1e-10, msg=lambda m, n=name: f"d{n}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ring_attention_with_a_padding_mask_equals_masked_attention_gloo(world_size, causal):
+    assert all(run_ranks(_padded, world_size, causal, timeout=60))

@@ -64,7 +64,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-Group = Optional[dist.ProcessGroup]
+from .zigzag import Group, _world, _zigzag_chunks, gather_sequence, split_sequence, zigzag_split
+
+__all__ = ["ring_attention", "allgather_attention", "split_sequence", "gather_sequence",
+           "zigzag_split", "plan", "COUNTS", "reset_counts"]
 ALL, FIRST, SECOND = "all", "first", "second"
 
 # Counted as the ring runs, for tests and bench/bench_sequence.py: K/V block pairs sent forward
@@ -74,57 +77,6 @@ COUNTS = dict(kv_forward=0, kv_backward=0, dkv_backward=0, peak_score_elements=0
 
 def reset_counts() -> None:
     COUNTS.update(dict.fromkeys(COUNTS, 0))
-
-
-def _world(group: Group) -> tuple[int, int]:
-    """(size, my rank) in the group; (1, 0) without torch.distributed."""
-    if not dist.is_initialized():
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-# ---- the zig-zag layout ------------------------------------------------------------------------
-
-def _zigzag_chunks(n: int, r: int) -> tuple[int, int]:
-    return r, 2 * n - 1 - r
-
-
-def _check_length(length: int, n: int) -> None:
-    if length % (2 * n):
-        lo, hi = length // (2 * n) * 2 * n, (length // (2 * n) + 1) * 2 * n
-        raise ValueError(f"[rank {dist.get_rank() if dist.is_initialized() else 0}] sequence "
-                         f"length {length} does not split into 2 x {n} zig-zag chunks for {n} "
-                         f"sequence-parallel ranks; use a multiple of {2 * n} (nearest: "
-                         f"{', '.join(str(x) for x in (lo, hi) if x > 0)})")
-
-
-def zigzag_split(x: torch.Tensor, dim: int, n: int, r: int) -> torch.Tensor:
-    """Rank r's share of n: chunks r and 2n-1-r of 2n along `dim` (no communication)."""
-    if n == 1:
-        return x
-    _check_length(x.shape[dim], n)
-    chunks = x.chunk(2 * n, dim=dim)
-    a, b = _zigzag_chunks(n, r)
-    return torch.cat([chunks[a], chunks[b]], dim=dim)
-
-
-def split_sequence(x: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:
-    """This rank's zig-zag share of a whole sequence: chunks r and 2N-1-r of 2N along `dim`."""
-    return zigzag_split(x, dim, *_world(group))
-
-
-def gather_sequence(x: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:
-    """The whole sequence from every rank's zig-zag share (the inverse of split_sequence)."""
-    n, _ = _world(group)
-    if n == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    chunks: list = [None] * (2 * n)
-    for r, part in enumerate(parts):
-        a, b = _zigzag_chunks(n, r)
-        chunks[a], chunks[b] = part.chunk(2, dim=dim)
-    return torch.cat(chunks, dim=dim)
 
 
 def plan(r: int, s: int, n: int, causal: bool) -> tuple[str, str, bool]:
@@ -202,8 +154,14 @@ def _wait(works: list) -> None:
         w.wait()
 
 
-def _scores(q, k, scale: float, masked: bool) -> torch.Tensor:
+def _mask(kv: list, part: str) -> Optional[torch.Tensor]:
+    return _rows(kv[2], part) if len(kv) > 2 else None
+
+
+def _scores(q, k, scale: float, masked: bool, bias=None) -> torch.Tensor:
     s = q @ k.transpose(-2, -1) * scale
+    if bias is not None:  # [B, 1, keys, 1]: -inf for a padding key
+        s = s + bias.transpose(-2, -1)
     COUNTS["peak_score_elements"] = max(COUNTS["peak_score_elements"], s.numel())
     if masked:  # the diagonal block: same positions on both sides, plain causal mask
         ahead = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
@@ -213,42 +171,43 @@ def _scores(q, k, scale: float, masked: bool) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal):
+    def forward(ctx, q, k, v, bias, group, causal):
         n, r = _world(group)
         scale = q.shape[-1] ** -0.5
         m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)  # noqa: E741 -- the paper's name
         acc = torch.zeros_like(q)
-        kv = [k, v]
+        kv = [k, v] + ([bias] if bias is not None else [])  # a padding mask travels with keys
         for t in range(n):
             if t < n - 1:  # the next block travels while this one is computed
                 nxt, works = _ring_shift(kv, group, tag=0)
                 COUNTS["kv_forward"] += 1
             qp, kp, masked = plan(r, (r - t) % n, n, causal)
-            s = _scores(_rows(q, qp), _rows(kv[0], kp), scale, masked)
+            s = _scores(_rows(q, qp), _rows(kv[0], kp), scale, masked, _mask(kv, kp))
             mr, lr, ar = _rows(m, qp), _rows(l, qp), _rows(acc, qp)  # views: updated in place
             m_new = torch.maximum(mr, s.amax(-1, keepdim=True))
-            alpha, p = torch.exp(mr - m_new), torch.exp(s - m_new)
+            m_safe = m_new.nan_to_num(neginf=0.0)  # a row that saw only padding stays at 0
+            alpha, p = torch.exp(mr - m_safe), torch.exp(s - m_safe)
             lr.mul_(alpha).add_(p.sum(-1, keepdim=True))
             ar.mul_(alpha).add_(p @ _rows(kv[1], kp))
             mr.copy_(m_new)
             if t < n - 1:
                 _wait(works)
                 kv = nxt
-        out = acc / l
-        ctx.save_for_backward(q, k, v, out, m + torch.log(l))
+        out = acc / l.clamp_min(torch.finfo(l.dtype).tiny)  # an all-padding row: 0, not 0/0
+        ctx.save_for_backward(q, k, v, bias, out, (m + torch.log(l)).nan_to_num(neginf=torch.inf))
         ctx.group, ctx.causal, ctx.scale = group, causal, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, bias, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         n, r = _world(group)
         dout = dout.contiguous()
         delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(q)
-        kv, dkv, dworks = [k, v], None, []
+        kv, dkv, dworks = [k, v] + ([bias] if bias is not None else []), None, []
         for t in range(n):
             if t < n - 1:
                 nxt, works = _ring_shift(kv, group, tag=0)
@@ -256,7 +215,7 @@ class _RingAttention(torch.autograd.Function):
             qp, kp, masked = plan(r, (r - t) % n, n, causal=ctx.causal)
             kb, vb = _rows(kv[0], kp), _rows(kv[1], kp)
             qb, dob = _rows(q, qp), _rows(dout, qp)
-            p = torch.exp(_scores(qb, kb, scale, masked) - _rows(lse, qp))
+            p = torch.exp(_scores(qb, kb, scale, masked, _mask(kv, kp)) - _rows(lse, qp))
             ds = p * (dob @ vb.transpose(-2, -1) - _rows(delta, qp)) * scale
             _rows(dq, qp).add_(ds @ kb)
             dk, dv = torch.zeros_like(k), torch.zeros_like(v)
@@ -274,15 +233,18 @@ class _RingAttention(torch.autograd.Function):
         if n > 1:
             _wait(dworks)
             dk, dv = dkv
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None,
-                   causal: bool = True) -> torch.Tensor:
+                   causal: bool = True, key_padding_mask: Optional[torch.Tensor] = None
+                   ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v over the whole sequence, each rank holding its share.
 
     q, k, v: [batch, heads, seq/N, head_dim], this rank's tokens in split_sequence's zig-zag
-    layout (causal needs it; non-causal accepts any split). Returns this rank's output rows."""
+    layout (causal needs it; non-causal accepts any split). key_padding_mask: [batch, seq/N],
+    True where a key is padding (split like the tokens); a query that sees only padding gets 0.
+    Returns this rank's output rows."""
     if not (q.shape == k.shape == v.shape):
         raise ValueError(f"q, k, v must have one shape; got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -295,6 +257,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     # half inputs (or autocast) compute in float32, as FlashAttention does: running sums of
     # exp() over N blocks in bf16 would lose what one process's float32 softmax keeps
     dtype = torch.promote_types(q.dtype, torch.float32)
+    bias = None
+    if key_padding_mask is not None:  # as an additive [B, 1, keys, 1] bias: 0 or -inf
+        bias = torch.zeros(q.shape[0], 1, q.shape[-2], 1, dtype=dtype, device=q.device)
+        bias.masked_fill_(key_padding_mask[:, None, :, None].to(q.device), float("-inf"))
     with torch.autocast(q.device.type, enabled=False):
-        out = _RingAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), group, causal)
+        out = _RingAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), bias, group, causal)
     return out.to(q.dtype)
