@@ -54,8 +54,8 @@ def _launch(rank, world, port, config):
     nc.launch(dict(config), rank=rank, world_size=world, host="127.0.0.1", port=port)
 
 
-def _build(config, dtype=torch.float64, **model_kw):
-    model = _model(dtype, **model_kw)
+def _build(config, dtype=torch.float64):
+    model = _model(dtype, causal=config.get("CAUSAL", True))
     if gpc.pipeline_size > 1:
         model = build_pipeline_model(model, num_chunks=config.get("NUM_CHUNKS", 1),
                                      partition="uniform")
@@ -124,6 +124,10 @@ TRAIN_CASES = {  # name: (config, processes, parallel)
          {"pipeline": 2, **SEQ2}),
     "data 2 x pipeline 2 x sequence 2, clip": (dict(clip_grad_norm=CLIP, NUM_MICRO_BATCHES=2),
                                                8, {"pipeline": 2, **SEQ2}),
+    "non-causal attention, data 2 x sequence 2": (dict(CAUSAL=False, clip_grad_norm=CLIP), 4,
+                                                  SEQ2),
+    "non-causal attention, sequence 4": (dict(CAUSAL=False), 4,
+                                         {"tensor": {"size": 4, "mode": "sequence"}}),
     "gradient handler x pipeline 2 x sequence 2":
         (dict(clip_grad_norm=CLIP, NUM_MICRO_BATCHES=2,
               gradient_handler=[dict(type="SequenceParallelGradientHandler")]), 4,
@@ -173,3 +177,218 @@ def test_gloo_sequence_x_fp16_overflow_on_one_rank_skips_everywhere():
                      timeout=60)
     assert ref["took"] == [True, False, True, True] and ref["scales"][1] == 2.0 ** 9
     _compare(ref, runs, rtol=0, atol=2e-3, norms=False)
+
+
+# -- the Trainer: its loss, last loss and accuracy are one process's; resuming is bit-identical ---
+
+def _datasets(n_train=16, n_test=10):
+    from torch.utils.data import TensorDataset
+    g = torch.Generator().manual_seed(3)
+    make = lambda n: TensorDataset(*torch.randint(0, VOCAB, (2, n, SEQ), generator=g))  # noqa
+    return make(n_train), make(n_test)
+
+
+def _trainer_run(rank, world, port, config, epochs=2, ckpt=None, max_steps=None, resume=False,
+                 loader_kw=None):
+    from nanocolossal.metrics import Accuracy
+    from nanocolossal.trainer import Trainer, hooks
+    _launch(rank, world, port, config)
+    model = _build(config)
+    train_set, test_set = _datasets()
+    kw = dict(loader_kw or {})
+    train = nc.get_dataloader(train_set, shuffle=True, seed=5, drop_last=True,
+                              batch_size=BATCH // gpc.data_size, **kw)
+    test = nc.get_dataloader(test_set, batch_size=4, pad=False, **kw)  # uneven: 4+4+2 / 4+1
+    engine, train, test, _ = nc.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+        col_nn.VocabParallelCrossEntropyLoss(), train, test, verbose=False)
+    trainer = Trainer(engine)
+    last = hooks.LastLossHook()
+    hook_list = [hooks.LossHook(), hooks.AccuracyHook(Accuracy()), last]
+    if ckpt is not None:
+        hook_list.append(hooks.SaveCheckpointHook(ckpt, every_steps=2))
+        if resume:
+            assert trainer.resume(ckpt)
+    trainer.fit(train, epochs, test, hooks=hook_list, max_steps=max_steps)
+    state = {k: v.detach().clone() for k, v in
+             nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()}
+    return dict(metrics=trainer.states["metrics"], last=last.value, state=state,
+                step=trainer.cur_step)
+
+
+TRAINER_LAYOUTS = {
+    "sequence 2": (2, SEQ2),
+    "data 2 x sequence 2": (4, SEQ2),
+    "pipeline 2 x sequence 2": (4, {"pipeline": 2, **SEQ2}),
+}
+
+
+@pytest.fixture(scope="module")
+def trainer_reference():
+    return run_ranks(_trainer_run, 1, dict(NUM_MICRO_BATCHES=2, clip_grad_norm=CLIP),
+                     timeout=60)[0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", TRAINER_LAYOUTS)
+def test_gloo_trainer_hooks_under_sequence_report_one_process_numbers(trainer_reference, name):
+    """LossHook (train and test), LastLossHook and AccuracyHook over uneven evaluation shards
+    give one process's numbers; the weights after 2 epochs are one process's."""
+    world, parallel = TRAINER_LAYOUTS[name]
+    ref = trainer_reference
+    config = dict(NUM_MICRO_BATCHES=2, clip_grad_norm=CLIP, parallel=parallel)
+    # a pipeline sums its micro-batches' losses in float32 (pipeline/schedule.py, total_loss),
+    # whatever the model's dtype: its reported loss is one process's to float32 only
+    rel = 1e-7 if "pipeline" in name else 1e-10
+    for run in run_ranks(_trainer_run, world, config, timeout=60):
+        for split in ("train", "test"):
+            for key, value in ref["metrics"][split].items():
+                assert run["metrics"][split][key] == pytest.approx(value, rel=rel, abs=1e-12), \
+                    (split, key, run["metrics"], ref["metrics"])
+        assert run["last"] == pytest.approx(ref["last"], rel=rel)
+        for key, value in run["state"].items():
+            assert_close(value, ref["state"][key], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.timeout(60)
+def test_gloo_trainer_resume_under_pipeline_x_sequence_is_bit_identical(tmp_path):
+    """pipeline 2 x sequence 2: stop after 3 of 8 steps (mid-epoch), resume in a new job, end
+    bit-identical to a run that never stopped."""
+    config = dict(NUM_MICRO_BATCHES=2, clip_grad_norm=CLIP, parallel={"pipeline": 2, **SEQ2})
+    whole = run_ranks(_trainer_run, 4, config, 2, None, timeout=60)
+    ckpt = str(tmp_path / "ckpt.pt")
+    first = run_ranks(_trainer_run, 4, config, 2, ckpt, 3, timeout=60)
+    assert first[0]["step"] == 3
+    second = run_ranks(_trainer_run, 4, config, 2, ckpt, None, True, timeout=60)
+    for a, b in zip(whole, second):
+        assert a["state"].keys() == b["state"].keys()
+        for key in a["state"]:
+            assert torch.equal(a["state"][key], b["state"][key]), key
+        assert a["last"] == b["last"]
+
+
+# -- checkpoints across layouts, through the tutorial's five-call loop -------------------------
+
+def _five_calls(rank, world, port, config, start, stop, load=None, save=None):
+    """Batches start..stop-1 of one stream with the Engine's five calls (engine(x) directly);
+    load a checkpoint first / save one after, with optimizer state."""
+    _launch(rank, world, port, config)
+    model = _build(config)
+    engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5,
+                                                              momentum=0.9),
+                                       col_nn.VocabParallelCrossEntropyLoss(),
+                                       _shard(_batches(stop)[start:]), verbose=False)
+    if load is not None:
+        nc.checkpoint.load_checkpoint(load, engine.model, engine.optimizer)
+    engine.train()
+    for x, y in loader:
+        engine.zero_grad()
+        out = engine(x)
+        loss = engine.criterion(out, y)
+        engine.backward(loss)
+        assert engine.step()
+    if save is not None:
+        nc.checkpoint.save_checkpoint(save, stop, engine.model, engine.optimizer)
+    return {k: v.detach().clone() for k, v in
+            nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()}
+
+
+def _same(states, ref, exact=False):
+    for state in states:
+        assert state.keys() == ref.keys()
+        for key in ref:
+            if exact:
+                assert torch.equal(state[key], ref[key]), key
+            else:
+                assert_close(state[key], ref[key], rtol=1e-10, atol=1e-10, msg=key)
+
+
+@pytest.mark.timeout(60)
+def test_gloo_checkpoint_moves_between_one_process_and_sequence_with_optimizer_state(tmp_path):
+    """3 steps in one process == 2 steps under sequence 2, saved, then the 3rd in one process
+    (the file loads as it is: sequence ranks hold whole replicas) == 2 in one process, then the
+    3rd under data 2 x sequence 2. Momentum comes along, so a lost optimizer state shows."""
+    cfg, seq = dict(clip_grad_norm=CLIP), dict(clip_grad_norm=CLIP, parallel=SEQ2)
+    ref = run_ranks(_five_calls, 1, cfg, 0, 3, timeout=60)[0]
+    run_ranks(_five_calls, 2, seq, 0, 2, None, str(tmp_path / "seq.pt"), timeout=60)
+    assert [p.name for p in tmp_path.iterdir()] == ["seq.pt"], "one file: no sequence suffix"
+    _same(run_ranks(_five_calls, 1, cfg, 2, 3, str(tmp_path / "seq.pt"), timeout=60), ref)
+    run_ranks(_five_calls, 1, cfg, 0, 2, None, str(tmp_path / "one.pt"), timeout=60)
+    _same(run_ranks(_five_calls, 4, seq, 2, 3, str(tmp_path / "one.pt"), timeout=60), ref)
+
+
+# -- generate(): the same tokens as one process ------------------------------------------------
+
+def _generate(rank, world, port, config, new=6):
+    from nanocolossal.generate import generate
+    _launch(rank, world, port, config)
+    model = _build(config)
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               col_nn.VocabParallelCrossEntropyLoss(), verbose=False)
+    with torch.no_grad():  # a model that has learned something: sharper logits than at init
+        for p in engine.model.parameters():
+            p.mul_(8.0)
+    prompt = _batches(1)[0][0][0].tolist()
+    copies = config.get("NUM_MICRO_BATCHES", 1) if gpc.pipeline_size > 1 else 1
+    return generate(engine, prompt, new, copies, seed=11)
+
+
+@pytest.mark.timeout(60)
+def test_gloo_generate_under_sequence_gives_one_process_tokens():
+    ref = run_ranks(_generate, 1, {}, timeout=60)[0]
+    assert len(set(ref)) > 1
+    for world, parallel in [(2, SEQ2), (4, {"tensor": {"size": 4, "mode": "sequence"}}),
+                            (4, {"pipeline": 2, **SEQ2})]:
+        config = dict(NUM_MICRO_BATCHES=2, parallel=parallel)
+        assert run_ranks(_generate, world, config, timeout=60) == [ref] * world, parallel
+
+
+# -- loaders: worker processes, no __len__ -----------------------------------------------------
+
+class _Unsized:
+    """A loader without __len__ (a stream): yields the batches of a DataLoader."""
+
+    def __init__(self, loader):
+        self.inner = loader
+
+    def __iter__(self):
+        return iter(self.inner)
+
+
+def _loader_run(rank, world, port, config, workers):
+    from nanocolossal.trainer import Trainer, hooks
+    _launch(rank, world, port, config)
+    model = _build(config)
+    train_set, _ = _datasets()
+    loader = nc.get_dataloader(train_set, batch_size=BATCH // gpc.data_size, drop_last=True,
+                               num_workers=workers,
+                               multiprocessing_context="fork" if workers else None)
+    if not workers:
+        loader = _Unsized(loader)
+    engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5,
+                                                              momentum=0.9),
+                                       col_nn.VocabParallelCrossEntropyLoss(), loader,
+                                       verbose=False)
+    assert hasattr(loader, "__len__") == bool(workers)
+    last = hooks.LastLossHook()
+    # the pooled ranks are daemonic processes, which may not start DataLoader workers: lift that
+    # for this job (the workers end with the epoch's iterator)
+    import multiprocessing
+    config = multiprocessing.current_process()._config
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        Trainer(engine).fit(loader, 1, hooks=[last, hooks.LossHook()])
+    finally:
+        config["daemon"] = daemon
+    return last.value, {k: v.detach().clone() for k, v in
+                        nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 1], ids=["no __len__", "num_workers=1"])
+def test_gloo_sequence_loaders_with_workers_or_without_len(workers):
+    ref_loss, ref = run_ranks(_loader_run, 1, {}, workers, timeout=60)[0]
+    for loss, state in run_ranks(_loader_run, 2, dict(parallel=SEQ2), workers, timeout=60):
+        assert loss == pytest.approx(ref_loss, rel=1e-10)
+        _same([state], ref)
