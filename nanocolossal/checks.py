@@ -62,7 +62,8 @@ def check_consistency(model: nn.Module, train_dataloader: Iterable) -> None:
         return
     mine = {"batches": len(train_dataloader) if isinstance(train_dataloader, Sized) else None,
             "config": comparable(dict(gpc.config)),
-            "model": _digest(repr(describe_parameters(model))), "stage": gpc.pipeline_rank}
+            "model": _digest(repr(describe_parameters(model))), "stage": gpc.pipeline_rank,
+            "experts": gpc.ep_rank}  # parallel.moe: ranks of an EP group hold other experts
     everyone: list[Any] = [None] * gpc.world_size
     dist.all_gather_object(everyone, mine)
     counts = [e["batches"] for e in everyone]
@@ -80,7 +81,8 @@ def check_consistency(model: nn.Module, train_dataloader: Iterable) -> None:
                           if mine["config"].get(k) != other["config"].get(k))
             raise RuntimeError(f"[rank {gpc.rank}] the config differs between rank {gpc.rank} and "
                                f"rank {r} in {keys}; start every rank with the same config file")
-        if other["stage"] == mine["stage"] and other["model"] != mine["model"]:
+        same_part = (other["stage"], other["experts"]) == (mine["stage"], mine["experts"])
+        if same_part and other["model"] != mine["model"]:
             raise RuntimeError(f"[rank {gpc.rank}] the model (stage {gpc.pipeline_rank}) differs "
                                f"between rank {gpc.rank} and rank {r}: parameter names, shapes or "
                                f"dtypes do not match; build the same model with the same arguments "

@@ -165,7 +165,7 @@ def load_config(config: ConfigLike, **overrides: Any) -> Config:
 
 # Colossal-AI keys that this project deliberately does not implement, with what to do instead.
 _UNSUPPORTED: dict[str, str] = {}
-_PARALLEL_KEYS = ("pipeline", "data", "tensor", "sequence")
+_PARALLEL_KEYS = ("pipeline", "data", "tensor", "sequence", "moe")
 # DistributedDataParallel's, by config
 _DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "compress")
 
@@ -195,8 +195,8 @@ def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[i
         raise ConfigError(f"parallel must be a dict such as dict(pipeline=2), got {parallel!r}")
     unknown = set(parallel) - set(_PARALLEL_KEYS)
     if unknown:
-        raise ConfigError(f"unknown parallel key(s) {sorted(unknown)}; supported: pipeline, tensor "
-                          f"(data size is world // (pipeline * tensor))")
+        raise ConfigError(f"unknown parallel key(s) {sorted(unknown)}; supported: pipeline, "
+                          f"tensor, moe (data size is world // (pipeline * tensor))")
     if "sequence" in parallel and _parallel_size(parallel["sequence"], "sequence") > 1:
         raise ConfigError("sequence parallelism is written parallel=dict(tensor=dict(size=N, "
                           "mode='sequence')), as Colossal-AI: the sequence ranks take the tensor "
@@ -234,6 +234,8 @@ def validate_config(cfg: Config) -> None:
     if "zero" in cfg:  # (imported here: zero/ imports this module)
         from .zero.settings import check_zero
         check_zero(cfg, P, T)
+    from .moe.settings import check_moe  # (here: moe/ imports this module)
+    check_moe(cfg)
     ddp = cfg.get("ddp", {})
     if not isinstance(ddp, Mapping):
         raise ConfigError(f"ddp must be a dict of {', '.join(_DDP_OPTIONS)}; got {ddp!r}")

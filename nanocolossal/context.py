@@ -56,6 +56,9 @@ class Layout:
     col: list[list[int]] = field(default_factory=list)       # 2d: same grid column (splits batch)
     model: list[list[int]] = field(default_factory=list)     # one whole model replica: P * T ranks
     gradient: list[list[int]] = field(default_factory=list)  # same parameters: average grads here
+    ep: list[list[int]] = field(default_factory=list)        # moe: EP consecutive data ranks
+    # moe: for each G dividing EP, the data ranks with equal data_rank % G (hold the same experts)
+    expert_data: dict[int, list[list[int]]] = field(default_factory=dict)
 
 
 def coordinates(rank: int, P: int, T: int) -> tuple[int, int, int]:
@@ -73,8 +76,10 @@ def data_size(world: int, P: int, T: int) -> int:
     return world // (P * T)
 
 
-def layout(world: int, P: int = 1, T: int = 1, mode: Optional[str] = None) -> Layout:
-    """The groups of a world of `world` ranks with P stages and T tensor ranks (pure function)."""
+def layout(world: int, P: int = 1, T: int = 1, mode: Optional[str] = None,
+           ep: int = 1) -> Layout:
+    """The groups of a world of `world` ranks with P stages, T tensor ranks and expert
+    parallelism EP (pure function)."""
     D = data_size(world, P, T)
     rank = lambda d, p, t: d * P * T + p * T + t  # noqa: E731 -- the formula, read as such
     out = Layout()
@@ -90,6 +95,8 @@ def layout(world: int, P: int = 1, T: int = 1, mode: Optional[str] = None) -> La
         for group in out.tensor:
             out.row += [[group[r * q + c] for c in range(q)] for r in range(q)]
             out.col += [[group[r * q + c] for r in range(q)] for c in range(q)]
+    from .moe.placement import moe_layout  # (here: moe/ imports this module)
+    out.ep, out.expert_data = moe_layout(out.data, ep)
     return out
 
 
@@ -125,6 +132,12 @@ class ParallelContext:
         # the ranks holding my parameters: gradients, BatchNorm statistics and buffers meet here
         self.gradient_group: Optional[dist.ProcessGroup] = None
         self.gradient_ranks: list[int] = [0]
+        # expert parallelism (parallel.moe): my EP group, and per exchange block G the data
+        # ranks that hold the same experts as I do (moe/grads.py sums expert gradients there)
+        self.moe_size, self.ep_rank = 1, 0
+        self.ep_group: Optional[dist.ProcessGroup] = None
+        self.ep_ranks: list[int] = [0]
+        self.expert_data_groups: dict[int, tuple[Optional[dist.ProcessGroup], list[int]]] = {}
         # sharded dropout's own generators (tensor/base.py): per job, so a relaunch reseeds them
         self.dropout_generators: dict[torch.device, torch.Generator] = {}
         self._job_env: list[str] = []  # environment variables this job set (set_job_env)
@@ -139,6 +152,8 @@ class ParallelContext:
             raise ConfigError(f"parallel.data={wanted} but world size {world_size} // (pipeline x "
                               f"tensor) = {D}; drop parallel.data (it is inferred) or launch "
                               f"{wanted * P * T} processes")
+        from .moe.settings import check_moe_world  # (here: moe/ imports this module)
+        check_moe_world(config, D, world_size)
         return P, T, D, mode
 
     def init(self, config: Config, rank: int, world_size: int, local_rank: int,
@@ -149,7 +164,9 @@ class ParallelContext:
         P, T, D, mode = self.parallel_sizes(config, world_size)
         self.pipeline_size, self.tensor_size, self.data_size, self.tensor_mode = P, T, D, mode
         self.data_rank, self.pipeline_rank, self.tensor_rank = coordinates(rank, P, T)
-        groups = layout(world_size, P, T, mode)
+        from .moe.settings import moe_size
+        self.moe_size = moe_size(config)
+        groups = layout(world_size, P, T, mode, self.moe_size)
         # every rank creates every group, in the same order; each keeps the ones it is in
         for kind in ("data", "pipeline", "tensor", "row", "col", "model", "gradient"):
             if kind == "gradient" and mode != "sequence":  # the data group itself
@@ -166,6 +183,15 @@ class ParallelContext:
             self.grid_row, self.grid_col = divmod(self.tensor_rank, self.summa_dim)
             # as Colossal-AI: the rank *within* my row group is my column index, and vice versa
             self.tensor_row_rank, self.tensor_col_rank = self.grid_col, self.grid_row
+        for ranks in groups.ep:
+            group = self._new_group(ranks)
+            if rank in ranks:
+                self.ep_group, self.ep_ranks, self.ep_rank = group, ranks, ranks.index(rank)
+        for g, lists in groups.expert_data.items():
+            for ranks in lists:
+                group = self._new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    self.expert_data_groups[g] = (group, ranks)
 
     def _new_group(self, ranks: list[int]) -> dist.ProcessGroup:
         if len(ranks) == self.world_size:

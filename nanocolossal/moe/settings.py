@@ -1,0 +1,119 @@
+"""The MoE config, checked when the config is loaded (config.validate_config).
+
+Colossal-AI's MoE tutorial writes the expert-parallel size as a parallel entry:
+
+    MOE_MODEL_PARALLEL_SIZE = 2
+    parallel = dict(moe=dict(size=MOE_MODEL_PARALLEL_SIZE))   # EP; `moe=2` works too
+
+and the model's keys, read by train_gpt.py (`moe_model_settings`: MoeLayer's arguments) and
+the Engine (`moe_aux_weight`):
+
+    NUM_EXPERTS = 4              # E, per MoE layer
+    MOE_TOP_K = 1                # 1 (Switch) or 2 (GShard)
+    MOE_CAPACITY_FACTOR = 1.25   # training; >= NUM_EXPERTS never drops a token
+    MOE_EVAL_CAPACITY_FACTOR     # evaluation: Colossal-AI's 2.0, or the training one if larger
+    MOE_AUX_WEIGHT = 0.01        # the load-balancing loss's weight in the training loss
+
+Expert parallelism is carved out of the data-parallel ranks, so EP must divide the data size D
+(checked at launch, `check_moe_world`: the world size is not known before). What it does not
+compose with is refused here, by name: a pipeline (the load-balancing losses of the earlier
+stages would have to join the last stage's loss per micro-batch), tensor parallelism 1d/2d and
+sequence parallelism (the experts' tokens would be split or sharded a second way), and ZeRO
+(which flattens all parameters into one data-parallel shard: experts are not replicated there).
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Mapping, Optional
+
+from ..config import ConfigError, is_positive_int, parallel_settings
+from .router import CAPACITY_FACTOR_EVAL
+
+AUX_WEIGHT = 0.01  # Colossal-AI's MoeLoss default
+
+
+def moe_size(cfg: Mapping) -> int:
+    """parallel.moe: dict(size=EP) or EP; 1 without it."""
+    value = (cfg.get("parallel") or {}).get("moe", 1)
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"size"})
+        if unknown:
+            raise ConfigError(f"parallel.moe takes only size (the expert-parallel size EP), got "
+                              f"unknown key(s) {unknown}; e.g. moe=dict(size=2)")
+        value = value.get("size", 1)
+    if not is_positive_int(value):
+        raise ConfigError(f"parallel.moe size must be a positive integer (moe=dict(size=EP)), "
+                          f"got {value!r}")
+    return value
+
+
+def _number(cfg: Mapping, key: str, default: float, positive: bool) -> float:
+    value = cfg.get(key, default)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or (value <= 0 if positive else value < 0):
+        raise ConfigError(f"{key} must be a number {'> 0' if positive else '>= 0'}, got {value!r}"
+                          + (" (1.25 is usual; >= NUM_EXPERTS never drops a token)"
+                             if "CAPACITY" in key else ""))
+    return float(value)
+
+
+def moe_model_settings(cfg: Mapping) -> Optional[dict[str, Any]]:
+    """MoeLayer's arguments from the config's keys, or None without NUM_EXPERTS."""
+    moe_aux_weight(cfg)  # also for a model of the user's own MoE layers, without NUM_EXPERTS
+    if "NUM_EXPERTS" not in cfg:
+        return None
+    experts, top_k = cfg["NUM_EXPERTS"], cfg.get("MOE_TOP_K", 1)
+    if not is_positive_int(experts):
+        raise ConfigError(f"NUM_EXPERTS must be a positive integer, got {experts!r}")
+    if top_k not in (1, 2) or isinstance(top_k, bool) or top_k > experts:
+        raise ConfigError(f"MOE_TOP_K must be 1 (Switch) or 2 (GShard) and at most NUM_EXPERTS="
+                          f"{experts}, got {top_k!r}")
+    train = _number(cfg, "MOE_CAPACITY_FACTOR", 1.25, positive=True)
+    return dict(num_experts=experts, top_k=top_k, capacity_factor_train=train,
+                capacity_factor_eval=_number(cfg, "MOE_EVAL_CAPACITY_FACTOR",
+                                             max(CAPACITY_FACTOR_EVAL, train), positive=True))
+
+
+def moe_aux_weight(cfg: Mapping) -> float:
+    """MOE_AUX_WEIGHT: what the Engine adds of the load-balancing loss (0.01 by default)."""
+    return _number(cfg, "MOE_AUX_WEIGHT", AUX_WEIGHT, positive=False)
+
+
+def check_moe(cfg: Mapping) -> None:
+    """Refuse a bad MoE config, or one that does not compose, by key."""
+    settings = moe_model_settings(cfg)
+    ep = moe_size(cfg)
+    if ep == 1:
+        return
+    P, T, mode, _ = parallel_settings(cfg)
+    refused = {"pipeline": P > 1, "tensor": T > 1 and mode != "sequence",
+               "sequence": mode == "sequence", "zero": "zero" in cfg}
+    why = {"pipeline": "the load-balancing losses of the earlier stages would have to join the "
+                       "last stage's loss per micro-batch; Colossal-AI refuses it too",
+           "tensor": f"experts are whole MLPs on their ranks, not {mode} shards",
+           "sequence": "tokens are already split over the sequence ranks",
+           "zero": "ZeRO shards every parameter over the data ranks, experts are not replicated "
+                   "there"}
+    for key, bad in refused.items():
+        if bad:
+            where = "parallel.tensor" if key in ("tensor", "sequence") else \
+                ("parallel.pipeline" if key == "pipeline" else "zero")
+            raise ConfigError(f"parallel.moe (expert parallelism x{ep}) does not combine with "
+                              f"{where} ({key}): {why[key]}; remove one of them")
+    if settings is not None:
+        E = settings["num_experts"]
+        if E % ep and ep % E:
+            raise ConfigError(f"NUM_EXPERTS={E} does not fit parallel.moe size {ep}: one must "
+                              f"divide the other (E/EP experts per rank, or each expert on EP/E "
+                              f"ranks)")
+
+
+def check_moe_world(cfg: Mapping, data_size: int, world_size: int) -> None:
+    """EP divides the data-parallel size D: expert groups are carved out of the data ranks."""
+    ep = moe_size(cfg)
+    if data_size % ep:
+        raise ConfigError(f"parallel.moe size {ep} does not divide the data-parallel size "
+                          f"{data_size} (world size {world_size}): expert parallelism is carved "
+                          f"out of the data ranks; launch a multiple of {ep} processes "
+                          f"(e.g. {ep * (data_size // ep + 1)}), or use a moe size dividing "
+                          f"{data_size}")
