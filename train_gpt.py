@@ -5,13 +5,15 @@ examples are: the model is written once with nanocolossal.nn layers, the config 
     python train_gpt.py --config configs/gpt_single.py             # one process
     torchrun --nproc_per_node 4 train_gpt.py --config configs/gpt_2d.py   # 2d tensor x4
     torchrun --nproc_per_node 2 train_gpt.py --config configs/gpt_seq.py  # sequence x2 (ring)
+    torchrun --nproc_per_node 2 train_gpt.py --config configs/gpt_moe.py  # experts x2 (MoE)
 
 The model: a token embedding split by vocabulary (VocabParallelEmbedding), learned positions,
 pre-LayerNorm blocks of causal self-attention (heads split over tensor ranks) and MLP
 (nn/transformer.py), a final LayerNorm and a classifier that *is* the token embedding (tied
 weights), whose logits stay split by vocabulary into the vocab-parallel cross-entropy. With
 parallel.pipeline > 1 the embedding and the classifier sit on the first and last stages and
-their gradients are summed between the two (pipeline/tied.py).
+their gradients are summed between the two (pipeline/tied.py). With NUM_EXPERTS in the config
+every other block's MLP is a mixture of experts, spread over parallel.moe ranks (moe/).
 
 Tokens are bytes (vocabulary 256): `--data FILE` (`--download`: tiny Shakespeare), else Python's
 standard library source. The log shows the train and validation loss, a greedy sample continuing
@@ -19,6 +21,7 @@ a validation prompt, and ends with `final train loss X`: the last step's mean lo
 global batch, the same (to float tolerance) for one process and every layout under one seed.
 """
 import os
+from typing import Optional
 
 import torch
 from torch import nn
@@ -27,6 +30,7 @@ import nanocolossal as nc
 import nanocolossal.nn as col_nn
 from nanocolossal.context import gpc
 from nanocolossal.generate import generate
+from nanocolossal.moe.settings import moe_aux_weight, moe_model_settings
 from nanocolossal.nn.transformer import Block
 from nanocolossal.pipeline import build_pipeline_model
 from nanocolossal.sequence import token_positions
@@ -65,11 +69,15 @@ class LMHead(nn.Module):
 
 
 def gpt(vocab: int = VOCAB_SIZE, seq_len: int = 64, dim: int = 128, depth: int = 4,
-        heads: int = 4, mlp_ratio: int = 4, dropout: float = 0.0) -> nn.Sequential:
-    """GPT as a flat Sequential (pipeline-ready): embeddings, `depth` causal blocks, head."""
+        heads: int = 4, mlp_ratio: int = 4, dropout: float = 0.0,
+        moe: Optional[dict] = None) -> nn.Sequential:
+    """GPT as a flat Sequential (pipeline-ready): embeddings, `depth` causal blocks, head.
+    `moe` (MoeLayer's arguments): every other block's MLP (the 2nd, 4th, ...) is an MoE layer,
+    as in GShard and Switch."""
     col_nn.reset_1d_alternation()
     embeddings = Embeddings(vocab, seq_len, dim)
-    blocks = [Block(dim, heads, mlp_ratio, dropout, causal=True) for _ in range(depth)]
+    blocks = [Block(dim, heads, mlp_ratio, dropout, causal=True, moe=moe if i % 2 else None)
+              for i in range(depth)]
     return nn.Sequential(embeddings, *blocks, LMHead(dim, vocab, embeddings.tok.weight))
 
 
@@ -99,7 +107,7 @@ def main():
     # 2. the model, cut into this rank's pipeline stage when parallel.pipeline > 1
     model = gpt(seq_len=cfg.SEQ_LEN, dim=cfg.get("DIM", 128), depth=cfg.get("DEPTH", 4),
                 heads=cfg.get("HEADS", 4), mlp_ratio=cfg.get("MLP_RATIO", 4),
-                dropout=cfg.get("DROPOUT", 0.0))
+                dropout=cfg.get("DROPOUT", 0.0), moe=moe_model_settings(cfg))
     if gpc.pipeline_size > 1:
         model = build_pipeline_model(model, num_chunks=cfg.get("NUM_CHUNKS", 1),
                                      partition="uniform", verbose=True)
@@ -137,7 +145,10 @@ def main():
         sample = generate(engine, prompt, args.sample, copies, seed=args.seed)
         logger.info("sample: " + repr(bytes(prompt[-40:]).decode("utf-8", "replace")) + " -> "
                     + repr(bytes(sample).decode("utf-8", "replace")))
-    logger.info(f"final train loss {last_loss.value:.6g}")
+    # with MoE layers the training loss is cross-entropy + MOE_AUX_WEIGHT x load-balancing loss
+    # (the Engine adds it), in every layout as in one process; validation is cross-entropy alone
+    aux = f" (with {moe_aux_weight(cfg):g} x aux loss)" if "NUM_EXPERTS" in cfg else ""
+    logger.info(f"final train loss {last_loss.value:.6g}{aux}")
     gpc.destroy()
 
 

@@ -151,12 +151,16 @@ class MixedPrecisionOptimizer:
         self._unscaled = True
         return self._found_inf
 
-    def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None) -> float:
+    def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
+                       sharded: Optional[tuple[dict[int, float], Any]] = None) -> float:
         """Clip unscaled gradients to the global norm of the whole model.
 
         `group`: the ranks holding the *other* parts of the model (pipeline stages, tensor
         shards). A parameter held identically by k tensor ranks (or k pipeline stages: a tied
-        weight) adds its squares / k, so each element counts once."""
+        weight) adds its squares / k, so each element counts once. `sharded` = (weight by
+        id(param), group): parameters spread over another group -- MoE experts over the
+        expert-parallel ranks (moe/grads.py) -- add their squares x weight (1 / their copies
+        there), summed over that group."""
         if self.unscale_():
             return math.inf
         # float32 sums (half gradients overflow), float64 for a float64 model (a float32
@@ -165,15 +169,20 @@ class MixedPrecisionOptimizer:
             torch.float32
         params = [p for p in self.params() if p.grad is not None]
         device = params[0].grad.device if params else gpc.device
-        sq = torch.zeros((), device=device, dtype=acc)
+        spread, spread_group = sharded or ({}, None)
+        sq = [torch.zeros((), device=device, dtype=acc) for _ in range(2)]  # model's, sharded
         if params:
             norms = torch._foreach_norm([p.grad for p in params])
             copies = [replicas(p) * getattr(p, "pipeline_copies", 1) for p in params]
-            weights = torch.tensor([1.0 / n for n in copies], device=device, dtype=acc)
-            sq = (torch.stack(norms).to(acc) ** 2 * weights).sum()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(sq, group=group)
-        total = sq.sqrt()
+            weights = torch.tensor([spread.get(id(p), 1.0) / n for n, p in zip(copies, params)],
+                                   device=device, dtype=acc)
+            which = torch.tensor([id(p) in spread for p in params], device=device)
+            each = torch.stack(norms).to(acc) ** 2 * weights
+            sq = [each[~which].sum(), each[which].sum()]
+        for part, over in zip(sq, (group, spread_group)):
+            if over is not None and dist.get_world_size(over) > 1:
+                dist.all_reduce(part, group=over)
+        total = (sq[0] + sq[1]).sqrt()
         # same formula as torch.nn.utils.clip_grad_norm_
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         if params:

@@ -8,10 +8,12 @@ stopped.
 
 Who writes: data-parallel rank 0 of each (pipeline stage, tensor rank), one file each
 (`ckpt.pt` -> `ckpt-stage0.pt`, `ckpt-stage1.pt` when pipeline > 1; `ckpt-stage0-tensor1.pt`
-with tensor parallelism). Replicas are identical, so one copy suffices; everyone waits at a
-barrier until the files exist. Tensor-parallel files record how each parameter was cut, so
-`merge_checkpoint(path)` rebuilds the plain model's state_dict from all of them offline, and
-`load_plain_state_dict` loads a plain state_dict into any layout (each rank keeps its slice).
+with tensor parallelism; `-expert{e}` from each rank e of the first expert-parallel group with
+parallel.moe: each holds other experts). Replicas are identical, so one copy suffices;
+everyone waits at a barrier until the files exist. Tensor-parallel files record how each
+parameter was cut, so `merge_checkpoint(path)` rebuilds the plain model's state_dict from all
+of them offline, and `load_plain_state_dict` loads a plain state_dict into any layout (each
+rank keeps its slice).
 
 How: write to `ckpt.pt.tmp-PID`, fsync, then `os.replace` it over `ckpt.pt`. A rename is
 atomic, so a crash at any moment leaves either the old checkpoint or the new one, whole.
@@ -75,6 +77,8 @@ def stage_path(path: PathLike, stage: Optional[int] = None,
         parts.append(f"stage{gpc.pipeline_rank if stage is None else stage}")
     if _tensor_split() > 1 or tensor_rank is not None:
         parts.append(f"tensor{gpc.tensor_rank if tensor_rank is None else tensor_rank}")
+    if gpc.moe_size > 1:  # each rank of an expert-parallel group holds other experts
+        parts.append(f"expert{gpc.ep_rank}")
     return path.with_name("-".join([path.stem, *parts]) + path.suffix) if parts else path
 
 
@@ -150,7 +154,9 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
     # every data rank: a ZeRO optimizer gathers its shards into one plain state (collective)
     optimizer_state = optimizer.state_dict() if optimizer is not None else None
     model_state = strip_prefixes(unwrap(model).state_dict())  # ZeRO 3 gathers: every data rank
-    if gpc.gradient_rank == 0:  # sequence ranks hold replicas too: one of them writes
+    # sequence ranks hold replicas too: one of them writes; with experts (parallel.moe) each
+    # rank of the first expert-parallel group, whose ranks hold different experts
+    if gpc.gradient_rank < gpc.moe_size:
         layout = tensor_layout(model)
         state = {"epoch": epoch, "save_id": save_id[0],
                  "model": model_state,
@@ -160,7 +166,8 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
                  "pipeline": {"rank": gpc.pipeline_rank, "size": gpc.pipeline_size},
                  "tensor": {"rank": gpc.tensor_rank, "size": _tensor_split(),
                             "mode": _job_layout()[2],
-                            "splits": layout, "shapes": _plain_shapes(model, layout)}}
+                            "splits": layout, "shapes": _plain_shapes(model, layout)},
+                 "moe": {"rank": gpc.ep_rank, "size": gpc.moe_size}}
         atomic_save(state, stage_path(path))
     if gpc.is_initialized and gpc.world_size > 1:
         dist.barrier()

@@ -17,6 +17,7 @@ before.
 
 Merging. Tensor-parallel files record how each parameter was cut (`tensor_splits`, keyed by
 the plain model's keys) and the plain shape, so the blocks are put back together offline.
+Expert-parallel files (MoE) hold their experts under the plain model's keys: a union.
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def save_files(path: PathLike, trusted: bool = False) -> list[Path]:
     a pipeline-4 save's stage2/3 beside a newer pipeline-2 save's stage0/1)."""
     path = Path(path)
     stem, suffix = re.escape(path.stem), re.escape(path.suffix)
-    pattern = re.compile(rf"{stem}(-stage\d+)?(-tensor\d+)?{suffix}")
+    pattern = re.compile(rf"{stem}(-stage\d+)?(-tensor\d+)?(-expert\d+)?{suffix}")
     ranks = sorted(p for p in path.parent.glob(f"{path.stem}-*{path.suffix}")
                    if pattern.fullmatch(p.name))
     single = [path] if path.is_file() else []
@@ -208,10 +209,30 @@ def _union(parts: list[tuple[PathLike, dict]]) -> dict:
     return merged
 
 
+def _merge_experts(states: list[dict]) -> list[dict]:
+    """Expert-parallel files (`-expert{e}`, parallel.moe) of one stage and tensor rank hold the
+    same non-expert entries and each their own experts, keyed by global expert index: one
+    state whose model is their union (a key two files share must be equal in both)."""
+    merged: dict[tuple, dict] = {}
+    for state in states:
+        where = (state.get("pipeline", {}).get("rank", 0), state.get("tensor", {}).get("rank", 0))
+        if where not in merged:
+            merged[where] = {**state, "model": dict(strip_prefixes(state["model"]))}
+            continue
+        model = merged[where]["model"]
+        for key, value in strip_prefixes(state["model"]).items():
+            if key in model and not torch.equal(model[key], value):
+                raise ValueError(f"merging expert-parallel files: {key!r} differs between "
+                                 f"them; they are not one save's replicas")
+            model[key] = value
+    return list(merged.values())
+
+
 def merge_checkpoint(path: PathLike, trusted: bool = False) -> dict:
-    """The plain model's state_dict from all files one save wrote for `path` (stages x tensor)."""
+    """The plain model's state_dict from all files one save wrote for `path` (stages x tensor
+    x experts)."""
     by_stage: dict[int, list[dict]] = {}
-    for state in _load_all(save_files(path, trusted), trusted):
+    for state in _merge_experts(_load_all(save_files(path, trusted), trusted)):
         by_stage.setdefault(state.get("pipeline", {}).get("rank", 0), []).append(state)
     return _union([(f"stage {stage}", _merge_tensor_states(by_stage[stage]))
                    for stage in sorted(by_stage)])

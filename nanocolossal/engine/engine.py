@@ -22,7 +22,11 @@ last group still divides by N, as Hugging Face Accelerate does).
 
 Clipping (clip_grad_norm): the global norm of the unscaled gradients -- after DDP's average every
 data-parallel rank holds the same gradients, and ranks holding *other* parameters (pipeline
-stages, tensor shards) add their squares once.
+stages, tensor shards, MoE experts) add their squares once.
+
+Mixture of experts: with MoE layers in the model, `engine.criterion` adds MOE_AUX_WEIGHT x
+their load-balancing loss while training (moe/), and the gradient handler reduces the experts'
+gradients over the ranks that hold them (moe/grads.py).
 
 A pipeline stage has no forward of its own: PipelineEngine runs whole batches as micro-batches
 through its schedule (`execute_schedule`), one optimizer step per batch.
@@ -39,6 +43,7 @@ from ..amp import MixedPrecisionOptimizer
 from ..context import gpc
 from ..ddp import DistributedDataParallel, broadcast_buffers
 from ..gradient_handler import DataParallelGradientHandler
+from ..moe import moe_aux_loss
 from ..nest import map_tensors
 from ..pipeline.tied import sum_tied_gradients
 from ..tensor.layers_2d import labels_of_output
@@ -55,7 +60,8 @@ class Engine:
                  criterion: Optional[Callable] = None,
                  forward_module: Optional[nn.Module] = None, gradient_accumulation: int = 1,
                  clip_grad_norm: float = 0.0,
-                 gradient_handler: Optional[DataParallelGradientHandler] = None) -> None:
+                 gradient_handler: Optional[DataParallelGradientHandler] = None,
+                 moe_aux_weight: float = 0.0) -> None:
         self.model = model  # the user's model: prefix-free state_dict
         self.optimizer = optimizer
         self._criterion = criterion
@@ -63,6 +69,7 @@ class Engine:
         self.gradient_accumulation = gradient_accumulation
         self.clip_grad_norm = clip_grad_norm
         self.gradient_handler = gradient_handler  # all-reduce after backward (instead of DDP)
+        self.moe_aux_weight = moe_aux_weight  # MoE: the training loss adds the balancing loss
         self.last_grad_norm: Optional[float] = None
         self._micro = 0  # backward calls since the last real step
         self._closing = False  # close_group(): the current group ends at the next backward
@@ -74,7 +81,11 @@ class Engine:
         if self._criterion is None:
             raise RuntimeError(f"[rank {gpc.rank}] no criterion: "
                                "pass one to nanocolossal.initialize")
-        return self._criterion(output, _to_device(label))
+        loss = self._criterion(output, _to_device(label))
+        if self.moe_aux_weight and self.forward_module.training:
+            # every rank adds it: its backward all-reduces over the data ranks (moe/balance.py)
+            loss = loss + self.moe_aux_weight * moe_aux_loss(self.model).to(loss.dtype)
+        return loss
 
     def train(self) -> None:
         self.forward_module.train()
@@ -125,8 +136,10 @@ class Engine:
             self.gradient_handler.handle_gradient()
         if self.clip_grad_norm:
             # ranks holding *other* parameters (pipeline stages, tensor shards) add their squares
-            self.last_grad_norm = self.optimizer.clip_grad_norm(self.clip_grad_norm,
-                                                                gpc.model_group)
+            # MoE: experts live on other ranks than the model group's (moe/grads.py)
+            spread = getattr(self.gradient_handler, "norm", None)
+            self.last_grad_norm = self.optimizer.clip_grad_norm(
+                self.clip_grad_norm, gpc.model_group, **({"sharded": spread} if spread else {}))
         return self.optimizer.step()
 
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):

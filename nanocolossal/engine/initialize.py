@@ -10,6 +10,9 @@ Each step is a function that returns what it built and a few words for the log l
     apply_amp           fp16=dict(...): may change parameter dtypes (O2/O3), so before DDP
     apply_zero          zero=dict(level=1|2|3): the optimizer steps only this rank's shard (zero/);
                         level 3 also keeps only the shard of the parameters between uses
+    apply_moe           a model with MoE layers (moe/): experts' gradients over the ranks holding
+                        them, the rest over the data ranks, after backward (moe/grads.py), in
+                        place of DDP; the Engine adds MOE_AUX_WEIGHT x the load-balancing loss
     wrap_data_parallel  DDP over the gradient group -- the data ranks, times the sequence ranks
                         if any -- (or the gradient handler), after AMP: DDP must bucket the final
                         parameters; a pipeline stage wraps each chunk
@@ -30,11 +33,13 @@ from torch.utils.data import DataLoader
 from .. import amp
 from .. import cpu_half as probe
 from ..amp import MixedPrecisionOptimizer
-from ..config import AMP_TYPE
+from ..config import AMP_TYPE, ConfigError
 from ..context import gpc
 from ..ddp import DistributedDataParallel
 from ..gradient_handler import DataParallelGradientHandler
 from ..logging import get_dist_logger
+from ..moe import MoeGradientHandler, moe_layers
+from ..moe.settings import moe_aux_weight
 from ..sequence import check_sequence_model, split_loader
 from ..syncbn import convert_sync_batchnorm
 from ..zero import ReduceScatterDDP, ShardedOptimizer
@@ -134,8 +139,30 @@ def apply_zero(model: nn.Module, optimizer: MixedPrecisionOptimizer
                      f"state of {mine} of {total} elements")
 
 
+def apply_moe(model: nn.Module, optimizer: MixedPrecisionOptimizer
+              ) -> tuple[Optional[MoeGradientHandler], float, Did]:
+    """MoE layers: (the gradient handler that reduces experts over their holders, or None on
+    one rank; MOE_AUX_WEIGHT for the Engine's loss; what was done)."""
+    layers = moe_layers(model)
+    if not layers:
+        return None, 0.0, None
+    if gpc.pipeline_size > 1:  # the earlier stages' aux losses would never reach the loss
+        raise ConfigError(f"[rank {gpc.rank}] MoE layers under a pipeline are not supported: "
+                          f"the load-balancing losses of the earlier stages would not reach the "
+                          f"training loss; remove parallel.pipeline (Colossal-AI refuses it too)")
+    weight = moe_aux_weight(gpc.config)
+    experts = sorted({m.num_experts for m in layers})
+    did = (f"MoE: {len(layers)} layer(s) of {'/'.join(map(str, experts))} experts, expert "
+           f"parallel x{gpc.moe_size}, + {weight:g} x load-balancing loss")
+    if gpc.gradient_size == 1:
+        return None, weight, did
+    return MoeGradientHandler(model, optimizer.master_pairs()), weight, \
+        f"{did}; gradients after backward: experts over their holders, the rest over " \
+        f"x{gpc.gradient_size} data ranks, both / {gpc.gradient_size}"
+
+
 def wrap_data_parallel(model: nn.Module, pipelined: bool,
-                       optimizer: Optional[MixedPrecisionOptimizer] = None
+                       optimizer: Optional[MixedPrecisionOptimizer] = None, moe: Any = None
                        ) -> tuple[list[nn.Module], Optional[DataParallelGradientHandler], Did]:
     """What forward runs through -- the model, or DDP around it; for a pipeline stage one DDP per
     chunk -- and the gradient handler when the config asks for one instead of DDP. ZeRO level 2
@@ -150,6 +177,8 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
             "reduce-scatter of gradients"
     if gpc.gradient_size == 1:
         return parts, None, None
+    if moe is not None:  # experts are not replicated over the data ranks: apply_moe's handler
+        return parts, moe, None
     if gpc.config.get("gradient_handler"):  # Colossal-AI's all-reduce after backward
         return parts, DataParallelGradientHandler(model), \
             f"gradient handler x{gpc.gradient_size}"
@@ -164,14 +193,16 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
 
 
 def build_engine(model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Any,
-                 parts: list[nn.Module], handler: Any, schedule: Any) -> tuple[Engine, Did]:
+                 parts: list[nn.Module], handler: Any, schedule: Any,
+                 moe_aux_weight: float = 0.0) -> tuple[Engine, Did]:
     cfg = gpc.config
     clip, accumulation = cfg.get("clip_grad_norm", 0.0), cfg.get("gradient_accumulation", 1)
     if schedule is not None:
         engine: Engine = PipelineEngine(model, optimizer, criterion, schedule, parts, clip,
                                         handler)
     else:
-        engine = Engine(model, optimizer, criterion, parts[0], accumulation, clip, handler)
+        engine = Engine(model, optimizer, criterion, parts[0], accumulation, clip, handler,
+                        moe_aux_weight)
     did = [f"gradient accumulation x{accumulation}" if accumulation > 1 else "",
            f"clip_grad_norm={clip}" if clip else ""]
     return engine, ", ".join(d for d in did if d) or None
@@ -201,9 +232,12 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
     model, sync_bn = apply_sync_bn(model)
     model, optimizer, mixed = apply_amp(model, optimizer)
     optimizer, zero = apply_zero(model, optimizer)
-    parts, handler, data = wrap_data_parallel(model, schedule is not None, optimizer)
-    engine, engine_did = build_engine(model, optimizer, criterion, parts, handler, schedule)
+    moe, aux_weight, moe_did = apply_moe(model, optimizer)
+    parts, handler, data = wrap_data_parallel(model, schedule is not None, optimizer, moe)
+    engine, engine_did = build_engine(model, optimizer, criterion, parts, handler, schedule,
+                                      aux_weight)
     if verbose:
-        did = [d for d in (describe_layout(schedule), sync_bn, mixed, zero, data, engine_did) if d]
+        did = [d for d in (describe_layout(schedule), sync_bn, mixed, zero, moe_did, data,
+                           engine_did) if d]
         get_dist_logger().info(f"initialize: {', '.join(did) or 'plain fp32, single process'}")
     return engine, split_loader(train_dataloader), split_loader(test_dataloader), lr_scheduler

@@ -3,12 +3,15 @@
 Reading order: router.py (who goes where, capacity), balance.py (the load-balancing loss over
 the global batch), placement.py (which rank holds which expert), dispatch.py (the two
 all-to-alls), experts.py, layer.py (MoeLayer puts them together), grads.py (which ranks sum
-which gradients).
+which gradients; MoeGradientHandler does it for the Engine), settings.py (the config:
+parallel=dict(moe=dict(size=EP)), NUM_EXPERTS, MOE_TOP_K, MOE_CAPACITY_FACTOR, MOE_AUX_WEIGHT).
+A transformer Block takes an MoE layer in its MLP's place with `Block(..., moe=dict(...))`.
 """
 from .balance import load_balancing_loss
 from .dispatch import CommCounter
 from .experts import ExpertMLP, LocalExperts, expert_parameters
 from .grads import (
+    MoeGradientHandler,
     MoeGroups,
     allreduce_expert_gradients,
     allreduce_moe_gradients,
@@ -19,7 +22,8 @@ from .layer import MoeLayer, moe_aux_loss, moe_layers
 from .placement import Placement
 from .router import Router, Routing, assign_slots, expert_capacity
 
-__all__ = ["CommCounter", "ExpertMLP", "LocalExperts", "MoeGroups", "MoeLayer", "Placement",
+__all__ = ["CommCounter", "ExpertMLP", "LocalExperts", "MoeGradientHandler", "MoeGroups",
+           "MoeLayer", "Placement",
            "Router", "Routing", "allreduce_expert_gradients", "allreduce_moe_gradients",
            "assign_slots", "build_moe_groups", "expert_capacity", "expert_parameters",
            "load_balancing_loss", "moe_aux_loss", "moe_layers", "split_parameters"]

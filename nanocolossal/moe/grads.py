@@ -42,7 +42,10 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..context import gpc
+from ..ddp import _coalesced_broadcast
 from .experts import expert_parameters
+from .layer import moe_layers
 from .placement import Group, check_sizes, group_size, rank_prefix
 
 
@@ -134,3 +137,48 @@ def allreduce_moe_gradients(model: nn.Module, data_group: Group, expert_data_gro
     data_size = group_size(data_group)
     _sum_and_divide(dense, data_group, data_size)
     allreduce_expert_gradients(model, expert_data_group, data_size)
+
+
+class MoeGradientHandler:
+    """The Engine's gradient reduction for a model with MoE layers (initialize.apply_moe), after
+    backward, in place of DDP -- whose one group and whose check that every rank holds the same
+    parameters do not fit experts:
+
+        non-expert:          all-reduce over gpc's gradient group, / D (the mean)
+        experts of block G:  all-reduce over the data ranks holding them (gpc.expert_data_groups[G],
+                             data_rank % G equal), / D
+
+    At the start every parameter is broadcast from the first rank of its group (replicas start
+    equal, as DDP does). `norm` gives clip_grad_norm each expert's weight in the expert-parallel
+    group: an expert of block G has EP / G copies there, so it adds its squares x G / EP and the
+    global norm counts every expert once (masters under AMP O2 included, by `pairs`)."""
+
+    def __init__(self, model: nn.Module,
+                 pairs: Sequence[tuple[nn.Parameter, nn.Parameter]] = ()) -> None:
+        self.dense, _ = split_parameters(model)
+        self.data_group, self.data_size = gpc.gradient_group, gpc.gradient_size
+        self.experts: dict[int, list[nn.Parameter]] = {}  # by exchange block G
+        for layer in moe_layers(model):
+            mine = [p for p in layer.experts.parameters() if p.requires_grad]
+            self.experts.setdefault(layer.placement.block, []).extend(mine)
+        master = {id(p): m for p, m in pairs}
+        self.norm = ({id(master.get(id(p), p)): g / gpc.moe_size
+                      for g, params in self.experts.items() for p in params}, gpc.ep_group)
+        if self.data_group is not None:
+            _coalesced_broadcast(self.dense + list(model.buffers()), gpc.gradient_ranks[0],
+                                 self.data_group)
+        for g, params in sorted(self.experts.items()):
+            group, ranks = self._holders(g)
+            if group is not None:
+                _coalesced_broadcast(params, ranks[0], group)
+
+    @staticmethod
+    def _holders(block: int) -> tuple[Group, list[int]]:
+        if block not in gpc.expert_data_groups:  # experts on every data rank (no parallel.moe)
+            return gpc.gradient_group, gpc.gradient_ranks
+        return gpc.expert_data_groups[block]
+
+    def handle_gradient(self) -> None:
+        _sum_and_divide(self.dense, self.data_group, self.data_size)
+        for g, params in sorted(self.experts.items()):
+            _sum_and_divide(params, self._holders(g)[0], self.data_size)

@@ -8,13 +8,17 @@ whole heads). In 2d every Linear is a SUMMA product and LayerNorm sums its stati
 grid row; the same code runs on the local blocks. Under mode='sequence' every layer sees this
 rank's share of the tokens and only attention changes: ring attention over the sequence group
 (tensor/ring_attention.py, sequence.py), which applies the causal mask by global position.
+A Block built with `moe=...` holds a mixture of experts (moe/) instead of its MLP.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
 
 from ..context import gpc
+from ..moe import MoeLayer
 from ..tensor.ring_attention import ring_attention
 from .layers import Dropout, LayerNorm, Linear
 
@@ -75,16 +79,30 @@ class MLP(nn.Module):
         return self.drop2(self.fc2(self.drop(self.act(self.fc1(x)))))
 
 
+def moe_mlp(dim: int, hidden: int, moe: dict) -> nn.Module:
+    """An MoE layer in the MLP's place, on gpc's groups: experts over the expert-parallel ranks
+    (parallel.moe), the load-balancing loss's means over the data ranks. `moe`: MoeLayer's
+    arguments (num_experts, top_k, capacity_factor_train, ...; moe/settings.py reads them from
+    the config). Without parallel.moe every data rank holds all the experts (replicas)."""
+    if gpc.tensor_size > 1:
+        raise ValueError(f"[rank {gpc.rank}] an MoE layer holds whole expert MLPs: it does not "
+                         f"split over {gpc.tensor_mode} tensor ranks; use parallel.moe instead "
+                         f"of parallel.tensor")
+    return MoeLayer(dim, hidden, ep_group=gpc.ep_group, data_group=gpc.gradient_group, **moe)
+
+
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+    """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x)); `moe`
+    (MoeLayer's arguments) puts a mixture of experts in the MLP's place."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0,
-                 causal: bool = False) -> None:
+                 causal: bool = False, moe: Optional[dict] = None) -> None:
         super().__init__()
         self.norm1 = LayerNorm(dim)
         self.attn = Attention(dim, heads, dropout, causal)
         self.norm2 = LayerNorm(dim)
-        self.mlp = MLP(dim, mlp_ratio * dim, dropout)
+        self.mlp = moe_mlp(dim, mlp_ratio * dim, moe) if moe else \
+            MLP(dim, mlp_ratio * dim, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))

@@ -1,0 +1,163 @@
+"""Mixture of experts as a framework feature: parallel=dict(moe=dict(size=EP)) trains exactly as
+one process holding every expert on the same global batch.
+
+Engine level: float64, SGD with momentum (Adam would hide a gradient scaled by a constant, e.g.
+experts averaged over the wrong ranks), a clip that really clips (the norm must count each
+expert once), the load-balancing loss added by the Engine: parameters after 3 steps equal one
+process's to 1e-10 for EP 2, data 2 x EP 2 and EP 4 with 2 experts (replicas); the checkpoint
+of each merges into the plain model's state_dict. Script level: train_gpt.py's `final train
+loss` for EP 2 on 2 ranks, EP 2 and EP 4 on 4 ranks equals one process's. Then what is refused.
+"""
+import re
+import sys
+
+import pytest
+import torch
+from dist_helpers import ROOT, run_ranks, run_script
+from torch import nn
+from torch.testing import assert_close
+
+import nanocolossal as nc
+import nanocolossal.nn as col_nn
+from nanocolossal.checkpoint import merge_checkpoint, save_checkpoint
+from nanocolossal.config import ConfigError, load_config
+from nanocolossal.context import ParallelContext, gpc
+from nanocolossal.moe import moe_aux_loss
+
+sys.path.insert(0, str(ROOT))
+from train_gpt import gpt  # noqa: E402
+
+BATCH, SEQ, VOCAB, STEPS, CLIP, AUX = 4, 8, 32, 3, 0.5, 0.1
+
+
+def _model(num_experts):
+    torch.manual_seed(0)
+    moe = dict(num_experts=num_experts, top_k=2, capacity_factor_train=float(num_experts))
+    return gpt(vocab=VOCAB, seq_len=SEQ, dim=16, depth=2, heads=2, mlp_ratio=2, moe=moe).double()
+
+
+def _batches():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (2, BATCH, SEQ), generator=g).unbind(0) for _ in range(STEPS)]
+
+
+def _optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def _single_process(num_experts):
+    model = _model(num_experts)
+    opt, norms = _optimizer(model), []
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        (loss + AUX * moe_aux_loss(model)).backward()
+        norms.append(nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+    return model.state_dict(), norms
+
+
+def _worker(rank, world_size, port, ep, num_experts, expected, norms, path):
+    config = {"parallel": {"moe": {"size": ep}}, "clip_grad_norm": CLIP, "MOE_AUX_WEIGHT": AUX}
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    model = _model(num_experts)
+    per = BATCH // gpc.data_size
+    mine = slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
+    engine, *_ = nc.initialize(model, _optimizer(model), col_nn.VocabParallelCrossEntropyLoss(),
+                               verbose=False)
+    for step, (x, y) in enumerate(_batches()):
+        engine.zero_grad()
+        engine.execute_schedule((x[mine], y[mine]))
+        assert engine.step()
+        assert engine.last_grad_norm == pytest.approx(norms[step], rel=1e-10)
+    state = engine.model.state_dict()
+    for name, p in state.items():
+        assert_close(p, expected[name], rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    save_checkpoint(path, 0, engine.model)
+    return sorted(k for k in state if ".experts." in k)
+
+
+LAYOUTS = {  # name: (world, EP, experts)
+    "EP 2": (2, 2, 4),
+    "data 2 x EP 2": (4, 2, 4),
+    "EP 4, 2 experts on 2 ranks each": (4, 4, 2),
+}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_gloo_moe_engine_training_equals_one_process(name, tmp_path):
+    world, ep, experts = LAYOUTS[name]
+    expected, norms = _single_process(experts)
+    assert norms[0] > CLIP, "the clip really clips"
+    held = run_ranks(_worker, world, ep, experts, expected, norms, tmp_path / "ck.pt",
+                     timeout=60)
+    assert held[0] != held[1], "the experts are split between the ranks"
+    merged = merge_checkpoint(tmp_path / "ck.pt")
+    assert merged.keys() == expected.keys()
+    for key, value in expected.items():
+        assert_close(merged[key], value, rtol=1e-10, atol=1e-10, msg=key)
+
+
+MODEL = ("NUM_EPOCHS = 1\nSEQ_LEN = 16\nDIM = 32\nDEPTH = 2\nHEADS = 4\nNUM_EXPERTS = 4\n"
+         "MOE_TOP_K = 2\nMOE_CAPACITY_FACTOR = 4.0\nMOE_AUX_WEIGHT = 0.01\n")
+SCRIPT_LAYOUTS = {  # name: (processes, BATCH_SIZE per data rank (global 8), parallel)
+    "one process": (1, 8, ""),
+    "EP 2 on 2 ranks": (2, 4, "parallel = dict(moe=dict(size=2))"),
+    "EP 2 on 4 ranks": (4, 2, "parallel = dict(moe=dict(size=2))"),
+    "EP 4 on 4 ranks": (4, 2, "parallel = dict(moe=dict(size=4))"),
+}
+
+
+def _train_gpt(tmp_path, name):
+    nproc, batch, parallel = SCRIPT_LAYOUTS[name]
+    config = tmp_path / f"{name.replace(' ', '_')}.py"
+    config.write_text(f"BATCH_SIZE = {batch}\n{MODEL}{parallel}\n")
+    out = run_script(ROOT / "train_gpt.py",
+                     ["--config", str(config), "--max-steps", "3", "--seed", "5",
+                      "--max-bytes", "3000", "--sample", "0"], nproc=nproc, cwd=tmp_path)
+    return float(re.search(r"final train loss ([0-9.e+-]+) \(with 0.01 x aux", out).group(1))
+
+
+@pytest.mark.timeout(120)
+def test_gloo_train_gpt_moe_final_loss_equals_one_process(tmp_path):
+    losses = {name: _train_gpt(tmp_path, name) for name in SCRIPT_LAYOUTS}
+    for name, loss in losses.items():
+        assert loss == pytest.approx(losses["one process"], rel=1e-4), losses
+
+
+@pytest.mark.timeout(30)
+def test_gloo_moe_bad_configs_say_what_to_change():
+    moe2 = {"parallel": {"moe": {"size": 2}}}
+    with pytest.raises(ConfigError, match=r"parallel.moe size 2 does not divide the data-parallel "
+                                          r"size 3 \(world size 3\).*launch a multiple of 2"):
+        ParallelContext.parallel_sizes(load_config(moe2), 3)
+    cases = {
+        "NUM_EXPERTS=3 does not fit parallel.moe size 2": {**moe2, "NUM_EXPERTS": 3},
+        r"MOE_CAPACITY_FACTOR must be a number > 0, got 0": {"NUM_EXPERTS": 4,
+                                                             "MOE_CAPACITY_FACTOR": 0},
+        r"MOE_TOP_K must be 1 \(Switch\) or 2": {"NUM_EXPERTS": 4, "MOE_TOP_K": 3},
+        r"MOE_AUX_WEIGHT must be a number >= 0": {"MOE_AUX_WEIGHT": -1},
+        r"does not combine with parallel.tensor \(tensor\)": {
+            "parallel": {"moe": 2, "tensor": {"size": 2, "mode": "1d"}}},
+        r"does not combine with parallel.tensor \(sequence\)": {
+            "parallel": {"moe": 2, "tensor": {"size": 2, "mode": "sequence"}}},
+        r"does not combine with zero": {**moe2, "zero": {"level": 1}},
+        r"does not combine with parallel.pipeline": {"parallel": {"moe": 2, "pipeline": 2}},
+        r"parallel.moe takes only size": {"parallel": {"moe": {"size": 2, "ep": 2}}},
+    }
+    for message, config in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(config)
+
+
+@pytest.mark.timeout(10)
+def test_moe_groups_are_carved_out_of_the_data_ranks():
+    """context.layout's moe groups (a pure function): EP groups of consecutive data ranks, and
+    per exchange block G the data ranks holding the same experts (data_rank % G)."""
+    from nanocolossal.context import layout
+    groups = layout(8, ep=4)
+    assert groups.ep == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups.expert_data == {1: [list(range(8))], 2: [[0, 2, 4, 6], [1, 3, 5, 7]],
+                                  4: [[0, 4], [1, 5], [2, 6], [3, 7]]}
+    assert layout(4).ep == [] and layout(4).expert_data == {}
