@@ -230,10 +230,10 @@ def validate_config(cfg: Config) -> None:
         if key in cfg:
             raise ConfigError(f"config key {key!r} is not supported: {hint}")
 
-    P, T, _, _ = parallel_settings(cfg)
+    P, T, mode, _ = parallel_settings(cfg)
     if "zero" in cfg:  # (imported here: zero/ imports this module)
         from .zero.settings import check_zero
-        check_zero(cfg, P, T)
+        check_zero(cfg, P, T if mode != "sequence" else 1)  # sequence ranks: more data ranks
     from .moe.settings import check_moe  # (here: moe/ imports this module)
     check_moe(cfg)
     ddp = cfg.get("ddp", {})

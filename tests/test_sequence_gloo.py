@@ -3,7 +3,8 @@
 float64 and SGD with momentum (not Adam, whose update hides a gradient scaled by any factor),
 with a global clip that really clips: after 3 steps every parameter equals one process's on
 the whole batch to 1e-10, for sequence x2 and x4, data 2 x sequence 2, pipeline 2 x sequence 2,
-and Colossal-AI's SequenceParallelGradientHandler instead of DDP. Then what is refused.
+Colossal-AI's SequenceParallelGradientHandler instead of DDP, and ZeRO 1-3 sharded over data x
+sequence ranks. Then what is refused.
 """
 import sys
 
@@ -58,6 +59,8 @@ def _worker(rank, world_size, port, parallel, expected, norms):
     config = {"parallel": parallel, "clip_grad_norm": CLIP, "NUM_MICRO_BATCHES": 2}
     if parallel.pop("handler", False):
         config["gradient_handler"] = [dict(type="SequenceParallelGradientHandler")]
+    if "zero" in parallel:  # sharded over data x sequence ranks
+        config["zero"] = dict(level=parallel.pop("zero"))
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     model = _model()
     if gpc.pipeline_size > 1:
@@ -87,6 +90,9 @@ LAYOUTS = {
     "pipeline 2 x sequence 2": (4, {"pipeline": 2, "tensor": {"size": 2, "mode": "sequence"}}),
     "sequence x2, SequenceParallelGradientHandler":
         (2, {"tensor": {"size": 2, "mode": "sequence"}, "handler": True}),
+    "sequence x2, ZeRO 1": (2, {"tensor": {"size": 2, "mode": "sequence"}, "zero": 1}),
+    "data 2 x sequence 2, ZeRO 2": (4, {"tensor": {"size": 2, "mode": "sequence"}, "zero": 2}),
+    "sequence x2, ZeRO 3": (2, {"tensor": {"size": 2, "mode": "sequence"}, "zero": 3}),
 }
 
 

@@ -137,9 +137,11 @@ class Engine:
         if self.clip_grad_norm:
             # ranks holding *other* parameters (pipeline stages, tensor shards) add their squares
             # MoE: experts live on other ranks than the model group's (moe/grads.py)
+            # sequence ranks hold replicas, like data ranks: only the stages are other parts
+            parts = gpc.pipeline_group if gpc.sequence_size > 1 else gpc.model_group
             spread = getattr(self.gradient_handler, "norm", None)
             self.last_grad_norm = self.optimizer.clip_grad_norm(
-                self.clip_grad_norm, gpc.model_group, **({"sharded": spread} if spread else {}))
+                self.clip_grad_norm, parts, **({"sharded": spread} if spread else {}))
         return self.optimizer.step()
 
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):

@@ -127,16 +127,16 @@ def apply_zero(model: nn.Module, optimizer: MixedPrecisionOptimizer
         get_dist_logger().info(note)
     if zero["level"] == 3:
         children, unit_of = plan_units(model, list(optimizer.params()))
-        sharded = ParamShardedOptimizer(optimizer, model, unit_of, gpc.data_group)
+        sharded = ParamShardedOptimizer(optimizer, model, unit_of, gpc.gradient_group)
         ShardedModel(model, sharded, children, zero.get("overlap_communication", True))
-        return sharded, (f"ZeRO level 3 x{gpc.data_size}: this rank keeps "
+        return sharded, (f"ZeRO level 3 x{gpc.gradient_size}: this rank keeps "
                          f"{sharded.shard_bytes()} bytes of parameters between uses, the same "
                          f"shard of gradients and optimizer state, {len(children)} child units")
-    sharded = ShardedOptimizer(optimizer, model, zero["level"], gpc.data_group)
+    sharded = ShardedOptimizer(optimizer, model, zero["level"], gpc.gradient_group)
     mine = sum(s.hi - s.lo for b in sharded.buffers for s in b.segments)
     total = sum(p.numel() for p in sharded.model_params)
-    return sharded, (f"ZeRO level {zero['level']} x{gpc.data_size}: this rank holds the optimizer "
-                     f"state of {mine} of {total} elements")
+    return sharded, (f"ZeRO level {zero['level']} x{gpc.gradient_size}: this rank holds the "
+                     f"optimizer state of {mine} of {total} elements")
 
 
 def apply_moe(model: nn.Module, optimizer: MixedPrecisionOptimizer

@@ -113,6 +113,8 @@ def tied(weight: nn.Parameter, own: nn.Parameter) -> nn.Parameter:
 
 def replicas(param: torch.Tensor) -> int:
     """Tensor ranks holding this exact parameter (unmarked parameters are replicated on all)."""
+    if gpc.sequence_size > 1:  # sequence ranks split the tokens, not the weights
+        return 1
     return getattr(param, "tensor_replicas", gpc.tensor_size)
 
 

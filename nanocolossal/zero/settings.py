@@ -96,8 +96,8 @@ def check_zero(cfg: Config, P: int, T: int) -> None:
         raise ConfigError("zero and gradient_handler both say how gradients are reduced; remove "
                           "gradient_handler (zero reduces them itself)")
     if P > 1 or T > 1:
-        raise ConfigError("zero with pipeline, tensor or sequence parallelism is not supported "
-                          "yet; use zero with data parallelism only, or remove zero")
+        raise ConfigError("zero with pipeline or tensor (1d/2d) parallelism is not supported "
+                          "yet; use zero with data and sequence parallelism only, or remove zero")
     fp16 = cfg.get("fp16")
     if isinstance(fp16, Mapping) and "mode" in fp16:
         mode = AMP_TYPE.parse(fp16["mode"])
