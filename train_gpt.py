@@ -45,6 +45,7 @@ class Embeddings(nn.Module):
 
     def __init__(self, vocab: int, seq_len: int, dim: int) -> None:
         super().__init__()
+        self.seq_len = seq_len  # positions the table holds
         self.tok = col_nn.Embedding(vocab, dim, vocab_parallel=True)
         self.pos = col_nn.Embedding(seq_len, dim, vocab_parallel=False)
         with torch.no_grad():  # GPT-2's std 0.02: the tied classifier's logits start near 0
@@ -53,7 +54,7 @@ class Embeddings(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # 0..s-1, or under sequence parallelism where this rank's tokens sit in the sequence
-        return self.tok(ids) + self.pos(token_positions(ids))
+        return self.tok(ids) + self.pos(token_positions(ids, self.seq_len))
 
 
 class LMHead(nn.Module):

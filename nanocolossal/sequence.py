@@ -33,7 +33,7 @@ scores at a time, (s/N) x (s/N)-shaped where one process holds s x s.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -44,10 +44,17 @@ from .nest import map_tensors
 from .tensor.zigzag import zigzag_split
 
 
-def token_positions(ids: torch.Tensor) -> torch.Tensor:
+def token_positions(ids: torch.Tensor, max_positions: Optional[int] = None) -> torch.Tensor:
     """The position in the whole sequence of each of this rank's tokens, shaped like `ids`
-    ([batch, local length]): 0..s-1 without sequence parallelism, the zig-zag share with it."""
+    ([batch, local length]): 0..s-1 without sequence parallelism, the zig-zag share with it.
+    `max_positions`: the table's size; a longer sequence is refused on every rank alike (only
+    some ranks' chunks would reach past it, and the others would wait in ring attention)."""
     n, r = gpc.sequence_size, gpc.sequence_rank
+    if max_positions is not None and ids.shape[1] * n > max_positions:
+        raise ValueError(f"[rank {gpc.rank}] a sequence of {ids.shape[1] * n} tokens"
+                         f"{f' ({n} x {ids.shape[1]})' if n > 1 else ''} is longer than the "
+                         f"model's {max_positions} positions; use sequences of at most "
+                         f"{max_positions} tokens (SEQ_LEN) or a model with more positions")
     whole = torch.arange(ids.shape[1] * n, device=ids.device)
     return zigzag_split(whole, 0, n, r).expand_as(ids)
 

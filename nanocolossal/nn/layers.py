@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
@@ -152,8 +153,26 @@ class TokenCrossEntropyLoss(nn.CrossEntropyLoss):
         super().__init__(reduction=reduction, **kwargs)
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if gpc.sequence_size > 1 and self.reduction != "none":
+            return self._sequence_share(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
         loss = super().forward(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
         return loss.reshape(target.shape) if self.reduction == "none" else loss
+
+    def _sequence_share(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Under sequence parallelism: N x (my tokens' share of the sequences' loss), so that the
+        average over the N sequence ranks (DDP's, the metrics') is the loss of whole sequences.
+        A mean divides by the weight counted on *all* N ranks: padding at the end of sequences
+        falls on some ranks' chunks only, and a mean of per-rank means would weigh it."""
+        n = gpc.sequence_size
+        losses = F.cross_entropy(logits, target, self.weight, ignore_index=self.ignore_index,
+                                 reduction="none", label_smoothing=self.label_smoothing)
+        if self.reduction == "sum":
+            return losses.sum() * n
+        valid = target != self.ignore_index
+        count = (valid.to(losses.dtype) if self.weight is None else
+                 self.weight[target.where(valid, 0)] * valid).sum().detach()
+        dist.all_reduce(count, group=gpc.sequence_group)
+        return losses.sum() * n / count
 
 
 def PatchEmbedding(img_size: int, patch_size: int, in_chans: int, embed_size: int) -> nn.Module:
@@ -190,6 +209,8 @@ def _is_vocab_split(weight: nn.Parameter) -> bool:
 def CrossEntropyLoss(**kwargs) -> nn.Module:
     if gpc.tensor_mode == "2d":
         return layers_2d.CrossEntropyLoss2D(**kwargs)
+    if gpc.sequence_size > 1:  # a mean over the tokens of all sequence ranks
+        return TokenCrossEntropyLoss(**kwargs)
     return nn.CrossEntropyLoss(**kwargs)
 
 
