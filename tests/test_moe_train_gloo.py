@@ -5,7 +5,8 @@ Engine level: float64, SGD with momentum (Adam would hide a gradient scaled by a
 experts averaged over the wrong ranks), a clip that really clips (the norm must count each
 expert once), the load-balancing loss added by the Engine: parameters after 3 steps equal one
 process's to 1e-10 for EP 2, data 2 x EP 2 and EP 4 with 2 experts (replicas); the checkpoint
-of each merges into the plain model's state_dict. Script level: train_gpt.py's `final train
+of each merges into the plain model's state_dict and loads back (model and momenta) on every
+rank. Script level: train_gpt.py's `final train
 loss` for EP 2 on 2 ranks, EP 2 and EP 4 on 4 ranks equals one process's. Then what is refused.
 """
 import re
@@ -19,7 +20,8 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
-from nanocolossal.checkpoint import merge_checkpoint, save_checkpoint
+from nanocolossal.amp import MixedPrecisionOptimizer
+from nanocolossal.checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
 from nanocolossal.config import ConfigError, load_config
 from nanocolossal.context import ParallelContext, gpc
 from nanocolossal.moe import moe_aux_loss
@@ -73,7 +75,15 @@ def _worker(rank, world_size, port, ep, num_experts, expected, norms, path):
     state = engine.model.state_dict()
     for name, p in state.items():
         assert_close(p, expected[name], rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
-    save_checkpoint(path, 0, engine.model)
+    save_checkpoint(path, 0, engine.model, engine.optimizer)
+    fresh = _model(num_experts)  # resuming: each rank reads the file of its experts
+    optimizer = MixedPrecisionOptimizer(_optimizer(fresh))  # what the Engine's optimizer saved
+    load_checkpoint(path, fresh, optimizer)
+    for name, p in fresh.state_dict().items():
+        assert torch.equal(p, state[name]), name
+    momenta = [optimizer.optimizer.state[p]["momentum_buffer"] for p in fresh.parameters()]
+    assert all(torch.equal(a, engine.optimizer.optimizer.state[p]["momentum_buffer"])
+               for a, p in zip(momenta, engine.model.parameters()))
     return sorted(k for k in state if ".experts." in k)
 
 
