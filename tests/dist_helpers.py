@@ -35,13 +35,22 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from rank_pool import _CTX, _JOB_IDS, _POOLS, _run_module, get_pool, kill_tree, start_server
+from rank_pool import (
+    _CTX,
+    _JOB_IDS,
+    _POOLS,
+    _run_elastic,
+    _run_module,
+    get_pool,
+    kill_tree,
+    start_server,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 __all__ = ["ROOT", "SCRIPTS", "BackgroundCmd", "free_port", "kill_tree", "run_cmd", "run_ranks",
-           "run_script", "start_server"]
+           "run_script", "start_server", "torchrun_fail_at"]
 
 
 def free_port() -> int:
@@ -136,16 +145,18 @@ class BackgroundCmd:
     installed console script) start as they are."""
 
     def __init__(self, argv: list[str], env: dict | None = None, cwd: Path = ROOT,
-                 cuda: bool = False):
+                 cuda: bool = False, target: Callable | None = None):
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         if not cuda:
             full_env["CUDA_VISIBLE_DEVICES"] = ""
         self.argv = argv
-        if argv[:2] == [sys.executable, "-m"] and _CTX.get_start_method() == "forkserver":
+        if target is None and argv[:2] == [sys.executable, "-m"] and \
+                _CTX.get_start_method() == "forkserver":
+            target, argv = _run_module, argv[2:]
+        if target is not None:  # forked from the rank server
             fd, self.out_path = tempfile.mkstemp(prefix="launcher-", suffix=".log")
             os.close(fd)
-            self.proc = _CTX.Process(target=_run_module,
-                                     args=(argv[2:], full_env, str(cwd), self.out_path))
+            self.proc = _CTX.Process(target=target, args=(argv, full_env, str(cwd), self.out_path))
             self.proc.start()
         else:
             self.out_path = None
@@ -193,3 +204,18 @@ class BackgroundCmd:
                 self.proc.join()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.out_path)
+
+
+def torchrun_fail_at(script: Path, args: list[str], fail_at: str, cwd: Path, nproc: int = 2,
+                     max_restarts: int = 1) -> BackgroundCmd:
+    """`torchrun --max-restarts R --nproc_per_node N scripts/fail_at.py SPEC script args` in the
+    background: torchrun's agent with forked workers (rank_pool._run_elastic), or the real
+    command where there is no fork server."""
+    port = str(free_port())
+    if _CTX.get_start_method() != "forkserver":
+        return BackgroundCmd([sys.executable, "-m", "torch.distributed.run",
+                              f"--max-restarts={max_restarts}", "--nproc_per_node", str(nproc),
+                              "--master_port", port, str(SCRIPTS / "fail_at.py"), fail_at,
+                              str(script), *args], cwd=cwd)
+    return BackgroundCmd([str(nproc), str(max_restarts), port, fail_at, str(script), *args],
+                         cwd=cwd, target=_run_elastic)

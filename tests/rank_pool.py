@@ -152,9 +152,9 @@ def kill_tree(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def _run_module(argv: list[str], env: dict, cwd: str, out_path: str) -> None:
-    """`python -m argv[0] argv[1:]`, in a process forked from the rank server (see BackgroundCmd).
-    """
+def _become_launcher(env: dict, cwd: str, out_path: str) -> None:
+    """A process forked from the rank server turns into a launcher a test started: its own
+    session, output to `out_path`, the command's environment and folder."""
     os.setsid()  # its own process group, as start_new_session gives a Popen: one kill ends all
     _exit_with_parent(kill_children=True)  # and no launcher or rank outlives a killed pytest
     out = os.open(out_path, os.O_WRONLY | os.O_APPEND)
@@ -164,12 +164,51 @@ def _run_module(argv: list[str], env: dict, cwd: str, out_path: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.argv, sys.path[0:0] = list(argv), [cwd]  # -m puts the working directory first
+
+
+@contextlib.contextmanager
+def _as_interpreter():
+    """What the interpreter does with an uncaught error (its hook, exit code 1) and at exit."""
     try:
-        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-    except Exception:  # what the interpreter does with an uncaught error: its hook, exit code 1
+        yield
+    except Exception:
         sys.excepthook(*sys.exc_info())
         sys.stderr.flush()
         raise SystemExit(1) from None
     finally:
         atexit._run_exitfuncs()  # the interpreter would; a multiprocessing child skips them
+
+
+def _run_module(argv: list[str], env: dict, cwd: str, out_path: str) -> None:
+    """`python -m argv[0] argv[1:]`, in a process forked from the rank server (see BackgroundCmd).
+    """
+    _become_launcher(env, cwd, out_path)
+    sys.argv, sys.path[0:0] = list(argv), [cwd]  # -m puts the working directory first
+    with _as_interpreter():
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+
+
+def _run_elastic(argv: list[str], env: dict, cwd: str, out_path: str) -> None:
+    """`torchrun --max-restarts R --nproc_per_node N --master_port P tests/scripts/fail_at.py
+    SPEC script args` as torchrun runs it -- its elastic agent (`elastic_launch`), a static
+    rendezvous at the port -- but with workers forked from this process, which imported torch,
+    instead of fresh interpreters: a start or a restart costs a fork, not seconds of imports.
+    argv: [N, R, P, SPEC, script, *args]."""
+    nproc, restarts, port, spec, script, *args = argv
+    _become_launcher(env, cwd, out_path)
+    import torch._dynamo  # noqa: F401 -- each worker's optimizer would import it (seconds)
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=int(nproc), run_id="test",
+                          rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{port}",
+                          rdzv_configs={"rank": 0}, max_restarts=int(restarts),
+                          monitor_interval=0.1, start_method="fork")
+    with _as_interpreter():
+        elastic_launch(config, _fail_at_worker)(spec, script, args)
+
+
+def _fail_at_worker(spec: str, script: str, args: list) -> None:
+    import torch
+    torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 gives a fresh interpreter torchrun starts
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import fail_at
+    fail_at.run(spec, script, args)
