@@ -8,6 +8,12 @@ eval mode, and what must be refused (without a hang).
 
 float64, SGD with momentum (Adam hides gradient-scale bugs), MOE_CAPACITY_FACTOR >= E so that
 nothing drops.
+
+Strict xfails (each a minimal reproduction, its reason the numbers and the suspected line):
+replicated experts x ZeRO 1 with clip and x ZeRO 3 crash; evaluation shards with different
+batch counts (pad=False) abort gloo instead of an error; load_checkpoint into another EP size is
+not refused by layout; nan/inf MOE_AUX_WEIGHT / MOE_CAPACITY_FACTOR are accepted; fp16 loss
+scaling overflows in MoeGradientHandler's sum-then-divide where one process does not.
 """
 import sys
 
@@ -581,3 +587,24 @@ def test_moe_non_finite_numbers_are_refused_by_key(key, value):
     from nanocolossal.config import ConfigError, load_config
     with pytest.raises(ConfigError, match=key):
         load_config({"NUM_EXPERTS": 4, key: value})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason=(
+    "MoE x fp16 loss scaling on 2 data ranks: MoeGradientHandler all-reduces the scaled fp16 "
+    "gradients and divides after (moe/grads.py _sum_and_divide: all_reduce(flat), then "
+    "flat / divisor), so the sum of 2 ranks overflows fp16 where one process's gradient (and "
+    "DDP, which divides before its all-reduce: ddp.py _write_slot) does not. Measured here: max "
+    "|grad| 0.493 (one process), 0.35 / 0.70 (ranks); with loss scale 81920 the sum 0.99 x 81920 "
+    "> 65504: step 1 is skipped and the scale halved on every rank, one process takes it. "
+    "train_gpt.py (dim 32, NAIVE fp16, default scale 2^16, 6 AdamW steps) shows it too: final "
+    "train loss 5.00542 one process vs 5.10536 on 2 ranks with or without parallel.moe (the dense "
+    "GPT: 4.95118 vs 4.95117); with initial_scale=64 both give 5.0054"))
+@pytest.mark.parametrize("parallel", [EP2, {}], ids=["EP 2", "replicated experts"])
+def test_gloo_moe_fp16_gradient_sum_does_not_overflow_where_one_process_does_not(parallel):
+    config = dict(fp16=dict(mode=AMP_TYPE.NAIVE, dtype="float16", initial_scale=81920.0))
+    ref = run_ranks(_train, 1, config, 2, torch.float32, timeout=30)[0]
+    assert ref["took"] == [True, True]
+    runs = run_ranks(_train, 2, {**config, "parallel": parallel}, 2, torch.float32, timeout=30)
+    assert [run["took"] for run in runs] == [ref["took"]] * 2
+    _compare(ref, runs, rtol=5e-4, atol=5e-4, norms=False)
