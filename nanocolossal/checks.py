@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import torch.distributed as dist
 from torch import nn
 
+from .config import ConfigError
 from .context import gpc
 
 
@@ -56,11 +57,13 @@ def comparable(value: Any) -> Any:
     return f"<{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', kind.__name__)}>"
 
 
-def check_consistency(model: nn.Module, train_dataloader: Iterable) -> None:
+def check_consistency(model: nn.Module, train_dataloader: Iterable,
+                      test_dataloader: Iterable = None) -> None:
     """Collective: raise on every rank if ranks disagree on batches per epoch, config or model."""
     if not gpc.is_initialized or gpc.world_size == 1:
         return
     mine = {"batches": len(train_dataloader) if isinstance(train_dataloader, Sized) else None,
+            "test batches": len(test_dataloader) if isinstance(test_dataloader, Sized) else None,
             "config": comparable(dict(gpc.config)),
             "model": _digest(repr(describe_parameters(model))), "stage": gpc.pipeline_rank,
             "experts": gpc.ep_rank}  # parallel.moe: ranks of an EP group hold other experts
@@ -75,6 +78,7 @@ def check_consistency(model: nn.Module, train_dataloader: Iterable) -> None:
             f"extra steps wait forever; shard the same dataset with DistributedSampler (pad=True "
             f"or drop_last=True) "
             f"on every rank")
+    _check_evaluation_batches([e["test batches"] for e in everyone], model)
     for r, other in enumerate(everyone):
         if other["config"] != mine["config"]:
             keys = sorted(k for k in set(mine["config"]) | set(other["config"])
@@ -87,6 +91,20 @@ def check_consistency(model: nn.Module, train_dataloader: Iterable) -> None:
                                f"between rank {gpc.rank} and rank {r}: parameter names, shapes or "
                                f"dtypes do not match; build the same model with the same arguments "
                                f"on every rank")
+
+
+def _check_evaluation_batches(counts: list, model: nn.Module) -> None:
+    """Evaluation may be uneven (pad=False, for exact metrics) -- unless the forward itself
+    talks between data ranks: an MoE layer exchanges tokens in every forward, so a rank with an
+    extra batch would meet the others' metric all-reduce instead."""
+    from .moe import moe_layers  # (here: moe/ imports this package's config)
+    if len(set(counts)) > 1 and gpc.data_size > 1 and moe_layers(model):
+        listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
+        raise ConfigError(
+            f"[rank {gpc.rank}] ranks disagree on the number of evaluation batches ({listed}) "
+            f"and the model's MoE layers exchange tokens between data ranks in every forward; "
+            f"give the test loader the same number of batches on every rank: "
+            f"DistributedSampler(pad=True) or drop_last=True")
 
 
 def debug_barrier(where: str) -> None:

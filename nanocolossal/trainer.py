@@ -103,7 +103,7 @@ class Trainer:
         """Train from `cur_epoch` to `epochs`, testing every `test_interval` epochs."""
         self._set_hooks(hooks)
         # disagreeing ranks fail here, not hang later
-        check_consistency(self.engine.model, train_dataloader)
+        check_consistency(self.engine.model, train_dataloader, test_dataloader)
         self._call("before_train")
         while self.cur_epoch < epochs:
             stopped = self._train_epoch(train_dataloader, epochs, display_progress, max_steps)

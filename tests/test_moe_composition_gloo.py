@@ -385,14 +385,6 @@ def test_gloo_moe_uneven_last_eval_batch_is_refused_on_every_rank():
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.xfail(strict=True, reason=(
-    "9 test samples on 2 ranks (pad=False, 2 per batch): rank 0 runs 3 eval batches, rank 1 two. "
-    "Rank 0's 3rd forward all-reduces the router's statistics (moe/balance.py "
-    "load_balancing_loss -> group_sum) while rank 1 has gone on to LossHook's all_reduce_mean "
-    "(hooks.py): gloo aborts rank 1 with SIGABRT ('Received data size doesn't match expected "
-    "size ... collective mismatch'); no error names the cause. Nothing checks, with MoE layers, "
-    "that every data rank runs the same number of evaluation batches (Trainer._test_epoch; "
-    "check_consistency looks at the train loader only)"))
 def test_gloo_moe_uneven_eval_batch_counts_are_refused_on_every_rank():
     said = run_ranks(_uneven_eval, 2, 9, timeout=20)
     for rank, (text, seconds) in enumerate(said):
