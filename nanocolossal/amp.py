@@ -160,7 +160,7 @@ class MixedPrecisionOptimizer:
         weight) adds its squares / k, so each element counts once. `sharded` = (weight by
         id(param), group): parameters spread over another group -- MoE experts over the
         expert-parallel ranks (moe/grads.py) -- add their squares x weight (1 / their copies
-        there), summed over that group."""
+        there), summed over that group, then with the rest over `group`."""
         if self.unscale_():
             return math.inf
         # float32 sums (half gradients overflow), float64 for a float64 model (a float32
@@ -179,10 +179,14 @@ class MixedPrecisionOptimizer:
             which = torch.tensor([id(p) in spread for p in params], device=device)
             each = torch.stack(norms).to(acc) ** 2 * weights
             sq = [each[~which].sum(), each[which].sum()]
-        for part, over in zip(sq, (group, spread_group)):
-            if over is not None and dist.get_world_size(over) > 1:
-                dist.all_reduce(part, group=over)
-        total = (sq[0] + sq[1]).sqrt()
+        # the spread parameters first over their group (a pipeline stage's experts), then the
+        # whole over `group`: each stage's experts count once, in their stage's part
+        if spread_group is not None and dist.get_world_size(spread_group) > 1:
+            dist.all_reduce(sq[1], group=spread_group)
+        total = sq[0] + sq[1]
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+        total = total.sqrt()
         # same formula as torch.nn.utils.clip_grad_norm_
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         if params:

@@ -7,7 +7,8 @@ expert once), the load-balancing loss added by the Engine: parameters after 3 st
 process's to 1e-10 for EP 2, data 2 x EP 2 and EP 4 with 2 experts (replicas); the checkpoint
 of each merges into the plain model's state_dict and loads back (model and momenta) on every
 rank. Script level: train_gpt.py's `final train
-loss` for EP 2 on 2 ranks, EP 2 and EP 4 on 4 ranks equals one process's. Then what is refused.
+loss` for EP 2 on 2 ranks, EP 2 and EP 4 on 4 ranks, pipeline 2 x EP 2 on 4 ranks equals one
+process's (MoE x pipeline is tested exactly in test_moe_pipeline_gloo.py). Then what is refused.
 """
 import re
 import sys
@@ -59,14 +60,19 @@ def _single_process(num_experts):
     return model.state_dict(), norms
 
 
+def engine_and_share(model):
+    """The Engine (SGD, vocab-parallel cross-entropy) and this data rank's slice of a batch."""
+    per = BATCH // gpc.data_size
+    engine, *_ = nc.initialize(model, _optimizer(model), col_nn.VocabParallelCrossEntropyLoss(),
+                               verbose=False)
+    return engine, slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
+
+
 def _worker(rank, world_size, port, ep, num_experts, expected, norms, path):
     config = {"parallel": {"moe": {"size": ep}}, "clip_grad_norm": CLIP, "MOE_AUX_WEIGHT": AUX}
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     model = _model(num_experts)
-    per = BATCH // gpc.data_size
-    mine = slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
-    engine, *_ = nc.initialize(model, _optimizer(model), col_nn.VocabParallelCrossEntropyLoss(),
-                               verbose=False)
+    engine, mine = engine_and_share(model)
     for step, (x, y) in enumerate(_batches()):
         engine.zero_grad()
         engine.execute_schedule((x[mine], y[mine]))
@@ -75,16 +81,22 @@ def _worker(rank, world_size, port, ep, num_experts, expected, norms, path):
     state = engine.model.state_dict()
     for name, p in state.items():
         assert_close(p, expected[name], rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    save_and_load_back(path, engine, _model(num_experts))
+    return sorted(k for k in state if ".experts." in k)
+
+
+def save_and_load_back(path, engine, fresh):
+    """Save the engine's model and SGD optimizer, load them into `fresh` (resuming: each rank
+    reads the file of its experts) and check the model and the momenta came back equal."""
     save_checkpoint(path, 0, engine.model, engine.optimizer)
-    fresh = _model(num_experts)  # resuming: each rank reads the file of its experts
     optimizer = MixedPrecisionOptimizer(_optimizer(fresh))  # what the Engine's optimizer saved
     load_checkpoint(path, fresh, optimizer)
+    state = engine.model.state_dict()
     for name, p in fresh.state_dict().items():
         assert torch.equal(p, state[name]), name
     momenta = [optimizer.optimizer.state[p]["momentum_buffer"] for p in fresh.parameters()]
     assert all(torch.equal(a, engine.optimizer.optimizer.state[p]["momentum_buffer"])
                for a, p in zip(momenta, engine.model.parameters()))
-    return sorted(k for k in state if ".experts." in k)
 
 
 LAYOUTS = {  # name: (world, EP, experts)
@@ -116,6 +128,9 @@ SCRIPT_LAYOUTS = {  # name: (processes, BATCH_SIZE per data rank (global 8), par
     "EP 2 on 2 ranks": (2, 4, "parallel = dict(moe=dict(size=2))"),
     "EP 2 on 4 ranks": (4, 2, "parallel = dict(moe=dict(size=2))"),
     "EP 4 on 4 ranks": (4, 2, "parallel = dict(moe=dict(size=4))"),
+    # 2 micro-batches: the aux loss is their mean (each over its tokens), within 1e-4 of one batch
+    "pipeline 2 x EP 2 on 4 ranks": (4, 4, "parallel = dict(pipeline=2, moe=dict(size=2))\n"
+                                           "NUM_MICRO_BATCHES = 2"),
 }
 
 
@@ -153,7 +168,6 @@ def test_gloo_moe_bad_configs_say_what_to_change():
         r"does not combine with parallel.tensor \(sequence\)": {
             "parallel": {"moe": 2, "tensor": {"size": 2, "mode": "sequence"}}},
         r"does not combine with zero": {**moe2, "zero": {"level": 1}},
-        r"does not combine with parallel.pipeline": {"parallel": {"moe": 2, "pipeline": 2}},
         r"parallel.moe takes only size": {"parallel": {"moe": {"size": 2, "ep": 2}}},
     }
     for message, config in cases.items():

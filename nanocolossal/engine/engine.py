@@ -161,14 +161,16 @@ class PipelineEngine(Engine):
     There is no per-sample forward here -- the stage holds only some of the layers -- so
     `engine(x)` and `engine.backward(loss)` are errors; `execute_schedule(batch)` runs the
     schedule's forwards and backwards and returns (output, label, loss) (output/label on the
-    last stage, the mean loss on every stage)."""
+    last stage, the mean loss on every stage). With MoE layers every stage backpropagates its
+    own MOE_AUX_WEIGHT x load-balancing loss per micro-batch (pipeline/moe_aux.py)."""
 
     def __init__(self, model: nn.Module, optimizer: MixedPrecisionOptimizer,
                  criterion: Optional[Callable],
                  schedule: Any, chunks: list, clip_grad_norm: float = 0.0,
-                 gradient_handler: Optional[DataParallelGradientHandler] = None) -> None:
+                 gradient_handler: Optional[DataParallelGradientHandler] = None,
+                 moe_aux_weight: float = 0.0) -> None:
         super().__init__(model, optimizer, criterion, clip_grad_norm=clip_grad_norm,
-                         gradient_handler=gradient_handler)
+                         gradient_handler=gradient_handler, moe_aux_weight=moe_aux_weight)
         self.schedule = schedule  # GPipe / 1F1B / interleaved
         self.chunks = chunks      # what the schedule runs (DDP-wrapped per chunk)
 
@@ -213,7 +215,7 @@ class PipelineEngine(Engine):
             self._sync_buffers()
         output, label, loss = self.schedule.forward_backward_step(
             self.chunks, batch, self._criterion, forward_only, return_loss,
-            loss_scale=self.optimizer.loss_scale)
+            loss_scale=self.optimizer.loss_scale, moe_aux_weight=self.moe_aux_weight)
         if label is not None:  # the labels of each micro-batch's output, in order
             parts = label.tensor_split(self.schedule.num_microbatches)
             label = torch.cat([labels_of_output(part) for part in parts])

@@ -13,6 +13,7 @@ Each step is a function that returns what it built and a few words for the log l
     apply_moe           a model with MoE layers (moe/): experts' gradients over the ranks holding
                         them, the rest over the data ranks, after backward (moe/grads.py), in
                         place of DDP; the Engine adds MOE_AUX_WEIGHT x the load-balancing loss
+                        (under a pipeline every stage adds its own, per micro-batch)
     wrap_data_parallel  DDP over the gradient group -- the data ranks, times the sequence ranks
                         if any -- (or the gradient handler), after AMP: DDP must bucket the final
                         parameters; a pipeline stage wraps each chunk
@@ -33,7 +34,7 @@ from torch.utils.data import DataLoader
 from .. import amp
 from .. import cpu_half as probe
 from ..amp import MixedPrecisionOptimizer
-from ..config import AMP_TYPE, ConfigError
+from ..config import AMP_TYPE
 from ..context import gpc
 from ..ddp import DistributedDataParallel
 from ..gradient_handler import DataParallelGradientHandler
@@ -146,10 +147,6 @@ def apply_moe(model: nn.Module, optimizer: MixedPrecisionOptimizer
     layers = moe_layers(model)
     if not layers:
         return None, 0.0, None
-    if gpc.pipeline_size > 1:  # the earlier stages' aux losses would never reach the loss
-        raise ConfigError(f"[rank {gpc.rank}] MoE layers under a pipeline are not supported: "
-                          f"the load-balancing losses of the earlier stages would not reach the "
-                          f"training loss; remove parallel.pipeline (Colossal-AI refuses it too)")
     weight = moe_aux_weight(gpc.config)
     experts = sorted({m.num_experts for m in layers})
     did = (f"MoE: {len(layers)} layer(s) of {'/'.join(map(str, experts))} experts, expert "
@@ -199,7 +196,7 @@ def build_engine(model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion
     clip, accumulation = cfg.get("clip_grad_norm", 0.0), cfg.get("gradient_accumulation", 1)
     if schedule is not None:
         engine: Engine = PipelineEngine(model, optimizer, criterion, schedule, parts, clip,
-                                        handler)
+                                        handler, moe_aux_weight)
     else:
         engine = Engine(model, optimizer, criterion, parts[0], accumulation, clip, handler,
                         moe_aux_weight)

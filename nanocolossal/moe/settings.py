@@ -15,11 +15,12 @@ the Engine (`moe_aux_weight`):
     MOE_AUX_WEIGHT = 0.01        # the load-balancing loss's weight in the training loss
 
 Expert parallelism is carved out of the data-parallel ranks, so EP must divide the data size D
-(checked at launch, `check_moe_world`: the world size is not known before). What it does not
-compose with is refused here, by name: a pipeline (the load-balancing losses of the earlier
-stages would have to join the last stage's loss per micro-batch), tensor parallelism 1d/2d and
-sequence parallelism (the experts' tokens would be split or sharded a second way), and ZeRO
-(which flattens all parameters into one data-parallel shard: experts are not replicated there).
+(checked at launch, `check_moe_world`: the world size is not known before). A pipeline composes
+(each stage's expert groups are carved out of that stage's data ranks, and every stage's
+load-balancing loss joins its backward per micro-batch: pipeline/moe_aux.py). What does not
+compose is refused here, by name: tensor parallelism 1d/2d and sequence parallelism (the
+experts' tokens would be split or sharded a second way), and ZeRO (which flattens all
+parameters into one data-parallel shard: experts are not replicated there).
 """
 from __future__ import annotations
 
@@ -85,19 +86,16 @@ def check_moe(cfg: Mapping) -> None:
     ep = moe_size(cfg)
     if ep == 1:
         return
-    P, T, mode, _ = parallel_settings(cfg)
-    refused = {"pipeline": P > 1, "tensor": T > 1 and mode != "sequence",
+    _, T, mode, _ = parallel_settings(cfg)
+    refused = {"tensor": T > 1 and mode != "sequence",
                "sequence": mode == "sequence", "zero": "zero" in cfg}
-    why = {"pipeline": "the load-balancing losses of the earlier stages would have to join the "
-                       "last stage's loss per micro-batch; Colossal-AI refuses it too",
-           "tensor": f"experts are whole MLPs on their ranks, not {mode} shards",
+    why = {"tensor": f"experts are whole MLPs on their ranks, not {mode} shards",
            "sequence": "tokens are already split over the sequence ranks",
            "zero": "ZeRO shards every parameter over the data ranks, experts are not replicated "
                    "there"}
     for key, bad in refused.items():
         if bad:
-            where = "parallel.tensor" if key in ("tensor", "sequence") else \
-                ("parallel.pipeline" if key == "pipeline" else "zero")
+            where = "parallel.tensor" if key in ("tensor", "sequence") else "zero"
             raise ConfigError(f"parallel.moe (expert parallelism x{ep}) does not combine with "
                               f"{where} ({key}): {why[key]}; remove one of them")
     if settings is not None:

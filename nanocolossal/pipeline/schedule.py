@@ -14,8 +14,9 @@ rank's plan:
 Activations are kept only from a micro-batch's forward to its backward, so rank r holds at
 most as many as its plan has in flight (P - r for 1F1B, M for GPipe). With data parallelism
 each chunk is wrapped in DDP; its gradients are averaged over the data group during the
-chunk's last backward, overlapping the remaining pipeline steps. The mean loss is broadcast
-from the last stage, so every stage can log it; outputs and labels come back on the last.
+chunk's last backward, overlapping the remaining pipeline steps. The mean loss is summed over
+the stages (the last one's, plus each stage's MoE load-balancing loss while training:
+moe_aux.py), so every stage can log it; outputs and labels come back on the last.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from ..context import gpc
 from ..ddp import DistributedDataParallel
+from .moe_aux import backward_output_and_aux, chunk_aux_loss
 from .p2p import StageComm
 from .plan import (
     SCHEDULES,
@@ -85,7 +87,7 @@ class _Schedule:
 
     def forward_backward_step(self, model: Any, batch: Any, criterion: Optional[Callable] = None,
                               forward_only: bool = False, return_loss: bool = True,
-                              loss_scale: float = 1.0):
+                              loss_scale: float = 1.0, moe_aux_weight: float = 0.0):
         """Run one batch through the pipeline -> (output, label, loss); see the module docstring."""
         P, M, V = gpc.pipeline_size, self.num_microbatches, self.num_chunks
         _check(self.name, M, V)
@@ -100,6 +102,7 @@ class _Schedule:
         # a new micro-batch size means new activation shapes
         self._comm.sizes = [len(x) for x in x_mb]
         run = _Run(self, chunks, criterion, forward_only, loss_scale, x_mb, y_mb)
+        run.aux_weight = 0.0 if forward_only else moe_aux_weight  # training only
         if any(run.is_last) and criterion is None and (return_loss or not forward_only):
             raise ValueError(f"[rank {gpc.rank}] the last pipeline stage needs a criterion to "
                              f"compute the loss")
@@ -119,8 +122,8 @@ class _Schedule:
         self._comm.flush(f"the end of a {self.name} batch")
         self.max_in_flight = run.max_in_flight
 
-        if P > 1:  # every stage learns the loss (for logging and LossHook)
-            dist.broadcast(run.total_loss, src=gpc.pipeline_ranks[-1], group=gpc.pipeline_group)
+        if P > 1:  # every stage learns the loss (for logging and LossHook); the others add 0
+            dist.all_reduce(run.total_loss, group=gpc.pipeline_group)  # or their MoE aux
         if not any(run.is_last):
             return None, None, run.total_loss
         return torch.cat(run.outputs), labels, run.total_loss
@@ -141,6 +144,7 @@ class _Run:
         self.M, self.P, self.chunks = schedule.num_microbatches, P, chunks
         self.criterion, self.forward_only, self.loss_scale = criterion, forward_only, loss_scale
         self.x_mb, self.y_mb = x_mb, y_mb
+        self.aux_weight = 0.0  # MOE_AUX_WEIGHT while training (moe_aux.py)
         n = sum(len(y) for y in y_mb)
         self.share = [len(y) / n for y in y_mb]
         self.is_last = [virtual_stage(c, gpc.pipeline_rank, P) == P * V - 1 for c in range(V)]
@@ -148,7 +152,8 @@ class _Run:
         self.last_backward = {
             s.chunk: i for i, s in enumerate(self.plan) if isinstance(s, Compute) and s.kind == "B"
         }
-        self.held: dict[tuple, tuple] = {}  # (chunk, mb) -> (input, output or loss / M)
+        # (chunk, mb) -> (input, output or loss / M, the chunk's MoE aux / M if not in the loss)
+        self.held: dict[tuple, tuple] = {}
         self.outbox: dict[Transfer, torch.Tensor] = {}
         self.inbox: dict[Transfer, torch.Tensor] = {}
         self.outputs: list[torch.Tensor] = []
@@ -162,6 +167,9 @@ class _Run:
             x.requires_grad_()
         with torch.set_grad_enabled(not self.forward_only):
             output = self.chunks[c](x)
+            aux = chunk_aux_loss(self.chunks[c], self.aux_weight, self.share[m])
+            if aux is not None:
+                self.total_loss += aux.detach()
             if self.is_last[c]:
                 self.outputs.append(output.detach())
                 loss = None
@@ -170,6 +178,7 @@ class _Run:
                     # sum over micro-batches is the batch mean
                     loss = self.criterion(output, self.y_mb[m]) * self.share[m]
                     self.total_loss += loss.detach()
+                    loss, aux = (loss if aux is None else loss + aux), None
                 backward_from = loss
             elif not isinstance(output, torch.Tensor):
                 raise TypeError(f"[rank {gpc.rank}] pipeline part {v} returned "
@@ -179,21 +188,22 @@ class _Run:
                 backward_from = output
         # keep the graph (input, loss or output) until this micro-batch's backward
         if not self.forward_only:
-            self.held[(c, m)] = (x, backward_from)
+            self.held[(c, m)] = (x, backward_from, aux)
             self.max_in_flight = max(self.max_in_flight, len(self.held))
 
     def backward(self, step: Compute, index: int) -> None:
         c, m, v = step.chunk, step.mb, virtual_stage(step.chunk, gpc.pipeline_rank, self.P)
-        x, backward_from = self.held.pop((c, m))
+        x, backward_from, aux = self.held.pop((c, m))
         # DDP averages a chunk's gradients once, during its last backward
         defer = isinstance(self.chunks[c],
                            DistributedDataParallel) and index != self.last_backward[c]
         with self.chunks[c].no_sync() if defer else nullcontext():
             if self.is_last[c]:  # the loss, scaled for AMP
                 (backward_from * self.loss_scale).backward()
-            else:  # the output, with the gradient the next stage sent back
-                torch.autograd.backward(backward_from,
-                                        self.inbox.pop(Transfer("grad", v + 1, v, m)))
+            else:  # the output, with the gradient the next stage sent back (and the MoE aux)
+                backward_output_and_aux(backward_from,
+                                        self.inbox.pop(Transfer("grad", v + 1, v, m)), aux,
+                                        self.loss_scale)
         if v > 0:
             self.outbox[Transfer("grad", v, v - 1, m)] = x.grad
 
