@@ -204,21 +204,22 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None,
 
 
 # -- one layout per file ----------------------------------------------------------------------
-Layout = tuple[int, int, Optional[str]]  # (pipeline size, tensor size, tensor mode)
+Layout = tuple[int, int, Optional[str], int]  # (pipeline, tensor size, tensor mode, experts)
 
 
 def describe_layout(layout: Layout) -> str:
     """'pipeline 2, tensor 1d x2' -- how a job (or the job that saved a file) is split."""
-    pipeline, tensor, mode = layout
+    pipeline, tensor, mode, experts = layout
     tensor_part = f"tensor {mode} x{tensor}" if tensor > 1 else "no tensor parallelism"
-    return f"pipeline {pipeline}, {tensor_part}"
+    return f"pipeline {pipeline}, {tensor_part}" + (f", experts x{experts}" if experts > 1 else "")
 
 
 def _saved_layout(state: dict) -> Layout:
     tensor = state.get("tensor") or {}
     size = tensor.get("size", 1)  # files of one process, or of old versions, record none
     pipeline = (state.get("pipeline") or {}).get("size", 1)
-    return pipeline, size, tensor.get("mode") if size > 1 else None
+    experts = (state.get("moe") or {}).get("size", 1)  # expert files: one per expert rank
+    return pipeline, size, tensor.get("mode") if size > 1 else None, experts
 
 
 def _tensor_split() -> int:
@@ -227,7 +228,8 @@ def _tensor_split() -> int:
 
 
 def _job_layout() -> Layout:
-    return gpc.pipeline_size, _tensor_split(), gpc.tensor_mode if _tensor_split() > 1 else None
+    return (gpc.pipeline_size, _tensor_split(), gpc.tensor_mode if _tensor_split() > 1 else None,
+            gpc.moe_size)
 
 
 def _check_layout(state: dict, file: Path, path: PathLike) -> None:

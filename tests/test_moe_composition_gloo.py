@@ -9,11 +9,11 @@ eval mode, and what must be refused (without a hang).
 float64, SGD with momentum (Adam hides gradient-scale bugs), MOE_CAPACITY_FACTOR >= E so that
 nothing drops.
 
-Strict xfails (each a minimal reproduction, its reason the numbers and the suspected line):
-replicated experts x ZeRO 1 with clip and x ZeRO 3 crash; evaluation shards with different
-batch counts (pad=False) abort gloo instead of an error; load_checkpoint into another EP size is
-not refused by layout; nan/inf MOE_AUX_WEIGHT / MOE_CAPACITY_FACTOR are accepted; fp16 loss
-scaling overflows in MoeGradientHandler's sum-then-divide where one process does not.
+Found by these tests and since fixed (each failed before its fix): replicated experts x ZeRO 1
+with clip and x ZeRO 3 crashed; evaluation shards with different batch counts (pad=False)
+aborted gloo instead of an error; load_checkpoint into another EP size was not refused by
+layout; nan/inf MOE_AUX_WEIGHT / MOE_CAPACITY_FACTOR were accepted; fp16 loss scaling
+overflowed in MoeGradientHandler's sum-then-divide where one process does not.
 """
 import sys
 
@@ -154,33 +154,14 @@ TRAIN_CASES = {  # name: (config, processes, parallel)
 }
 
 
-ZERO_BUG = ("accepted by the config (check_moe returns early without parallel.moe), then "
-            "crashes instead of training or being refused by name: ")
-TRAIN_CASES.update({
+TRAIN_CASES.update({  # (these two crashed: apply_moe's handler under ZeRO)
     "replicated experts x ZeRO 1, clip": (dict(clip_grad_norm=CLIP, zero=dict(level=1)), 2, {}),
     "replicated experts x ZeRO 3": (dict(zero=dict(level=3)), 2, {}),
 })
-TRAIN_XFAIL = {
-    # ZeRO 1 keeps apply_moe's MoeGradientHandler (initialize.wrap_data_parallel: `moe is not
-    # None`), whose `norm` makes Engine.step pass sharded= to ShardedOptimizer.clip_grad_norm,
-    # which takes no such argument: TypeError at the first step
-    "replicated experts x ZeRO 1, clip": ZERO_BUG + (
-        "TypeError: ShardedOptimizer.clip_grad_norm() got an unexpected keyword argument "
-        "'sharded' (engine/engine.py Engine.step, `**({'sharded': spread} ...)`)"),
-    # apply_moe builds MoeGradientHandler even under ZeRO 3 (which then ignores it,
-    # wrap_data_parallel), and its __init__ broadcasts the dense parameters, which ZeRO 3 has
-    # already replaced by views of its shards: RuntimeError in initialize
-    "replicated experts x ZeRO 3": ZERO_BUG + (
-        "RuntimeError 'more than one element of the written-to tensor refers to a single memory "
-        "location' in MoeGradientHandler.__init__'s _coalesced_broadcast (moe/grads.py:168, "
-        "built by engine/initialize.py apply_moe after apply_zero)"),
-}
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=TRAIN_XFAIL[n]))
-    if n in TRAIN_XFAIL else n for n in TRAIN_CASES])
+@pytest.mark.parametrize("name", TRAIN_CASES)
 def test_gloo_moe_composed_training_equals_one_process(name):
     config, world, parallel = TRAIN_CASES[name]
     ref, runs = _one_and_layout(config, world, parallel, 4)
@@ -476,13 +457,6 @@ def _load_other_layout(rank, world, port, config, path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason=(
-    "load_checkpoint of EP 2 files into another expert-parallel size is not refused by layout: "
-    "_check_layout (checkpoint.py) compares pipeline and tensor sizes only, not the file's "
-    "'moe' entry. One process looks for ckpt.pt: FileNotFoundError 'not found'; EP 4 ranks 0/1 "
-    "read ckpt-expert0/1.pt holding 2 experts each: torch's 'Unexpected key(s) ... experts.1'; "
-    "ranks 2/3: FileNotFoundError. None names the saved EP, this job's, or merge_checkpoint + "
-    "load_plain_state_dict as the way across (which the test above shows works)"))
 def test_gloo_moe_checkpoint_into_another_ep_size_says_how(tmp_path):
     run_ranks(_five_calls, 2, dict(parallel=EP2), 0, 1, None, str(tmp_path / "ep2.pt"),
               timeout=30)
@@ -569,12 +543,6 @@ def test_moe_bad_config_values_are_refused_by_key():
 @pytest.mark.parametrize("key,value", [("MOE_AUX_WEIGHT", float("nan")),
                                        ("MOE_AUX_WEIGHT", float("inf")),
                                        ("MOE_CAPACITY_FACTOR", float("inf"))])
-@pytest.mark.xfail(strict=True, reason=(
-    "moe/settings.py _number accepts nan and inf: `value <= 0` / `value < 0` is False for nan, and "
-    "nothing checks finiteness. MOE_AUX_WEIGHT=nan (or inf): measured on one process, the loss "
-    "is nan from the first step, every fp32 step is 'taken' (no scaler, no finite check) and the "
-    "weights turn nan silently. MOE_CAPACITY_FACTOR=inf: accepted, then OverflowError 'cannot "
-    "convert float infinity to integer' in router.expert_capacity at the first forward"))
 def test_moe_non_finite_numbers_are_refused_by_key(key, value):
     from nanocolossal.config import ConfigError, load_config
     with pytest.raises(ConfigError, match=key):
@@ -582,16 +550,6 @@ def test_moe_non_finite_numbers_are_refused_by_key(key, value):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason=(
-    "MoE x fp16 loss scaling on 2 data ranks: MoeGradientHandler all-reduces the scaled fp16 "
-    "gradients and divides after (moe/grads.py _sum_and_divide: all_reduce(flat), then "
-    "flat / divisor), so the sum of 2 ranks overflows fp16 where one process's gradient (and "
-    "DDP, which divides before its all-reduce: ddp.py _write_slot) does not. Measured here: max "
-    "|grad| 0.493 (one process), 0.35 / 0.70 (ranks); with loss scale 81920 the sum 0.99 x 81920 "
-    "> 65504: step 1 is skipped and the scale halved on every rank, one process takes it. "
-    "train_gpt.py (dim 32, NAIVE fp16, default scale 2^16, 6 AdamW steps) shows it too: final "
-    "train loss 5.00542 one process vs 5.10536 on 2 ranks with or without parallel.moe (the dense "
-    "GPT: 4.95118 vs 4.95117); with initial_scale=64 both give 5.0054"))
 @pytest.mark.parametrize("parallel", [EP2, {}], ids=["EP 2", "replicated experts"])
 def test_gloo_moe_fp16_gradient_sum_does_not_overflow_where_one_process_does_not(parallel):
     config = dict(fp16=dict(mode=AMP_TYPE.NAIVE, dtype="float16", initial_scale=81920.0))

@@ -151,7 +151,7 @@ def apply_moe(model: nn.Module, optimizer: MixedPrecisionOptimizer
     experts = sorted({m.num_experts for m in layers})
     did = (f"MoE: {len(layers)} layer(s) of {'/'.join(map(str, experts))} experts, expert "
            f"parallel x{gpc.moe_size}, + {weight:g} x load-balancing loss")
-    if gpc.gradient_size == 1:
+    if gpc.gradient_size == 1 or gpc.moe_size == 1:  # experts replicated: DDP or ZeRO as ever
         return None, weight, did
     return MoeGradientHandler(model, optimizer.master_pairs()), weight, \
         f"{did}; gradients after backward: experts over their holders, the rest over " \

@@ -113,10 +113,12 @@ def _sum_and_divide(params: Iterable[nn.Parameter], group: Group, divisor: int) 
         by_dtype.setdefault(p.dtype, []).append(p)
     for same in by_dtype.values():
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
-        flat = _flatten_dense_tensors(grads)
+        # divide first, as DDP does: a sum of loss-scaled fp16 gradients may overflow where
+        # their mean does not (and then a step one process takes would be skipped)
+        flat = _flatten_dense_tensors(grads) / divisor
         if group_size(group) > 1:
             dist.all_reduce(flat, group=group)
-        for p, synced in zip(same, _unflatten_dense_tensors(flat / divisor, grads)):
+        for p, synced in zip(same, _unflatten_dense_tensors(flat, grads)):
             if p.grad is None:
                 p.grad = synced.clone()
             else:

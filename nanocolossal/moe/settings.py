@@ -24,6 +24,7 @@ parameters into one data-parallel shard: experts are not replicated there).
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Mapping, Optional
 
@@ -50,7 +51,7 @@ def moe_size(cfg: Mapping) -> int:
 
 def _number(cfg: Mapping, key: str, default: float, positive: bool) -> float:
     value = cfg.get(key, default)
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or (value <= 0 if positive else value < 0):
         raise ConfigError(f"{key} must be a number {'> 0' if positive else '>= 0'}, got {value!r}"
                           + (" (1.25 is usual; >= NUM_EXPERTS never drops a token)"
