@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, run_ranks
+from run_records import compare_runs, one_and_layout
 from torch.testing import assert_close
 
 import nanocolossal as nc
@@ -100,25 +101,12 @@ def _padded(batches, config):
     return [(x, y.index_fill(1, torch.arange(SEQ - config["PAD"], SEQ), -100)) for x, y in batches]
 
 
-def _compare(ref, runs, rtol=1e-10, atol=1e-10, norms=True):
-    for run in runs:
-        assert run["took"] == ref["took"]
-        assert run["scales"] == ref["scales"]
-        assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), rtol=rtol,
-                     atol=atol)
-        if norms:
-            assert [n is None for n in run["norms"]] == [n is None for n in ref["norms"]]
-            assert_close(torch.tensor([n or 0.0 for n in run["norms"]]),
-                         torch.tensor([n or 0.0 for n in ref["norms"]]), rtol=rtol, atol=atol)
-        for key, value in run["state"].items():
-            assert_close(value, ref["state"][key], rtol=rtol, atol=atol,
-                         msg=lambda m, key=key: f"{key}: {m}")
+def _compare(ref, runs, **tolerances):
+    compare_runs(ref, runs, **tolerances)
 
 
 def _one_and_layout(config, world, parallel, *args, timeout=60):
-    ref = run_ranks(_train, 1, config, *args, timeout=timeout)[0]
-    runs = run_ranks(_train, world, {**config, "parallel": parallel}, *args, timeout=timeout)
-    return ref, runs
+    return one_and_layout(_train, config, world, parallel, *args, timeout=timeout)
 
 
 TRAIN_CASES = {  # name: (config, processes, parallel)
