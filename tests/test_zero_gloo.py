@@ -231,7 +231,7 @@ def test_gloo_zero_refuses_whole_parameter_optimizers_and_missing_parameters():
     ({"zero": dict(level=2, bucket=1)}, "unknown zero key(s) ['bucket']"),
     ({"zero": dict(level=1), "gradient_handler": [dict(type="DataParallelGradientHandler")]},
      "remove gradient_handler"),
-    ({"zero": dict(level=2), "fp16": dict(mode=AMP_TYPE.NAIVE)}, "NAIVE O2"),
+    ({"zero": dict(level=3), "fp16": dict(mode=AMP_TYPE.NAIVE)}, "NAIVE O2"),
     ({"zero": dict(level=2), "parallel": dict(pipeline=2)}, "pipeline or tensor (1d/2d)"),
     ({"zero": dict(level=1, overlap_communication=False)}, "applies to levels 2 and 3"),
 ])

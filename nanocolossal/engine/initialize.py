@@ -43,7 +43,7 @@ from ..moe import MoeGradientHandler, moe_layers
 from ..moe.settings import moe_aux_weight
 from ..sequence import check_sequence_model, split_loader
 from ..syncbn import convert_sync_batchnorm
-from ..zero import ReduceScatterDDP, ShardedOptimizer
+from ..zero import MixedShardedOptimizer, ReduceScatterDDP, ShardedOptimizer
 from ..zero.settings import zero_settings
 from ..zero.sharded_model import ShardedModel, plan_units
 from ..zero.sharded_params import ParamShardedOptimizer
@@ -133,7 +133,9 @@ def apply_zero(model: nn.Module, optimizer: MixedPrecisionOptimizer
         return sharded, (f"ZeRO level 3 x{gpc.gradient_size}: this rank keeps "
                          f"{sharded.shard_bytes()} bytes of parameters between uses, the same "
                          f"shard of gradients and optimizer state, {len(children)} child units")
-    sharded = ShardedOptimizer(optimizer, model, zero["level"], gpc.gradient_group)
+    # O2: the fp32 masters are sharded too (zero/mixed.py)
+    kind = MixedShardedOptimizer if optimizer.master_pairs() else ShardedOptimizer
+    sharded = kind(optimizer, model, zero["level"], gpc.gradient_group)
     mine = sum(s.hi - s.lo for b in sharded.buffers for s in b.segments)
     total = sum(p.numel() for p in sharded.model_params)
     return sharded, (f"ZeRO level {zero['level']} x{gpc.gradient_size}: this rank holds the "

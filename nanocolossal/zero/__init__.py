@@ -1,7 +1,8 @@
 """ZeRO: shard over the data-parallel ranks what plain data parallelism replicates.
 
 Level 1 shards the optimizer state, level 2 also the gradients (optimizer.py explains both and
-their memory and traffic; gradients.py is level 2's backward), level 3 also the parameters
+their memory and traffic; gradients.py is level 2's backward; mixed.py the fp32 master shards
+under AMP O2), level 3 also the parameters
 (sharded_model.py: the gather / free / reduce-scatter timeline; sharded_params.py: the shards).
 Turned on by the config:
 
@@ -12,11 +13,13 @@ unchanged. Colossal-AI v0.1's zero=dict(model_config=..., optimizer_config=...) 
 (settings.py says which of its keys mean something here).
 """
 from .gradients import ReduceScatterDDP
+from .mixed import MasterFlatBuffer, MixedShardedOptimizer
 from .optimizer import ELEMENTWISE, FlatBuffer, Segment, ShardedOptimizer
 from .settings import ZERO_KEYS, check_zero, zero_settings
 from .sharded_model import ShardedModel, plan_units
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
 
-__all__ = ["ELEMENTWISE", "ZERO_KEYS", "FlatBuffer", "ParamShardedOptimizer", "ReduceScatterDDP",
+__all__ = ["ELEMENTWISE", "ZERO_KEYS", "FlatBuffer", "MasterFlatBuffer",
+           "MixedShardedOptimizer", "ParamShardedOptimizer", "ReduceScatterDDP",
            "Segment", "ShardedFlatBuffer", "ShardedModel", "ShardedOptimizer", "check_zero",
            "plan_units", "zero_settings"]

@@ -43,8 +43,8 @@ Checkpoints: state_dict() (a collective) gathers every rank's segments, via all_
 into the state_dict a plain torch optimizer of the unsplit model would have; data rank 0 writes
 it. load_state_dict() keeps this rank's pieces of such a state: it loads into any data size.
 
-fp16: the scaler's overflow check is agreed job-wide (amp.py). AMP O1 keeps fp32 parameters and
-works; O2/O3 (half parameters, fp32 masters) are refused: the masters would need their own shard.
+fp16: the scaler's overflow check is agreed job-wide (amp.py). AMP O1 keeps fp32 parameters;
+O2 (half parameters, fp32 masters) shards the masters too: mixed.py, the paper's formulas.
 """
 from __future__ import annotations
 
@@ -102,16 +102,17 @@ class FlatBuffer:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, mixed: MixedPrecisionOptimizer,
-                     model: nn.Module) -> None:
+                     model: nn.Module, level: int) -> None:
     if type(optimizer) not in ELEMENTWISE:
         raise ConfigError(
             f"[rank {gpc.rank}] zero: {type(optimizer).__name__} is not an element-wise optimizer "
             f"we can step piece by piece (each rank steps only slices of parameters, so an update "
             f"that needs a whole parameter -- LAMB's or LARS's trust ratio -- would be wrong); use "
             f"one of {', '.join(c.__name__ for c in ELEMENTWISE)}, or remove zero")
-    if mixed.master_pairs():
-        raise ConfigError(f"[rank {gpc.rank}] zero with fp16 O2/O3 (half parameters, fp32 master "
-                          f"weights) is not supported yet; use fp16=dict(mode=AMP_TYPE.TORCH)")
+    if mixed.master_pairs():  # mixed.py shards the masters of levels 1-2
+        raise ConfigError(f"[rank {gpc.rank}] zero level {level} with fp16 O2 (half parameters, "
+                          f"fp32 master weights) is not supported; use zero level 1 or 2 with "
+                          f"O2, or fp16=dict(mode=AMP_TYPE.TORCH) (O1) with level 3")
     if optimizer.state:
         raise ConfigError(f"[rank {gpc.rank}] zero: the optimizer has already stepped; pass a "
                           f"fresh optimizer to initialize (load its state after, with "
@@ -142,7 +143,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     def __init__(self, mixed: MixedPrecisionOptimizer, model: nn.Module, level: int,
                  group: Optional[dist.ProcessGroup] = None) -> None:
         optimizer = mixed.optimizer
-        _check_optimizer(optimizer, mixed, model)
+        _check_optimizer(optimizer, mixed, model, level)
         self.level, self.group = level, group if group is not None else gpc.data_group
         self.size = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0

@@ -1,0 +1,140 @@
+"""ZeRO levels 1-2 with AMP O2: half model parameters, fp32 master weights only for my shard --
+the ZeRO paper's mixed-precision Adam.
+
+One process under O2 (amp.py) keeps a half model, and, for the optimizer, an fp32 master copy
+of every half parameter plus Adam's two fp32 states: 2 + 2 + (4 + 8) bytes per parameter. Here
+the half parameters are flattened into half flat buffers exactly as optimizer.py flattens fp32
+ones, and each rank makes fp32 masters only of the segments in its shard:
+
+                    rank 0            rank 1           ...  rank N-1
+    half params     [ whole model ]   [ whole model ]       [ whole model ]     2 Psi
+    half grads      level 1: all (DDP's average); level 2: my shard only        2 Psi | 2 Psi/N
+    fp32 masters    [ shard 0 ]       [ shard 1 ]           [ shard N-1 ]       4 Psi/N
+    Adam states     [ shard 0 ]       [ shard 1 ]           [ shard N-1 ]       8 Psi/N
+
+    backward  half gradients (x loss scale S) averaged by DDP (level 1) or reduce-scattered,
+              my shard's half pieces kept (level 2)
+    unscale   my half pieces -> fp32 master gradients, x 1/S, inf/nan check all-reduced (MAX)
+              over the whole job: an overflow on any rank skips the step everywhere
+    step      the inner optimizer steps my fp32 master segments; each is copied (rounded) into
+              its half segment of the flat buffer; one all-gather gives everyone the new model
+
+Memory per rank after backward, before the step (bytes; parameters kept in fp32 -- O2's
+normalisation layers -- count 4 + 4 + 8/N as optimizer.py's fp32 table):
+    level 1   2 Psi + 2 Psi      + 12 Psi/N    (+ DDP's persistent half buckets, 2 Psi)
+    level 2   2 Psi + 2 Psi/N    + 12 Psi/N    (a half gradient shard; during unscale and the
+              step it becomes an fp32 shard, 4 Psi/N, and the half one is freed)
+"Shard" is ceil(Psi/N) elements on all ranks but the last ones (padding holds no master).
+
+The loss scale, overflow skipping and clipping are MixedPrecisionOptimizer's, run on the
+shard: each gradient element is in exactly one shard, so the norm's squares add up once.
+
+Checkpoints: state_dict() returns what one process's O2 MixedPrecisionOptimizer returns -- the
+plain optimizer state and "masters", one whole fp32 tensor per half parameter in its order --
+gathered from every rank's pieces; load_state_dict() keeps my pieces: any data size, or one
+process's O2. Level 3 and O3 (half parameters, no masters) are refused (settings.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..amp import MixedPrecisionOptimizer
+from .optimizer import FlatBuffer, ShardedOptimizer
+
+
+class MasterFlatBuffer(FlatBuffer):
+    """A FlatBuffer whose half segments are stepped through fp32 masters: segment.param is the
+    master the inner optimizer updates, segment.half the view of the flat buffer it rounds to."""
+
+    def __init__(self, params: list[nn.Parameter], indices: list[int], size: int,
+                 rank: int) -> None:
+        super().__init__(params, indices, size, rank)
+        half = self.data.dtype in (torch.float16, torch.bfloat16)
+        for s in self.segments:
+            s.half = s.param if half else None  # fp32 parameters (norm layers) are their master
+            if half:
+                s.param = nn.Parameter(s.half.detach().float())
+
+
+class MixedShardedOptimizer(ShardedOptimizer):
+    """ZeRO level 1/2 around an O2 MixedPrecisionOptimizer: masters for my shard only."""
+
+    buffer_class = MasterFlatBuffer
+
+    def __init__(self, mixed: MixedPrecisionOptimizer, model: nn.Module, level: int,
+                 group: Optional[dist.ProcessGroup] = None) -> None:
+        # the optimizer steps the half model parameters again; their whole-model masters are
+        # dropped (each rank makes its shard's, MasterFlatBuffer)
+        half_of = {id(master): p for p, master in mixed.master_pairs()}
+        for g in mixed.optimizer.param_groups:
+            g["params"] = [half_of.get(id(q), q) for q in g["params"]]
+        mixed._copies = []
+        super().__init__(mixed, model, level, group)
+        # MixedPrecisionOptimizer's (model, master) pairs become (half segment, fp32 segment):
+        # its unscale_ reads the half gradients, its step copies the masters back
+        self._copies = [(s.half, s.param) for s in self._mastered()]
+
+    def _mastered(self) -> list:
+        return [s for b in self.buffers for s in b.segments if s.half is not None]
+
+    # -- gradients in: half pieces onto the half segments, fp32 ones onto their segment ------
+    def _collect_grads(self) -> None:
+        for p, segments in self.segments_of.items():
+            for s in segments:
+                home = s.param if s.half is None else s.half
+                home.grad = None if p.grad is None else p.grad.reshape(-1)[s.lo:s.hi]
+
+    def receive_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        for s in self.segments_of[param]:
+            home = s.param if s.half is None else s.half
+            piece = grad.reshape(-1)[s.lo:s.hi]
+            home.grad = piece.clone() if home.grad is None else home.grad.copy_(piece)
+
+    def unscale_(self) -> bool:
+        found = super().unscale_()  # (level 1 collects first) half -> fp32 master gradients
+        for half, _ in self._copies:  # the fp32 shard replaces the half one
+            half.grad = None
+        return found
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for half, _ in self._copies:
+            half.grad = None
+
+    def master_bytes(self) -> int:
+        """Bytes of fp32 masters this rank holds (live tensors)."""
+        return sum(m.numel() * m.element_size() for _, m in self._copies)
+
+    # -- checkpoints: one process's O2 layout ---------------------------------------------------
+    def _half_indices(self) -> list[int]:
+        """Indices of the parameters one process's O2 keeps masters for, in its order."""
+        return [i for i, p in enumerate(self.model_params) if p.dtype != torch.float32]
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        mine = [(s.index, s.lo, s.hi, s.param.detach().cpu()) for s in self._mastered()]
+        everyone: list[Any] = [mine]
+        if self.size > 1:
+            everyone = [None] * self.size
+            dist.all_gather_object(everyone, mine, group=self.group)
+        whole = {i: torch.zeros(self.shapes[i].numel()) for i in self._half_indices()}
+        for pieces in everyone:
+            for index, lo, hi, master in pieces:
+                whole[index][lo:hi] = master
+        state["masters"] = [whole[i].view(self.shapes[i]) for i in self._half_indices()]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        masters = state.get("masters") if "optimizer" in state else None
+        if not masters:  # a plain optimizer state: the masters are the half parameters
+            return
+        saved = dict(zip(self._half_indices(), masters))
+        with torch.no_grad():
+            for s in self._mastered():
+                s.param.copy_(saved[s.index].reshape(-1)[s.lo:s.hi])
+                s.half.copy_(s.param)
