@@ -8,6 +8,34 @@ import torch
 from dist_helpers import run_ranks
 from torch.testing import assert_close
 
+import nanocolossal as nc
+from nanocolossal.context import gpc
+
+
+def record_steps(engine, loader, inject=None, after_step=None) -> dict:
+    """Train through `loader`, recording per step what compare_runs compares. `inject` =
+    (step, ranks[, parameter name]): an inf in one row of that parameter's gradient on those
+    ranks only -- an overflow some ranks see. `after_step(out)` records more per step."""
+    out = dict(losses=[], norms=[], took=[], scales=[])
+    for i, (x, y) in enumerate(loader):
+        engine.zero_grad()
+        hook = None
+        if inject is not None and i == inject[0] and gpc.rank in inject[1]:
+            name = inject[2] if len(inject) > 2 else ""
+            first = next(p for n, p in engine.model.named_parameters()
+                         if name in n and p.requires_grad)
+            hook = first.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+        _, _, loss = engine.execute_schedule((x, y))
+        if hook is not None:
+            hook.remove()
+        out["took"].append(engine.step())
+        out["norms"].append(engine.last_grad_norm)
+        out["scales"].append(engine.optimizer.loss_scale)
+        out["losses"].append(nc.metrics.all_reduce_mean(loss.item()))
+        if after_step is not None:
+            after_step(out)
+    return out
+
 
 def compare_runs(ref: dict, runs: list, rtol: float = 1e-10, atol: float = 1e-10,
                  norms: bool = True) -> None:

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, run_ranks
-from run_records import compare_runs, one_and_layout
+from run_records import compare_runs, one_and_layout, record_steps
 from torch import nn
 from torch.testing import assert_close
 
@@ -92,23 +92,9 @@ def _train(rank, world, port, config, steps=3, dtype=torch.float64, inject=None)
     model = _model(config, dtype)
     engine, loader, *_ = nc.initialize(model, _sgd(model), col_nn.VocabParallelCrossEntropyLoss(),
                                        _shard(_batches(steps)), verbose=False)
-    out = dict(losses=[], norms=[], took=[], scales=[], aux=[])
-    for i, (x, y) in enumerate(loader):
-        engine.zero_grad()
-        hook = None
-        if inject is not None and i == inject[0] and gpc.rank in inject[1]:
-            # an overflow on some ranks only: inf in one row of the embedding's gradient
-            name = inject[2] if len(inject) > 2 else ""
-            first = next(p for n, p in engine.model.named_parameters() if name in n)
-            hook = first.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
-        _, _, loss = engine.execute_schedule((x, y))
-        if hook is not None:
-            hook.remove()
-        out["took"].append(engine.step())
-        out["norms"].append(engine.last_grad_norm)
-        out["scales"].append(engine.optimizer.loss_scale)
-        out["losses"].append(nc.metrics.all_reduce_mean(loss.item()))
-        out["aux"].append(moe_aux_loss(engine.model).item())
+    def aux(out):
+        out.setdefault("aux", []).append(moe_aux_loss(engine.model).item())
+    out = record_steps(engine, loader, inject, aux)
     out["state"] = _state(engine.model)
     out["experts"] = sorted({k.split(".experts.")[1].split(".")[0]
                              for k in out["state"] if ".experts." in k})

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, run_ranks
-from run_records import compare_runs, one_and_layout
+from run_records import compare_runs, one_and_layout, record_steps
 from torch.testing import assert_close
 
 import nanocolossal as nc
@@ -74,21 +74,7 @@ def _train(rank, world, port, config, steps=3, dtype=torch.float64, inject=None)
                                                               momentum=0.9),
                                        col_nn.VocabParallelCrossEntropyLoss(),
                                        _shard(_padded(_batches(steps), config)), verbose=False)
-    out = dict(losses=[], norms=[], took=[], scales=[])
-    for i, (x, y) in enumerate(loader):
-        engine.zero_grad()
-        hook = None
-        if inject is not None and i == inject[0] and gpc.rank in inject[1]:
-            # an overflow on some ranks only: inf in one row of the embedding's gradient
-            first = next(p for p in engine.model.parameters() if p.requires_grad)
-            hook = first.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
-        _, _, loss = engine.execute_schedule((x, y))
-        if hook is not None:
-            hook.remove()
-        out["took"].append(engine.step())
-        out["norms"].append(engine.last_grad_norm)
-        out["scales"].append(engine.optimizer.loss_scale)
-        out["losses"].append(nc.metrics.all_reduce_mean(loss.item()))
+    out = record_steps(engine, loader, inject)  # inject: an overflow in the first parameter
     out["state"] = {k: v.detach().double().clone()
                     for k, v in nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()}
     return out

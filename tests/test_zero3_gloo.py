@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from dist_helpers import run_ranks
-from test_zero_gloo import B, Net, _adamw, _launch, _train_engine, _train_single
+from test_zero_gloo import B, Net, _adamw, _launch, _train_engine, _train_single, zero_config
 from torch import nn
 from torch.testing import assert_close
 
@@ -27,13 +27,7 @@ def _freed(model):
 
 
 def _worker(rank, world_size, port, accum=1, clip=0.0, bf16=False, overlap=True):
-    zero = dict(level=3) if overlap else dict(level=3, overlap_communication=False)
-    config = {"zero": zero, "gradient_accumulation": accum}
-    if clip:
-        config["clip_grad_norm"] = clip
-    if bf16:
-        config["fp16"] = dict(mode=AMP_TYPE.TORCH, dtype="bfloat16")
-    engine = _launch(rank, world_size, port, config)
+    engine = _launch(rank, world_size, port, zero_config(dict(level=3), accum, clip, bf16, overlap))
     assert isinstance(engine.optimizer, ParamShardedOptimizer) and _freed(engine.model)
     norms = _train_engine(engine, 5, rank, world_size, accum)
     assert _freed(engine.model)

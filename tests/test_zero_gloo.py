@@ -89,16 +89,20 @@ def _launch(rank, world_size, port, config):
     return engine
 
 
-def _worker(rank, world_size, port, level, accum=1, clip=0.0, bf16=False, overlap=True):
-    zero = dict(level=level, reduce_bucket_size_mb=2e-4)  # a few parameters per bucket
+def zero_config(zero: dict, accum: int, clip: float, bf16: bool, overlap: bool) -> dict:
     if not overlap:
-        zero["overlap_communication"] = False
+        zero = {**zero, "overlap_communication": False}
     config = {"zero": zero, "gradient_accumulation": accum}
     if clip:
         config["clip_grad_norm"] = clip
     if bf16:
         config["fp16"] = dict(mode=AMP_TYPE.TORCH, dtype="bfloat16")
-    engine = _launch(rank, world_size, port, config)
+    return config
+
+
+def _worker(rank, world_size, port, level, accum=1, clip=0.0, bf16=False, overlap=True):
+    zero = dict(level=level, reduce_bucket_size_mb=2e-4)  # a few parameters per bucket
+    engine = _launch(rank, world_size, port, zero_config(zero, accum, clip, bf16, overlap))
     norms = _train_engine(engine, 5, rank, world_size, accum)
     single = Net()
     single_norms = _train_single(single, _adamw(single), 5, n=world_size * accum * B, clip=clip,
