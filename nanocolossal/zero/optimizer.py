@@ -39,9 +39,8 @@ all-reduce by a reduce-scatter: Psi (N-1)/N + Psi (N-1)/N = the same 2 Psi as DD
 no reduce-scatter, so gradients.py emulates it with an all-reduce (2 Psi) and keeps its slice:
 on gloo level 2 moves 3 Psi (N-1)/N, as level 1 does.
 
-Checkpoints: state_dict() (a collective) gathers every rank's segments, via all_gather_object,
-into the state_dict a plain torch optimizer of the unsplit model would have; data rank 0 writes
-it. load_state_dict() keeps this rank's pieces of such a state: it loads into any data size.
+Checkpoints: state_dict() (collective) gathers every rank's segments into a plain optimizer's
+state_dict, which one rank writes; load_state_dict() keeps my pieces: any data size loads it.
 
 fp16: the scaler's overflow check is agreed job-wide (amp.py). AMP O1 keeps fp32 parameters;
 O2 (half parameters, fp32 masters) shards the masters too: mixed.py, the paper's formulas.
