@@ -151,6 +151,11 @@ class MixedPrecisionOptimizer:
         self._unscaled = True
         return self._found_inf
 
+    def copies(self, param: nn.Parameter) -> int:
+        """Ranks of the model group holding this exact parameter: the tensor ranks that replicate
+        it, times the pipeline stages that share it (a tied weight)."""
+        return replicas(param) * getattr(param, "pipeline_copies", 1)
+
     def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
                        sharded: Optional[tuple[dict[int, float], Any]] = None) -> float:
         """Clip unscaled gradients to the global norm of the whole model.
@@ -173,8 +178,7 @@ class MixedPrecisionOptimizer:
         sq = [torch.zeros((), device=device, dtype=acc) for _ in range(2)]  # model's, sharded
         if params:
             norms = torch._foreach_norm([p.grad for p in params])
-            copies = [replicas(p) * getattr(p, "pipeline_copies", 1) for p in params]
-            weights = torch.tensor([spread.get(id(p), 1.0) / n for n, p in zip(copies, params)],
+            weights = torch.tensor([spread.get(id(p), 1.0) / self.copies(p) for p in params],
                                    device=device, dtype=acc)
             which = torch.tensor([id(p) in spread for p in params], device=device)
             each = torch.stack(norms).to(acc) ** 2 * weights

@@ -233,7 +233,7 @@ def validate_config(cfg: Config) -> None:
     P, T, mode, _ = parallel_settings(cfg)
     if "zero" in cfg:  # (imported here: zero/ imports this module)
         from .zero.settings import check_zero
-        check_zero(cfg, P, T if mode != "sequence" else 1)  # sequence ranks: more data ranks
+        check_zero(cfg, P)
     from .moe.settings import check_moe  # (here: moe/ imports this module)
     check_moe(cfg)
     ddp = cfg.get("ddp", {})

@@ -1,7 +1,8 @@
 """train_gpt.py end to end: with dropout 0, one seed and one global batch, the final train loss and
 the sampled text are the same for one process and every layout -- tensor 1d and 2d, pipeline x
 tensor with the embedding tied to the classifier across stages, data x tensor, ZeRO 1 and 2,
-and sequence parallelism (ring attention) alone, x4, under a pipeline and beside data ranks."""
+ZeRO 2 under a pipeline (the tied embedding too), ZeRO 3 beside 1d tensor parallelism, and
+sequence parallelism (ring attention) alone, x4, under a pipeline and beside data ranks."""
 import re
 
 import pytest
@@ -21,6 +22,9 @@ LAYOUTS = {  # name: (processes, BATCH_SIZE per data replica (global 8), paralle
     "pipeline 2 x 2d 4": (8, 8, "parallel = dict(pipeline=2, tensor=dict(size=4, mode='2d'))"),
     "data 2, ZeRO 1": (2, 4, "zero = dict(level=1)"),
     "data 2, ZeRO 2": (2, 4, "zero = dict(level=2)"),
+    "pipeline 2 x data 2, ZeRO 2": (4, 4, "parallel = dict(pipeline=2)\nzero = dict(level=2)"),
+    "data 2 x 1d 2, ZeRO 3": (4, 4, "parallel = dict(tensor=dict(size=2, mode='1d'))\n"
+                                    "zero = dict(level=3)"),
     "sequence x2": (2, 8, "parallel = dict(tensor=dict(size=2, mode='sequence'))"),
     "sequence x4": (4, 8, "parallel = dict(tensor=dict(size=4, mode='sequence'))"),
     "pipeline 2 x sequence 2":
@@ -51,10 +55,12 @@ def test_gloo_train_gpt_final_loss_and_sample_are_the_same_for_every_layout(tmp_
 
 
 @pytest.mark.timeout(300)
-def test_gloo_the_tied_embedding_stays_one_table_across_pipeline_stages(tmp_path):
+@pytest.mark.parametrize("layout", ["pipeline 2 x 1d 2", "pipeline 2 x data 2, ZeRO 2"])
+def test_gloo_the_tied_embedding_stays_one_table_across_pipeline_stages(tmp_path, layout):
     """The token embedding (stage 0) and the classifier (stage 1) hold copies of one table:
-    after training they are still equal, and equal to one process's single table."""
-    _run(tmp_path, "pipeline 2 x 1d 2", "--checkpoint", "pp.pt")
+    after training they are still equal, and equal to one process's single table. (ZeRO 2: each
+    stage's data ranks hold pieces of the table's gradient, summed across stages piece by piece.)"""
+    _run(tmp_path, layout, "--checkpoint", "pp.pt")
     _run(tmp_path, "one process", "--checkpoint", "one.pt")
     pipelined, single = merge_checkpoint(tmp_path / "pp.pt"), merge_checkpoint(tmp_path / "one.pt")
     embedding, classifier = "0.tok.weight", "3.classifier.weight"

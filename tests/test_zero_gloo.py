@@ -236,7 +236,7 @@ def test_gloo_zero_refuses_whole_parameter_optimizers_and_missing_parameters():
     ({"zero": dict(level=1), "gradient_handler": [dict(type="DataParallelGradientHandler")]},
      "remove gradient_handler"),
     ({"zero": dict(level=3), "fp16": dict(mode=AMP_TYPE.NAIVE)}, "NAIVE O2"),
-    ({"zero": dict(level=2), "parallel": dict(pipeline=2)}, "pipeline or tensor (1d/2d)"),
+    ({"zero": dict(level=3), "parallel": dict(pipeline=2)}, "each of its micro-batches"),
     ({"zero": dict(level=1, overlap_communication=False)}, "applies to levels 2 and 3"),
 ])
 def test_zero_config_errors(config, message):

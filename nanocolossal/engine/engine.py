@@ -47,6 +47,7 @@ from ..moe import moe_aux_loss
 from ..nest import map_tensors
 from ..pipeline.tied import sum_tied_gradients
 from ..tensor.layers_2d import labels_of_output
+from ..zero import ShardedOptimizer
 
 
 def _to_device(obj: Any) -> Any:
@@ -176,7 +177,11 @@ class PipelineEngine(Engine):
 
     def step(self) -> bool:
         if self._group_ends():  # a weight two stages share steps with the sum of their gradients
-            sum_tied_gradients(getattr(self.model, "tied", []))
+            tied = getattr(self.model, "tied", [])
+            if isinstance(self.optimizer, ShardedOptimizer):  # ZeRO 2: pieces of gradients
+                self.optimizer.sum_tied_gradients(tied)
+            else:
+                sum_tied_gradients(tied)
         return super().step()
 
     def _sync_buffers(self) -> None:

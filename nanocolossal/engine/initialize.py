@@ -171,9 +171,10 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
     if isinstance(optimizer, ParamShardedOptimizer):  # its hooks reduce the gradients
         return [model], None, None
     if isinstance(optimizer, ShardedOptimizer) and optimizer.level == 2:
-        return [ReduceScatterDDP(model, optimizer, zero.get("reduce_bucket_size_mb", 25),
-                                 zero.get("overlap_communication", True))], None, \
-            "reduce-scatter of gradients"
+        # (a pipeline stage syncs buffers once per batch, not per micro-batch: see below)
+        return [ReduceScatterDDP(part, optimizer, zero.get("reduce_bucket_size_mb", 25),
+                                 zero.get("overlap_communication", True), not pipelined)
+                for part in parts], None, "reduce-scatter of gradients"
     if gpc.gradient_size == 1:
         return parts, None, None
     if moe is not None:  # experts are not replicated over the data ranks: apply_moe's handler

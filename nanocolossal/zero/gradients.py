@@ -63,10 +63,12 @@ class ReduceScatterDDP(DistributedDataParallel):
     bucket_class = _TransientBucket
 
     def __init__(self, module: nn.Module, optimizer: ShardedOptimizer,
-                 bucket_cap_mb: float = 25, overlap_communication: bool = True) -> None:
+                 bucket_cap_mb: float = 25, overlap_communication: bool = True,
+                 broadcast_buffers: bool = True) -> None:
         self.sharded_optimizer = optimizer
         self.overlap = overlap_communication
-        super().__init__(module, process_group=optimizer.group, bucket_cap_mb=bucket_cap_mb)
+        super().__init__(module, process_group=optimizer.group, bucket_cap_mb=bucket_cap_mb,
+                         broadcast_buffers=broadcast_buffers)
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         if self.require_sync:

@@ -81,18 +81,8 @@ class MixedShardedOptimizer(ShardedOptimizer):
     def _mastered(self) -> list:
         return [s for b in self.buffers for s in b.segments if s.half is not None]
 
-    # -- gradients in: half pieces onto the half segments, fp32 ones onto their segment ------
-    def _collect_grads(self) -> None:
-        for p, segments in self.segments_of.items():
-            for s in segments:
-                home = s.param if s.half is None else s.half
-                home.grad = None if p.grad is None else p.grad.reshape(-1)[s.lo:s.hi]
-
-    def receive_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        for s in self.segments_of[param]:
-            home = s.param if s.half is None else s.half
-            piece = grad.reshape(-1)[s.lo:s.hi]
-            home.grad = piece.clone() if home.grad is None else home.grad.copy_(piece)
+    def home(self, s: Any) -> nn.Parameter:  # half pieces onto the half segments
+        return s.param if s.half is None else s.half
 
     def unscale_(self) -> bool:
         found = super().unscale_()  # (level 1 collects first) half -> fp32 master gradients

@@ -39,8 +39,15 @@ all-reduce by a reduce-scatter: Psi (N-1)/N + Psi (N-1)/N = the same 2 Psi as DD
 no reduce-scatter, so gradients.py emulates it with an all-reduce (2 Psi) and keeps its slice:
 on gloo level 2 moves 3 Psi (N-1)/N, as level 1 does.
 
-Checkpoints: state_dict() (collective) gathers every rank's segments into a plain optimizer's
-state_dict, which one rank writes; load_state_dict() keeps my pieces: any data size loads it.
+With a pipeline or tensor parallelism, "the data-parallel ranks" are those holding the same
+stage and tensor slice (gpc.gradient_group): each shards what it holds -- a tensor-split weight
+stays split, ZeRO cuts my slice further. Clipping adds every rank's shard squares over that group,
+then the stages' and tensor ranks' sums (a replicated weight counted once). A weight two stages
+share (pipeline/tied.py) steps with the sum of both stages' gradients: at level 2 each data rank
+holds pieces of it, which are put together, summed across the stages and cut again.
+
+Checkpoints (state.py): state_dict() (collective) gathers every rank's segments into a plain
+optimizer's state_dict, which one rank writes; load_state_dict() keeps my pieces: any data size.
 
 fp16: the scaler's overflow check is agreed job-wide (amp.py). AMP O1 keeps fp32 parameters;
 O2 (half parameters, fp32 masters) shards the masters too: mixed.py, the paper's formulas.
@@ -49,7 +56,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -58,12 +65,13 @@ from torch import nn
 from ..amp import MixedPrecisionOptimizer
 from ..config import ConfigError
 from ..context import gpc
+from ..pipeline.tied import Tied, sum_tied_gradients
 from .comm import gather_shards
+from .state import SCALAR_STATE, gather_plain_state, keep_my_pieces
 
 # optimizers whose update of an element depends only on that element's gradient and state
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
                torch.optim.Adagrad)
-SCALAR_STATE = ("step",)  # per-parameter scalars; every other state tensor is per element
 
 
 class Segment:
@@ -165,9 +173,11 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                            "params": [s.param for s in segments]})
             start += len(g["params"])
         self.segments_of: dict[nn.Parameter, list[Segment]] = {p: [] for p in self.model_params}
+        self.index_of: dict[int, int] = {}  # id(segment parameter) -> its model parameter
         for buffer in self.buffers:
             for s in buffer.segments:
                 self.segments_of[self.model_params[s.index]].append(s)
+                self.index_of[id(s.param)] = s.index
         super().__init__(_same_optimizer(optimizer, groups), mixed.scaler,
                          check_finite=mixed.check_finite)
 
@@ -176,21 +186,38 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         return (p.dtype, p.device)
 
     # -- gradients in ---------------------------------------------------------------------
+    def home(self, s: Segment) -> nn.Parameter:
+        """Where the gradient of segment `s` arrives (under O2, mixed.py: its half view)."""
+        return s.param
+
     def receive_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         """Level 2: keep my pieces of `param`'s averaged gradient (a transient bucket slot)."""
         for s in self.segments_of[param]:
-            piece = grad.reshape(-1)[s.lo:s.hi]
-            if s.param.grad is None:
-                s.param.grad = piece.clone()
-            else:
-                s.param.grad.copy_(piece)
+            home, piece = self.home(s), grad.reshape(-1)[s.lo:s.hi]
+            home.grad = piece.clone() if home.grad is None else home.grad.copy_(piece)
+
+    def sum_tied_gradients(self, tied: Tied) -> None:
+        """A weight two pipeline stages share steps with the sum of their gradients (tied.py).
+        Level 1: DDP left whole gradients. Level 2: the data ranks hold disjoint pieces of it:
+        all-reduce them (zeros elsewhere) into the whole, sum over the stages, keep my pieces."""
+        if self.level == 1:
+            return sum_tied_gradients(tied)
+        for param, group in tied:
+            whole = torch.zeros(param.numel(), dtype=param.dtype, device=param.device)
+            for s in self.segments_of[param]:
+                if self.home(s).grad is not None:
+                    whole[s.lo:s.hi] = self.home(s).grad
+            dist.all_reduce(whole, group=self.group)
+            dist.all_reduce(whole, group=group)
+            for s in self.segments_of[param]:
+                self.home(s).grad = whole[s.lo:s.hi].clone()
 
     def _collect_grads(self) -> None:
         """Level 1: my pieces of the gradients DDP averaged (views: no copy). A parameter no
         rank computed a gradient for has none, so its pieces have none either."""
         for p, segments in self.segments_of.items():
             for s in segments:
-                s.param.grad = None if p.grad is None else p.grad.reshape(-1)[s.lo:s.hi]
+                self.home(s).grad = None if p.grad is None else p.grad.reshape(-1)[s.lo:s.hi]
 
     def unscale_(self) -> bool:
         if self.level == 1 and not self._unscaled:
@@ -202,13 +229,15 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
             p.grad = None
         self.optimizer.zero_grad(set_to_none=True)
 
+    def copies(self, param: nn.Parameter) -> int:
+        return super().copies(self.model_params[self.index_of[id(param)]])  # a segment's origin
+
     def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None) -> float:
         """The norm of all gradients: each rank adds the squares of its shard (each element
-        is in exactly one shard; padding has no gradient), all-reduced over the data group."""
-        if group is not None and dist.get_world_size(group) > 1:
-            raise ConfigError(f"[rank {gpc.rank}] zero with pipeline or tensor parallelism is "
-                              f"not supported yet")
-        return super().clip_grad_norm(max_norm, self.group if self.size > 1 else None)
+        is in exactly one shard; padding has no gradient), summed over the data group; then
+        with the other pipeline stages' and tensor ranks' sums over `group`."""
+        mine = {id(p): 1.0 for p in self.params()}  # every segment is spread over the data group
+        return super().clip_grad_norm(max_norm, group, sharded=(mine, self.group))
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> bool:
@@ -225,76 +254,11 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         return sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
                    for k, t in state.items() if k not in SCALAR_STATE and torch.is_tensor(t))
 
-    # -- checkpoints ------------------------------------------------------------------------
-    def _segments(self) -> list[Segment]:
-        return [s for group in self.optimizer.param_groups for s in self._by_param(group)]
-
-    def _by_param(self, group: dict) -> list[Segment]:
-        where = {id(s.param): s for b in self.buffers for s in b.segments}
-        return [where[id(p)] for p in group["params"]]
-
+    # -- checkpoints: the unsplit model's plain optimizer state (state.py) -------------------
     def state_dict(self) -> dict:
         """The unsplit model's plain torch optimizer state (collective over the data group)."""
-        mine = {}
-        for s in self._segments():
-            state = self.optimizer.state.get(s.param)
-            if state:
-                mine.setdefault(s.index, []).append(
-                    (s.lo, s.hi, {k: v.detach().cpu() if torch.is_tensor(v) else v
-                                  for k, v in state.items()}))
-        everyone: list[Any] = [mine]
-        if self.size > 1:
-            everyone = [None] * self.size
-            dist.all_gather_object(everyone, mine, group=self.group)
-        full: dict[int, dict] = {}
-        for pieces in everyone:
-            for index, parts in pieces.items():
-                numel = self.shapes[index].numel()
-                entry = full.setdefault(index, {})
-                for lo, hi, state in parts:
-                    for k, v in state.items():
-                        if k in SCALAR_STATE or not torch.is_tensor(v):
-                            entry[k] = v
-                        else:
-                            whole = entry.setdefault(k, torch.zeros(numel, dtype=v.dtype))
-                            whole[lo:hi] = v
-        for index, entry in full.items():  # flat pieces back into the parameter's shape
-            shape = self.shapes[index]
-            for k, v in entry.items():
-                if k not in SCALAR_STATE and torch.is_tensor(v):
-                    entry[k] = v.view(shape)
-        groups, start = [], 0
-        for g in self.user_groups:
-            groups.append({**{k: v for k, v in self.optimizer.param_groups[len(groups)].items()
-                              if k != "params"},
-                           "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
-        return {"optimizer": {"state": full, "param_groups": groups},
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "masters": [], "zero": {"level": self.level, "data_size": self.size}}
+        return gather_plain_state(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Keep this rank's pieces of a plain (unsplit) optimizer state: any data size."""
-        plain = state["optimizer"] if "optimizer" in state else state
-        if len(plain["param_groups"]) != len(self.user_groups):
-            raise ValueError(f"[rank {gpc.rank}] the saved optimizer has "
-                             f"{len(plain['param_groups'])} param groups, this one "
-                             f"{len(self.user_groups)}")
-        saved = {int(k): v for k, v in plain["state"].items()}
-        pieces, groups = {}, []
-        for saved_group, group in zip(plain["param_groups"], self.optimizer.param_groups):
-            ids = []
-            for s in self._by_param(group):
-                ids.append(len(pieces))
-                full = saved.get(s.index)
-                if full:
-                    pieces[len(pieces)] = {
-                        k: v if k in SCALAR_STATE or not torch.is_tensor(v)
-                        else v.reshape(-1)[s.lo:s.hi].clone() for k, v in full.items()}
-                else:
-                    pieces[len(pieces)] = None
-            groups.append({**saved_group, "params": ids})
-        self.optimizer.load_state_dict(
-            {"state": {i: v for i, v in pieces.items() if v is not None}, "param_groups": groups})
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+        keep_my_pieces(self, state)

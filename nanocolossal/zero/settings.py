@@ -70,7 +70,7 @@ def zero_settings(cfg: Config) -> tuple[dict, dict, list[str]]:
     return dict(level=3), scaler, notes
 
 
-def check_zero(cfg: Config, P: int, T: int) -> None:
+def check_zero(cfg: Config, P: int) -> None:
     """zero=dict(level=1|2|3, reduce_bucket_size_mb=25, overlap_communication=True), or v0.1's
     dict(model_config=..., optimizer_config=...)."""
     if not isinstance(cfg.zero, Mapping):
@@ -95,9 +95,11 @@ def check_zero(cfg: Config, P: int, T: int) -> None:
     if cfg.get("gradient_handler"):
         raise ConfigError("zero and gradient_handler both say how gradients are reduced; remove "
                           "gradient_handler (zero reduces them itself)")
-    if P > 1 or T > 1:
-        raise ConfigError("zero with pipeline or tensor (1d/2d) parallelism is not supported "
-                          "yet; use zero with data and sequence parallelism only, or remove zero")
+    if P > 1 and level == 3:  # 1F1B runs a stage's forward M times before its first backward
+        raise ConfigError(f"zero level 3 with a pipeline (pipeline={P}) is not supported: a stage "
+                          f"would gather its parameters for each of its micro-batches, forward and "
+                          f"backward (2M all-gathers a step); use zero level 1 or 2 with a "
+                          f"pipeline (ZeRO over each stage's data ranks), or level 3 without one")
     fp16 = cfg.get("fp16")
     if isinstance(fp16, Mapping) and "mode" in fp16:
         mode = AMP_TYPE.parse(fp16["mode"])
