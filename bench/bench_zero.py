@@ -60,6 +60,11 @@ FSDP2 as much as between either and ours, so it is the order of a sum, not an im
 That is reported, not asserted; on 2 ranks a + b is the same sum either way and every pair
 agrees exactly.
 
+Traffic: the elements each of our variants hands to collectives in one step are counted
+(nanocolossal.traffic) and turned into what a ring sends per rank, in units of Psi (N-1)/N: the
+ZeRO paper's 2 for DDP, 3 for levels 1 and 2 here (gloo: the reduce-scatter is an all-reduce;
+a true one would make level 2 a 2), 4 for level 3 (3 with a reduce-scatter).
+
 Prints a table and writes bench/results/zero.json (zero_4.json on 4 ranks).
 """
 import argparse
@@ -69,6 +74,7 @@ import os
 import platform
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -79,6 +85,7 @@ from torch import nn
 import nanocolossal as nc  # noqa: E402
 from nanocolossal.config import load_config  # noqa: E402
 from nanocolossal.context import gpc  # noqa: E402
+from nanocolossal.traffic import count_collectives, ring_elements  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-3, 0.01
 TOLERANCE = 1e-5  # max |param ours - param torch| after the timed steps
@@ -272,7 +279,11 @@ def main() -> None:
         for v in variants:
             v.step(x, y)
     x, y = batches(1)[0]  # one untimed step each: parameter bytes held during the step
-    during = {v.name: unsharded_param_bytes(v, x, y) for v in variants}
+    during, traffic = {}, {}
+    for v in variants:  # ... and the elements that step handed to collectives (ours: all of them)
+        with count_collectives() as counted:
+            during[v.name] = unsharded_param_bytes(v, x, y)
+        traffic[v.name] = dict(counted)
     early = param_diffs(variants, pairs)  # after warmup + 1 steps
     times = {v.name: [] for v in variants}
     for r in range(args.rounds):
@@ -323,6 +334,9 @@ def main() -> None:
         ratios["ours ZeRO-1 / ours DDP"] = round(med["ours ZeRO-1"] / med["ours DDP"], 3)
         ratios["ours ZeRO-2 / ours DDP"] = round(med["ours ZeRO-2"] / med["ours DDP"], 3)
         ratios["ours ZeRO-3 / ours DDP"] = round(med["ours ZeRO-3"] / med["ours DDP"], 3)
+        # what a ring sends per rank, in units of the paper's Psi (N-1)/N (DDP: 2)
+        sent = {k: round(ring_elements(Counter(c), N) / (psi * (N - 1) / N), 3)
+                for k, c in traffic.items() if k.startswith("ours")}
         result = dict(
             benchmark="zero", world_size=N, backend=gpc.backend, threads_per_rank=1,
             oversubscribed=N > (os.cpu_count() or 1),
@@ -333,6 +347,7 @@ def main() -> None:
             bytes_per_rank=[e["held"] for e in everyone],
             param_bytes_during_step=[e["during"] for e in everyone],
             formula_rank0={k: {**f, "total": sum(f.values())} for k, f in formula.items()},
+            collective_elements_per_step=traffic, ring_sent_per_rank_in_psi=sent,
             max_param_diff=diffs, max_param_diff_after_first_steps=early,
             steps_before_first_check=args.warmup + 1, max_param_moved_from_start=moved,
             torch_version=torch.__version__, machine=platform.machine(), cpus=os.cpu_count(),
@@ -359,6 +374,11 @@ def main() -> None:
         for label, d in diffs.items():
             print(f"    {label:<34} {early[label]:.1e} / {d:.1e}")
         print(f"  max |param - start| (ours DDP): {moved:.1e}")
+        print("  elements handed to collectives in one step (counted) -> a ring sends per rank:")
+        for name, multiple in sent.items():
+            shown = ", ".join(f"{k} {n / 1e6:.2f}M" for k, n in sorted(traffic[name].items()))
+            print(f"    {name:<14} {shown:<42} {multiple:.2f} Psi (N-1)/N")
+        print("  (torch's DDP and FSDP2 collectives run in C++ or by other names: not counted)")
         print("  (bytes of rank 0 after a step; every rank's in the JSON; ours equal the "
               "formulas on every rank, asserted)")
         default = "zero.json" if N == 2 else f"zero_{N}.json"

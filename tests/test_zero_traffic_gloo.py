@@ -1,0 +1,81 @@
+"""What a training step hands to collectives, counted (nanocolossal.traffic), equals the traffic
+formulas of ddp.py and zero/ exactly -- elements per step on every rank, for plain DDP and ZeRO
+levels 1-3 on 2 and 4 ranks, with a branch used on even steps only and a layer never used.
+
+Net (test_zero_gloo): Psi = 141 parameters in P = 8 tensors, two param groups (weights, biases),
+so two flat buffers, each padded to a multiple of N (level 3: two per unit a, b, side, never):
+
+    DDP       all-reduce  Psi + P               (the gradients and one "used" flag per tensor)
+    level 1   all-reduce  Psi + P               (DDP) + gather pad(Psi): the updated shards
+    level 2   all-reduce  Psi + P               (gloo's stand-in for a reduce-scatter: the
+              transient buckets) + gather pad(Psi)
+    level 3   gather      2 x pad(units used)   (before each used unit's forward and backward)
+              all-reduce  pad(all units) + P    (each unit's gradients; unused units too, with
+                                                 flags 0, so every rank issues the same calls)
+
+(`gather`: zero/comm.py's all-gather, on gloo one broadcast per shard.) These are the formulas'
+Psi terms with the padding and flags made exact. What a ring then sends per rank (the paper's
+2 Psi, 3 Psi, ...) is bench/bench_zero.py's, on a model large enough for padding not to matter.
+"""
+import math
+
+import pytest
+from dist_helpers import run_ranks
+from test_zero_gloo import B, Net, _adamw, _batch
+from torch import nn
+
+import nanocolossal as nc
+from nanocolossal.traffic import count_collectives
+
+pytestmark = pytest.mark.timeout(120)
+UNITS = ("a", "b", "side", "never")  # level 3's units: the model's children
+GROUPS = ("weight", "bias")          # _adamw's param groups: one flat buffer each
+
+
+def _numel(unit, group):
+    return getattr(getattr(Net(), unit), group).numel()
+
+
+def _padded(n, N):
+    return math.ceil(n / N) * N
+
+
+def expected(level, N, used):
+    """Elements handed to each kind of collective in one step that runs the units `used`."""
+    psi, P = sum(p.numel() for p in Net().parameters()), len(list(Net().parameters()))
+    if level == 0:
+        return {"all_reduce": psi + P}
+    if level in (1, 2):
+        whole = sum(_padded(sum(_numel(u, g) for u in UNITS), N) for g in GROUPS)
+        return {"all_reduce": psi + P, "broadcast": whole}
+    gathered = sum(_padded(_numel(u, g), N) for u in used for g in GROUPS)
+    every = sum(_padded(_numel(u, g), N) for u in UNITS for g in GROUPS)
+    return {"broadcast": 2 * gathered, "all_reduce": every + P}
+
+
+def _worker(rank, world_size, port, level):
+    nc.launch({"zero": dict(level=level)} if level else {}, rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port)
+    model = Net()
+    engine, *_ = nc.initialize(model, _adamw(model), nn.CrossEntropyLoss(), verbose=False)
+    counts = []
+    for step in range(3):
+        engine.model.use_side = step % 2 == 0
+        xs, ys = _batch(step, world_size * B)
+        mine = slice(rank * B, (rank + 1) * B)
+        with count_collectives() as counted:
+            engine.zero_grad()
+            engine.backward(engine.criterion(engine(xs[mine]), ys[mine]))
+            assert engine.step()
+        counts.append(dict(counted))
+    return counts
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("level", [0, 1, 2, 3], ids=["ddp", "zero1", "zero2", "zero3"])
+def test_gloo_elements_handed_to_collectives_per_step_equal_the_formula(level, world_size):
+    for rank, counts in enumerate(run_ranks(_worker, world_size, level, timeout=60)):
+        for step, counted in enumerate(counts):
+            used = ("a", "b", "side") if step % 2 == 0 else ("a", "b")
+            assert counted == expected(level, world_size, used), f"rank {rank} step {step}"
+
