@@ -230,6 +230,24 @@ def test_gloo_zero_refuses_whole_parameter_optimizers_and_missing_parameters():
     assert "b.weight" in missing and "not in the optimizer" in missing
 
 
+def _added_after_initialize_worker(rank, world_size, port, level):
+    engine = _launch(rank, world_size, port, {"zero": dict(level=level)})
+    engine.model.late = nn.Linear(5, 5)  # trainable, in no shard: it would never step
+    xs, ys = _batch(0, world_size * B)
+    engine.zero_grad()
+    engine.backward(engine.criterion(engine(xs[rank * B:(rank + 1) * B]),
+                                     ys[rank * B:(rank + 1) * B]))
+    with pytest.raises(ConfigError) as e:
+        engine.step()
+    assert str(e.value).startswith(f"[rank {rank}] zero: parameter(s) late.weight, late.bias "
+                                   f"were added to the model after nc.initialize")
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_gloo_zero_refuses_a_parameter_added_after_initialize(level):
+    run_ranks(_added_after_initialize_worker, 2, level, timeout=60)
+
+
 @pytest.mark.parametrize("config, message", [
     ({"zero": dict(level=4)}, "zero level must be 1, 2 or 3"),
     ({"zero": dict(level=2, bucket=1)}, "unknown zero key(s) ['bucket']"),

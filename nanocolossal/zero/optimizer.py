@@ -151,7 +151,8 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                  group: Optional[dist.ProcessGroup] = None) -> None:
         optimizer = mixed.optimizer
         _check_optimizer(optimizer, mixed, model, level)
-        self.level, self.group = level, group if group is not None else gpc.data_group
+        self.model, self.level = model, level
+        self.group = group if group is not None else gpc.data_group
         self.size = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.user_groups = optimizer.param_groups
@@ -241,12 +242,24 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> bool:
+        self._refuse_new_parameters()
         stepped = super().step()  # unscale, agreed overflow check, step my segments
         # a skipped step changed nothing anywhere: no gather; level 3 gathers before each use
         if stepped and self.size > 1 and self.level < 3:
             for buffer in self.buffers:
                 buffer.all_gather(self.group, self.rank)
         return stepped
+
+    def _refuse_new_parameters(self) -> None:
+        """A parameter added to the model after initialize is in no flat buffer: no rank would
+        ever step it, and at level 3 no rank would shard it. Say so rather than train it frozen."""
+        new = [n for n, p in self.model.named_parameters()
+               if p.requires_grad and p not in self.segments_of]
+        if new:
+            raise ConfigError(f"[rank {gpc.rank}] zero: parameter(s) {', '.join(new[:4])} were "
+                              f"added to the model after nc.initialize, which cut the parameters "
+                              f"it was given into shards; build the whole model (and an optimizer "
+                              f"over all its parameters) before nc.initialize")
 
     def state_bytes(self) -> int:
         """Bytes of per-element optimizer state this rank holds (live tensors; the per-segment
