@@ -97,26 +97,31 @@ def _memory_worker(rank, world_size, port):
     during = []
     for unit in (model.l1, model.l2):  # after the gather hook, before the unit computes
         unit.register_forward_pre_hook(lambda m, a: during.append(_parameter_bytes(engine)))
-    engine.zero_grad()
-    engine.backward(engine.criterion(engine(torch.randn(B, 10)), torch.randint(0, 5, (B,))))
-    grads = [p.grad for p in model.parameters()]
-    shard_grads = sum(p.grad.numel() * 4 for p in engine.optimizer.params() if p.grad is not None)
-    engine.step()
+    for _ in range(2):  # the second step prefetches l2 while l1 computes
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(torch.randn(B, 10)), torch.randint(0, 5, (B,))))
+        grads = [p.grad for p in model.parameters()]
+        shard_grads = sum(p.grad.numel() * 4 for p in engine.optimizer.params()
+                          if p.grad is not None)
+        engine.step()
     return during, _parameter_bytes(engine), grads, shard_grads, engine.optimizer.state_bytes()
 
 
 def test_gloo_zero3_parameter_bytes_equal_the_formula():
     """Between steps a rank holds its shards: sum over units of ceil(numel/N) x 4 bytes (= 4 Psi/N
     up to padding), + 4 bytes for the NaN element freed parameters share. While a unit computes,
-    that unit is whole too: the peak is the shards + the largest unit padded to N shards."""
+    that unit is whole too; from the second step on, so is the next unit, prefetched: the peak
+    is the shards + two consecutive units, each padded to N shards."""
     units = (10 * 9 + 9, 9 * 5 + 5)
     for n in (1, 2, 4):
         for rank, (during, between, grads, shard_grads, state) in enumerate(
                 run_ranks(_memory_worker, n, timeout=60)):
             shards = sum(4 * math.ceil(u / n) for u in units)
+            l1, l2 = (4 * math.ceil(u / n) * n for u in units)
             assert between == shards + 4, (n, rank, between, shards)
-            assert during == [shards + 4 + 4 * math.ceil(u / n) * n for u in units], (n, during)
-            assert max(during) == shards + 4 + 4 * math.ceil(max(units) / n) * n
+            assert during[:2] == [shards + 4 + l1, shards + 4 + l2], (n, during)  # first step
+            # prefetch: both units whole (no parameter points at the NaN element: no + 4)
+            assert during[2:] == [shards + l1 + l2, shards + 4 + l2], (n, during)
             assert all(g is None for g in grads)  # no full gradient after backward
             mine = sum(min(math.ceil(u / n), max(0, u - rank * math.ceil(u / n))) for u in units)
             assert shard_grads == 4 * mine and state == 8 * mine  # gradients, Adam: my shard

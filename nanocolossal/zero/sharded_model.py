@@ -19,6 +19,12 @@ reduce-scatter of the unit's gradients, which keeps only my shard of them):
     step        each rank steps its shards (optimizer state and gradients: shards too);
                 nothing is gathered after the step: the next forward gathers the new values
 
+Prefetch (overlap_communication=True, from the second forward on): as a unit starts computing,
+the gather of the unit that came after it in the previous forward starts too, so its transfer
+runs during this unit's compute (`g` moves one unit earlier above); backward prefetches in this
+forward's order, reversed. The guess costs a wasted gather when the order changes (a branch
+skipped this time: tests/test_zero_traffic_gloo.py counts it).
+
 How the hooks know: a forward pre-hook gathers the unit and passes its inputs through an
 identity autograd function whose backward runs when the gradients of the inputs are done,
 i.e. when the unit's backward has ended ("post-backward": free, reduce-scatter). A forward hook
@@ -32,9 +38,9 @@ once per forward (a second call is refused: its backward would find it freed).
 Memory per rank (fp32 parameters, Adam, Psi = elements the optimizer steps, N ranks):
     between steps   4 Psi/N parameters + 4 Psi/N gradients + 8 Psi/N Adam = 16 Psi/N
                     (the ZeRO paper's mixed-precision (2+2+12) Psi/N is the same 16 Psi/N)
-    peak forward    shards + the root unit + the largest child unit, gathered (+ 4 bytes: the
-                    one NaN element freed parameters share); in backward also that unit's full
-                    gradients until its reduction
+    peak forward    shards + the root unit + the largest two consecutive child units, gathered
+                    (the one computing, the one prefetched; + 4 bytes: the one NaN element freed
+                    parameters share); in backward also a unit's full gradients until reduced
 Each unit's buffers are padded to a multiple of N, so "Psi/N" is ceil(numel/N) per buffer.
 
 Traffic per step, elements per rank: forward all-gathers Psi (N-1)/N, backward all-gathers it
@@ -45,8 +51,7 @@ has no reduce-scatter: as level 2 does (gradients.py), each unit's gradients are
 Gradient accumulation: every micro-step's backward reduces and adds into the shard's gradients
 (no full gradients kept between micro-steps: memory stays sharded, traffic is per micro-step).
 Overlap: a unit's reduction runs while autograd computes the next unit's gradients; at most one
-is in flight (overlap_communication=False: each waits at once). Not done: prefetching the next
-unit's gather (each gather waits before its unit computes).
+is in flight (overlap_communication=False: each waits at once, and nothing is prefetched).
 
 Checkpoints: model.state_dict() gathers every unit (collective: every data rank calls it, as
 save_checkpoint does) and returns the plain model's keys with full tensors (copies);
@@ -101,9 +106,13 @@ class _Unit:
         self.ready = False  # its backward is over in this pass (or it took no part)
         self.runs = 0       # forwards with grad since the model's forward began
 
-    def gather(self, group: Optional[dist.ProcessGroup]) -> None:
+    def gather(self, group: Optional[dist.ProcessGroup], async_op: bool = False) -> None:
         for b in self.buffers:
-            b.gather(group)
+            b.gather(group, async_op)
+
+    def wait(self) -> None:
+        for b in self.buffers:
+            b.wait()
 
     def free(self) -> None:
         for b in self.buffers:
@@ -129,6 +138,9 @@ class ShardedModel:
         # backward reaches the last child first; the root unit ends with the whole backward
         self.order = [*reversed(self.children), self.root]
         self._next, self._pending, self._queued = 0, [], False
+        # prefetch: the units in the order this forward ran them, and the last forward's order
+        self.seen: list[_Unit] = []
+        self.previous: list[_Unit] = []
         model.register_forward_pre_hook(self._root_pre_forward)
         model.register_forward_hook(self._root_post_forward)
         model.register_state_dict_pre_hook(self._before_state_dict)
@@ -137,17 +149,28 @@ class ShardedModel:
         model.register_load_state_dict_post_hook(self._after_load)
 
     # -- forward ----------------------------------------------------------------------------
+    def _use(self, unit: _Unit, then: list[_Unit]) -> None:
+        """Gather `unit` (or wait for its prefetch), then start gathering the unit after it in
+        `then`, so that transfer runs while this unit computes."""
+        unit.gather(self.group)
+        unit.wait()
+        if self.overlap and unit in then and then.index(unit) + 1 < len(then):
+            then[then.index(unit) + 1].gather(self.group, async_op=True)
+
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         for unit in self.children:
             unit.runs = 0
-        self.root.gather(self.group)
+        self.previous, self.seen = self.seen or self.previous, []  # this forward repeats that one
+        self._use(self.root, [])
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self._on_grad_of(output, self._root_pre_backward)
-        self.root.free()
+        for unit in (self.root, *self.children):  # (children: a prefetch this forward skipped)
+            unit.free()
 
     def _pre_forward(self, unit: _Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
-        unit.gather(self.group)
+        self.seen.append(unit)
+        self._use(unit, self.previous)
         if not torch.is_grad_enabled():
             return None
         unit.runs += 1
@@ -178,11 +201,11 @@ class ShardedModel:
         if not self._queued:  # once per backward: the end-of-backward callback
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        self.root.gather(self.group)
+        self._use(self.root, [])
 
     def _pre_backward(self, unit: _Unit) -> None:
         self._root_pre_backward()
-        unit.gather(self.group)
+        self._use(unit, self.seen[::-1])  # backward meets the units in reverse forward order
 
     def _post_backward(self, unit: _Unit) -> None:
         unit.free()

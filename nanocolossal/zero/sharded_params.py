@@ -11,7 +11,7 @@ the model), and changes who holds the buffer:
                     one shared NaN element (right shape, stride 0): a stray use gives NaN, not a
                     crash, and shapes stay readable (checkpoint layouts, optimizer state_dict)
     gather()        storage back to full size, all-gather every rank's `local` into it, and the
-                    parameters become views of it again
+                    parameters become views of it again (async_op: a prefetch; wait() before use)
     free()          storage to 0 bytes, parameters back to the NaN placeholder
 
 Resizing the storage (not dropping the tensor) matters: autograd may have saved views of a
@@ -51,6 +51,7 @@ class ShardedFlatBuffer(FlatBuffer):
                  rank: int) -> None:
         super().__init__(params, indices, size, rank)  # full buffer, parameters as views of it
         self.size, self.rank, self.gathered = size, rank, True
+        self.works: list = []  # a prefetch's transfers in flight
         begin = rank * self.shard
         self.local = self.data[begin: begin + self.shard].clone()  # my shard, kept
         self.nbytes = self.data.untyped_storage().nbytes()
@@ -60,21 +61,28 @@ class ShardedFlatBuffer(FlatBuffer):
             s.param = nn.Parameter(self.local[at: at + s.hi - s.lo])
         self.free()
 
-    def gather(self, group: Optional[dist.ProcessGroup]) -> None:
+    def gather(self, group: Optional[dist.ProcessGroup], async_op: bool = False) -> None:
+        """async_op (a prefetch): start the transfer; wait() before the parameters are read."""
         if self.gathered:
             return
         self.data.untyped_storage().resize_(self.nbytes)
         if self.size > 1:
-            gather_shards(self.data, self.local, group)
+            self.works = gather_shards(self.data, self.local, group, async_op)
         else:
             self.data.copy_(self.local)
         for p, offset in zip(self.params, self.offsets):
             p.data = self.data[offset: offset + p.numel()].view(p.shape)
         self.gathered = True
 
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+
     def free(self) -> None:
         if not self.gathered:
             return
+        self.wait()  # (a prefetch nobody used: its transfer still writes into the storage)
         nan = placeholder(self.data.dtype, self.data.device)
         for p in self.params:
             p.data = nan.expand(p.shape)
