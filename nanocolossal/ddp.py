@@ -37,7 +37,7 @@ result back into the fp32 bucket (bench_ddp.py measures its effect on the weight
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Collection, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -105,7 +105,8 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
                  bucket_cap_mb: float = 25, broadcast_buffers: bool = True,
-                 gradient_as_bucket_view: bool = False, compress: Optional[str] = None) -> None:
+                 gradient_as_bucket_view: bool = False, compress: Optional[str] = None,
+                 reduced_elsewhere: Collection[nn.Parameter] = ()) -> None:
         super().__init__()
         if compress not in (None, "bf16", "fp16"):
             raise ValueError(f"[rank {gpc.rank}] compress must be None, 'bf16' or 'fp16', got "
@@ -130,7 +131,9 @@ class DistributedDataParallel(nn.Module):
         _coalesced_broadcast(list(module.parameters()) + list(module.buffers()), self.src_rank,
                              self.process_group)
 
-        params = [p for p in module.parameters() if p.requires_grad]
+        # (reduced_elsewhere: a weight another pipeline chunk's DDP reduces, initialize.py)
+        skip = {id(q) for q in reduced_elsewhere}
+        params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
         self.buckets = self._make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next_launch = 0           # buckets are launched strictly in order

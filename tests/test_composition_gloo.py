@@ -161,6 +161,17 @@ def _data_parallel_micro_batches(world_size, n, images=False):
     return steps
 
 
+def epoch_shards(data, epoch, replicas=2):
+    """The sample indices each data replica's DistributedSampler gives in `epoch`."""
+    shards = []
+    for r in range(replicas):
+        sampler = nc.DistributedSampler(data, num_replicas=replicas, rank=r, shuffle=True,
+                                        seed=SHUFFLE_SEED)
+        sampler.set_epoch(epoch)
+        shards.append(list(sampler))
+    return shards
+
+
 def _one_process(make_model, steps, clip=None, opt_level=None):
     """ONE process: for each step the losses of its global micro-batches (every rank's samples,
     which is what BatchNorm normalises over), summed over the step's samples; then torch's
@@ -178,12 +189,17 @@ def _one_process(make_model, steps, clip=None, opt_level=None):
         for x, y in micro_batches:
             loss = F.cross_entropy(model(x), y, reduction="sum") / total
             opt.backward(loss) if opt_level else loss.backward()
-        if clip and opt_level:
-            norms.append(opt.clip_grad_norm(clip))
-        elif clip:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        if clip:
+            norms.append(clip_one_process(model, opt, clip, opt_level))
         opt.step()
     return model, norms
+
+
+def clip_one_process(model, opt, clip, opt_level=None):
+    """torch's clip_grad_norm_, or nc.amp's under AMP (unscaled, fp32 masters); the norm."""
+    if opt_level:
+        return opt.clip_grad_norm(clip)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
 
 
 def _engine_worker(rank, world_size, port, config, make_model, uses=None, images=False):
@@ -435,12 +451,7 @@ def _trainer_one_process():
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
     after_each_step, losses = [], []
     for epoch in range(EPOCHS):
-        shards = []
-        for r in range(2):
-            sampler = nc.DistributedSampler(data, num_replicas=2, rank=r, shuffle=True,
-                                            seed=SHUFFLE_SEED)
-            sampler.set_epoch(epoch)
-            shards.append(list(sampler))
+        shards = epoch_shards(data, epoch)
         losses, iterations = [], len(shards[0]) // B
         for k in range(iterations):
             idx = shards[0][k * B:(k + 1) * B] + shards[1][k * B:(k + 1) * B]

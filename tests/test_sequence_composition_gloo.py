@@ -394,7 +394,7 @@ def test_gloo_sequence_with_trailing_padding_equals_one_process():
 def _refusals(rank, world, port):
     said = {}
     bad = {
-        "zero beside 1d": dict(zero=dict(level=1), parallel=dict(tensor=dict(size=2, mode="1d"))),
+        "zero 3 beside a pipeline": dict(zero=dict(level=3), parallel=dict(pipeline=2)),
         "sequence key beside 1d": dict(parallel=dict(tensor=dict(size=2, mode="1d"), sequence=2)),
         "sequence key beside sequence": dict(parallel=dict(sequence=2, **SEQ2)),
         "sequence x4 on 2": dict(parallel=dict(tensor=dict(size=4, mode="sequence"))),
@@ -429,8 +429,8 @@ def test_gloo_sequence_refusals_name_the_rank_and_what_to_change():
     said = run_ranks(_refusals, 2, timeout=45)[1]
     assert all(text.startswith("ConfigError: [rank 1]") for case, text in said.items()
                if case != "odd share"), said
-    # ZeRO shards over data x sequence ranks (test_sequence_gloo.py); beside 1d it is refused
-    assert "tensor (1d/2d)" in said["zero beside 1d"] and "remove zero" in said["zero beside 1d"]
+    # ZeRO shards over data x sequence ranks (test_sequence_gloo.py); level 3 x pipeline: refused
+    assert "use zero level 1 or 2 with a pipeline" in said["zero 3 beside a pipeline"]
     for case in ("sequence key beside 1d", "sequence key beside sequence"):
         assert "tensor=dict(size=N, mode='sequence')" in said[case]
         assert "remove parallel.sequence" in said[case]

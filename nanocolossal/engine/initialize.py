@@ -167,14 +167,17 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
     chunk -- and the gradient handler when the config asks for one instead of DDP. ZeRO level 2
     reduce-scatters instead of DDP's all-reduce; level 1 is DDP with zero's bucket size."""
     parts = list(model) if pipelined and isinstance(model, nn.ModuleList) else [model]
+    # a weight two chunks of a stage share is reduced by the first: its last backward is the
+    # stage's last (the schedule keeps every other chunk's DDP in no_sync meanwhile)
+    earlier = [[p for q in parts[:i] for p in q.parameters()] for i in range(len(parts))]
     zero = gpc.config.get("zero", {})
     if isinstance(optimizer, ParamShardedOptimizer):  # its hooks reduce the gradients
         return [model], None, None
     if isinstance(optimizer, ShardedOptimizer) and optimizer.level == 2:
         # (a pipeline stage syncs buffers once per batch, not per micro-batch: see below)
         return [ReduceScatterDDP(part, optimizer, zero.get("reduce_bucket_size_mb", 25),
-                                 zero.get("overlap_communication", True), not pipelined)
-                for part in parts], None, "reduce-scatter of gradients"
+                                 zero.get("overlap_communication", True), not pipelined, skip)
+                for part, skip in zip(parts, earlier)], None, "reduce-scatter of gradients"
     if gpc.gradient_size == 1:
         return parts, None, None
     if moe is not None:  # experts are not replicated over the data ranks: apply_moe's handler
@@ -188,7 +191,8 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
     if pipelined:  # the engine syncs buffers once per batch, not on every micro-batch's forward
         options["broadcast_buffers"] = False
     shown = "".join(f", {k}={v}" for k, v in options.items() if k != "broadcast_buffers")
-    return [DistributedDataParallel(part, **options) for part in parts], None, \
+    return [DistributedDataParallel(part, reduced_elsewhere=skip, **options)
+            for part, skip in zip(parts, earlier)], None, \
         f"{'data parallel' if pipelined else 'DDP'} x{gpc.gradient_size}{shown}"
 
 

@@ -21,7 +21,7 @@ moe_aux.py), so every stage can log it; outputs and labels come back on the last
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -194,10 +194,13 @@ class _Run:
     def backward(self, step: Compute, index: int) -> None:
         c, m, v = step.chunk, step.mb, virtual_stage(step.chunk, gpc.pipeline_rank, self.P)
         x, backward_from, aux = self.held.pop((c, m))
-        # DDP averages a chunk's gradients once, during its last backward
-        defer = isinstance(self.chunks[c],
-                           DistributedDataParallel) and index != self.last_backward[c]
-        with self.chunks[c].no_sync() if defer else nullcontext():
+        # DDP averages a chunk's gradients once, during its last backward; the other chunks' DDP
+        # wait too (a weight two chunks share is reduced by one of them: initialize.py)
+        with ExitStack() as deferred:
+            for i, chunk in enumerate(self.chunks):
+                if isinstance(chunk, DistributedDataParallel) and (
+                        i != c or index != self.last_backward[c]):
+                    deferred.enter_context(chunk.no_sync())
             if self.is_last[c]:  # the loss, scaled for AMP
                 (backward_from * self.loss_scale).backward()
             else:  # the output, with the gradient the next stage sent back (and the MoE aux)

@@ -29,7 +29,7 @@ reduced and .grad accumulates in full, as with DDP; the last micro-step reduces 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 from torch import nn
@@ -64,11 +64,12 @@ class ReduceScatterDDP(DistributedDataParallel):
 
     def __init__(self, module: nn.Module, optimizer: ShardedOptimizer,
                  bucket_cap_mb: float = 25, overlap_communication: bool = True,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True,
+                 reduced_elsewhere: Collection[nn.Parameter] = ()) -> None:
         self.sharded_optimizer = optimizer
         self.overlap = overlap_communication
         super().__init__(module, process_group=optimizer.group, bucket_cap_mb=bucket_cap_mb,
-                         broadcast_buffers=broadcast_buffers)
+                         broadcast_buffers=broadcast_buffers, reduced_elsewhere=reduced_elsewhere)
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         if self.require_sync:
