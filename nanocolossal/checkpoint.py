@@ -10,10 +10,12 @@ Who writes: data-parallel rank 0 of each (pipeline stage, tensor rank), one file
 (`ckpt.pt` -> `ckpt-stage0.pt`, `ckpt-stage1.pt` when pipeline > 1; `ckpt-stage0-tensor1.pt`
 with tensor parallelism; `-expert{e}` from each rank e of the first expert-parallel group with
 parallel.moe: each holds other experts). Replicas are identical, so one copy suffices;
-everyone waits at a barrier until the files exist. Tensor-parallel files record how each
-parameter was cut, so `merge_checkpoint(path)` rebuilds the plain model's state_dict from all
-of them offline, and `load_plain_state_dict` loads a plain state_dict into any layout (each
-rank keeps its slice).
+everyone waits at a barrier until the files exist. Under ZeRO the replicas' optimizer states are
+not identical but pieces: every data rank r writes its own beside its stage's file
+(`ckpt-zero{r}.pt`, zero/state.py), and loading merges them (`load_optimizer_state`).
+Tensor-parallel files record how each parameter was cut, so `merge_checkpoint(path)` rebuilds
+the plain model's state_dict from all of them offline, and `load_plain_state_dict` loads a plain
+state_dict into any layout (each rank keeps its slice).
 
 How: write to `ckpt.pt.tmp-PID`, fsync, then `os.replace` it over `ckpt.pt`. A rename is
 atomic, so a crash at any moment leaves either the old checkpoint or the new one, whole.
@@ -53,6 +55,7 @@ from .checkpoint_merge import (  # noqa: F401 -- re-exported: the offline half o
     UnsafeCheckpointError,
     check_one_save,
     describe_save,
+    load_optimizer_state,
     load_plain_state_dict,
     merge_checkpoint,
     merge_pipeline_checkpoint,
@@ -62,9 +65,12 @@ from .checkpoint_merge import (  # noqa: F401 -- re-exported: the offline half o
     strip_prefixes,
     tensor_layout,
     unwrap,
+    zero_path,
 )
 from .config import ConfigError
 from .context import gpc
+from .zero import ShardedOptimizer
+from .zero.state import my_pieces, skeleton
 
 
 def stage_path(path: PathLike, stage: Optional[int] = None,
@@ -151,8 +157,12 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
     save_id = [f"{os.getpid()}-{time.time_ns()}"]
     if gpc.is_initialized and gpc.world_size > 1:
         dist.broadcast_object_list(save_id, src=0)  # one id for the whole set of stage files
-    # every data rank: a ZeRO optimizer gathers its shards into one plain state (collective)
-    optimizer_state = optimizer.state_dict() if optimizer is not None else None
+    if isinstance(optimizer, ShardedOptimizer):  # ZeRO: every data rank writes its own pieces
+        atomic_save({"save_id": save_id[0], **my_pieces(optimizer)},
+                    zero_path(stage_path(path), optimizer.rank))
+        optimizer_state = {"zero_files": optimizer.size, **skeleton(optimizer)}
+    else:
+        optimizer_state = optimizer.state_dict() if optimizer is not None else None
     model_state = strip_prefixes(unwrap(model).state_dict())  # ZeRO 3 gathers: every data rank
     # sequence ranks hold replicas too: one of them writes; with experts (parallel.moe) each
     # rank of the first expert-parallel group, whose ranks hold different experts
@@ -190,7 +200,7 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None,
         check_one_save(parts)
     unwrap(model).load_state_dict(strip_prefixes(state["model"]), strict=strict)
     if optimizer is not None and state.get("optimizer") is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(load_optimizer_state(file, trusted, state))
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     rng = state.get("rng") or []

@@ -147,9 +147,33 @@ def check_one_save(stages: list[dict]) -> None:
     """All stage files must come from the same save (a crash can leave a mixed set)."""
     if len({s["id"] for s in stages}) > 1:
         listed = "; ".join(f"{s['file']}: epoch {s['epoch']}, step {s['step']}" for s in stages)
-        raise RuntimeError(f"[rank {gpc.rank}] the pipeline stage files come from different saves "
+        raise RuntimeError(f"[rank {gpc.rank}] the checkpoint's files come from different saves "
                            f"({listed}); a save was interrupted between files. Resume from an "
                            f"older complete checkpoint, or delete these files and start again")
+
+
+def zero_path(file: PathLike, rank: int) -> Path:
+    """The file ZeRO's data rank `rank` writes its optimizer pieces to, beside its stage's file:
+    ckpt.pt -> ckpt-zero1.pt, ckpt-stage0-tensor1.pt -> ckpt-stage0-tensor1-zero1.pt."""
+    file = Path(file)
+    return file.with_name(f"{file.stem}-zero{rank}{file.suffix}")
+
+
+def load_optimizer_state(file: PathLike, trusted: bool = False, state: Any = None) -> Any:
+    """The optimizer state saved in `file` (one stage's file, or `ckpt.pt` of a save without
+    stages): what it holds, or -- saved under ZeRO -- the plain state merged from the pieces its
+    data ranks wrote beside it (zero/state.py), which loads into one process's torch optimizer
+    (state["optimizer"]) or into any data size's ZeRO optimizer."""
+    from .zero.state import assemble  # (here: zero/ imports modules that import this one)
+    state = read_file(file, "cpu", trusted) if state is None else state
+    saved = state.get("optimizer")
+    if not isinstance(saved, dict) or "zero_files" not in saved:
+        return saved
+    files = [zero_path(file, r) for r in range(saved["zero_files"])]
+    parts = [read_file(f, "cpu", trusted) for f in files]
+    check_one_save([describe_save(state, file)] +
+                   [describe_save(part, f) for part, f in zip(parts, files)])
+    return assemble(saved, parts)
 
 
 def _load_all(paths: list[PathLike], trusted: bool) -> list[dict]:

@@ -183,8 +183,8 @@ def _mixed_set_worker(rank, world_size, port, path):
 def test_gloo_pipeline_stages_from_different_saves_are_refused(tmp_path):
     path = tmp_path / "ckpt.pt"
     for rank, message in enumerate(run_ranks(_mixed_set_worker, 2, str(path), timeout=60)):
-        assert message.startswith(f"[rank {rank}] the pipeline stage "
-                                  "files come from different saves")
+        assert message.startswith(f"[rank {rank}] the checkpoint's files come from different "
+                                  "saves")
         assert (
             "ckpt-stage0.pt: epoch 1, step 12" in message
             and "ckpt-stage1.pt: epoch 0, step 9" in message

@@ -14,7 +14,13 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 from nanocolossal.amp import AMP_TYPE
-from nanocolossal.checkpoint import load_checkpoint, merge_checkpoint, read_file, save_checkpoint
+from nanocolossal.checkpoint import (
+    load_checkpoint,
+    load_optimizer_state,
+    merge_checkpoint,
+    read_file,
+    save_checkpoint,
+)
 from nanocolossal.config import ConfigError, load_config
 from nanocolossal.zero import ParamShardedOptimizer, zero_settings
 
@@ -156,7 +162,7 @@ def test_gloo_zero3_checkpoint_is_the_plain_models_and_resumes_exactly(tmp_path)
     assert_close(state["model"], single.state_dict())
     assert_close(merge_checkpoint(path), single.state_dict())
     plain_opt = _adamw(Net())
-    plain_opt.load_state_dict(state["optimizer"]["optimizer"])
+    plain_opt.load_state_dict(load_optimizer_state(path)["optimizer"])
     assert_close(plain_opt.state_dict(), opt.state_dict())
     for world_size in (2, 4):
         resumed = run_ranks(_resume_worker, world_size, path, timeout=60)[0]

@@ -11,7 +11,12 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 from nanocolossal.amp import AMP_TYPE
-from nanocolossal.checkpoint import load_checkpoint, read_file, save_checkpoint
+from nanocolossal.checkpoint import (
+    load_checkpoint,
+    load_optimizer_state,
+    read_file,
+    save_checkpoint,
+)
 from nanocolossal.config import ConfigError, load_config
 from nanocolossal.context import gpc
 
@@ -180,6 +185,41 @@ def _resume_worker(rank, world_size, port, level, path):
     return {k: v.clone() for k, v in engine.model.state_dict().items()}
 
 
+def test_gloo_zero_checkpoint_is_one_file_of_pieces_per_data_rank(tmp_path):
+    """4 ranks save: each writes only its pieces of the optimizer state (no rank gathers it all),
+    the pieces cover every element that has state exactly once, and the main file keeps only the
+    skeleton. A piece file left from another save is refused, naming the files."""
+    path = tmp_path / "ckpt.pt"
+    run_ranks(_save_worker, 4, 2, path, timeout=60)
+    main = read_file(path, "cpu")["optimizer"]
+    assert main["zero_files"] == 4 and "optimizer" not in main and "state" not in main
+    covered = {}  # parameter index -> elements with state, over all files
+    for r in range(4):
+        pieces = read_file(tmp_path / f"ckpt-zero{r}.pt", "cpu")
+        mine = sum(hi - lo for parts in pieces["state"].values() for lo, hi, _ in parts)
+        assert mine <= math.ceil(121 / 4) + math.ceil(20 / 4), "one shard of each flat buffer"
+        for index, parts in pieces["state"].items():
+            for lo, hi, state in parts:
+                assert state["exp_avg"].numel() == hi - lo
+                covered.setdefault(index, []).append((lo, hi))
+    net = Net()  # _adamw's order: the weights, then the biases
+    names = [n for kind in ("weight", "bias") for n, _ in net.named_parameters()
+             if n.endswith(kind)]
+    for index, name in enumerate(names):  # each element once (`never` has no state at all)
+        spans = sorted(covered.get(index, []))
+        if name.startswith("never."):
+            assert spans == [], name
+            continue
+        assert [lo for lo, _ in spans] == [0] + [hi for _, hi in spans[:-1]], name
+        assert spans[-1][1] == net.get_parameter(name).numel(), name
+    stale = tmp_path / "old"
+    run_ranks(_save_worker, 4, 2, stale / "ckpt.pt", timeout=60)
+    (stale / "ckpt-zero1.pt").replace(tmp_path / "ckpt-zero1.pt")
+    with pytest.raises(RuntimeError, match="ckpt-zero1.pt: epoch None.*different saves|"
+                                           "different saves.*ckpt-zero1.pt"):
+        load_optimizer_state(path)
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_gloo_zero_checkpoint_resumes_exactly_into_another_data_size(level, tmp_path):
     """Saved by 2 ranks after 3 steps: the state is the plain optimizer's (it loads into one
@@ -193,7 +233,7 @@ def test_gloo_zero_checkpoint_resumes_exactly_into_another_data_size(level, tmp_
     plain_opt = _adamw(plain)
     state = read_file(path, "cpu")
     plain.load_state_dict(state["model"])
-    plain_opt.load_state_dict(state["optimizer"]["optimizer"])
+    plain_opt.load_state_dict(load_optimizer_state(path)["optimizer"])
     assert_close(plain_opt.state_dict(), opt.state_dict())
     for world_size in (2, 4):  # steps 3-4 on 2 or 4 ranks: 6 or 12 samples per step
         resumed = run_ranks(_resume_worker, world_size, level, path, timeout=60)[0]

@@ -99,31 +99,20 @@ class MixedShardedOptimizer(ShardedOptimizer):
         """Bytes of fp32 masters this rank holds (live tensors)."""
         return sum(m.numel() * m.element_size() for _, m in self._copies)
 
-    # -- checkpoints: one process's O2 layout ---------------------------------------------------
-    def _half_indices(self) -> list[int]:
+    # -- checkpoints: one process's O2 layout (state.py) --------------------------------------
+    def half_indices(self) -> list[int]:
         """Indices of the parameters one process's O2 keeps masters for, in its order."""
         return [i for i, p in enumerate(self.model_params) if p.dtype != torch.float32]
 
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        mine = [(s.index, s.lo, s.hi, s.param.detach().cpu()) for s in self._mastered()]
-        everyone: list[Any] = [mine]
-        if self.size > 1:
-            everyone = [None] * self.size
-            dist.all_gather_object(everyone, mine, group=self.group)
-        whole = {i: torch.zeros(self.shapes[i].numel()) for i in self._half_indices()}
-        for pieces in everyone:
-            for index, lo, hi, master in pieces:
-                whole[index][lo:hi] = master
-        state["masters"] = [whole[i].view(self.shapes[i]) for i in self._half_indices()]
-        return state
+    def master_pieces(self) -> list:
+        return [(s.index, s.lo, s.hi, s.param.detach().cpu()) for s in self._mastered()]
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         masters = state.get("masters") if "optimizer" in state else None
         if not masters:  # a plain optimizer state: the masters are the half parameters
             return
-        saved = dict(zip(self._half_indices(), masters))
+        saved = dict(zip(self.half_indices(), masters))
         with torch.no_grad():
             for s in self._mastered():
                 s.param.copy_(saved[s.index].reshape(-1)[s.lo:s.hi])

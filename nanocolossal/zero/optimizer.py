@@ -46,8 +46,8 @@ then the stages' and tensor ranks' sums (a replicated weight counted once). A we
 share (pipeline/tied.py) steps with the sum of both stages' gradients: at level 2 each data rank
 holds pieces of it, which are put together, summed across the stages and cut again.
 
-Checkpoints (state.py): state_dict() (collective) gathers every rank's segments into a plain
-optimizer's state_dict, which one rank writes; load_state_dict() keeps my pieces: any data size.
+Checkpoints (state.py): each rank writes its segments' state to a file of its own; merged, they
+are a plain optimizer's state_dict; load_state_dict() keeps my pieces of it: any data size.
 
 fp16: the scaler's overflow check is agreed job-wide (amp.py). AMP O1 keeps fp32 parameters;
 O2 (half parameters, fp32 masters) shards the masters too: mixed.py, the paper's formulas.
@@ -268,6 +268,11 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                    for k, t in state.items() if k not in SCALAR_STATE and torch.is_tensor(t))
 
     # -- checkpoints: the unsplit model's plain optimizer state (state.py) -------------------
+    def half_indices(self) -> list[int]:
+        return []  # parameters with fp32 masters (O2: mixed.py)
+
+    def master_pieces(self) -> list:
+        return []
     def state_dict(self) -> dict:
         """The unsplit model's plain torch optimizer state (collective over the data group)."""
         return gather_plain_state(self)

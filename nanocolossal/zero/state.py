@@ -1,18 +1,24 @@
-"""A ZeRO optimizer's checkpoint is the unsplit model's plain torch optimizer state.
+"""A ZeRO optimizer's checkpoint: each data rank writes its own pieces; put together they are the
+unsplit model's plain torch optimizer state.
 
-Each rank holds the state of its segments only (optimizer.py): pieces [lo, hi) of parameters.
-Saving puts the pieces back together; loading cuts out mine again:
+Each rank holds the state of its segments only (optimizer.py): pieces [lo, hi) of parameters
+(and, under O2, their fp32 masters: mixed.py). A checkpoint keeps it that way -- no rank ever
+holds the whole optimizer state to save it:
 
-    save   rank r: {param index: [(lo, hi, {exp_avg: piece, ..., step})]}   all_gather_object
-           -> for each parameter, its pieces written side by side into one whole tensor
-           -> {"state": {index: {exp_avg: whole, ...}}, "param_groups": [...]}: torch's layout
-    load   a plain state (saved by this job, by another data size, or by one process's
-           torch optimizer) -> each rank keeps state[index][k].flatten()[lo:hi] of its segments
+    save   rank r writes its pieces, {param index: [(lo, hi, {exp_avg: piece, ..., step})]} and
+           [(index, lo, hi, master piece)], to its own file (checkpoint.py: ckpt-zero{r}.pt);
+           the stage's main file gets the skeleton: param groups, shapes, scaler, N
+    merge  for each parameter its pieces side by side into one whole tensor:
+           {"state": {index: {exp_avg: whole, ...}}, "param_groups": [...]} -- torch's layout,
+           which loads into one process's plain optimizer (`assemble`)
+    load   the merged plain state (saved by any data size, or by one process's optimizer) ->
+           each rank keeps state[index][k].flatten()[lo:hi] of its segments (`keep_my_pieces`)
 
-So a checkpoint loads into any data size (2 -> 1, 1 -> 4, 4 -> 2) and into one process's plain
-optimizer. The price: the gather goes through one rank, which writes the file (one per pipeline
-stage and tensor rank, as without ZeRO). Per-element states are cut; per-parameter scalars
-(`step`) are the same on every piece and are kept once.
+So a checkpoint loads into any data size (2 -> 1, 1 -> 4, 4 -> 2). Loading merges the whole
+state once on each rank before keeping its pieces -- simple, and the one moment a rank holds it
+all; reading only the files that overlap my shard is the next step. `state_dict()` (collective)
+gathers the pieces in memory for a caller that wants the plain state at once. Per-element states
+are cut; per-parameter scalars (`step`) are the same on every piece and are kept once.
 """
 from __future__ import annotations
 
@@ -39,43 +45,66 @@ def _segments_in(opt: ShardedOptimizer, group: dict) -> list[Segment]:
     return [where[id(p)] for p in group["params"]]
 
 
-def gather_plain_state(opt: ShardedOptimizer) -> dict:
-    """Every rank's pieces put together (collective over the data group)."""
-    mine: dict[int, list] = {}
+def my_pieces(opt: ShardedOptimizer) -> dict:
+    """What this rank holds: its segments' optimizer state and fp32 masters, as pieces (CPU)."""
+    state: dict[int, list] = {}
     for group in opt.optimizer.param_groups:
         for s in _segments_in(opt, group):
-            state = opt.optimizer.state.get(s.param)
-            if state:
-                mine.setdefault(s.index, []).append(
+            if opt.optimizer.state.get(s.param):
+                state.setdefault(s.index, []).append(
                     (s.lo, s.hi, {k: v.detach().cpu() if torch.is_tensor(v) else v
-                                  for k, v in state.items()}))
-    everyone: list[Any] = [mine]
-    if opt.size > 1:
-        everyone = [None] * opt.size
-        dist.all_gather_object(everyone, mine, group=opt.group)
-    full: dict[int, dict] = {}
-    for pieces in everyone:
-        for index, parts in pieces.items():
-            entry = full.setdefault(index, {})
-            for lo, hi, state in parts:
-                for k, v in state.items():
-                    if _per_element(k, v):
-                        numel = opt.shapes[index].numel()
-                        entry.setdefault(k, torch.zeros(numel, dtype=v.dtype))[lo:hi] = v
-                    else:
-                        entry[k] = v
-    for index, entry in full.items():  # flat pieces back into the parameter's shape
-        for k, v in entry.items():
-            if _per_element(k, v):
-                entry[k] = v.view(opt.shapes[index])
+                                  for k, v in opt.optimizer.state[s.param].items()}))
+    return {"state": state, "masters": opt.master_pieces()}
+
+
+def skeleton(opt: ShardedOptimizer) -> dict:
+    """What every rank shares: param groups (hyper-parameters), shapes, the loss scaler."""
     groups, start = [], 0
     for user, inner in zip(opt.user_groups, opt.optimizer.param_groups):
         groups.append({**{k: v for k, v in inner.items() if k != "params"},
                        "params": list(range(start, start + len(user["params"])))})
         start += len(user["params"])
-    return {"optimizer": {"state": full, "param_groups": groups},
+    return {"param_groups": groups, "shapes": [list(s) for s in opt.shapes],
+            "masters_of": opt.half_indices(),
             "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
-            "masters": [], "zero": {"level": opt.level, "data_size": opt.size}}
+            "zero": {"level": opt.level, "data_size": opt.size}}
+
+
+def assemble(skeleton: dict, everyone: list[dict]) -> dict:
+    """The plain optimizer state (and O2's whole masters) from every rank's pieces."""
+    shapes = [torch.Size(s) for s in skeleton["shapes"]]
+    full: dict[int, dict] = {}
+    masters = {i: torch.zeros(shapes[i].numel()) for i in skeleton["masters_of"]}
+    for pieces in everyone:
+        for index, parts in pieces["state"].items():
+            entry = full.setdefault(index, {})
+            for lo, hi, state in parts:
+                for k, v in state.items():
+                    if _per_element(k, v):
+                        whole = entry.setdefault(k, torch.zeros(shapes[index].numel(),
+                                                                dtype=v.dtype))
+                        whole[lo:hi] = v
+                    else:
+                        entry[k] = v
+        for index, lo, hi, master in pieces["masters"]:
+            masters[index][lo:hi] = master
+    for index, entry in full.items():  # flat pieces back into the parameter's shape
+        for k, v in entry.items():
+            if _per_element(k, v):
+                entry[k] = v.view(shapes[index])
+    return {"optimizer": {"state": full, "param_groups": skeleton["param_groups"]},
+            "scaler": skeleton["scaler"], "zero": skeleton["zero"],
+            "masters": [masters[i].view(shapes[i]) for i in skeleton["masters_of"]]}
+
+
+def gather_plain_state(opt: ShardedOptimizer) -> dict:
+    """Every rank's pieces put together in memory (collective over the data group)."""
+    mine = my_pieces(opt)
+    everyone: list[Any] = [mine]
+    if opt.size > 1:
+        everyone = [None] * opt.size
+        dist.all_gather_object(everyone, mine, group=opt.group)
+    return assemble(skeleton(opt), everyone)
 
 
 def keep_my_pieces(opt: ShardedOptimizer, state: dict) -> None:
