@@ -132,7 +132,7 @@ def _layout(config, world, steps=4, side_rows=None):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("level, world", [(1, 2), (2, 2), (2, 4)])
+@pytest.mark.parametrize("level, world", [(1, 2), (2, 2), (2, 4), (3, 4)])
 def test_gloo_zero_o2_gradient_accumulation_with_an_overflow_mid_group(level, world):
     """Scaled half gradients accumulated over 2 micro-steps (no_sync, then one reduction), then
     unscaled: exact; the overflow in micro-step 0 of step 1 on the last rank skips step 1
@@ -163,7 +163,8 @@ def test_gloo_zero2_o2_clipping_on_4_ranks_with_straddling_parameters():
 def test_gloo_zero_o2_parameter_no_rank_uses_and_one_only_rank_0_uses(level):
     """`never`: no gradient anywhere (grad None: no Adam state, no weight decay, as one
     process); `side`: on even steps only, and then only rank 0's samples reach it (the other
-    ranks compute no gradient for it)."""
+    ranks compute no gradient for it). (Not level 3: a unit must run on every data rank or on
+    none, sharded_model.py.)"""
     ref, runs = _layout(_config(level, accumulation=2), 2, side_rows=B)
     # optimizer order: weights a, b, side, never (0-3), then biases (4-7); `never` has no state
     assert {k for k in ref["state"] if k.startswith("exp_avg.")} == {
@@ -172,7 +173,7 @@ def test_gloo_zero_o2_parameter_no_rank_uses_and_one_only_rank_0_uses(level):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("level", [1, 2, 3])
 def test_gloo_zero_o2_param_groups_with_a_layernorm_kept_fp32(level):
     """Two param groups (lr / weight decay) each holding half and fp32 (LayerNorm) parameters:
     two flat buffers per group; LayerNorm's fp32 gradient sums get 1e-5."""

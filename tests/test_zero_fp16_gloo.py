@@ -109,7 +109,9 @@ def _worker(rank, world_size, port, config, n):
     engine = _launch(rank, world_size, port, config)
     log = _train(engine, rank, world_size, STEPS, n)
     if "zero" in config:
-        assert type(engine.optimizer).__name__ == "MixedShardedOptimizer"
+        assert type(engine.optimizer).__name__ == ("MixedParamShardedOptimizer"
+                                                   if config["zero"]["level"] == 3
+                                                   else "MixedShardedOptimizer")
         assert all(p.dtype != torch.float32 for p in engine.model.parameters())
     return _result(engine, log)
 
@@ -129,7 +131,7 @@ def _assert_same(got, want, clip=False):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("level", [1, 2, 3])
 def test_gloo_zero_o2_equals_one_process_o2(level, dtype):
     for world_size in (2, 4):
         want = run_ranks(_worker, 1, _config(dtype, 0), world_size * B, timeout=60)[0]
@@ -143,7 +145,7 @@ def test_gloo_zero_o2_equals_one_process_o2(level, dtype):
 
 
 def test_gloo_zero_o2_apex_spelling_and_clipping_that_clips():
-    for level in (1, 2):
+    for level in (1, 2, 3):
         config = {**_config("float16", level, "apex"), "clip_grad_norm": 0.05}
         single = {**_config("float16", 0, "apex"), "clip_grad_norm": 0.05}
         want = run_ranks(_worker, 1, single, 2 * B, timeout=60)[0]
@@ -175,19 +177,29 @@ def _memory_worker(rank, world_size, port, level):
     masters = {q.untyped_storage().data_ptr(): q.untyped_storage().nbytes()
                for g in opt.optimizer.param_groups for q in g["params"]
                if q.dtype == torch.float32}
-    return sum(nbytes(p) for p in params), grads, sum(masters.values()), opt.state_bytes()
+    # level 3 keeps only its half shard of each unit (the parameters point at a placeholder)
+    held = opt.shard_bytes() if level == 3 else sum(nbytes(p) for p in params)
+    return held, grads, sum(masters.values()), opt.state_bytes()
 
 
-@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("level", [1, 2, 3])
 def test_gloo_zero_o2_bytes_per_rank_equal_the_formula(level):
     """Level 1: 2 Psi + 2 Psi + 12 Psi/N; level 2: 2 Psi + 2 Psi/N + 12 Psi/N, with Psi/N the
-    elements of the rank's shard: ceil(Psi/N), the last ones less."""
-    psi = 10 * 9 + 9 + 9 * 5 + 5
+    elements of the rank's shard: ceil(Psi/N), the last ones less; level 3: (2 + 2 + 12) Psi/N,
+    each unit (the two Linear layers) cut into N padded shards."""
+    units = (10 * 9 + 9, 9 * 5 + 5)
+    psi = sum(units)
     for n in (1, 2, 4):
-        shard = -(-psi // n)
-        mine = [min(shard, psi - r * shard) for r in range(n)]
         measured = run_ranks(_memory_worker, n, level, timeout=60)
-        expected = [(2 * psi, 2 * psi if level == 1 else 2 * m, 4 * m, 8 * m) for m in mine]
+        if level == 3:
+            shards = [-(-u // n) for u in units]
+            mine = [sum(min(s, max(0, u - r * s)) for u, s in zip(units, shards))
+                    for r in range(n)]
+            expected = [(2 * sum(shards), 2 * m, 4 * m, 8 * m) for m in mine]
+        else:
+            shard = -(-psi // n)
+            mine = [min(shard, psi - r * shard) for r in range(n)]
+            expected = [(2 * psi, 2 * psi if level == 1 else 2 * m, 4 * m, 8 * m) for m in mine]
         assert measured == expected, (n, measured, expected)
 
 
@@ -209,7 +221,7 @@ def _resume_worker(rank, world_size, port, path, level, n):
     return _result(engine, _train(engine, rank, world_size, 2, n, first=3, inf_step=3))
 
 
-@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("level", [1, 2, 3])
 def test_gloo_zero_o2_checkpoint_is_one_process_o2_and_loads_into_any_size(level, tmp_path):
     path = tmp_path / "ckpt.pt"
     saved = run_ranks(_save_worker, 2, path, level, timeout=60)[0]
@@ -226,7 +238,6 @@ def test_gloo_zero_o2_checkpoint_is_one_process_o2_and_loads_into_any_size(level
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"zero": dict(level=3), "fp16": dict(mode=AMP_TYPE.NAIVE)}, "use zero level 1 or 2 with O2"),
     ({"zero": dict(level=1), "fp16": dict(mode=AMP_TYPE.APEX, opt_level="O3")},
      "O3 (half parameters, no fp32 master weights) is not supported; use O2"),
 ])

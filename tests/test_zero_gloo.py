@@ -293,7 +293,7 @@ def test_gloo_zero_refuses_a_parameter_added_after_initialize(level):
     ({"zero": dict(level=2, bucket=1)}, "unknown zero key(s) ['bucket']"),
     ({"zero": dict(level=1), "gradient_handler": [dict(type="DataParallelGradientHandler")]},
      "remove gradient_handler"),
-    ({"zero": dict(level=3), "fp16": dict(mode=AMP_TYPE.NAIVE)}, "NAIVE O2"),
+    ({"zero": dict(level=3), "fp16": dict(mode=AMP_TYPE.APEX, opt_level="O3")}, "APEX O3"),
     ({"zero": dict(level=3), "parallel": dict(pipeline=2)}, "each of its micro-batches"),
     ({"zero": dict(level=1, overlap_communication=False)}, "applies to levels 2 and 3"),
 ])

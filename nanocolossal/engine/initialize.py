@@ -44,6 +44,7 @@ from ..moe.settings import moe_aux_weight
 from ..sequence import check_sequence_model, split_loader
 from ..syncbn import convert_sync_batchnorm
 from ..zero import MixedShardedOptimizer, ReduceScatterDDP, ShardedOptimizer
+from ..zero.mixed import MixedParamShardedOptimizer
 from ..zero.settings import zero_settings
 from ..zero.sharded_model import ShardedModel, plan_units
 from ..zero.sharded_params import ParamShardedOptimizer
@@ -127,8 +128,11 @@ def apply_zero(model: nn.Module, optimizer: MixedPrecisionOptimizer
     for note in notes:
         get_dist_logger().info(note)
     if zero["level"] == 3:
-        children, unit_of = plan_units(model, list(optimizer.params()))
-        sharded = ParamShardedOptimizer(optimizer, model, unit_of, gpc.gradient_group)
+        # O2: the optimizer steps fp32 masters of the half parameters, which are what is sharded
+        half_of = {id(master): p for p, master in optimizer.master_pairs()}
+        children, unit_of = plan_units(model, [half_of.get(id(p), p) for p in optimizer.params()])
+        kind = MixedParamShardedOptimizer if optimizer.master_pairs() else ParamShardedOptimizer
+        sharded = kind(optimizer, model, 3, gpc.gradient_group, unit_of)
         ShardedModel(model, sharded, children, zero.get("overlap_communication", True))
         return sharded, (f"ZeRO level 3 x{gpc.gradient_size}: this rank keeps "
                          f"{sharded.shard_bytes()} bytes of parameters between uses, the same "

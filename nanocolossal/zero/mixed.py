@@ -1,4 +1,4 @@
-"""ZeRO levels 1-2 with AMP O2: half model parameters, fp32 master weights only for my shard --
+"""ZeRO levels 1-3 with AMP O2: half model parameters, fp32 master weights only for my shard --
 the ZeRO paper's mixed-precision Adam.
 
 One process under O2 (amp.py) keeps a half model, and, for the optimizer, an fp32 master copy
@@ -24,6 +24,9 @@ normalisation layers -- count 4 + 4 + 8/N as optimizer.py's fp32 table):
     level 1   2 Psi + 2 Psi      + 12 Psi/N    (+ DDP's persistent half buckets, 2 Psi)
     level 2   2 Psi + 2 Psi/N    + 12 Psi/N    (a half gradient shard; during unscale and the
               step it becomes an fp32 shard, 4 Psi/N, and the half one is freed)
+    level 3   2 Psi/N + 2 Psi/N  + 12 Psi/N    (the half parameters too: each unit's half
+              shard is gathered for its forward and backward, sharded_model.py; the step rounds
+              my masters into my half shard, and the next gather sends them)
 "Shard" is ceil(Psi/N) elements on all ranks but the last ones (padding holds no master).
 
 The loss scale, overflow skipping and clipping are MixedPrecisionOptimizer's, run on the
@@ -32,7 +35,7 @@ shard: each gradient element is in exactly one shard, so the norm's squares add 
 Checkpoints: state_dict() returns what one process's O2 MixedPrecisionOptimizer returns -- the
 plain optimizer state and "masters", one whole fp32 tensor per half parameter in its order --
 gathered from every rank's pieces; load_state_dict() keeps my pieces: any data size, or one
-process's O2. Level 3 and O3 (half parameters, no masters) are refused (settings.py).
+process's O2. O3 (half parameters, no masters: nothing fp32 to shard) is refused (settings.py).
 """
 from __future__ import annotations
 
@@ -44,20 +47,36 @@ from torch import nn
 
 from ..amp import MixedPrecisionOptimizer
 from .optimizer import FlatBuffer, ShardedOptimizer
+from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
+
+
+def attach_masters(buffer: FlatBuffer) -> None:
+    """Half segments are stepped through fp32 masters: segment.param becomes the master the inner
+    optimizer updates, segment.half the half view it rounds to."""
+    half = buffer.data.dtype in (torch.float16, torch.bfloat16)
+    for s in buffer.segments:
+        s.half = s.param if half else None  # fp32 parameters (norm layers) are their master
+        if half:
+            s.param = nn.Parameter(s.half.detach().float())
 
 
 class MasterFlatBuffer(FlatBuffer):
-    """A FlatBuffer whose half segments are stepped through fp32 masters: segment.param is the
-    master the inner optimizer updates, segment.half the view of the flat buffer it rounds to."""
+    """Levels 1-2: a FlatBuffer whose half segments have fp32 masters."""
 
     def __init__(self, params: list[nn.Parameter], indices: list[int], size: int,
                  rank: int) -> None:
         super().__init__(params, indices, size, rank)
-        half = self.data.dtype in (torch.float16, torch.bfloat16)
-        for s in self.segments:
-            s.half = s.param if half else None  # fp32 parameters (norm layers) are their master
-            if half:
-                s.param = nn.Parameter(s.half.detach().float())
+        attach_masters(self)
+
+
+class MasterShardedFlatBuffer(ShardedFlatBuffer):
+    """Level 3: my half shard (`local`) is all I keep of the parameters; its segments have fp32
+    masters, rounded back into `local` after each step (the next gather sends the new values)."""
+
+    def __init__(self, params: list[nn.Parameter], indices: list[int], size: int,
+                 rank: int) -> None:
+        super().__init__(params, indices, size, rank)
+        attach_masters(self)
 
 
 class MixedShardedOptimizer(ShardedOptimizer):
@@ -66,14 +85,15 @@ class MixedShardedOptimizer(ShardedOptimizer):
     buffer_class = MasterFlatBuffer
 
     def __init__(self, mixed: MixedPrecisionOptimizer, model: nn.Module, level: int,
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None,
+                 unit_of: Optional[dict[int, int]] = None) -> None:
         # the optimizer steps the half model parameters again; their whole-model masters are
         # dropped (each rank makes its shard's, MasterFlatBuffer)
         half_of = {id(master): p for p, master in mixed.master_pairs()}
         for g in mixed.optimizer.param_groups:
             g["params"] = [half_of.get(id(q), q) for q in g["params"]]
         mixed._copies = []
-        super().__init__(mixed, model, level, group)
+        super().__init__(mixed, model, level, group, unit_of)
         # MixedPrecisionOptimizer's (model, master) pairs become (half segment, fp32 segment):
         # its unscale_ reads the half gradients, its step copies the masters back
         self._copies = [(s.half, s.param) for s in self._mastered()]
@@ -117,3 +137,10 @@ class MixedShardedOptimizer(ShardedOptimizer):
             for s in self._mastered():
                 s.param.copy_(saved[s.index].reshape(-1)[s.lo:s.hi])
                 s.half.copy_(s.param)
+
+
+class MixedParamShardedOptimizer(MixedShardedOptimizer, ParamShardedOptimizer):
+    """ZeRO level 3 around an O2 MixedPrecisionOptimizer: half parameters sharded by unit, fp32
+    masters for my shard only -- the paper's (2 + 2 + 12) Psi / N."""
+
+    buffer_class = MasterShardedFlatBuffer

@@ -116,10 +116,10 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, mixed: MixedPrecisionOpti
             f"we can step piece by piece (each rank steps only slices of parameters, so an update "
             f"that needs a whole parameter -- LAMB's or LARS's trust ratio -- would be wrong); use "
             f"one of {', '.join(c.__name__ for c in ELEMENTWISE)}, or remove zero")
-    if mixed.master_pairs():  # mixed.py shards the masters of levels 1-2
-        raise ConfigError(f"[rank {gpc.rank}] zero level {level} with fp16 O2 (half parameters, "
-                          f"fp32 master weights) is not supported; use zero level 1 or 2 with "
-                          f"O2, or fp16=dict(mode=AMP_TYPE.TORCH) (O1) with level 3")
+    if mixed.master_pairs():  # (whole-model masters: mixed.py's classes make shards of them)
+        raise TypeError(f"[rank {gpc.rank}] {type(mixed).__name__} holds O2's fp32 masters of "
+                        f"the whole model; shard it with zero.mixed's MixedShardedOptimizer "
+                        f"(levels 1-2) or MixedParamShardedOptimizer (level 3)")
     if optimizer.state:
         raise ConfigError(f"[rank {gpc.rank}] zero: the optimizer has already stepped; pass a "
                           f"fresh optimizer to initialize (load its state after, with "
@@ -148,10 +148,12 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     buffer_class = FlatBuffer  # level 3 (sharded_params.py): one that keeps only my shard
 
     def __init__(self, mixed: MixedPrecisionOptimizer, model: nn.Module, level: int,
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None,
+                 unit_of: Optional[dict[int, int]] = None) -> None:
         optimizer = mixed.optimizer
         _check_optimizer(optimizer, mixed, model, level)
         self.model, self.level = model, level
+        self.unit_of = unit_of or {}  # level 3: id(param) -> its unit (sharded_model.py)
         self.group = group if group is not None else gpc.data_group
         self.size = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0

@@ -107,9 +107,5 @@ def check_zero(cfg: Config, P: int) -> None:
                                                                      fp16.get("opt_level", "O1"))
         if level_amp == "O3":  # no fp32 masters to shard: the state would be half
             raise ConfigError(f"zero with fp16 {mode.name} O3 (half parameters, no fp32 master "
-                              f"weights) is not supported; use O2 (mode=AMP_TYPE.NAIVE) with zero "
-                              f"level 1 or 2, or fp16=dict(mode=AMP_TYPE.TORCH) (O1)")
-        if level_amp == "O2" and level == 3:
-            raise ConfigError(f"zero level 3 with fp16 {mode.name} O2 (half parameters, fp32 "
-                              f"master weights) is not supported; use zero level 1 or 2 with O2, "
-                              f"or level 3 with fp16=dict(mode=AMP_TYPE.TORCH) (O1)")
+                              f"weights) is not supported; use O2 (mode=AMP_TYPE.NAIVE) with zero, "
+                              f"or fp16=dict(mode=AMP_TYPE.TORCH) (O1)")

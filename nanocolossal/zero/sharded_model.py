@@ -33,7 +33,10 @@ just before the unit's backward ("pre-backward": gather). A unit whose inputs ne
 (the first layer) and a unit not used in this pass are reduced by a callback at the end of
 backward. Reductions start in a fixed order (last unit first), as DDP's buckets do, so every
 rank issues the same collectives whatever order autograd reaches the units in. Each unit runs
-once per forward (a second call is refused: its backward would find it freed).
+once per forward (a second call is refused: its backward would find it freed), and every data
+rank must run the same units in the same order (as FSDP requires): a unit only some ranks run
+(a branch taken on rank 0's data alone) pairs one rank's gather with another's -- gloo aborts
+on the size mismatch, and same-sized units would be gathered wrong. Branch inside a unit.
 
 Memory per rank (fp32 parameters, Adam, Psi = elements the optimizer steps, N ranks):
     between steps   4 Psi/N parameters + 4 Psi/N gradients + 8 Psi/N Adam = 16 Psi/N
@@ -242,10 +245,11 @@ class ShardedModel:
                 i = where[s.index]
                 if wire[b.data.numel() + i] > 0:
                     piece = wire[b.offsets[i] + s.lo: b.offsets[i] + s.hi]
-                    if s.param.grad is None:
-                        s.param.grad = piece.clone()
+                    home = self.optimizer.home(s)  # (O2: the half view; unscale makes fp32)
+                    if home.grad is None:
+                        home.grad = piece.clone()
                     else:
-                        s.param.grad.add_(piece)
+                        home.grad.add_(piece)
         self._pending = []
 
     def _end_backward(self) -> None:

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..amp import MixedPrecisionOptimizer
 from .comm import gather_shards
 from .optimizer import FlatBuffer, ShardedOptimizer
 
@@ -96,14 +95,10 @@ class ShardedFlatBuffer(FlatBuffer):
 
 class ParamShardedOptimizer(ShardedOptimizer):
     """The level 1-2 optimizer with one flat buffer per (unit, param group, dtype, device),
-    each holding only this rank's shard between uses. `unit_of[id(p)]`: p's unit index."""
+    each holding only this rank's shard between uses: ParamShardedOptimizer(mixed, model, 3,
+    group, unit_of), `unit_of[id(p)]` p's unit index."""
 
     buffer_class = ShardedFlatBuffer
-
-    def __init__(self, mixed: MixedPrecisionOptimizer, model: nn.Module, unit_of: dict[int, int],
-                 group: Optional[dist.ProcessGroup] = None) -> None:
-        self.unit_of = unit_of
-        super().__init__(mixed, model, 3, group)
 
     def _kind(self, p: nn.Parameter) -> tuple:
         return (self.unit_of[id(p)], p.dtype, p.device)
