@@ -81,7 +81,7 @@ def test_design_defaults():
                                                              # DESIGN's; then ours:
                                                              broadcast_buffers=True,
                                                              gradient_as_bucket_view=False,
-                                                             compress=None)
+                                                             compress=None, reduced_elsewhere=())
     assert _defaults(nc.data.DistributedSampler) == dict(num_replicas=None, rank=None,
                                                          shuffle=True, seed=0,
                                                          drop_last=False, pad=True)
