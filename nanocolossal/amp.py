@@ -222,16 +222,18 @@ class MixedPrecisionOptimizer:
                 "masters": [master.detach().clone() for _, master in self._copies]}
 
     def load_state_dict(self, state: dict) -> None:
-        if "optimizer" not in state:  # a plain torch optimizer's state
-            self.optimizer.load_state_dict(state)
-            return
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler is not None and state.get("scaler"):
+        plain = "optimizer" not in state  # a plain torch optimizer's state
+        self.optimizer.load_state_dict(state if plain else state["optimizer"])
+        if not plain and self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        masters = [] if plain else state.get("masters") or []
         with torch.no_grad():
-            for (model_param, master), saved in zip(self._copies, state.get("masters", [])):
+            for (model_param, master), saved in zip(self._copies, masters):
                 master.copy_(saved)
                 model_param.copy_(saved)
+            if not masters:  # saved without O2 (an fp32 run): masters of the loaded half model
+                for model_param, master in self._copies:
+                    master.copy_(model_param)
 
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")

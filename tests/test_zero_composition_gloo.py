@@ -81,6 +81,28 @@ def _record(engine, out):
     return out
 
 
+def inject_overflow(xs, cs):
+    """The last sample overflows fp16 in b.weight[0, 3]'s gradient: one rank's shard only."""
+    xs[-1, 9], cs[-1] = 60000.0, 0.0
+    cs[-1, 7] = 0.25
+
+
+def micro_step(engine, rank, world, xs, cs):
+    """This rank's share of xs: backward, then step; (the loss averaged over ranks, stepped)."""
+    n = len(xs)
+    mine = slice(rank * n // world, (rank + 1) * n // world)
+    engine.zero_grad()
+    loss = engine.criterion(engine(xs[mine]), cs[mine])
+    engine.backward(loss)
+    return all_reduce_mean(loss.item()), engine.step()
+
+
+def end_of_step(engine, out, took):
+    out["took"].append(took)
+    out["scales"].append(engine.optimizer.loss_scale)
+    out["norms"].append(engine.last_grad_norm if engine.clip_grad_norm else None)
+
+
 def _o2_train(rank, world, port, config, n, steps=4, side_rows=None, inject=(1, 0), first=0,
               path=None, norm=False, save=None):
     """`steps` optimizer steps, each `gradient_accumulation` micro-steps of n samples (this
@@ -95,19 +117,12 @@ def _o2_train(rank, world, port, config, n, steps=4, side_rows=None, inject=(1, 
         engine.model.use_side = step % 2 == 0
         for micro in range(accumulation):
             xs, cs = _batch(step * accumulation + micro, n)
-            if (step, micro) == inject:  # b.weight[0, 3]'s gradient: one rank's shard only
-                xs[-1, 9], cs[-1] = 60000.0, 0.0
-                cs[-1, 7] = 0.25
-            mine = slice(rank * n // world, (rank + 1) * n // world)
-            engine.zero_grad()
-            loss = engine.criterion(engine(xs[mine]), cs[mine])
-            engine.backward(loss)
-            losses.append(all_reduce_mean(loss.item()))
-            took = engine.step()
+            if (step, micro) == inject:
+                inject_overflow(xs, cs)
+            loss, took = micro_step(engine, rank, world, xs, cs)
+            losses.append(loss)
             assert took is False or micro == accumulation - 1
-        out["took"].append(took)
-        out["scales"].append(engine.optimizer.loss_scale)
-        out["norms"].append(engine.last_grad_norm if engine.clip_grad_norm else None)
+        end_of_step(engine, out, took)
     out["loss_values"] = losses
     _record(engine, out)
     if save is not None:
@@ -285,22 +300,29 @@ def test_gloo_trainer_under_zero2_o2_reports_one_process_numbers_and_resumes_bit
 SEQ_BATCH, SEQ_LEN, VOCAB = 4, 8, 32
 
 
-def _seq_train(rank, world, port, config):
+def tiny_gpt_and_my_batches(steps, vocab=VOCAB):
+    """After nc.launch: a 2-layer train_gpt.gpt seeded alike on every rank, and this data rank's
+    share of `steps` global batches of (ids, next ids)."""
     import sys
     sys.path.insert(0, str(ROOT))
     from train_gpt import gpt
-    nc.launch(config, rank=rank, world_size=world, host="127.0.0.1", port=port)
     torch.manual_seed(0)
-    model = gpt(vocab=VOCAB, seq_len=SEQ_LEN, dim=16, depth=2, heads=2, mlp_ratio=2).double()
+    model = gpt(vocab=vocab, seq_len=SEQ_LEN, dim=16, depth=2, heads=2, mlp_ratio=2)
     g = torch.Generator().manual_seed(7)
-    batches = [torch.randint(0, VOCAB, (2, SEQ_BATCH, SEQ_LEN), generator=g).unbind(0)
-               for _ in range(6)]
+    batches = [torch.randint(0, vocab, (2, SEQ_BATCH, SEQ_LEN), generator=g).unbind(0)
+               for _ in range(steps)]
     per = SEQ_BATCH // gpc.data_size
     mine = slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
+    return model, [(x[mine], y[mine]) for x, y in batches]
+
+
+def _seq_train(rank, world, port, config):
+    nc.launch(config, rank=rank, world_size=world, host="127.0.0.1", port=port)
+    model, batches = tiny_gpt_and_my_batches(6)
+    model = model.double()
     engine, loader, *_ = nc.initialize(
         model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
-        col_nn.VocabParallelCrossEntropyLoss(), [(x[mine], y[mine]) for x, y in batches],
-        verbose=False)
+        col_nn.VocabParallelCrossEntropyLoss(), batches, verbose=False)
     out = dict(took=[], scales=[], norms=[], losses=[])
     for x, y in loader:
         engine.zero_grad()

@@ -130,13 +130,14 @@ class MixedShardedOptimizer(ShardedOptimizer):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         masters = state.get("masters") if "optimizer" in state else None
-        if not masters:  # a plain optimizer state: the masters are the half parameters
-            return
-        saved = dict(zip(self.half_indices(), masters))
+        saved = dict(zip(self.half_indices(), masters or []))
         with torch.no_grad():
             for s in self._mastered():
-                s.param.copy_(saved[s.index].reshape(-1)[s.lo:s.hi])
-                s.half.copy_(s.param)
+                if masters:
+                    s.param.copy_(saved[s.index].reshape(-1)[s.lo:s.hi])
+                    s.half.copy_(s.param)
+                else:  # saved without O2 (an fp32 run): masters of the loaded half model
+                    s.param.copy_(s.half)
 
 
 class MixedParamShardedOptimizer(MixedShardedOptimizer, ParamShardedOptimizer):
