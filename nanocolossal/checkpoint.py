@@ -12,7 +12,8 @@ with tensor parallelism; `-expert{e}` from each rank e of the first expert-paral
 parallel.moe: each holds other experts). Replicas are identical, so one copy suffices;
 everyone waits at a barrier until the files exist. Under ZeRO the replicas' optimizer states are
 not identical but pieces: every data rank r writes its own beside its stage's file
-(`ckpt-zero{r}.pt`, zero/state.py), and loading merges them (`load_optimizer_state`).
+(`ckpt-zero{r}.pt`, zero/state.py; at level 3 its pieces of the parameters too, None in the
+stage file), and reading puts them back together (`complete_zero_state`).
 Tensor-parallel files record how each parameter was cut, so `merge_checkpoint(path)` rebuilds
 the plain model's state_dict from all of them offline, and `load_plain_state_dict` loads a plain
 state_dict into any layout (each rank keeps its slice).
@@ -54,6 +55,7 @@ from .checkpoint_merge import (  # noqa: F401 -- re-exported: the offline half o
     PathLike,
     UnsafeCheckpointError,
     check_one_save,
+    complete_zero_state,
     describe_save,
     load_optimizer_state,
     load_plain_state_dict,
@@ -163,7 +165,12 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
         optimizer_state = {"zero_files": optimizer.size, **skeleton(optimizer)}
     else:
         optimizer_state = optimizer.state_dict() if optimizer is not None else None
-    model_state = strip_prefixes(unwrap(model).state_dict())  # ZeRO 3 gathers: every data rank
+    if isinstance(optimizer, ShardedOptimizer) and optimizer.level == 3:  # no gather: my pieces
+        sharded = {k for names in optimizer.param_names() for k in names}  # are in ckpt-zero{r}
+        model_state = {k: None if k in sharded else v.detach() for k, v in
+                       strip_prefixes(unwrap(model).state_dict(keep_vars=True)).items()}
+    else:
+        model_state = strip_prefixes(unwrap(model).state_dict())  # (ZeRO 3 alone: gathers)
     # sequence ranks hold replicas too: one of them writes; with experts (parallel.moe) each
     # rank of the first expert-parallel group, whose ranks hold different experts
     if gpc.gradient_rank < gpc.moe_size:
@@ -192,7 +199,8 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None,
     if not file.is_file():
         _refuse_other_layout(path, trusted)
         raise FileNotFoundError(f"[rank {gpc.rank}] checkpoint {str(file)!r} not found")
-    state = read_file(file, map_location or gpc.device, trusted)
+    state = complete_zero_state(read_file(file, map_location or gpc.device, trusted), file,
+                                trusted)
     _check_layout(state, file, path)
     if gpc.is_initialized and gpc.pipeline_size * gpc.tensor_size > 1:
         parts: list[Any] = [None] * (gpc.pipeline_size * gpc.tensor_size)
@@ -200,7 +208,7 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None,
         check_one_save(parts)
     unwrap(model).load_state_dict(strip_prefixes(state["model"]), strict=strict)
     if optimizer is not None and state.get("optimizer") is not None:
-        optimizer.load_state_dict(load_optimizer_state(file, trusted, state))
+        optimizer.load_state_dict(state["optimizer"])
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     rng = state.get("rng") or []

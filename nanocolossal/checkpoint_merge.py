@@ -159,26 +159,36 @@ def zero_path(file: PathLike, rank: int) -> Path:
     return file.with_name(f"{file.stem}-zero{rank}{file.suffix}")
 
 
-def load_optimizer_state(file: PathLike, trusted: bool = False, state: Any = None) -> Any:
-    """The optimizer state saved in `file` (one stage's file, or `ckpt.pt` of a save without
-    stages): what it holds, or -- saved under ZeRO -- the plain state merged from the pieces its
-    data ranks wrote beside it (zero/state.py), which loads into one process's torch optimizer
-    (state["optimizer"]) or into any data size's ZeRO optimizer."""
-    from .zero.state import assemble  # (here: zero/ imports modules that import this one)
-    state = read_file(file, "cpu", trusted) if state is None else state
+def complete_zero_state(state: dict, file: PathLike, trusted: bool = False) -> dict:
+    """A ZeRO save's stage file holds a skeleton; its data ranks' pieces lie beside it (zero/
+    state.py). Put them back: the plain optimizer state, and at level 3 the model's sharded
+    parameters (None in the file). Any other file's state is returned as it is."""
+    from .zero.state import assemble, assemble_params  # (zero/ imports modules importing this)
     saved = state.get("optimizer")
     if not isinstance(saved, dict) or "zero_files" not in saved:
-        return saved
+        return state
     files = [zero_path(file, r) for r in range(saved["zero_files"])]
     parts = [read_file(f, "cpu", trusted) for f in files]
     check_one_save([describe_save(state, file)] +
                    [describe_save(part, f) for part, f in zip(parts, files)])
-    return assemble(saved, parts)
+    state = {**state, "optimizer": assemble(saved, parts)}
+    if saved.get("param_names"):  # level 3: in the model's key order
+        params = assemble_params(saved, parts)
+        state["model"] = {k: params.get(k, v) for k, v in state["model"].items()}
+    return state
+
+
+def load_optimizer_state(file: PathLike, trusted: bool = False) -> Any:
+    """The optimizer state saved in `file` (one stage's file, or `ckpt.pt` of a save without
+    stages) -- saved under ZeRO, the plain state merged from its data ranks' pieces, which loads
+    into one process's torch optimizer (state["optimizer"]) or any data size's ZeRO optimizer."""
+    return complete_zero_state(read_file(file, "cpu", trusted), file, trusted).get("optimizer")
 
 
 def _load_all(paths: list[PathLike], trusted: bool) -> list[dict]:
     """Read a save's files (CPU) and check they all come from that one save."""
-    states = [read_file(path, "cpu", trusted) for path in paths]
+    states = [complete_zero_state(read_file(path, "cpu", trusted), path, trusted)
+              for path in paths]
     check_one_save([describe_save(state, path) for state, path in zip(states, paths)])
     return states
 

@@ -15,6 +15,7 @@ from torch.testing import assert_close
 import nanocolossal as nc
 from nanocolossal.amp import AMP_TYPE
 from nanocolossal.checkpoint import (
+    complete_zero_state,
     load_checkpoint,
     load_optimizer_state,
     merge_checkpoint,
@@ -149,15 +150,24 @@ def _resume_worker(rank, world_size, port, path):
 
 
 def test_gloo_zero3_checkpoint_is_the_plain_models_and_resumes_exactly(tmp_path):
-    """Saved by 2 ranks after 3 steps: the file's model is the plain model's state_dict (keys,
-    full tensors) and so is merge_checkpoint's; its optimizer loads into a plain AdamW; 2 more
-    steps on 2 or 4 ranks end where one process ends."""
+    """Saved by 2 ranks after 3 steps: no rank gathered the model -- the file has the plain
+    model's keys with None for the sharded parameters, whose pieces each rank wrote to its own
+    file -- and put together (complete_zero_state, merge_checkpoint) it is the plain model's
+    state_dict; its optimizer loads into a plain AdamW; 2 more steps on 2 or 4 ranks end where
+    one process ends."""
     path = tmp_path / "ckpt.pt"
     run_ranks(_save_worker, 2, path, timeout=60)
     single = Net()
     opt = _adamw(single)
     _train_single(single, opt, 3, n=2 * B)
-    state = read_file(path, "cpu")
+    on_disk = read_file(path, "cpu")
+    assert list(on_disk["model"]) == list(single.state_dict())
+    assert all(v is None for v in on_disk["model"].values())  # every parameter is sharded
+    for r in range(2):  # each rank's file: its half of the parameters, not more
+        pieces = read_file(tmp_path / f"ckpt-zero{r}.pt", "cpu")["params"]
+        assert sum(hi - lo for _, lo, hi, _ in pieces) <= sum(
+            math.ceil(p.numel() / 2) for p in single.parameters())
+    state = complete_zero_state(on_disk, path)
     assert list(state["model"]) == list(single.state_dict())
     assert_close(state["model"], single.state_dict())
     assert_close(merge_checkpoint(path), single.state_dict())

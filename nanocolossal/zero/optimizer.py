@@ -275,6 +275,21 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
 
     def master_pieces(self) -> list:
         return []
+
+    def param_pieces(self) -> list:
+        return []  # level 3 (sharded_params.py): my shard of the parameters themselves
+
+    def param_names(self) -> list[list[str]]:
+        """The model's state_dict keys of each parameter the optimizer steps (a tied one: all)."""
+        from ..checkpoint_merge import strip_prefixes, unwrap  # (it imports zero/)
+        # keep_vars: the Parameters themselves (and no gather at level 3)
+        keys = strip_prefixes(unwrap(self.model).state_dict(keep_vars=True))
+        index = {id(p): i for i, p in enumerate(self.model_params)}
+        names: list[list[str]] = [[] for _ in self.model_params]
+        for name, p in keys.items():
+            if id(p) in index:
+                names[index[id(p)]].append(name)
+        return names
     def state_dict(self) -> dict:
         """The unsplit model's plain torch optimizer state (collective over the data group)."""
         return gather_plain_state(self)

@@ -56,9 +56,9 @@ Gradient accumulation: every micro-step's backward reduces and adds into the sha
 Overlap: a unit's reduction runs while autograd computes the next unit's gradients; at most one
 is in flight (overlap_communication=False: each waits at once, and nothing is prefetched).
 
-Checkpoints: model.state_dict() gathers every unit (collective: every data rank calls it, as
-save_checkpoint does) and returns the plain model's keys with full tensors (copies);
-load_state_dict takes full tensors and keeps this rank's slice (any data size).
+Checkpoints: model.state_dict() gathers every unit (collective: every data rank calls it) and
+returns the plain model's keys with full tensors (copies); save_checkpoint does not gather: each
+rank writes its pieces (state.py). load_state_dict takes full tensors and keeps my slice.
 """
 from __future__ import annotations
 

@@ -106,6 +106,11 @@ class ParamShardedOptimizer(ShardedOptimizer):
     def buffers_of(self, unit: int) -> list[ShardedFlatBuffer]:
         return [b for b in self.buffers if self.unit_of[id(b.params[0])] == unit]
 
+    def param_pieces(self) -> list:
+        """My shard of each parameter, in the model's dtype (a checkpoint's pieces, state.py)."""
+        return [(s.index, s.lo, s.hi, self.home(s).detach().cpu().clone())
+                for b in self.buffers for s in b.segments]
+
     def shard_bytes(self) -> int:
         """Bytes of parameters this rank keeps between uses: its shard of every buffer."""
         return sum(b.local.numel() * b.local.element_size() for b in self.buffers)

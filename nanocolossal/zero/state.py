@@ -5,9 +5,10 @@ Each rank holds the state of its segments only (optimizer.py): pieces [lo, hi) o
 (and, under O2, their fp32 masters: mixed.py). A checkpoint keeps it that way -- no rank ever
 holds the whole optimizer state to save it:
 
-    save   rank r writes its pieces, {param index: [(lo, hi, {exp_avg: piece, ..., step})]} and
-           [(index, lo, hi, master piece)], to its own file (checkpoint.py: ckpt-zero{r}.pt);
-           the stage's main file gets the skeleton: param groups, shapes, scaler, N
+    save   rank r writes its pieces, {param index: [(lo, hi, {exp_avg: piece, ..., step})]},
+           [(index, lo, hi, master piece)] and, at level 3, [(index, lo, hi, parameter piece)]
+           to its own file (checkpoint.py: ckpt-zero{r}.pt); the stage's main file gets the
+           skeleton (param groups, shapes, scaler, N) and the model's unsharded entries
     merge  for each parameter its pieces side by side into one whole tensor:
            {"state": {index: {exp_avg: whole, ...}}, "param_groups": [...]} -- torch's layout,
            which loads into one process's plain optimizer (`assemble`)
@@ -54,7 +55,7 @@ def my_pieces(opt: ShardedOptimizer) -> dict:
                 state.setdefault(s.index, []).append(
                     (s.lo, s.hi, {k: v.detach().cpu() if torch.is_tensor(v) else v
                                   for k, v in opt.optimizer.state[s.param].items()}))
-    return {"state": state, "masters": opt.master_pieces()}
+    return {"state": state, "masters": opt.master_pieces(), "params": opt.param_pieces()}
 
 
 def skeleton(opt: ShardedOptimizer) -> dict:
@@ -67,7 +68,19 @@ def skeleton(opt: ShardedOptimizer) -> dict:
     return {"param_groups": groups, "shapes": [list(s) for s in opt.shapes],
             "masters_of": opt.half_indices(),
             "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
-            "zero": {"level": opt.level, "data_size": opt.size}}
+            "zero": {"level": opt.level, "data_size": opt.size},
+            "param_names": opt.param_names() if opt.level == 3 else []}
+
+
+def assemble_params(skeleton: dict, everyone: list[dict]) -> dict:
+    """Level 3: the model's sharded parameters, whole, under every state_dict key they have."""
+    whole: dict[int, torch.Tensor] = {}
+    for pieces in everyone:
+        for index, lo, hi, value in pieces["params"]:
+            numel = torch.Size(skeleton["shapes"][index]).numel()
+            whole.setdefault(index, torch.zeros(numel, dtype=value.dtype))[lo:hi] = value
+    return {name: whole[index].view(skeleton["shapes"][index])
+            for index, names in enumerate(skeleton["param_names"]) for name in names}
 
 
 def assemble(skeleton: dict, everyone: list[dict]) -> dict:
