@@ -288,6 +288,26 @@ def test_gloo_zero_refuses_a_parameter_added_after_initialize(level):
     run_ranks(_added_after_initialize_worker, 2, level, timeout=60)
 
 
+def _log_line_worker(rank, world_size, port, level):
+    from nanocolossal.engine.initialize import describe_zero
+    return describe_zero(_launch(rank, world_size, port, {"zero": dict(level=level)}).optimizer)
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_gloo_zero_log_line_says_what_each_rank_keeps_in_bytes(level):
+    """Net's 141 fp32 elements in two flat buffers (121 weights, 20 biases), each cut in 2:
+    rank 0 keeps 61 + 10, rank 1 60 + 10. Level 3 cuts each unit's two buffers: a (42, 7),
+    b and side (35, 5), never (9, 3): rank 0 keeps 21+4 + 2 x (18+3) + 5+2 = 74, rank 1 67."""
+    kept = {1: "optimizer state", 2: "optimizer state and gradients",
+            3: "optimizer state, gradients and parameters"}[level]
+    shares = (74, 67) if level == 3 else (71, 70)
+    for rank, (line, mine) in enumerate(zip(run_ranks(_log_line_worker, 2, level, timeout=60),
+                                            shares)):
+        assert line == (f"ZeRO level {level} x2: this rank keeps the {kept} of {mine} of 141 "
+                        f"elements: {4 * mine / 2**20:.2f} MiB instead of {4 * 141 / 2**20:.2f} "
+                        f"MiB for each (at the parameters' precision)"), rank
+
+
 @pytest.mark.parametrize("config, message", [
     ({"zero": dict(level=4)}, "zero level must be 1, 2 or 3"),
     ({"zero": dict(level=2, bucket=1)}, "unknown zero key(s) ['bucket']"),

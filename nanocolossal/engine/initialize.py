@@ -134,16 +134,22 @@ def apply_zero(model: nn.Module, optimizer: MixedPrecisionOptimizer
         kind = MixedParamShardedOptimizer if optimizer.master_pairs() else ParamShardedOptimizer
         sharded = kind(optimizer, model, 3, gpc.gradient_group, unit_of)
         ShardedModel(model, sharded, children, zero.get("overlap_communication", True))
-        return sharded, (f"ZeRO level 3 x{gpc.gradient_size}: this rank keeps "
-                         f"{sharded.shard_bytes()} bytes of parameters between uses, the same "
-                         f"shard of gradients and optimizer state, {len(children)} child units")
-    # O2: the fp32 masters are sharded too (zero/mixed.py)
-    kind = MixedShardedOptimizer if optimizer.master_pairs() else ShardedOptimizer
-    sharded = kind(optimizer, model, zero["level"], gpc.gradient_group)
-    mine = sum(s.hi - s.lo for b in sharded.buffers for s in b.segments)
+    else:  # O2: the fp32 masters are sharded too (zero/mixed.py)
+        kind = MixedShardedOptimizer if optimizer.master_pairs() else ShardedOptimizer
+        sharded = kind(optimizer, model, zero["level"], gpc.gradient_group)
+    return sharded, describe_zero(sharded)
+
+
+def describe_zero(sharded: ShardedOptimizer) -> str:
+    """The log line: how much of each sharded thing this rank keeps, in bytes."""
     total = sum(p.numel() for p in sharded.model_params)
-    return sharded, (f"ZeRO level {zero['level']} x{gpc.gradient_size}: this rank holds the "
-                     f"optimizer state of {mine} of {total} elements")
+    mine = sum(s.hi - s.lo for b in sharded.buffers for s in b.segments)
+    whole = sum(p.numel() * p.element_size() for p in sharded.model_params) / 2**20
+    kept = {1: "optimizer state", 2: "optimizer state and gradients",
+            3: "optimizer state, gradients and parameters"}[sharded.level]
+    return (f"ZeRO level {sharded.level} x{sharded.size}: this rank keeps the {kept} of {mine} of "
+            f"{total} elements: {whole * mine / total:.2f} MiB instead of {whole:.2f} MiB for "
+            f"each (at the parameters' precision)")
 
 
 def apply_moe(model: nn.Module, optimizer: MixedPrecisionOptimizer
