@@ -285,11 +285,15 @@ def merge_pipeline_checkpoint(paths: list[PathLike], trusted: bool = False) -> d
 
 @torch.no_grad()
 def load_plain_state_dict(model: nn.Module, state_dict: dict) -> None:
-    """Load a plain (unsplit) state_dict into a model of any layout: each parameter its slice."""
+    """Load a plain (unsplit) state_dict into a model of any layout: each parameter its slice,
+    through the model's own load_state_dict (ZeRO level 3's hooks gather, then keep my shard)."""
     from .tensor.base import shard
     state_dict = strip_prefixes(state_dict)
     layout = tensor_layout(model)
-    for key, value in strip_prefixes(unwrap(model).state_dict(keep_vars=True)).items():
+    own = unwrap(model).state_dict(keep_vars=True)  # (keep_vars: no gather at ZeRO level 3)
+    sliced = {}
+    for own_key, key in zip(own, strip_prefixes(own)):  # the module's keys, the plain ones
         if key not in state_dict:
             raise KeyError(f"[rank {gpc.rank}] the plain state_dict has no {key!r}")
-        value.copy_(shard(state_dict[key], layout[key]))
+        sliced[own_key] = shard(state_dict[key], layout[key])
+    unwrap(model).load_state_dict(sliced)

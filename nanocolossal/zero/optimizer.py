@@ -120,7 +120,8 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, mixed: MixedPrecisionOpti
         raise TypeError(f"[rank {gpc.rank}] {type(mixed).__name__} holds O2's fp32 masters of "
                         f"the whole model; shard it with zero.mixed's MixedShardedOptimizer "
                         f"(levels 1-2) or MixedParamShardedOptimizer (level 3)")
-    if optimizer.state:
+    # (Adagrad fills its state, step 0, in its constructor: that is not a step)
+    if any(float(state.get("step", 1)) > 0 for state in optimizer.state.values()):
         raise ConfigError(f"[rank {gpc.rank}] zero: the optimizer has already stepped; pass a "
                           f"fresh optimizer to initialize (load its state after, with "
                           f"engine.optimizer.load_state_dict)")

@@ -69,16 +69,17 @@ def skeleton(opt: ShardedOptimizer) -> dict:
             "masters_of": opt.half_indices(),
             "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
             "zero": {"level": opt.level, "data_size": opt.size},
-            "param_names": opt.param_names() if opt.level == 3 else []}
+            "param_names": opt.param_names() if opt.level == 3 else [],
+            "param_dtypes": [str(p.dtype).removeprefix("torch.") for p in opt.model_params]}
 
 
 def assemble_params(skeleton: dict, everyone: list[dict]) -> dict:
     """Level 3: the model's sharded parameters, whole, under every state_dict key they have."""
-    whole: dict[int, torch.Tensor] = {}
-    for pieces in everyone:
+    whole = {i: torch.zeros(torch.Size(shape).numel(), dtype=getattr(torch, dtype))
+             for i, (shape, dtype) in enumerate(zip(skeleton["shapes"], skeleton["param_dtypes"]))}
+    for pieces in everyone:  # (a zero-size parameter has no piece anywhere: it stays empty)
         for index, lo, hi, value in pieces["params"]:
-            numel = torch.Size(skeleton["shapes"][index]).numel()
-            whole.setdefault(index, torch.zeros(numel, dtype=value.dtype))[lo:hi] = value
+            whole[index][lo:hi] = value
     return {name: whole[index].view(skeleton["shapes"][index])
             for index, names in enumerate(skeleton["param_names"]) for name in names}
 
