@@ -131,8 +131,7 @@ class DistributedDataParallel(nn.Module):
         _coalesced_broadcast(list(module.parameters()) + list(module.buffers()), self.src_rank,
                              self.process_group)
 
-        # (reduced_elsewhere: a weight another pipeline chunk's DDP reduces, initialize.py)
-        skip = {id(q) for q in reduced_elsewhere}
+        skip = {id(q) for q in reduced_elsewhere}  # another pipeline chunk's DDP reduces them
         params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
         self.buckets = self._make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
