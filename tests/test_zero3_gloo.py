@@ -8,7 +8,16 @@ import math
 import pytest
 import torch
 from dist_helpers import run_ranks
-from test_zero_gloo import B, Net, _adamw, _launch, _train_engine, _train_single, zero_config
+from test_zero_gloo import (
+    B,
+    Net,
+    _adamw,
+    _batch,
+    _launch,
+    _train_engine,
+    _train_single,
+    zero_config,
+)
 from torch import nn
 from torch.testing import assert_close
 
@@ -253,3 +262,24 @@ def test_gloo_zero_v01_config_trains_as_level3_and_sets_the_scaler():
     assert any("tensor_placement_policy='cpu' ignored" in line for line in logged), logged
     _, logged = run_ranks(_v01_worker, 2, False, timeout=60)[0]
     assert any("shard_strategy ignored" in line for line in logged), logged
+
+
+def _branch_on_one_rank_worker(rank, world_size, port):
+    engine = _launch(rank, world_size, port, {"zero": dict(level=3), "debug": True})
+    engine.model.use_side = rank == 0  # rank 0 alone runs the unit `side`
+    xs, ys = _batch(0, world_size * B)
+    with pytest.raises(RuntimeError) as e:
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(xs[rank * B:(rank + 1) * B]),
+                                         ys[rank * B:(rank + 1) * B]))
+    return str(e.value)
+
+
+def test_gloo_zero3_debug_names_a_unit_only_some_ranks_run():
+    """Level 3 needs every data rank to gather the same units; with debug=True each gather first
+    checks it (one small all-reduce), so a branch taken on one rank is an error on every rank
+    naming the unit, not mis-paired gathers."""
+    said = run_ranks(_branch_on_one_rank_worker, 2, timeout=60)
+    assert said[0].startswith("[rank 0] zero level 3: this rank gathers unit 'side' while "
+                              "another data rank gathers another"), said
+    assert said[1].startswith("[rank 1] zero level 3: this rank gathers unit 'b'"), said

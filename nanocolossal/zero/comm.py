@@ -26,3 +26,10 @@ def gather_shards(flat: torch.Tensor, mine: torch.Tensor, group: Optional[dist.P
     works = [dist.broadcast(chunk, src=dist.get_global_rank(group, owner), group=group,
                             async_op=async_op) for owner, chunk in enumerate(chunks)]
     return works if async_op else []
+
+
+def same_everywhere(value: int, group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether every rank of `group` passed the same integer (one all-reduce of [v, -v], MAX)."""
+    both = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return int(both[0]) == -int(both[1])

@@ -4,8 +4,7 @@ forward and again for its backward, and its gradients are reduce-scattered when 
 Units (the wrapping policy): each direct child of the model that holds parameters the optimizer
 steps is one unit. The model's own direct parameters, and any parameter two children share (a
 tied embedding), form the root unit, gathered for the whole forward and the whole backward.
-Parameters the optimizer does not step (requires_grad=False) are not sharded: every rank keeps
-them whole. sharded_params.py keeps each unit's parameters as this rank's shard.
+Parameters the optimizer does not step are kept whole; sharded_params.py keeps the others' shard.
 
 Who holds what when, one step, units L0 -> L1 -> L2 (N ranks, `g` = all-gather, `rs` =
 reduce-scatter of the unit's gradients, which keeps only my shard of them):
@@ -16,14 +15,11 @@ reduce-scatter of the unit's gradients, which keeps only my shard of them):
     backward    L2:                                  g | grads | free | rs
                 L1:                                          g | grads | free | rs
                 L0:                                                    g | grads | free | rs
-    step        each rank steps its shards (optimizer state and gradients: shards too);
-                nothing is gathered after the step: the next forward gathers the new values
+    step        each rank steps its shards; nothing is gathered after: the next forward does
 
-Prefetch (overlap_communication=True, from the second forward on): as a unit starts computing,
-the gather of the unit that came after it in the previous forward starts too, so its transfer
-runs during this unit's compute (`g` moves one unit earlier above); backward prefetches in this
-forward's order, reversed. The guess costs a wasted gather when the order changes (a branch
-skipped this time: tests/test_zero_traffic_gloo.py counts it).
+Prefetch (overlap_communication=True): as a unit starts computing, the gather of the unit that
+followed it in the previous forward starts too (`g` moves one unit earlier above); backward
+prefetches in this forward's order, reversed. A changed order costs a wasted gather (counted).
 
 How the hooks know: a forward pre-hook gathers the unit and passes its inputs through an
 identity autograd function whose backward runs when the gradients of the inputs are done,
@@ -33,32 +29,29 @@ just before the unit's backward ("pre-backward": gather). A unit whose inputs ne
 (the first layer) and a unit not used in this pass are reduced by a callback at the end of
 backward. Reductions start in a fixed order (last unit first), as DDP's buckets do, so every
 rank issues the same collectives whatever order autograd reaches the units in. Each unit runs
-once per forward (a second call is refused: its backward would find it freed), and every data
+once per forward (its backward would find a second call's parameters freed), and every data
 rank must run the same units in the same order (as FSDP requires): a unit only some ranks run
 (a branch taken on rank 0's data alone) pairs one rank's gather with another's -- gloo aborts
-on the size mismatch, and same-sized units would be gathered wrong. Branch inside a unit.
+on the size mismatch, same-sized units would be gathered wrong; debug=True checks each gather.
 
 Memory per rank (fp32 parameters, Adam, Psi = elements the optimizer steps, N ranks):
     between steps   4 Psi/N parameters + 4 Psi/N gradients + 8 Psi/N Adam = 16 Psi/N
                     (the ZeRO paper's mixed-precision (2+2+12) Psi/N is the same 16 Psi/N)
     peak forward    shards + the root unit + the largest two consecutive child units, gathered
-                    (the one computing, the one prefetched; + 4 bytes: the one NaN element freed
-                    parameters share); in backward also a unit's full gradients until reduced
-Each unit's buffers are padded to a multiple of N, so "Psi/N" is ceil(numel/N) per buffer.
+                    (computing, prefetched; + 4 bytes: the NaN element freed parameters share);
+                    in backward also a unit's full gradients until reduced. ("Psi/N": each
+                    unit's buffers are padded to a multiple of N, ceil(numel/N) per buffer.)
 
-Traffic per step, elements per rank: forward all-gathers Psi (N-1)/N, backward all-gathers it
-again and reduce-scatters the gradients, Psi (N-1)/N each: 3 Psi (N-1)/N, 1.5x DDP's 2 Psi. gloo
-has no reduce-scatter: as level 2 does (gradients.py), each unit's gradients are all-reduced
-(2 Psi (N-1)/N) and each rank keeps its slice, so on gloo level 3 moves 4 Psi (N-1)/N.
+Traffic per step, elements per rank: all-gather forward and backward, reduce-scatter the
+gradients, Psi (N-1)/N each: 3 Psi (N-1)/N, 1.5x DDP's. On gloo the reduce-scatter is an
+all-reduce (gradients.py): 4 Psi (N-1)/N (tests/test_zero_traffic_gloo.py counts it).
 
-Gradient accumulation: every micro-step's backward reduces and adds into the shard's gradients
-(no full gradients kept between micro-steps: memory stays sharded, traffic is per micro-step).
-Overlap: a unit's reduction runs while autograd computes the next unit's gradients; at most one
-is in flight (overlap_communication=False: each waits at once, and nothing is prefetched).
+Gradient accumulation: each micro-step's backward reduces and adds into my gradient shard.
+Overlap: a unit's reduction runs while autograd computes the next unit's; at most one in flight
+(overlap_communication=False: each waits at once, nothing is prefetched).
 
-Checkpoints: model.state_dict() gathers every unit (collective: every data rank calls it) and
-returns the plain model's keys with full tensors (copies); save_checkpoint does not gather: each
-rank writes its pieces (state.py). load_state_dict takes full tensors and keeps my slice.
+Checkpoints: model.state_dict() gathers every unit (collective) into full copies; save_checkpoint
+does not (each rank writes its pieces, state.py). load_state_dict keeps my slice of full tensors.
 """
 from __future__ import annotations
 
@@ -71,6 +64,7 @@ from torch import nn
 
 from ..context import gpc
 from ..nest import map_tensors
+from .comm import same_everywhere
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
 
 
@@ -129,6 +123,7 @@ class ShardedModel:
                  children: list[nn.Module], overlap_communication: bool = True) -> None:
         self.model, self.optimizer, self.group = model, optimizer, optimizer.group
         self.size, self.overlap = optimizer.size, overlap_communication
+        self.debug = bool(gpc.config.get("debug")) and self.size > 1
         names = {id(m): n for n, m in model.named_children()}
         self.children: list[_Unit] = []
         for i, child in enumerate(children):
@@ -141,8 +136,7 @@ class ShardedModel:
         # backward reaches the last child first; the root unit ends with the whole backward
         self.order = [*reversed(self.children), self.root]
         self._next, self._pending, self._queued = 0, [], False
-        # prefetch: the units in the order this forward ran them, and the last forward's order
-        self.seen: list[_Unit] = []
+        self.seen: list[_Unit] = []  # prefetch: this forward's units in order, the last one's
         self.previous: list[_Unit] = []
         model.register_forward_pre_hook(self._root_pre_forward)
         model.register_forward_hook(self._root_post_forward)
@@ -155,10 +149,18 @@ class ShardedModel:
     def _use(self, unit: _Unit, then: list[_Unit]) -> None:
         """Gather `unit` (or wait for its prefetch), then start gathering the unit after it in
         `then`, so that transfer runs while this unit computes."""
-        unit.gather(self.group)
+        self._gather(unit)
         unit.wait()
-        if self.overlap and unit in then and then.index(unit) + 1 < len(then):
-            then[then.index(unit) + 1].gather(self.group, async_op=True)
+        if self.overlap and unit in then[:-1]:
+            self._gather(then[then.index(unit) + 1], async_op=True)
+
+    def _gather(self, unit: _Unit, async_op: bool = False) -> None:
+        gathers = not all(b.gathered for b in unit.buffers)  # debug=True: the same unit on all?
+        if self.debug and gathers and not same_everywhere(self.order.index(unit), self.group):
+            raise RuntimeError(f"[rank {gpc.rank}] zero level 3: this rank gathers unit "
+                               f"{unit.name!r} while another data rank gathers another: every "
+                               f"data rank must run the same units (branch inside a unit)")
+        unit.gather(self.group, async_op)
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         for unit in self.children:
