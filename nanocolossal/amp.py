@@ -51,7 +51,9 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
 
 
 def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm))
+    """torch's normalisation layers, and ours that say they are one (tensor/layers_2d.py)."""
+    return (isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm))
+            or getattr(module, "is_normalization", False))
 
 
 def _cast_io(module: nn.Module, input_dtype: torch.dtype, output_dtype: torch.dtype) -> None:

@@ -94,6 +94,8 @@ class Linear2D(nn.Module):
 class LayerNorm2D(nn.Module):
     """LayerNorm over a hidden dimension split along the row: statistics are row-group sums."""
 
+    is_normalization = True  # AMP O2 keeps it in fp32, as it keeps torch's LayerNorm (amp.py)
+
     def __init__(self, normalized_shape: int, eps: float = 1e-5, bias: bool = True) -> None:
         super().__init__()
         check_divisible(normalized_shape, gpc.summa_dim, "LayerNorm size")
