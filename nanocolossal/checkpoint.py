@@ -13,7 +13,8 @@ parallel.moe: each holds other experts). Replicas are identical, so one copy suf
 everyone waits at a barrier until the files exist. Under ZeRO the replicas' optimizer states are
 not identical but pieces: every data rank r writes its own beside its stage's file
 (`ckpt-zero{r}.pt`, zero/state.py; at level 3 its pieces of the parameters too, None in the
-stage file), and reading puts them back together (`complete_zero_state`).
+stage file); a ZeRO job's rank reads only the files holding its own pieces (zero/load.py),
+anything else puts them all back together (`complete_zero_state`).
 Tensor-parallel files record how each parameter was cut, so `merge_checkpoint(path)` rebuilds
 the plain model's state_dict from all of them offline, and `load_plain_state_dict` loads a plain
 state_dict into any layout (each rank keeps its slice).
@@ -72,6 +73,7 @@ from .checkpoint_merge import (  # noqa: F401 -- re-exported: the offline half o
 from .config import ConfigError
 from .context import gpc
 from .zero import ShardedOptimizer
+from .zero.load import load_model_entries, read_my_pieces
 from .zero.state import my_pieces, skeleton
 
 
@@ -199,14 +201,16 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None,
     if not file.is_file():
         _refuse_other_layout(path, trusted)
         raise FileNotFoundError(f"[rank {gpc.rank}] checkpoint {str(file)!r} not found")
-    state = complete_zero_state(read_file(file, map_location or gpc.device, trusted), file,
-                                trusted)
+    state = read_file(file, map_location or gpc.device, trusted)
+    # ZeRO: my pieces from the files that hold them (zero/load.py), else merged whole and cut
+    state = read_my_pieces(state, file, optimizer, trusted) or complete_zero_state(state, file,
+                                                                                  trusted)
     _check_layout(state, file, path)
     if gpc.is_initialized and gpc.pipeline_size * gpc.tensor_size > 1:
         parts: list[Any] = [None] * (gpc.pipeline_size * gpc.tensor_size)
         dist.all_gather_object(parts, describe_save(state, file), group=gpc.model_group)
         check_one_save(parts)
-    unwrap(model).load_state_dict(strip_prefixes(state["model"]), strict=strict)
+    load_model_entries(unwrap(model), strip_prefixes(state["model"]), strict)
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:

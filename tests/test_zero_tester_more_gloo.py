@@ -101,7 +101,7 @@ def _worker(rank, world_size, port, config, opt_name, first, last, scheduler=Fal
     engine, _, _, sched = nc.initialize(model, opt, nn.CrossEntropyLoss(), lr_scheduler=sched,
                                         verbose=False)
     if load is not None:
-        load_checkpoint(load, engine.model, engine.optimizer)
+        load_checkpoint(load, engine.model, engine.optimizer, sched)
     accum = engine.gradient_accumulation
     n = GLOBAL // gpc.data_size // accum
     evals = []
@@ -126,7 +126,7 @@ def _worker(rank, world_size, port, config, opt_name, first, last, scheduler=Fal
         if sched is not None:
             sched.step()
     if save is not None:
-        save_checkpoint(save, last, engine.model, engine.optimizer)
+        save_checkpoint(save, last, engine.model, engine.optimizer, sched)
     return _state(engine.model), evals
 
 
@@ -152,22 +152,32 @@ def test_gloo_zero_levels_x_elementwise_optimizers_x_param_groups_x_accumulation
 
 # -- an LR scheduler built on the user's optimizer before nc.initialize -------------------------
 
-SCHEDULER_BUG = pytest.mark.xfail(strict=True, reason=(
-    "BUG: under ZeRO the inner optimizer is rebuilt with new param-group dicts "
-    "(zero/optimizer.py _same_optimizer), so an LR scheduler on the user's optimizer changes "
-    "nothing"))
-
-
-@pytest.mark.parametrize("level", [0, pytest.param(1, marks=SCHEDULER_BUG),
-                                   pytest.param(2, marks=SCHEDULER_BUG),
-                                   pytest.param(3, marks=SCHEDULER_BUG)],
-                         ids=["no-zero", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("level", [0, 1, 2, 3], ids=["no-zero", "zero1", "zero2", "zero3"])
 def test_gloo_zero_x_lr_scheduler_built_before_initialize_equals_one_process(level):
     """The tutorials' order: optimizer, lr_scheduler(optimizer), then initialize(..., lr_scheduler)
     and scheduler.step() after each optimizer step: the learning rate halves every step."""
     expected = _one_process("sgd-momentum", 3, scheduler=True)[-1]
     config = {"zero": {"level": level}} if level else {}
     _check(run_ranks(_worker, 2, config, "sgd-momentum", 0, 3, True, timeout=60), expected)
+
+
+@pytest.mark.parametrize("saved, resumed", [((2, 2), (4, 3)), ((2, 3), (1, 0)), ((1, 0), (2, 1))],
+                         ids=["zero2-data2-to-zero3-data4", "zero3-to-one-process",
+                              "one-process-to-zero1"])
+def test_gloo_zero_x_lr_scheduler_x_checkpoint_resumes_the_learning_rate(tmp_path, saved,
+                                                                        resumed):
+    """Saved after 2 steps with the scheduler, resumed for 2 more at another level and data
+    size: the learning rate goes on halving from where it was (the saved groups' lr reaches the
+    user's groups, which the scheduler and each step read)."""
+    path = str(tmp_path / "ckpt.pt")
+    (size, level), (size2, level2) = saved, resumed
+    config = {"zero": {"level": level}} if level else {}
+    run_ranks(_worker, size, config, "sgd-momentum", 0, 2, True, None, None, None, path,
+              timeout=60)
+    config = {"zero": {"level": level2}} if level2 else {}
+    expected = _one_process("sgd-momentum", 4, scheduler=True)[-1]
+    _check(run_ranks(_worker, size2, config, "sgd-momentum", 2, 4, True, None, None, path,
+                     timeout=60), expected)
 
 
 # -- a parameter frozen part way (requires_grad=False): one process skips it -------------------
@@ -307,10 +317,6 @@ def test_gloo_zero3_x_o2_x_tensor_2d_x_data2_x_accumulation_x_clip_tracks_one_pr
                          msg=lambda m: f"rank {rank} {key}: {m}")
 
 
-
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: O2 keeps nn.LayerNorm fp32 (amp._is_norm) but not tensor/layers_2d.LayerNorm2D: "
-    "under 2d its weight and bias are half, one process's are fp32"))
 @pytest.mark.parametrize("level", [0, 3], ids=["no-zero", "zero3"])
 def test_gloo_o2_x_tensor_2d_keeps_layernorm_in_fp32_as_one_process_does(level):
     """The parameters' dtypes under 2d x4 (data 1) O2, with and without ZeRO 3, are one

@@ -15,8 +15,8 @@ unchanged. Colossal-AI v0.1's zero=dict(model_config=..., optimizer_config=...) 
 """
 from .gradients import ReduceScatterDDP
 from .mixed import MasterFlatBuffer, MixedShardedOptimizer
-from .optimizer import ELEMENTWISE, FlatBuffer, Segment, ShardedOptimizer
-from .settings import ZERO_KEYS, check_zero, zero_settings
+from .optimizer import FlatBuffer, Segment, ShardedOptimizer
+from .settings import ELEMENTWISE, ZERO_KEYS, check_zero, zero_settings
 from .sharded_model import ShardedModel, plan_units
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
 

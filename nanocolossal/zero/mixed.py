@@ -48,6 +48,7 @@ from torch import nn
 from ..amp import MixedPrecisionOptimizer
 from .optimizer import FlatBuffer, ShardedOptimizer
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
+from .state import saved_master
 
 
 def attach_masters(buffer: FlatBuffer) -> None:
@@ -129,12 +130,11 @@ class MixedShardedOptimizer(ShardedOptimizer):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        masters = state.get("masters") if "optimizer" in state else None
-        saved = dict(zip(self.half_indices(), masters or []))
         with torch.no_grad():
             for s in self._mastered():
-                if masters:
-                    s.param.copy_(saved[s.index].reshape(-1)[s.lo:s.hi])
+                master = saved_master(state, self, s)
+                if master is not None:
+                    s.param.copy_(master)
                     s.half.copy_(s.param)
                 else:  # saved without O2 (an fp32 run): masters of the loaded half model
                     s.param.copy_(s.half)

@@ -20,7 +20,7 @@ decay, no momentum, no step count). Only element-wise optimizers can step a piec
 refused. After the step, one all-gather per flat buffer gives everyone the updated parameters.
 
     level 1: backward -> DDP all-reduce (every rank: all averaged gradients)
-             step     -> copy my shard of the gradients, step it, all-gather the parameters
+             step     -> take my shard of the gradients (views), step it, all-gather parameters
     level 2: backward -> reduce-scatter in buckets (gradients.py): I keep only my shard
              step     -> step my shard, all-gather the parameters
 
@@ -46,8 +46,8 @@ then the stages' and tensor ranks' sums (a replicated weight counted once). A we
 share (pipeline/tied.py) steps with the sum of both stages' gradients: at level 2 each data rank
 holds pieces of it, which are put together, summed across the stages and cut again.
 
-Checkpoints (state.py): each rank writes its segments' state to a file of its own; merged, they
-are a plain optimizer's state_dict; load_state_dict() keeps my pieces of it: any data size.
+Checkpoints: each rank writes its segments' state to a file of its own (state.py); merged, they
+are a plain optimizer's state_dict. Loading, a rank reads the files holding its pieces (load.py).
 
 fp16: the scaler's overflow check is agreed job-wide (amp.py). AMP O1 keeps fp32 parameters;
 O2 (half parameters, fp32 masters) shards the masters too: mixed.py, the paper's formulas.
@@ -67,11 +67,8 @@ from ..config import ConfigError
 from ..context import gpc
 from ..pipeline.tied import Tied, sum_tied_gradients
 from .comm import gather_shards
+from .settings import check_optimizer
 from .state import SCALAR_STATE, gather_plain_state, keep_my_pieces
-
-# optimizers whose update of an element depends only on that element's gradient and state
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
-               torch.optim.Adagrad)
 
 
 class Segment:
@@ -88,49 +85,31 @@ class FlatBuffer:
     def __init__(self, params: list[nn.Parameter], indices: list[int], size: int,
                  rank: int) -> None:
         self.params, self.indices = params, indices
-        self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
-        self.numel = sum(p.numel() for p in params)
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.numel = sum(self.numels)
         self.shard = math.ceil(self.numel / size)  # padded: N shards of equal size
         self.data = torch.zeros(self.shard * size, dtype=params[0].dtype, device=params[0].device)
+        for p, at, n in zip(params, self.offsets, self.numels):
+            self.data[at: at + n].copy_(p.detach().reshape(-1))
+            p.data = self.data[at: at + n].view_as(p)  # the parameter now lives in the buffer
+        at = dict(zip(indices, self.offsets))
+        self.segments = [Segment(i, lo, hi, nn.Parameter(self.data[at[i] + lo: at[i] + hi]))
+                         for i, lo, hi in self.pieces_of(rank)]
+
+    def pieces_of(self, rank: int) -> list[tuple[int, int, int]]:
+        """(index, lo, hi): the pieces [lo, hi) of parameters (flattened) in shard `rank`."""
         begin, end = rank * self.shard, (rank + 1) * self.shard
-        self.segments: list[Segment] = []
-        for p, index, offset in zip(params, indices, self.offsets):
-            view = self.data[offset: offset + p.numel()]
-            view.copy_(p.detach().reshape(-1))
-            p.data = view.view_as(p)  # the model's parameter now lives in the flat buffer
-            lo, hi = max(begin, offset), min(end, offset + p.numel())
-            if lo < hi:  # a piece of this parameter lies in my shard
-                self.segments.append(Segment(index, lo - offset, hi - offset,
-                                             nn.Parameter(self.data[lo:hi])))
+        pieces = []
+        for index, at, n in zip(self.indices, self.offsets, self.numels):
+            lo, hi = max(begin, at), min(end, at + n)
+            if lo < hi:  # a piece of this parameter lies in the shard
+                pieces.append((index, lo - at, hi - at))
+        return pieces
 
     def all_gather(self, group: Optional[dist.ProcessGroup], rank: int) -> None:
         """Everyone's updated shard into everyone's flat buffer (so into the model)."""
         gather_shards(self.data, self.data.chunk(dist.get_world_size(group))[rank], group)
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, mixed: MixedPrecisionOptimizer,
-                     model: nn.Module, level: int) -> None:
-    if type(optimizer) not in ELEMENTWISE:
-        raise ConfigError(
-            f"[rank {gpc.rank}] zero: {type(optimizer).__name__} is not an element-wise optimizer "
-            f"we can step piece by piece (each rank steps only slices of parameters, so an update "
-            f"that needs a whole parameter -- LAMB's or LARS's trust ratio -- would be wrong); use "
-            f"one of {', '.join(c.__name__ for c in ELEMENTWISE)}, or remove zero")
-    if mixed.master_pairs():  # (whole-model masters: mixed.py's classes make shards of them)
-        raise TypeError(f"[rank {gpc.rank}] {type(mixed).__name__} holds O2's fp32 masters of "
-                        f"the whole model; shard it with zero.mixed's MixedShardedOptimizer "
-                        f"(levels 1-2) or MixedParamShardedOptimizer (level 3)")
-    # (Adagrad fills its state, step 0, in its constructor: that is not a step)
-    if any(float(state.get("step", 1)) > 0 for state in optimizer.state.values()):
-        raise ConfigError(f"[rank {gpc.rank}] zero: the optimizer has already stepped; pass a "
-                          f"fresh optimizer to initialize (load its state after, with "
-                          f"engine.optimizer.load_state_dict)")
-    stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in stepped]
-    if missing:
-        raise ConfigError(f"[rank {gpc.rank}] zero: trainable parameter(s) {', '.join(missing[:4])}"
-                          f" are not in the optimizer; ZeRO shards what the optimizer steps: pass "
-                          f"all of model.parameters(), or set requires_grad=False on them")
 
 
 def _same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
@@ -152,7 +131,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                  group: Optional[dist.ProcessGroup] = None,
                  unit_of: Optional[dict[int, int]] = None) -> None:
         optimizer = mixed.optimizer
-        _check_optimizer(optimizer, mixed, model, level)
+        check_optimizer(optimizer, mixed, model, level)
         self.model, self.level = model, level
         self.unit_of = unit_of or {}  # level 3: id(param) -> its unit (sharded_model.py)
         self.group = group if group is not None else gpc.data_group
@@ -244,8 +223,16 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         return super().clip_grad_norm(max_norm, group, sharded=(mine, self.group))
 
     # -- the step ---------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        """The user's groups, over the model's parameters: an LR scheduler (built before
+        initialize or after) changes lr there, and each step passes it on to my segments'."""
+        return self.user_groups
+
     def step(self) -> bool:
         self._refuse_new_parameters()
+        for user, inner in zip(self.user_groups, self.optimizer.param_groups):
+            inner.update({k: v for k, v in user.items() if k != "params"})
         stepped = super().step()  # unscale, agreed overflow check, step my segments
         # a skipped step changed nothing anywhere: no gather; level 3 gathers before each use
         if stepped and self.size > 1 and self.level < 3:

@@ -5,13 +5,20 @@ overlap_communication=True). Colossal-AI v0.1's ShardedModelV2 / ShardedOptimize
 zero=dict(model_config=dict(...), optimizer_config=dict(...)), which is level 3 here. Of its
 keys, the loss-scaler ones map onto our scaler (they apply with fp16=dict(mode=AMP_TYPE.TORCH,
 dtype='float16')); the others name machinery we do not have and are logged as such.
+
+check_optimizer: what initialize refuses -- an optimizer that cannot step pieces of parameters.
 """
 from __future__ import annotations
 
 import numbers
 from typing import Any, Mapping
 
+import torch
+from torch import nn
+
+from ..amp import MixedPrecisionOptimizer
 from ..config import AMP_TYPE, Config, ConfigError
+from ..context import gpc
 
 ZERO_KEYS = ("level", "reduce_bucket_size_mb", "overlap_communication")
 # v0.1 optimizer_config -> DynamicLossScaler's arguments (amp_scaler.py)
@@ -23,9 +30,9 @@ V01_SCALER = {"initial_scale": "init_scale", "min_scale": "min_scale",
 V01_NO_MEANING = {
     "shard_strategy": "parameters are always flattened per unit and cut in N equal slices",
     "reduce_scatter_bucket_size_mb": "level 3 reduces each unit's gradients as one piece",
-    "fp32_reduce_scatter": "gradients are reduced in the parameters' dtype (float32 here)",
+    "fp32_reduce_scatter": "gradients are reduced in the parameters' dtype",
     "gradient_predivide_factor": "gradients are divided by N before they are summed",
-    "reuse_fp16_shard": "parameters stay float32 (fp16 autocast computes in half)",
+    "reuse_fp16_shard": "gradient shards are kept apart from the parameter shards",
     "offload_config": "no CPU offload here",
     "use_memory_tracer": "no memory tracer here",
     "warmup_non_model_data_ratio": "no memory tracer here",
@@ -109,3 +116,34 @@ def check_zero(cfg: Config, P: int) -> None:
             raise ConfigError(f"zero with fp16 {mode.name} O3 (half parameters, no fp32 master "
                               f"weights) is not supported; use O2 (mode=AMP_TYPE.NAIVE) with zero, "
                               f"or fp16=dict(mode=AMP_TYPE.TORCH) (O1)")
+
+
+# optimizers whose update of an element depends only on that element's gradient and state
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
+               torch.optim.Adagrad)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, mixed: MixedPrecisionOptimizer,
+                     model: nn.Module, level: int) -> None:
+    """What ZeRO can shard: an element-wise optimizer, fresh, over every trainable parameter."""
+    if type(optimizer) not in ELEMENTWISE:
+        raise ConfigError(
+            f"[rank {gpc.rank}] zero: {type(optimizer).__name__} is not an element-wise optimizer "
+            f"we can step piece by piece (each rank steps only slices of parameters, so an update "
+            f"that needs a whole parameter -- LAMB's or LARS's trust ratio -- would be wrong); use "
+            f"one of {', '.join(c.__name__ for c in ELEMENTWISE)}, or remove zero")
+    if mixed.master_pairs():  # (whole-model masters: mixed.py's classes make shards of them)
+        raise TypeError(f"[rank {gpc.rank}] {type(mixed).__name__} holds O2's fp32 masters of "
+                        f"the whole model; shard it with zero.mixed's MixedShardedOptimizer "
+                        f"(levels 1-2) or MixedParamShardedOptimizer (level 3)")
+    # (Adagrad fills its state, step 0, in its constructor: that is not a step)
+    if any(float(state.get("step", 1)) > 0 for state in optimizer.state.values()):
+        raise ConfigError(f"[rank {gpc.rank}] zero: the optimizer has already stepped; pass a "
+                          f"fresh optimizer to initialize (load its state after, with "
+                          f"engine.optimizer.load_state_dict)")
+    stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in stepped]
+    if missing:
+        raise ConfigError(f"[rank {gpc.rank}] zero: trainable parameter(s) {', '.join(missing[:4])}"
+                          f" are not in the optimizer; ZeRO shards what the optimizer steps: pass "
+                          f"all of model.parameters(), or set requires_grad=False on them")

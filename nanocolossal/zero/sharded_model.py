@@ -1,10 +1,9 @@
 """ZeRO level 3: parameters live as shards between uses; each unit is gathered just for its
 forward and again for its backward, and its gradients are reduce-scattered when its backward ends.
 
-Units (the wrapping policy): each direct child of the model that holds parameters the optimizer
-steps is one unit. The model's own direct parameters, and any parameter two children share (a
-tied embedding), form the root unit, gathered for the whole forward and the whole backward.
-Parameters the optimizer does not step are kept whole; sharded_params.py keeps the others' shard.
+Units (the wrapping policy): each direct child of the model holding parameters the optimizer
+steps. The model's own parameters and any two children share (a tied embedding) form the root
+unit, gathered for the whole forward and backward; parameters not stepped are kept whole.
 
 Who holds what when, one step, units L0 -> L1 -> L2 (N ranks, `g` = all-gather, `rs` =
 reduce-scatter of the unit's gradients, which keeps only my shard of them):
@@ -17,9 +16,8 @@ reduce-scatter of the unit's gradients, which keeps only my shard of them):
                 L0:                                                    g | grads | free | rs
     step        each rank steps its shards; nothing is gathered after: the next forward does
 
-Prefetch (overlap_communication=True): as a unit starts computing, the gather of the unit that
-followed it in the previous forward starts too (`g` moves one unit earlier above); backward
-prefetches in this forward's order, reversed. A changed order costs a wasted gather (counted).
+Prefetch (overlap_communication=True): as a unit starts, so does the gather of the unit that
+followed it last forward (backward: this forward's order reversed); a changed order wastes one.
 
 How the hooks know: a forward pre-hook gathers the unit and passes its inputs through an
 identity autograd function whose backward runs when the gradients of the inputs are done,
@@ -34,24 +32,22 @@ rank must run the same units in the same order (as FSDP requires): a unit only s
 (a branch taken on rank 0's data alone) pairs one rank's gather with another's -- gloo aborts
 on the size mismatch, same-sized units would be gathered wrong; debug=True checks each gather.
 
-Memory per rank (fp32 parameters, Adam, Psi = elements the optimizer steps, N ranks):
+Memory per rank (fp32 parameters, Adam, Psi = elements the optimizer steps, N ranks; each
+unit's buffers padded to a multiple of N):
     between steps   4 Psi/N parameters + 4 Psi/N gradients + 8 Psi/N Adam = 16 Psi/N
                     (the ZeRO paper's mixed-precision (2+2+12) Psi/N is the same 16 Psi/N)
-    peak forward    shards + the root unit + the largest two consecutive child units, gathered
-                    (computing, prefetched; + 4 bytes: the NaN element freed parameters share);
-                    in backward also a unit's full gradients until reduced. ("Psi/N": each
-                    unit's buffers are padded to a multiple of N, ceil(numel/N) per buffer.)
+    peak forward    shards + the root unit + the largest two consecutive child units gathered
+                    (+ 4 bytes: the NaN element freed parameters share); in backward also a
+                    unit's full gradients until reduced
 
-Traffic per step, elements per rank: all-gather forward and backward, reduce-scatter the
-gradients, Psi (N-1)/N each: 3 Psi (N-1)/N, 1.5x DDP's. On gloo the reduce-scatter is an
-all-reduce (gradients.py): 4 Psi (N-1)/N (tests/test_zero_traffic_gloo.py counts it).
-
-Gradient accumulation: each micro-step's backward reduces and adds into my gradient shard.
+Traffic per step, elements per rank: gathers in forward and backward, a reduce-scatter, Psi
+(N-1)/N each: 3 Psi (N-1)/N, 1.5x DDP's (gloo: 4, its reduce-scatter an all-reduce; counted in
+tests/test_zero_traffic_gloo.py). Accumulation: each backward adds into my gradient shard.
 Overlap: a unit's reduction runs while autograd computes the next unit's; at most one in flight
 (overlap_communication=False: each waits at once, nothing is prefetched).
 
-Checkpoints: model.state_dict() gathers every unit (collective) into full copies; save_checkpoint
-does not (each rank writes its pieces, state.py). load_state_dict keeps my slice of full tensors.
+Checkpoints: model.state_dict() gathers every unit (collective) into full copies; save and load
+do not (my pieces, state.py and load.py); load_state_dict of full tensors keeps my slice.
 """
 from __future__ import annotations
 
@@ -142,6 +138,8 @@ class ShardedModel:
         model.register_forward_hook(self._root_post_forward)
         model.register_state_dict_pre_hook(self._before_state_dict)
         model.register_state_dict_post_hook(partial(ShardedModel._after_state_dict, self))
+        named = model.named_parameters(remove_duplicate=False)  # (a tied weight: each name)
+        self.param_keys = {n for n, p in named if p in optimizer.segments_of}
         model.register_load_state_dict_pre_hook(self._before_load)
         model.register_load_state_dict_post_hook(self._after_load)
 
@@ -290,8 +288,10 @@ class ShardedModel:
                 state[key] = value.clone()
         self.free_all()
 
-    def _before_load(self, module: nn.Module, *args: Any) -> None:
-        self.gather_all()  # (full values: a strict=False load leaves the rest as they were)
+    def _before_load(self, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
+        # whole values if it loads parameters (load.py's pieces come through the optimizer)
+        if any(k.removeprefix(prefix) in self.param_keys for k in state):
+            self.gather_all()
 
     def _after_load(self, module: nn.Module, incompatible: Any) -> None:
         for unit in self.order:

@@ -90,7 +90,8 @@ class ShardedFlatBuffer(FlatBuffer):
 
     def keep_my_slice(self) -> None:
         """After the full buffer was written (a loaded state_dict): my slice becomes my shard."""
-        self.local.copy_(self.data[self.rank * self.shard: (self.rank + 1) * self.shard])
+        if self.gathered:  # (a load that brought no parameters gathered nothing)
+            self.local.copy_(self.data[self.rank * self.shard: (self.rank + 1) * self.shard])
 
 
 class ParamShardedOptimizer(ShardedOptimizer):
@@ -110,6 +111,17 @@ class ParamShardedOptimizer(ShardedOptimizer):
         """My shard of each parameter, in the model's dtype (a checkpoint's pieces, state.py)."""
         return [(s.index, s.lo, s.hi, self.home(s).detach().cpu().clone())
                 for b in self.buffers for s in b.segments]
+
+    def load_state_dict(self, state: dict) -> None:
+        """As levels 1-2; a state cut to my segments (load.py) also brings my parameter pieces
+        (a plain one leaves them to the model's load_state_dict)."""
+        super().load_state_dict(state)
+        pieces = state.get("params") or {}
+        with torch.no_grad():
+            for segment in [s for b in self.buffers for s in b.segments]:
+                piece = pieces.get((segment.index, segment.lo, segment.hi))
+                if piece is not None:
+                    self.home(segment).copy_(piece)
 
     def shard_bytes(self) -> int:
         """Bytes of parameters this rank keeps between uses: its shard of every buffer."""

@@ -61,14 +61,15 @@ def my_pieces(opt: ShardedOptimizer) -> dict:
 def skeleton(opt: ShardedOptimizer) -> dict:
     """What every rank shares: param groups (hyper-parameters), shapes, the loss scaler."""
     groups, start = [], 0
-    for user, inner in zip(opt.user_groups, opt.optimizer.param_groups):
-        groups.append({**{k: v for k, v in inner.items() if k != "params"},
+    for user in opt.user_groups:  # (their hyper-parameters: what a scheduler set last)
+        groups.append({**{k: v for k, v in user.items() if k != "params"},
                        "params": list(range(start, start + len(user["params"])))})
         start += len(user["params"])
     return {"param_groups": groups, "shapes": [list(s) for s in opt.shapes],
             "masters_of": opt.half_indices(),
             "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
             "zero": {"level": opt.level, "data_size": opt.size},
+            "pieces": [[p for b in opt.buffers for p in b.pieces_of(r)] for r in range(opt.size)],
             "param_names": opt.param_names() if opt.level == 3 else [],
             "param_dtypes": [str(p.dtype).removeprefix("torch.") for p in opt.model_params]}
 
@@ -122,25 +123,45 @@ def gather_plain_state(opt: ShardedOptimizer) -> dict:
 
 
 def keep_my_pieces(opt: ShardedOptimizer, state: dict) -> None:
-    """Load a plain (unsplit) optimizer state: this rank keeps the pieces of its segments."""
+    """Load an optimizer state: this rank keeps the pieces of its segments. `state` is plain
+    (unsplit, any data size: cut here) or already cut to my segments (load.py: `mine`)."""
     plain = state["optimizer"] if "optimizer" in state else state
     if len(plain["param_groups"]) != len(opt.user_groups):
         raise ValueError(f"[rank {gpc.rank}] the saved optimizer has "
                          f"{len(plain['param_groups'])} param groups, this one "
                          f"{len(opt.user_groups)}")
-    saved = {int(k): v for k, v in plain["state"].items()}
+    if "mine" in plain:
+        def piece_of(s: Segment) -> Any:
+            return plain["mine"].get((s.index, s.lo, s.hi))
+    else:
+        saved = {int(k): v for k, v in plain["state"].items()}
+
+        def piece_of(s: Segment) -> Any:
+            whole = saved.get(s.index)
+            return None if not whole else {
+                k: v.reshape(-1)[s.lo:s.hi].clone() if _per_element(k, v) else v
+                for k, v in whole.items()}
     pieces: dict[int, Any] = {}
     groups = []
-    for saved_group, group in zip(plain["param_groups"], opt.optimizer.param_groups):
+    for saved_group, group, user in zip(plain["param_groups"], opt.optimizer.param_groups,
+                                        opt.user_groups):
+        user.update({k: v for k, v in saved_group.items() if k != "params"})
         ids = []
         for s in _segments_in(opt, group):
             ids.append(len(pieces))
-            whole = saved.get(s.index)
-            pieces[len(pieces)] = None if not whole else {
-                k: v.reshape(-1)[s.lo:s.hi].clone() if _per_element(k, v) else v
-                for k, v in whole.items()}
+            pieces[len(pieces)] = piece_of(s)
         groups.append({**saved_group, "params": ids})
     opt.optimizer.load_state_dict(
         {"state": {i: v for i, v in pieces.items() if v is not None}, "param_groups": groups})
     if opt.scaler is not None and state.get("scaler"):
         opt.scaler.load_state_dict(state["scaler"])
+
+
+def saved_master(state: dict, opt: ShardedOptimizer, s: Segment) -> Any:
+    """The saved fp32 master of segment `s` (O2), or None when the save had no masters."""
+    if "optimizer" not in state:  # a bare optimizer state: no masters beside it
+        return None
+    if "mine" in state["optimizer"]:
+        return state["masters"].get((s.index, s.lo, s.hi)) if state["masters"] else None
+    masters = dict(zip(opt.half_indices(), state.get("masters") or []))
+    return masters[s.index].reshape(-1)[s.lo:s.hi] if masters else None
