@@ -131,9 +131,12 @@ def load_model_entries(model: nn.Module, entries: dict, strict: bool) -> None:
     """model.load_state_dict(entries), where a level-3 save's parameters are None: those come
     as pieces with the optimizer's state; strict still refuses any other missing key."""
     pieces = {k for k, v in entries.items() if v is None}
+    if not pieces:  # (any model: an interleaved pipeline's chunk list returns nothing)
+        model.load_state_dict(entries, strict=strict)
+        return
     result = model.load_state_dict({k: v for k, v in entries.items() if v is not None},
-                                   strict=strict and not pieces)
+                                   strict=False)
     missing = set(result.missing_keys) - pieces
-    if strict and pieces and (missing or result.unexpected_keys):
+    if strict and (missing or result.unexpected_keys):
         raise RuntimeError(f"[rank {gpc.rank}] loading the model: missing keys {sorted(missing)},"
                            f" unexpected keys {sorted(result.unexpected_keys)}")
