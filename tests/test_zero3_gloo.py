@@ -283,3 +283,52 @@ def test_gloo_zero3_debug_names_a_unit_only_some_ranks_run():
     assert said[0].startswith("[rank 0] zero level 3: this rank gathers unit 'side' while "
                               "another data rank gathers another"), said
     assert said[1].startswith("[rank 1] zero level 3: this rank gathers unit 'b'"), said
+
+
+class Twins(nn.Module):
+    """Two children of the same size; `use_left` picks one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.left, self.right = nn.Linear(6, 7), nn.Linear(7, 5), nn.Linear(7, 5)
+        self.use_left = True
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        return self.left(h) if self.use_left else self.right(h)
+
+
+def _twins_worker(rank, world_size, port, left_on):
+    nc.launch({"zero": dict(level=3)}, rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
+    model = Twins()
+    engine, *_ = nc.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.02),
+                               nn.CrossEntropyLoss(), verbose=False)
+    xs, ys = _batch(0, world_size * B)
+    for step in range(2):
+        engine.model.use_left = rank in left_on
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(xs[rank * B:(rank + 1) * B]),
+                                         ys[rank * B:(rank + 1) * B]))
+        try:
+            engine.step()
+        except RuntimeError as e:
+            return str(e)
+    return {k: v.clone() for k, v in engine.model.state_dict().items()}
+
+
+def test_gloo_zero3_same_sized_units_run_on_different_ranks_are_refused_at_the_step():
+    """Without debug: rank 0 runs `left`, rank 1 the same-sized `right`, so each gather pairs
+    one rank's shard of `left` with the other's of `right` -- no size mismatch to abort on. The
+    step's order check refuses it on every rank before anything wrong is applied; the same
+    branch on every rank trains on."""
+    said = run_ranks(_twins_worker, 2, {0}, timeout=60)
+    for rank, message in enumerate(said):
+        assert isinstance(message, str) and message.startswith(
+            f"[rank {rank}] zero level 3: the data ranks gathered different units since the "
+            f"last step"), said
+    assert "left" in said[0] and "right" in said[1], said
+    both = run_ranks(_twins_worker, 2, {0, 1}, timeout=60)
+    assert isinstance(both[0], dict) and isinstance(both[1], dict), both
+    assert_close(both[0], both[1], rtol=0, atol=0)

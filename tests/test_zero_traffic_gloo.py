@@ -12,6 +12,8 @@ so two flat buffers, each padded to a multiple of N (level 3: two per unit a, b,
     level 3   gather      pad(units used + prefetched) + pad(units used)   (forward, backward)
               all-reduce  pad(all units) + P    (each unit's gradients; unused units too, with
                                                  flags 0, so every rank issues the same calls)
+                          + 2                   (before the step: the units' order, the same on
+                                                 every rank? zero/unit_order.py)
 
 Level 3 prefetches, as each unit starts its forward, the unit that followed it in the previous
 forward: on an odd step `side` (used the step before, skipped now) is gathered for nothing --
@@ -57,7 +59,7 @@ def expected(level, N, used, previous=()):
     forward = sum(_padded(_numel(u, g), N) for u in {*used, *prefetched} for g in GROUPS)
     backward = sum(_padded(_numel(u, g), N) for u in used for g in GROUPS)
     every = sum(_padded(_numel(u, g), N) for u in UNITS for g in GROUPS)
-    return {"broadcast": forward + backward, "all_reduce": every + P}
+    return {"broadcast": forward + backward, "all_reduce": every + P + 2}
 
 
 def _worker(rank, world_size, port, level):

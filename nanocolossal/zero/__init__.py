@@ -3,8 +3,9 @@
 Level 1 shards the optimizer state, level 2 also the gradients (optimizer.py explains both and
 their memory and traffic; gradients.py is level 2's backward; mixed.py the fp32 master shards
 under AMP O2), level 3 also the parameters
-(sharded_model.py: the gather / free / reduce-scatter timeline; sharded_params.py: the shards).
-state.py: checkpoints, the plain optimizer's state put together from every rank's pieces.
+(sharded_model.py: the gather / free / reduce-scatter timeline; sharded_params.py: the shards;
+unit_order.py: every rank gathers the same units). state.py: checkpoints, the plain optimizer's
+state put together from every rank's pieces; load.py: a rank reads only the files with its own.
 Turned on by the config:
 
     zero = dict(level=2, reduce_bucket_size_mb=25, overlap_communication=True)

@@ -28,8 +28,10 @@ def gather_shards(flat: torch.Tensor, mine: torch.Tensor, group: Optional[dist.P
     return works if async_op else []
 
 
-def same_everywhere(value: int, group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether every rank of `group` passed the same integer (one all-reduce of [v, -v], MAX)."""
-    both = torch.tensor([value, -value], dtype=torch.int64)
+def same_everywhere(value: int, group: Optional[dist.ProcessGroup],
+                    device: Optional[torch.device] = None) -> bool:
+    """Whether every rank of `group` passed the same integer (one all-reduce of [v, -v], MAX;
+    `device`: where the group's backend reduces, a GPU for NCCL)."""
+    both = torch.tensor([value, -value], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     return int(both[0]) == -int(both[1])

@@ -29,8 +29,8 @@ backward. Reductions start in a fixed order (last unit first), as DDP's buckets 
 rank issues the same collectives whatever order autograd reaches the units in. Each unit runs
 once per forward (its backward would find a second call's parameters freed), and every data
 rank must run the same units in the same order (as FSDP requires): a unit only some ranks run
-(a branch taken on rank 0's data alone) pairs one rank's gather with another's -- gloo aborts
-on the size mismatch, same-sized units would be gathered wrong; debug=True checks each gather.
+(a branch taken on rank 0's data alone) pairs one rank's gather with another's: unit_order.py
+checks the order before every step (debug=True: before every gather).
 
 Memory per rank (fp32 parameters, Adam, Psi = elements the optimizer steps, N ranks; each
 unit's buffers padded to a multiple of N):
@@ -60,8 +60,8 @@ from torch import nn
 
 from ..context import gpc
 from ..nest import map_tensors
-from .comm import same_everywhere
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
+from .unit_order import UnitOrder
 
 
 def plan_units(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[nn.Module], dict]:
@@ -119,7 +119,9 @@ class ShardedModel:
                  children: list[nn.Module], overlap_communication: bool = True) -> None:
         self.model, self.optimizer, self.group = model, optimizer, optimizer.group
         self.size, self.overlap = optimizer.size, overlap_communication
-        self.debug = bool(gpc.config.get("debug")) and self.size > 1
+        # every data rank must gather the same units in the same order: checked (unit_order.py)
+        self.unit_order = UnitOrder(self.group, bool(gpc.config.get("debug")))
+        optimizer.unit_order = self.unit_order if self.size > 1 else None
         names = {id(m): n for n, m in model.named_children()}
         self.children: list[_Unit] = []
         for i, child in enumerate(children):
@@ -153,11 +155,8 @@ class ShardedModel:
             self._gather(then[then.index(unit) + 1], async_op=True)
 
     def _gather(self, unit: _Unit, async_op: bool = False) -> None:
-        gathers = not all(b.gathered for b in unit.buffers)  # debug=True: the same unit on all?
-        if self.debug and gathers and not same_everywhere(self.order.index(unit), self.group):
-            raise RuntimeError(f"[rank {gpc.rank}] zero level 3: this rank gathers unit "
-                               f"{unit.name!r} while another data rank gathers another: every "
-                               f"data rank must run the same units (branch inside a unit)")
+        if self.size > 1 and not all(b.gathered for b in unit.buffers):
+            self.unit_order.saw(self.order.index(unit), unit.name)
         unit.gather(self.group, async_op)
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
