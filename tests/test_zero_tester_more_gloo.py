@@ -522,3 +522,19 @@ def test_gloo_zero3_unit_called_twice_per_forward_is_one_process_or_refused():
             continue
         for key, value in _state(model).items():
             assert_close(state[key], value, **F64, msg=lambda m: f"rank {rank} {key}: {m}")
+
+
+def _scheduler_warning_worker(rank, world_size, port, level):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _worker(rank, world_size, port, {"zero": {"level": level}}, "sgd-momentum", 0, 2, True)
+    return [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
+
+
+@pytest.mark.parametrize("level", [1, 3], ids=["zero1", "zero3"])
+def test_gloo_zero_x_lr_scheduler_gives_no_step_order_warning(level):
+    """torch's schedulers warn when they step before the optimizer did, watching the user's
+    optimizer.step(); ZeRO steps its own inner optimizer, and says so to them."""
+    for said in run_ranks(_scheduler_warning_worker, 2, level, timeout=60):
+        assert said == [], said

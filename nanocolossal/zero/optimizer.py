@@ -137,7 +137,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         self.group = group if group is not None else gpc.data_group
         self.size = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
-        self.user_groups = optimizer.param_groups
+        self.user, self.user_groups = optimizer, optimizer.param_groups
         self.model_params = [p for g in optimizer.param_groups for p in g["params"]]
         self.shapes = [p.shape for p in self.model_params]  # (level 3 frees the parameters)
         self.buffers: list[FlatBuffer] = []
@@ -234,6 +234,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         for user, inner in zip(self.user_groups, self.optimizer.param_groups):
             inner.update({k: v for k, v in user.items() if k != "params"})
         stepped = super().step()  # unscale, agreed overflow check, step my segments
+        self.user._opt_called = True  # torch's schedulers watch the user's step(), not ours
         # a skipped step changed nothing anywhere: no gather; level 3 gathers before each use
         if stepped and self.size > 1 and self.level < 3:
             for buffer in self.buffers:

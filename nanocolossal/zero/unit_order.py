@@ -11,7 +11,11 @@ built from two units' shards -- a silently wrong forward, and a wrong step after
                    not, every rank raises: the wrong values are never applied
     debug=True     the same check before each gather, so the error names the unit at once
 
-Cost: one all-reduce of two integers per step (debug=True: one per gather).
+A mismatch in a training forward often breaks the pairing of later collectives first (the
+backward's gathers and reductions, a prefetch): gloo then aborts on a size difference or waits
+out the job's timeout -- loud, not silent. What pairs up by chance is caught at the step, and a
+forward after the last step (a final evaluation) is not checked. Cost: one all-reduce of two
+integers per step (debug=True: one per gather).
 """
 from __future__ import annotations
 
