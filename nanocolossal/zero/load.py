@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ..context import gpc
-from . import state as _state
 from .optimizer import ShardedOptimizer
+from .state import per_element
 
 Key = tuple[int, int, int]  # (parameter index, lo, hi): one segment
 
@@ -93,12 +93,12 @@ def my_state(opt: ShardedOptimizer, saved: dict, parts: list[dict], files: list[
         for index, pieces in part["state"].items():
             for plo, phi, values in pieces:
                 for k, v in values.items():
-                    if _state._per_element(k, v):
+                    if per_element(k, v):
                         mine.place(state, k, index, plo, phi, v)
                 for key in mine.at.get(index, []):  # per-parameter scalars (step): as they are
                     if key in state:
                         state[key].update({k: v for k, v in values.items()
-                                           if not _state._per_element(k, v)})
+                                           if not per_element(k, v)})
         for name in ("master", "param"):
             for index, plo, phi, value in part[name + "s"]:
                 mine.place(extra, name, index, plo, phi, value)

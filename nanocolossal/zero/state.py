@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 SCALAR_STATE = ("step",)  # per-parameter scalars; every other state tensor is per element
 
 
-def _per_element(key: str, value: Any) -> bool:
+def per_element(key: str, value: Any) -> bool:
     return key not in SCALAR_STATE and torch.is_tensor(value)
 
 
@@ -95,7 +95,7 @@ def assemble(skeleton: dict, everyone: list[dict]) -> dict:
             entry = full.setdefault(index, {})
             for lo, hi, state in parts:
                 for k, v in state.items():
-                    if _per_element(k, v):
+                    if per_element(k, v):
                         whole = entry.setdefault(k, torch.zeros(shapes[index].numel(),
                                                                 dtype=v.dtype))
                         whole[lo:hi] = v
@@ -105,7 +105,7 @@ def assemble(skeleton: dict, everyone: list[dict]) -> dict:
             masters[index][lo:hi] = master
     for index, entry in full.items():  # flat pieces back into the parameter's shape
         for k, v in entry.items():
-            if _per_element(k, v):
+            if per_element(k, v):
                 entry[k] = v.view(shapes[index])
     return {"optimizer": {"state": full, "param_groups": skeleton["param_groups"]},
             "scaler": skeleton["scaler"], "zero": skeleton["zero"],
@@ -139,7 +139,7 @@ def keep_my_pieces(opt: ShardedOptimizer, state: dict) -> None:
         def piece_of(s: Segment) -> Any:
             whole = saved.get(s.index)
             return None if not whole else {
-                k: v.reshape(-1)[s.lo:s.hi].clone() if _per_element(k, v) else v
+                k: v.reshape(-1)[s.lo:s.hi].clone() if per_element(k, v) else v
                 for k, v in whole.items()}
     pieces: dict[int, Any] = {}
     groups = []
