@@ -56,17 +56,20 @@ def _is_norm(module: nn.Module) -> bool:
             or getattr(module, "is_normalization", False))
 
 
-def _cast_io(module: nn.Module, input_dtype: torch.dtype, output_dtype: torch.dtype) -> None:
-    """Hooks that cast a module's floating inputs and outputs (state_dict is untouched)."""
+def _cast_io(module: nn.Module, input_dtype: torch.dtype,
+             output_dtype: Optional[torch.dtype]) -> None:
+    """Hooks that cast a module's floating inputs and outputs (None: outputs as they are)."""
     module.register_forward_pre_hook(lambda m, args: _cast_floats(args, input_dtype))
-    module.register_forward_hook(lambda m, args, out: _cast_floats(out, output_dtype))
+    if output_dtype is not None:
+        module.register_forward_hook(lambda m, args, out: _cast_floats(out, output_dtype))
 
 
 class _Autocast:
     """Enter autocast before the model's forward and leave it after (even if forward raises)."""
 
-    def __init__(self, device_type: str, dtype: torch.dtype) -> None:
+    def __init__(self, device_type: str, dtype: torch.dtype, output_fp32: bool = True) -> None:
         self.device_type, self.dtype, self.active = device_type, dtype, []
+        self.output_fp32 = output_fp32
 
     def enter(self, module, args) -> None:
         ctx = torch.autocast(self.device_type, dtype=self.dtype)
@@ -75,7 +78,7 @@ class _Autocast:
 
     def exit(self, module, args, output) -> Any:
         self.active.pop().__exit__(None, None, None)
-        return _cast_floats(output, torch.float32)
+        return _cast_floats(output, torch.float32) if self.output_fp32 else output
 
 
 class MixedPrecisionOptimizer:
@@ -256,9 +259,10 @@ def make_scaler(loss_scale: Union[str, float, None],
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: str = "O1",
                loss_scale: Union[str, float, None] = "dynamic", dtype: torch.dtype = torch.float16,
-               device_type: Optional[str] = None,
+               device_type: Optional[str] = None, outputs: Optional[list[bool]] = None,
                **scaler_kwargs: Any) -> tuple[nn.Module, MixedPrecisionOptimizer]:
-    """Prepare `model` in place for `opt_level` and wrap `optimizer` (apex's amp.initialize)."""
+    """Prepare `model` in place for `opt_level` and wrap `optimizer` (apex's amp.initialize).
+    `outputs` (per pipeline chunk; default all): is its output the model's, cast to fp32?"""
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"[rank {gpc.rank}] unknown opt_level {opt_level!r}; use one of "
                          f"{', '.join(OPT_LEVELS)}")
@@ -267,9 +271,10 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
                          f"torch.float16 or torch.bfloat16, got {dtype}")
     device_type = device_type or next(model.parameters()).device.type
     # a ModuleList (pipeline chunks) has no forward of its own: each chunk gets the hooks
-    for part in (model if isinstance(model, nn.ModuleList) else [model]):
+    parts = model if isinstance(model, nn.ModuleList) else [model]
+    for part, is_output in zip(parts, outputs or [True] * len(parts)):
         if opt_level == "O1":
-            autocast = _Autocast(device_type, dtype)
+            autocast = _Autocast(device_type, dtype, output_fp32=is_output)
             part.register_forward_pre_hook(autocast.enter)
             part.register_forward_hook(autocast.exit, always_call=True)
         elif opt_level in ("O2", "O3"):
@@ -279,7 +284,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
                     if _is_norm(module):
                         module.float()
                         _cast_io(module, torch.float32, dtype)
-            _cast_io(part, dtype, torch.float32)
+            _cast_io(part, dtype, torch.float32 if is_output else None)
     mixed = opt_level != "O0"  # O0 is the fp32 reference
     needs_scaling = mixed and dtype == torch.float16  # fp32 and bf16 have the range to need none
     scaler = make_scaler(loss_scale, **scaler_kwargs) if needs_scaling else None

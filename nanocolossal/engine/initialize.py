@@ -112,8 +112,13 @@ def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer
             f"fp16=dict(..., dtype='bfloat16'|'float16') overrides")
     if kwargs is None:
         return model, MixedPrecisionOptimizer(optimizer), f"{name} in float32 on this CPU"
+    # one process casts only the model's output to fp32: here the last stage's last chunk (a
+    # TENSOR_SHAPE fixes every stage boundary at fp32, skipping the dtype handshake: keep all)
+    chunks = len(model) if isinstance(model, nn.ModuleList) else 1
+    outputs = [gpc.config.get("TENSOR_SHAPE") is not None
+               or (gpc.is_last_stage() and c == chunks - 1) for c in range(chunks)]
     model, optimizer = amp.initialize(model, optimizer, opt_level, device_type=gpc.device.type,
-                                      **kwargs)
+                                      outputs=outputs, **kwargs)
     return model, optimizer, name
 
 

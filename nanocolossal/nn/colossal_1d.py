@@ -35,6 +35,7 @@ from torch import nn
 
 from ..context import gpc
 from ..tensor import layers_1d, vocab_parallel
+from ..tensor.base import add_bias
 from ..tensor.comm import gather, split
 from . import layers
 from .colossal_args import (
@@ -110,7 +111,7 @@ class Linear1D_Row(layers_1d.RowLinear1D):
                 y = self.product(x, chunks=self.stream_chunk_num)
         if self.skip_bias_add:
             return y, self.bias
-        return y + self.bias if self.bias is not None else y
+        return add_bias(y, self.bias)
 
 
 class Embedding1D(layers_1d.Embedding1D):

@@ -13,6 +13,8 @@ counts each element once: sum of (local squares / tensor_replicas) over the tens
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -116,6 +118,12 @@ def replicas(param: torch.Tensor) -> int:
     if gpc.sequence_size > 1:  # sequence ranks split the tokens, not the weights
         return 1
     return getattr(param, "tensor_replicas", gpc.tensor_size)
+
+
+def add_bias(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """y + bias in y's dtype: under autocast F.linear casts its bias with its weight, so a split
+    Linear adding its bias apart must too (a half y plus an fp32 bias would be fp32)."""
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 def check_divisible(size: int, parts: int, what: str) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..context import gpc
-from .base import PatchEmbedding, check_divisible, embed_patches, keep_slice, tied
+from .base import PatchEmbedding, add_bias, check_divisible, embed_patches, keep_slice, tied
 from .comm import copy_to, gather, reduce_from, split
 
 
@@ -48,7 +48,7 @@ class ColumnLinear1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.product(x)
-        return y + self.bias if self.bias is not None else y
+        return add_bias(y, self.bias)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x W_j^T without the bias (Colossal-AI's skip_bias_add hands the two back apart)."""
@@ -75,7 +75,7 @@ class RowLinear1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.product(x)
-        return y + self.bias if self.bias is not None else y  # bias once, after the sum
+        return add_bias(y, self.bias)  # bias once, after the sum
 
     def product(self, x: torch.Tensor, chunks: int = 1) -> torch.Tensor:
         """sum_j x_j W_j^T without the bias. `chunks` > 1 computes and reduces it in that many
@@ -148,4 +148,4 @@ class Classifier1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from(F.linear(split(x, -1, gpc.tensor_group), self.weight), gpc.tensor_group)
-        return y + self.bias if self.bias is not None else y
+        return add_bias(y, self.bias)

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..context import gpc
-from .base import PatchEmbedding, check_divisible, embed_patches, keep_slice, tied
+from .base import PatchEmbedding, add_bias, check_divisible, embed_patches, keep_slice, tied
 from .comm import copy_to, group_sum, reduce_from, split
 from .summa import summa_matmul
 
@@ -79,7 +79,7 @@ class Linear2D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.product(x)
-        return y + _down_column(self.bias) if self.bias is not None else y
+        return add_bias(y, _down_column(self.bias) if self.bias is not None else None)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The SUMMA product without the bias (Colossal-AI's skip_bias_add)."""
@@ -170,7 +170,7 @@ class Classifier2D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from(F.linear(x, _down_column(self.weight)), gpc.tensor_row_group)
-        return y + _down_column(self.bias) if self.bias is not None else y
+        return add_bias(y, _down_column(self.bias) if self.bias is not None else None)
 
 
 class CrossEntropyLoss2D(nn.Module):

@@ -254,8 +254,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
                          f"layout (2 chunks per rank) but the local sequence has odd length "
                          f"{q.shape[-2]}; split a sequence of a multiple of {2 * n} tokens with "
                          f"split_sequence")
-    # half inputs (or autocast) compute in float32, as FlashAttention does: running sums of
-    # exp() over N blocks in bf16 would lose what one process's float32 softmax keeps
+    # half inputs (or autocast) compute in float32, as FlashAttention keeps its softmax sums:
+    # running sums of exp() over N blocks in a half type lose precision. (One process computes
+    # its softmax in fp32 under O1 but in the half type under O2/O3: there the ring is finer.)
     dtype = torch.promote_types(q.dtype, torch.float32)
     bias = None
     if key_padding_mask is not None:  # as an additive [B, 1, keys, 1] bias: 0 or -inf

@@ -88,13 +88,19 @@ class _Summa(torch.autograd.Function):
         return dx, dw
 
 
+def autocast_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both operands in autocast's dtype when it is on, cast differentiably before a custom
+    Function: autocast does not reach inside one, and its backward runs outside autocast."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return x.to(dtype), w.to(dtype)
+    return x, w
+
+
 def summa_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., in/q] @ w[out/q, in/q]^T on the 2d grid -> [..., out/q]."""
     lead = x.shape[:-1]
-    device = x.device.type
-    # cast here, differentiably: backward runs outside autocast
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x, w = x.to(dtype), w.to(dtype)
+    x, w = autocast_operands(x, w)
     y = _Summa.apply(x.reshape(-1, x.shape[-1]), w)
     return y.reshape(*lead, w.shape[0])

@@ -25,10 +25,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..context import gpc
-from .base import check_divisible, keep_slice
+from .base import add_bias, check_divisible, keep_slice
 from .comm import reduce_from
 from .layers_2d import _along_row, _down_column, split_batch
-from .summa import _panel, _reduce_to
+from .summa import _panel, _reduce_to, autocast_operands
 from .vocab_parallel import (
     VocabParallelCrossEntropyLoss1D,
     check_ids,
@@ -114,9 +114,10 @@ class VocabParallelClassifier2D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        logits = _SummaABT.apply(x.reshape(-1, x.shape[-1]), self.weight)
+        x, weight = autocast_operands(x, self.weight)
+        logits = _SummaABT.apply(x.reshape(-1, x.shape[-1]), weight)
         logits = logits.reshape(*lead, logits.shape[-1])
-        return logits + _down_column(self.bias) if self.bias is not None else logits
+        return add_bias(logits, _down_column(self.bias) if self.bias is not None else None)
 
 
 class VocabParallelCrossEntropyLoss2D(VocabParallelCrossEntropyLoss1D):
