@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, run_ranks
+from test_tester_amp_layouts_gloo import _shard  # this data rank's share of each batch
 from torch.nn import functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.testing import assert_close
@@ -92,12 +93,6 @@ def _batches(steps=STEPS, seed=7):
     g = torch.Generator().manual_seed(seed)
     return [tuple(torch.randint(0, VOCAB, (2, BATCH, SEQ), generator=g).unbind(0))
             for _ in range(steps)]
-
-
-def _shard(batches):
-    per = batches[0][0].shape[0] // gpc.data_size
-    mine = slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
-    return [(x[mine], y[mine]) for x, y in batches]
 
 
 def _build(config, dtype):
