@@ -2,7 +2,9 @@
 exactly as one process holding every expert.
 
 The GPT of train_gpt.py with 4 blocks, MoE in every other one, cut uniformly into 2 stages: each
-stage holds one MoE layer, so stage 0's load-balancing loss must reach its own backward. The
+stage holds one MoE layer, so stage 0's load-balancing loss must reach its own backward. Cut
+[2, 4] instead, stage 0 holds none: it runs DDP, stage 1 the MoE gradient handler, and the tied
+embedding must be summed over the stages only after each stage's data mean. The
 one-process reference runs the same M = 2 micro-batches (micro-batch m of the global batch is
 micro-batch m of every data rank) and steps on mean_m(CE_m + AUX x aux_m): the aux loss is a
 product of two means over a micro-batch's tokens, so that is what a pipeline can equal.
@@ -74,16 +76,17 @@ def reference():
     return model.state_dict(), norms, losses
 
 
-def _stage_model():
-    return build_pipeline_model(_model(), partition="uniform")
+def _stage_model(partition="uniform"):
+    return build_pipeline_model(_model(), partition=partition)
 
 
-def _worker(rank, world_size, port, ep, expected, norms, losses, path):
+def _worker(rank, world_size, port, ep, partition, expected, norms, losses, path):
     config = {"parallel": {"pipeline": 2, "moe": {"size": ep}}, "clip_grad_norm": CLIP,
               "MOE_AUX_WEIGHT": AUX, "NUM_MICRO_BATCHES": M}
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
-    model = _stage_model()
-    assert len(moe_layers(model)) == 1, "an MoE layer on every stage"
+    model = _stage_model(partition)
+    layers = len(moe_layers(model))
+    assert layers == (1 if partition == "uniform" else 2 * gpc.pipeline_rank), layers
     engine, mine = engine_and_share(model)
     for step, (x, y) in enumerate(_batches()):
         engine.zero_grad()
@@ -95,13 +98,16 @@ def _worker(rank, world_size, port, ep, expected, norms, losses, path):
     state = engine.model.state_dict()
     for name, p in state.items():
         assert_close(p, expected[name], rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
-    save_and_load_back(path, engine, _stage_model())  # its stage's file of its experts
+    save_and_load_back(path, engine, _stage_model(partition))  # its stage's file of its experts
     return gpc.pipeline_rank, sorted(k for k in state if ".experts." in k)
 
 
-LAYOUTS = {  # name: EP (4 ranks: pipeline 2 x data 2 each)
-    "pipeline 2 x EP 2": 2,
-    "pipeline 2 x data 2, EP 1 (replicated experts)": 1,
+LAYOUTS = {  # name: (EP, partition) (4 ranks: pipeline 2 x data 2 each)
+    "pipeline 2 x EP 2": (2, "uniform"),
+    "pipeline 2 x data 2, EP 1 (replicated experts)": (1, "uniform"),
+    # stage 0 (embeddings, block 0) holds no MoE layer: it runs DDP while stage 1 runs the MoE
+    # gradient handler, and the tied embedding is summed across the two only after both averaged
+    "pipeline 2 x EP 2, no MoE on stage 0": (2, [2, 4]),
 }
 
 
@@ -109,11 +115,11 @@ LAYOUTS = {  # name: EP (4 ranks: pipeline 2 x data 2 each)
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_gloo_moe_pipeline_training_equals_one_process(reference, name, tmp_path):
     expected, norms, losses = reference
-    held = run_ranks(_worker, 4, LAYOUTS[name], expected, norms, losses, tmp_path / "ck.pt",
+    held = run_ranks(_worker, 4, *LAYOUTS[name], expected, norms, losses, tmp_path / "ck.pt",
                      timeout=50)
     stages = {rank: held[rank][0] for rank in range(4)}
     assert stages == {0: 0, 1: 1, 2: 0, 3: 1}
-    if LAYOUTS[name] == 2:  # data ranks 0, 1 of stage 0 are global ranks 0, 2
+    if LAYOUTS[name] == (2, "uniform"):  # data ranks 0, 1 of stage 0 are global ranks 0, 2
         assert held[0][1] != held[2][1], "the experts are split between a stage's data ranks"
     merged = merge_checkpoint(tmp_path / "ck.pt")
     assert merged.keys() == expected.keys()

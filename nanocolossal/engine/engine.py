@@ -133,8 +133,7 @@ class Engine:
         if not self._group_ends():
             return False
         self._micro, self._closing = 0, False
-        if self.gradient_handler is not None:
-            self.gradient_handler.handle_gradient()
+        self.reduce_gradients()
         if self.clip_grad_norm:
             # ranks holding *other* parameters (pipeline stages, tensor shards) add their squares
             # MoE: experts live on other ranks than the model group's (moe/grads.py)
@@ -144,6 +143,12 @@ class Engine:
             self.last_grad_norm = self.optimizer.clip_grad_norm(
                 self.clip_grad_norm, parts, **({"sharded": spread} if spread else {}))
         return self.optimizer.step()
+
+    def reduce_gradients(self) -> None:
+        """After the last backward of a group: the gradient handler's data-parallel mean, where
+        one replaces DDP (which has already averaged during backward)."""
+        if self.gradient_handler is not None:
+            self.gradient_handler.handle_gradient()
 
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
         """One iteration on `batch` = (inputs, label): forward, loss and (unless forward_only)
@@ -175,14 +180,18 @@ class PipelineEngine(Engine):
         self.schedule = schedule  # GPipe / 1F1B / interleaved
         self.chunks = chunks      # what the schedule runs (DDP-wrapped per chunk)
 
-    def step(self) -> bool:
-        if self._group_ends():  # a weight two stages share steps with the sum of their gradients
-            tied = getattr(self.model, "tied", [])
-            if isinstance(self.optimizer, ShardedOptimizer):  # ZeRO 2: pieces of gradients
-                self.optimizer.sum_tied_gradients(tied)
-            else:
-                sum_tied_gradients(tied)
-        return super().step()
+    def reduce_gradients(self) -> None:
+        """The data-parallel mean first, then a weight two stages share gets the sum of their
+        gradients. In this order because stages may reduce differently: with MoE only in later
+        blocks, stage 0 runs DDP (averaged in backward) and the last stage a gradient handler
+        (averaged here); summing first would hand stage 0 the other stage's un-averaged
+        gradient, a different one on each data rank."""
+        super().reduce_gradients()
+        tied = getattr(self.model, "tied", [])
+        if isinstance(self.optimizer, ShardedOptimizer):  # ZeRO 2: pieces of gradients
+            self.optimizer.sum_tied_gradients(tied)
+        else:
+            sum_tied_gradients(tied)
 
     def _sync_buffers(self) -> None:
         if gpc.gradient_size == 1:

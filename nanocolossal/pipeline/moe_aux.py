@@ -43,10 +43,15 @@ def chunk_aux_loss(chunk: nn.Module, weight: float, share: float) -> Optional[to
     return moe_aux_loss(chunk) * (weight * share)
 
 
-def backward_output_and_aux(output: torch.Tensor, grad: torch.Tensor,
+def backward_output_and_aux(output: torch.Tensor, grad: Optional[torch.Tensor],
                             aux: Optional[torch.Tensor], loss_scale: float) -> None:
     """A non-last stage's backward: the output with the gradient the next stage sent, and the
-    chunk's own aux loss (scaled like the loss) -- one backward through the shared graph."""
+    chunk's own aux loss (scaled like the loss) -- one backward through the shared graph. An
+    integer output has no gradient (`grad` None): only the aux loss, if any, goes backward."""
+    if grad is None:
+        if aux is not None:
+            (aux * loss_scale).backward()
+        return
     if aux is None:
         torch.autograd.backward(output, grad)
         return

@@ -9,6 +9,8 @@ rank's plan:
              micro-batches are those of the mean loss over the batch.
     B(c, m)  backward from the loss (last stage, times the AMP loss scale) or from the
              gradient received from the next stage; the input's gradient is sent back.
+             An integer activation (token ids for the next stage's embedding) has no
+             gradient: both sides know its dtype, so both drop that transfer.
     Comm     sends and receives posted together (p2p.py).
 
 Activations are kept only from a micro-batch's forward to its backward, so rank r holds at
@@ -109,8 +111,9 @@ class _Schedule:
         for i, step in enumerate(run.plan):
             started = time.time() if self.recorder else 0.0
             if isinstance(step, Comm):
-                sends = {t: run.outbox.pop(t) for t in step.sends}
-                run.inbox.update(self._comm.exchange(sends, step.recvs,
+                sends = {t: run.outbox.pop(t) for t in step.sends if t not in run.no_grad}
+                recvs = [t for t in step.recvs if t not in run.no_grad]
+                run.inbox.update(self._comm.exchange(sends, recvs,
                                                      f"{self.name} step {i} of {len(run.plan)}"))
             elif step.kind == "F":
                 run.forward(step)
@@ -156,6 +159,7 @@ class _Run:
         self.held: dict[tuple, tuple] = {}
         self.outbox: dict[Transfer, torch.Tensor] = {}
         self.inbox: dict[Transfer, torch.Tensor] = {}
+        self.no_grad: set[Transfer] = set()  # gradients of integer activations: never sent
         self.outputs: list[torch.Tensor] = []
         self.total_loss = torch.zeros((), device=gpc.device)
         self.max_in_flight = 0
@@ -163,8 +167,11 @@ class _Run:
     def forward(self, step: Compute) -> None:
         c, m, v = step.chunk, step.mb, virtual_stage(step.chunk, gpc.pipeline_rank, self.P)
         x = self.x_mb[m] if v == 0 else self.inbox.pop(Transfer("act", v - 1, v, m))
-        if v > 0 and not self.forward_only and x.is_floating_point():
-            x.requires_grad_()
+        if v > 0 and not self.forward_only:
+            if x.is_floating_point():
+                x.requires_grad_()
+            else:
+                self.no_grad.add(Transfer("grad", v, v - 1, m))
         with torch.set_grad_enabled(not self.forward_only):
             output = self.chunks[c](x)
             aux = chunk_aux_loss(self.chunks[c], self.aux_weight, self.share[m])
@@ -186,6 +193,8 @@ class _Run:
             else:
                 self.outbox[Transfer("act", v, v + 1, m)] = output.detach()
                 backward_from = output
+                if not output.is_floating_point():
+                    self.no_grad.add(Transfer("grad", v + 1, v, m))
         # keep the graph (input, loss or output) until this micro-batch's backward
         if not self.forward_only:
             self.held[(c, m)] = (x, backward_from, aux)
@@ -204,11 +213,13 @@ class _Run:
             if self.is_last[c]:  # the loss, scaled for AMP
                 (backward_from * self.loss_scale).backward()
             else:  # the output, with the gradient the next stage sent back (and the MoE aux)
-                backward_output_and_aux(backward_from,
-                                        self.inbox.pop(Transfer("grad", v + 1, v, m)), aux,
-                                        self.loss_scale)
-        if v > 0:
-            self.outbox[Transfer("grad", v, v - 1, m)] = x.grad
+                back = Transfer("grad", v + 1, v, m)
+                grad = None if back in self.no_grad else self.inbox.pop(back)
+                backward_output_and_aux(backward_from, grad, aux, self.loss_scale)
+        sent = Transfer("grad", v, v - 1, m)
+        if v > 0 and sent not in self.no_grad:
+            # an input this chunk did not use has no gradient: zeros, as one process would have
+            self.outbox[sent] = x.grad if x.grad is not None else torch.zeros_like(x)
 
 
 class GPipeSchedule(_Schedule):
