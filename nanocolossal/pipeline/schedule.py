@@ -218,7 +218,9 @@ class _Run:
                 backward_output_and_aux(backward_from, grad, aux, self.loss_scale)
         sent = Transfer("grad", v, v - 1, m)
         if v > 0 and sent not in self.no_grad:
-            # an input this chunk did not use has no gradient: zeros, as one process would have
+            # an input this chunk ignored got no gradient: send zeros (the earlier stage's
+            # parameters then hold zero gradients where one process leaves None -- the same
+            # step, except under weight decay, which skips only None)
             self.outbox[sent] = x.grad if x.grad is not None else torch.zeros_like(x)
 
 
