@@ -1,15 +1,19 @@
-"""Stage boundaries that carry no gradient back: an integer activation and an unused input.
+"""Stage boundaries whose gradient nobody needs: an integer activation, a frozen first stage,
+and an input the next stage ignores.
 
 A stage may end in something with no derivative -- token ids bucketed from features, for the
 next stage's Embedding -- and one process simply trains the rest (the layers before the ids get
 no gradient). Both sides of such a boundary know the activation is an integer (the receiver
 learned its dtype in the handshake), so neither posts the gradient transfer; the earlier stage
-runs no backward for that micro-batch. A floating input that the next stage ignores does get a
-gradient transfer: zeros, since its backward never reached it.
+runs no backward for that micro-batch. A frozen first stage's float output needs no gradient
+either: it is still sent (the receiver cannot tell), and the frozen stage runs no backward.
 
 float64, SGD with momentum, clipping that clips: after 3 steps every stage's parameters equal
 one process's on the whole batch (1e-12), for GPipe, 1F1B and interleaved 1F1B, alone and
-with data parallel 2 (DDP around a stage whose parameters never get a gradient).
+with data parallel 2 (DDP, ZeRO, or the gradient handler around a stage whose parameters never
+get a gradient). An input the next stage ignores is an error naming the part and what to change:
+zeros sent back would move the earlier stage's parameters by momentum or weight decay, where one
+process leaves them alone.
 """
 import pytest
 import torch
@@ -57,9 +61,21 @@ def _ignore_model():
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), IgnoreInput(8), nn.Linear(8, 5)).double()
 
 
+def _frozen_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 5)).double()
+    model[0].requires_grad_(False)
+    return model
+
+
 MODELS = {  # name: (model, partition for 2 stages, for 2 stages x 2 chunks)
     "integer ids": (_ids_model, [2, 5], [2, 2, 2, 1]),
-    "ignored input": (_ignore_model, [2, 2], [1, 1, 1, 1]),
+    "frozen first stage": (_frozen_model, [2, 3], [2, 1, 1, 1]),
+}
+DATA = {  # the data-parallel reduction around the stages, x2 (4 ranks)
+    "DDP": {}, "ZeRO 1": {"zero": {"level": 1}}, "ZeRO 2": {"zero": {"level": 2}},
+    "handler": {"gradient_handler": [{"type": "DataParallelGradientHandler"}]},
 }
 
 
@@ -83,12 +99,12 @@ def _one_process(name):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
-def _worker(rank, world, port, name, schedule, chunks):
+def _worker(rank, world, port, name, schedule, chunks, data=None):
     config = {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2, "PIPELINE_SCHEDULE": schedule,
-              "NUM_CHUNKS": chunks, "clip_grad_norm": CLIP}
+              "NUM_CHUNKS": chunks, "clip_grad_norm": CLIP, **DATA.get(data, {})}
     nc.launch(config, rank=rank, world_size=world, host="127.0.0.1", port=port, seed=1,
               timeout=30)
-    build, two, four = MODELS[name]
+    build, two, four = {**MODELS, "ignored input": (_ignore_model, [2, 2], None)}[name]
     model = build_pipeline_model(build(), num_chunks=chunks, partition=two if chunks == 1 else four)
     per = BATCH // gpc.data_size
     mine = slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
@@ -114,3 +130,28 @@ def test_gloo_boundary_without_gradient_trains_as_one_process(name, schedule, ch
         for key, value in run["state"].items():
             assert_close(value, expected[key], rtol=1e-12, atol=1e-12,
                          msg=lambda m, key=key: f"rank {rank} {key}: {m}")
+
+
+@pytest.mark.parametrize("data", DATA)
+def test_gloo_frozen_first_stage_x_data_parallel_trains_as_one_process(data):
+    expected, _ = _one_process("frozen first stage")
+    for rank, run in enumerate(run_ranks(_worker, 4, "frozen first stage", "1f1b", 1, data,
+                                         timeout=50)):
+        for key, value in run["state"].items():
+            assert_close(value, expected[key], rtol=1e-12, atol=1e-12,
+                         msg=lambda m, key=key: f"rank {rank} {key}: {m}")
+
+
+def _ignored_worker(rank, world, port):
+    try:
+        _worker(rank, world, port, "ignored input", "1f1b", 1)
+    except RuntimeError as e:  # returned: the peer then stops at once
+        return str(e).splitlines()[0]
+    return "trained"
+
+
+def test_gloo_an_ignored_stage_input_is_an_error_naming_the_part():
+    stage1 = run_ranks(_ignored_worker, 2, timeout=40)[1]
+    assert stage1.startswith("[rank 1] pipeline part 1 did not use its input in micro-batch"), \
+        stage1
+    assert "make part 1 use its input" in stage1, stage1

@@ -47,8 +47,9 @@ def backward_output_and_aux(output: torch.Tensor, grad: Optional[torch.Tensor],
                             aux: Optional[torch.Tensor], loss_scale: float) -> None:
     """A non-last stage's backward: the output with the gradient the next stage sent, and the
     chunk's own aux loss (scaled like the loss) -- one backward through the shared graph. An
-    integer output has no gradient (`grad` None): only the aux loss, if any, goes backward."""
-    if grad is None:
+    integer output has no gradient (`grad` None), and the output of a frozen stage needs none:
+    only the aux loss, if any, goes backward."""
+    if grad is None or not output.requires_grad:
         if aux is not None:
             (aux * loss_scale).backward()
         return

@@ -139,6 +139,13 @@ class StageComm:
             shape, dtype = self._meta_of(t.src if t.what == "act" else t.dst, t.mb)
             if tuple(x.shape) != shape or x.dtype != dtype:
                 peer = self._rank(t.dst)
+                if self.fixed is not None and (shape, dtype) == self.fixed and \
+                        not x.is_floating_point():
+                    raise RuntimeError(
+                        f"[rank {gpc.rank}] {where}: the {t.what} of micro-batch {t.mb} for rank "
+                        f"{peer} is {x.dtype}, but TENSOR_SHAPE fixes every boundary at "
+                        f"{dtype}; remove TENSOR_SHAPE from the config (the stages then agree "
+                        f"on each boundary's shape and dtype by themselves)")
                 raise RuntimeError(
                     f"[rank {gpc.rank}] {where}: the {t.what} of micro-batch {t.mb} for rank "
                     f"{peer} has shape {tuple(x.shape)} and dtype {x.dtype}, but rank {gpc.rank} "

@@ -10,7 +10,8 @@ rank's plan:
     B(c, m)  backward from the loss (last stage, times the AMP loss scale) or from the
              gradient received from the next stage; the input's gradient is sent back.
              An integer activation (token ids for the next stage's embedding) has no
-             gradient: both sides know its dtype, so both drop that transfer.
+             gradient: both sides know its dtype, so both drop that transfer. A floating
+             output that needs none (a frozen first stage) still gets one, unused.
     Comm     sends and receives posted together (p2p.py).
 
 Activations are kept only from a micro-batch's forward to its backward, so rank r holds at
@@ -218,10 +219,20 @@ class _Run:
                 backward_output_and_aux(backward_from, grad, aux, self.loss_scale)
         sent = Transfer("grad", v, v - 1, m)
         if v > 0 and sent not in self.no_grad:
-            # an input this chunk ignored got no gradient: send zeros (the earlier stage's
-            # parameters then hold zero gradients where one process leaves None -- the same
-            # step, except under weight decay, which skips only None)
-            self.outbox[sent] = x.grad if x.grad is not None else torch.zeros_like(x)
+            if x.grad is None:
+                raise_ignored_input(v, m)
+            self.outbox[sent] = x.grad
+
+
+def raise_ignored_input(v: int, m: int) -> None:
+    """A floating input no gradient reached: zeros sent back would give the earlier stage's
+    parameters zero gradients where one process leaves them None, and momentum or weight decay
+    would still move them -- a silent difference, so it is an error."""
+    raise RuntimeError(
+        f"[rank {gpc.rank}] pipeline part {v} did not use its input in micro-batch {m}: no "
+        f"gradient flows back to part {v - 1}, whose parameters one process would leave without "
+        f"a gradient; make part {v} use its input, or end part {v - 1} with an output that "
+        f"needs no gradient (integer ids, or .detach())")
 
 
 class GPipeSchedule(_Schedule):
