@@ -260,9 +260,11 @@ def make_scaler(loss_scale: Union[str, float, None],
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: str = "O1",
                loss_scale: Union[str, float, None] = "dynamic", dtype: torch.dtype = torch.float16,
                device_type: Optional[str] = None, outputs: Optional[list[bool]] = None,
+               keep_batchnorm_fp32: Optional[bool] = None,
                **scaler_kwargs: Any) -> tuple[nn.Module, MixedPrecisionOptimizer]:
     """Prepare `model` in place for `opt_level` and wrap `optimizer` (apex's amp.initialize).
-    `outputs` (per pipeline chunk; default all): is its output the model's, cast to fp32?"""
+    `outputs` (per pipeline chunk; default all): is its output the model's, cast to fp32?
+    `keep_batchnorm_fp32` (O2/O3; default: O2 only): normalisation layers stay fp32."""
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"[rank {gpc.rank}] unknown opt_level {opt_level!r}; use one of "
                          f"{', '.join(OPT_LEVELS)}")
@@ -270,6 +272,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
         raise ValueError(f"[rank {gpc.rank}] amp dtype must be "
                          f"torch.float16 or torch.bfloat16, got {dtype}")
     device_type = device_type or next(model.parameters()).device.type
+    keep_norms = opt_level == "O2" if keep_batchnorm_fp32 is None else keep_batchnorm_fp32
     # a ModuleList (pipeline chunks) has no forward of its own: each chunk gets the hooks
     parts = model if isinstance(model, nn.ModuleList) else [model]
     for part, is_output in zip(parts, outputs or [True] * len(parts)):
@@ -279,7 +282,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
             part.register_forward_hook(autocast.exit, always_call=True)
         elif opt_level in ("O2", "O3"):
             part.to(dtype)
-            if opt_level == "O2":  # normalisation statistics need fp32's precision
+            if keep_norms:  # normalisation statistics need fp32's precision
                 for module in part.modules():
                     if _is_norm(module):
                         module.float()

@@ -264,6 +264,8 @@ def validate_config(cfg: Config) -> None:
             AMP_TYPE.parse(fp16["mode"])
         except ValueError as e:
             raise ConfigError(f"fp16.mode: {e}") from None
+        from .amp_settings import check_fp16  # (here: it imports this module)
+        check_fp16(fp16)
 
     for key in ("gradient_accumulation", "NUM_MICRO_BATCHES", "NUM_CHUNKS", "BATCH_SIZE",
                 "NUM_EPOCHS"):

@@ -9,7 +9,10 @@ backward time + communication time, where DDP hides most of the communication be
 backward (README: measured difference). It is simpler, and it is what Colossal-AI's
 engine does after `engine.backward`:
 
-    for each dtype: flatten all gradients -> one all-reduce -> divide by the group size -> copy back
+    for each dtype: flatten all gradients -> divide by the group size -> one all-reduce -> copy back
+
+(dividing first, as DDP does: under fp16 loss scaling each rank's scaled gradient may fit where
+their sum overflows, and one process -- which only ever holds the mean -- would not skip the step.)
 
 Every trainable parameter takes part, so all ranks send the same message: a parameter that got
 no gradient here contributes zeros, plus one flag per parameter saying whether this rank had a
@@ -48,10 +51,10 @@ class DataParallelGradientHandler:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             had = torch.tensor([p.grad is not None for p in params], dtype=params[0].dtype,
                                device=params[0].device)
-            flat = torch.cat([_flatten_dense_tensors(grads), had])
+            flat = torch.cat([_flatten_dense_tensors(grads) / self.size, had])
             dist.all_reduce(flat, group=self.group)
             n = flat.numel() - len(params)
-            averaged = _unflatten_dense_tensors(flat[:n] / self.size, grads)
+            averaged = _unflatten_dense_tensors(flat[:n], grads)
             for p, synced, anyone in zip(params, averaged, flat[n:].tolist()):
                 if not anyone:  # no rank has a gradient: leave None, as one process would
                     continue

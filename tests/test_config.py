@@ -93,6 +93,16 @@ def test_config_file_that_raises_is_reported(tmp_path):
     ({"parallel": 2}, "parallel must be a dict"),
     ({"fp16": {"mode": "fp8"}}, "unknown fp16 mode 'fp8'.*AMP_TYPE.TORCH"),
     ({"fp16": {}}, "fp16 must be a dict with a mode"),
+    ({"fp16": {"mode": AMP_TYPE.NAIVE, "clip_grad_norm": 1.0}},
+     "fp16.clip_grad_norm has no effect with mode=AMP_TYPE.NAIVE: set clip_grad_norm at the top"),
+    ({"fp16": {"mode": AMP_TYPE.NAIVE, "verbose": True}}, "fp16.verbose has no effect.*remove it"),
+    ({"fp16": {"mode": AMP_TYPE.APEX, "num_losses": 2}}, "fp16.num_losses has no effect"),
+    ({"fp16": {"mode": AMP_TYPE.TORCH, "opt_level": "O2"}},
+     "fp16.opt_level has no effect with mode=AMP_TYPE.TORCH: TORCH takes .*init_scale"),
+    ({"fp16": {"mode": AMP_TYPE.TORCH, "initial_sclae": 8}}, "fp16.initial_sclae has no effect"),
+    ({"fp16": {"mode": AMP_TYPE.APEX, "opt_level": "O3", "master_weights": True}},
+     "master_weights=True with opt_level O3: here only O2 keeps fp32 master weights"),
+    ({"fp16": {"mode": AMP_TYPE.TORCH, "dtype": "float8"}}, "fp16.dtype must be 'float16' or"),
     ({"gradient_accumulation": 0}, "gradient_accumulation must be a positive integer"),
     ({"NUM_MICRO_BATCHES": 2.5}, "NUM_MICRO_BATCHES must be a positive integer"),
     ({"clip_grad_norm": -1.0}, "clip_grad_norm must be a positive number"),
@@ -109,6 +119,14 @@ def test_supported_spellings_pass():
     load_config({"parallel": {"pipeline": 2, "tensor": {"size": 1, "mode": None}},
                  "fp16": {"mode": AMP_TYPE.NAIVE},
                  "gradient_accumulation": 4, "clip_grad_norm": 1.0, "timeout": 30})
+    for fp16 in ({"mode": AMP_TYPE.APEX, "opt_level": "O2", "min_loss_scale": 1.0,
+                  "max_loss_scale": 2.0 ** 16, "keep_batchnorm_fp32": True, "master_weights": True,
+                  "loss_scale": "dynamic", "enabled": True},
+                 {"mode": AMP_TYPE.NAIVE, "initial_scale": 2.0 ** 8, "hysteresis": 2,
+                  "min_scale": 1.0, "max_scale": 2.0 ** 20, "growth_interval": 100},
+                 {"mode": AMP_TYPE.TORCH, "init_scale": 2.0 ** 8, "growth_factor": 2.0,
+                  "backoff_factor": 0.5, "growth_interval": 100, "enabled": False}):
+        load_config({"fp16": fp16})  # each backend's own keys
     # the tutorial's line
     load_config({"parallel": {"pipeline": 2, "tensor": {"size": 4, "mode": "2d"}}})
     load_config({"parallel": {"tensor": {"size": 2, "mode": "1d"}}})

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 from .. import amp
 from .. import cpu_half as probe
 from ..amp import MixedPrecisionOptimizer
+from ..amp_settings import amp_settings
 from ..config import AMP_TYPE
 from ..context import gpc
 from ..ddp import DistributedDataParallel
@@ -73,27 +74,6 @@ def apply_sync_bn(model: nn.Module) -> tuple[nn.Module, Did]:
     return convert_sync_batchnorm(model), "SyncBN"
 
 
-def amp_settings(fp16: dict, cpu_half: Optional[torch.dtype]) -> tuple[str, Optional[dict]]:
-    """fp16=dict(mode=AMP_TYPE.X, ...) -> (opt_level, keyword arguments for amp.initialize), or
-    (opt_level, None) where the half type would be slower than float32 (a CPU whose measured
-    `cpu_half` is None): then the run stays in float32."""
-    fp16 = dict(fp16)
-    mode = AMP_TYPE.parse(fp16.pop("mode"))
-    if "initial_scale" in fp16:  # Colossal-AI's spelling for the naive mode
-        fp16["init_scale"] = fp16.pop("initial_scale")
-    fp16.pop("enabled", None)
-    level = fp16.pop("opt_level", "O1")
-    opt_level = {AMP_TYPE.TORCH: "O1", AMP_TYPE.NAIVE: "O2"}.get(mode, level)
-    if isinstance(fp16.get("dtype"), str):
-        fp16["dtype"] = getattr(torch, fp16["dtype"])
-    if "dtype" not in fp16 and gpc.device.type == "cpu":
-        # CPUs have no fast fp16 kernels; bf16 (fp32's range: no loss scaling) where it is fast
-        if cpu_half is None:
-            return opt_level, None
-        fp16["dtype"] = cpu_half
-    return opt_level, fp16
-
-
 def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer
               ) -> tuple[nn.Module, MixedPrecisionOptimizer, Did]:
     fp16 = gpc.config.get("fp16")
@@ -101,9 +81,9 @@ def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer
         return model, MixedPrecisionOptimizer(optimizer), None
     if gpc.config.get("zero") is not None:  # Colossal-AI v0.1's optimizer_config scaler keys
         fp16 = type(fp16)({**fp16, **zero_settings(gpc.config)[1]})
-    measure = gpc.device.type == "cpu" and "dtype" not in fp16
+    measure = gpc.device.type == "cpu" and "dtype" not in fp16 and fp16.get("enabled", True)
     cpu_half = probe.cpu_half_dtype() if measure else None
-    opt_level, kwargs = amp_settings(fp16, cpu_half)
+    opt_level, kwargs = amp_settings(fp16, cpu_half, gpc.device.type == "cpu")
     name = f"AMP {opt_level} ({AMP_TYPE.parse(fp16.mode).name})"
     if measure:
         get_dist_logger().info(
@@ -111,7 +91,8 @@ def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer
             f"measured the fastest on this CPU, which has no fast float16 kernels; "
             f"fp16=dict(..., dtype='bfloat16'|'float16') overrides")
     if kwargs is None:
-        return model, MixedPrecisionOptimizer(optimizer), f"{name} in float32 on this CPU"
+        off = "off (enabled=False)" if fp16.get("enabled") is False else "in float32 on this CPU"
+        return model, MixedPrecisionOptimizer(optimizer), f"{name} {off}"
     # one process casts only the model's output to fp32: here the last stage's last chunk (a
     # TENSOR_SHAPE fixes every stage boundary at fp32, skipping the dtype handshake: keep all)
     chunks = len(model) if isinstance(model, nn.ModuleList) else 1
