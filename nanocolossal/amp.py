@@ -32,7 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .amp_scaler import DynamicLossScaler, unscale_and_check, unscale_and_check_fused, unscale_grads
+from .amp_scaler import (
+    DynamicLossScaler,
+    make_scaler,
+    unscale_and_check,
+    unscale_and_check_fused,
+    unscale_grads,
+)
 from .config import AMP_TYPE  # owned by the config (it names the modes)
 from .context import gpc
 from .logging import get_dist_logger
@@ -242,19 +248,6 @@ class MixedPrecisionOptimizer:
 
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
-
-
-def make_scaler(loss_scale: Union[str, float, None],
-                **scaler_kwargs: Any) -> Optional[DynamicLossScaler]:
-    """apex's loss_scale: "dynamic" searches for S, a number fixes S (it never grows or backs
-    off), None turns scaling off."""
-    if loss_scale is None:
-        return None
-    if loss_scale == "dynamic":
-        return DynamicLossScaler(**scaler_kwargs)
-    fixed = float(loss_scale)
-    return DynamicLossScaler(init_scale=fixed, min_scale=fixed, max_scale=fixed,
-                             growth_interval=2**62)
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: str = "O1",

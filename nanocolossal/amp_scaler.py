@@ -16,6 +16,8 @@ range and needs no scaling (amp.py decides when a scaler is used).
 """
 from __future__ import annotations
 
+from typing import Any, Optional, Union
+
 import torch
 
 from .context import gpc
@@ -125,3 +127,16 @@ def unscale_grads(grads: list[torch.Tensor], loss_scale: float) -> torch.Tensor:
         else:
             unscale_and_check_fused(group, found_inf, inv_scale)
     return found_inf
+
+
+def make_scaler(loss_scale: Union[str, float, None],
+                **scaler_kwargs: Any) -> Optional[DynamicLossScaler]:
+    """apex's loss_scale: "dynamic" searches for S, a number fixes S (it never grows or backs
+    off), None turns scaling off."""
+    if loss_scale is None:
+        return None
+    if loss_scale == "dynamic":
+        return DynamicLossScaler(**scaler_kwargs)
+    fixed = float(loss_scale)
+    return DynamicLossScaler(init_scale=fixed, min_scale=fixed, max_scale=fixed,
+                             growth_interval=2**62)
