@@ -93,16 +93,30 @@ def check_consistency(model: nn.Module, train_dataloader: Iterable,
                                f"on every rank")
 
 
+def check_evaluation(model: nn.Module, test_dataloader: Iterable) -> None:
+    """Collective: `_check_evaluation_batches` alone, before an evaluation outside `fit`."""
+    if gpc.is_initialized and gpc.world_size > 1:
+        everyone: list[Any] = [None] * gpc.world_size
+        mine = len(test_dataloader) if isinstance(test_dataloader, Sized) else None
+        dist.all_gather_object(everyone, mine)
+        _check_evaluation_batches(everyone, model)
+
+
 def _check_evaluation_batches(counts: list, model: nn.Module) -> None:
     """Evaluation may be uneven (pad=False, for exact metrics) -- unless the forward itself
-    talks between data ranks: an MoE layer exchanges tokens in every forward, so a rank with an
-    extra batch would meet the others' metric all-reduce instead."""
+    talks between data ranks: an MoE layer exchanges tokens in every forward, ZeRO level 3
+    gathers each unit's parameters, so a rank with an extra batch would meet the others'
+    metric all-reduce instead."""
     from .moe import moe_layers  # (here: moe/ imports this package's config)
-    if len(set(counts)) > 1 and gpc.data_size > 1 and moe_layers(model):
+    from .zero.settings import zero_settings
+    talks = "the model's MoE layers exchange tokens" if moe_layers(model) else \
+        "ZeRO level 3 gathers the parameters" if "zero" in gpc.config and \
+        zero_settings(gpc.config)[0].get("level") == 3 else None
+    if len(set(counts)) > 1 and gpc.data_size > 1 and talks:
         listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
         raise ConfigError(
             f"[rank {gpc.rank}] ranks disagree on the number of evaluation batches ({listed}) "
-            f"and the model's MoE layers exchange tokens between data ranks in every forward; "
+            f"and {talks} between data ranks in every forward; "
             f"give the test loader the same number of batches on every rank: "
             f"DistributedSampler(pad=True) or drop_last=True")
 

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .context import gpc
 from .metrics import Accuracy, all_reduce_mean
@@ -82,18 +83,27 @@ class LossHook(BaseHook):
 
 
 class AccuracyHook(BaseHook):
-    """Exact test accuracy (summed counts over ranks) -> metrics['test']['accuracy']."""
+    """Exact test accuracy (summed counts over ranks) -> metrics['test']['accuracy']. Logits
+    split by vocabulary (a vocab-parallel classifier: each rank holds some classes) are turned
+    into predictions by that classifier, whose argmax spans its group."""
 
     def __init__(self, accuracy_func: Optional[Accuracy] = None, priority: int = 0) -> None:
         super().__init__(priority)
         self.accuracy = accuracy_func if accuracy_func is not None else Accuracy()
+        self.split: Optional[nn.Module] = None
 
     def before_test_epoch(self, trainer) -> None:
         self.accuracy.reset()
+        self.split = next((m for m in trainer.engine.model.modules()
+                           if callable(getattr(m, "predictions", None))), None)
 
     def after_test_iter(self, trainer, output, label, loss) -> None:
-        if output is not None:  # pipelines: only the last stage has outputs
-            self.accuracy.update(output, label)
+        if output is None:  # pipelines: only the last stage has outputs
+            return
+        if self.split is not None and output.dim() == label.dim() + 1 and \
+                output.shape[-1] == self.split.weight.shape[0]:  # this rank's classes only
+            output = self.split.predictions(output)
+        self.accuracy.update(output, label)
 
     def after_test_epoch(self, trainer) -> None:
         trainer.states["metrics"]["test"]["accuracy"] = self.accuracy.compute()

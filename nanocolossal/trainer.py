@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from . import hooks
 from .checkpoint import PathLike
-from .checks import check_consistency, debug_barrier
+from .checks import check_consistency, check_evaluation, debug_barrier
 from .context import gpc
 from .engine import Engine, PipelineEngine
 from .logging import get_dist_logger
@@ -164,5 +164,6 @@ class Trainer:
                  display_progress: bool = False) -> dict:
         """One pass over `test_dataloader`; returns the test metrics the hooks computed."""
         self._set_hooks(hooks)
+        check_evaluation(self.engine.model, test_dataloader)  # uneven shards that would hang
         self._test_epoch(test_dataloader, display_progress)
         return dict(self.states["metrics"]["test"])

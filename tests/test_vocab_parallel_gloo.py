@@ -1,5 +1,6 @@
 """Vocabulary-parallel embedding, classifier and cross-entropy (1d and 2d) equal the plain layers
-on the whole vocabulary: outputs, every reduction of the loss, and the gradients of a tied table."""
+on the whole vocabulary: outputs, every reduction of the loss, the gradients of a tied table, and
+the predicted classes (AccuracyHook's) of split logits."""
 import pytest
 import torch
 from dist_helpers import run_ranks
@@ -86,6 +87,13 @@ def _worker(rank, world_size, port, mode):
                                     (cls.weight, plain_cls.weight, weights),
                                     (cls.bias, plain_cls.bias, bias)):
             assert_close(mine.grad, shard(plain.grad, splits), msg=lambda m: f"{kwargs}: {m}")
+    # predictions from split logits: the whole vocabulary's argmax, ties to the lowest id (the
+    # first maximum, as torch.argmax) even across ranks; float64 logits are not rounded
+    ties = plain_logits.detach().double().round(decimals=0)
+    ties[0, 0] = 1e-12 * torch.arange(V, dtype=torch.float64)  # the last id wins by a hair
+    rows = shard(ties.argmax(-1), loss_cut)  # this rank's rows: [B, S], or its batch block
+    assert_close(cls.predictions(shard(ties, logit_cut)), rows, rtol=0, atol=0)
+    assert (ties.max(-1, keepdim=True).values == ties).sum(-1).max() > 1, "some rows tie"
     return (logits.numel(), plain_logits.numel())
 
 

@@ -162,7 +162,9 @@ class _Run:
         self.inbox: dict[Transfer, torch.Tensor] = {}
         self.no_grad: set[Transfer] = set()  # gradients of integer activations: never sent
         self.outputs: list[torch.Tensor] = []
-        self.total_loss = torch.zeros((), device=gpc.device)
+        # float64: a float64 model's loss keeps its digits, and every stage adds in the same
+        # dtype (the stages' sum is one all-reduce, whatever each stage's model holds)
+        self.total_loss = torch.zeros((), device=gpc.device, dtype=torch.float64)
         self.max_in_flight = 0
 
     def forward(self, step: Compute) -> None:

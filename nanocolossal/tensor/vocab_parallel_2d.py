@@ -34,6 +34,7 @@ from .vocab_parallel import (
     check_ids,
     local_padding_idx,
     vocab_classifier_weight,
+    vocab_parallel_argmax,
 )
 
 VOCAB_BLOCKS = [(0, "row"), (1, "col")]  # E's block (vocabulary i, hidden j) on rank (i, j)
@@ -118,6 +119,10 @@ class VocabParallelClassifier2D(nn.Module):
         logits = _SummaABT.apply(x.reshape(-1, x.shape[-1]), weight)
         logits = logits.reshape(*lead, logits.shape[-1])
         return add_bias(logits, _down_column(self.bias) if self.bias is not None else None)
+
+    def predictions(self, logits: torch.Tensor) -> torch.Tensor:
+        """The predicted class of each row of this rank's batch block (the row's vocabulary)."""
+        return vocab_parallel_argmax(logits, gpc.tensor_row_group, gpc.tensor_row_rank)
 
 
 class VocabParallelCrossEntropyLoss2D(VocabParallelCrossEntropyLoss1D):
