@@ -21,15 +21,14 @@ Rules that keep every rank's collectives matched (a mismatch is a hang):
     gradient (accumulated under no_sync, used in an earlier micro-step) sends that; one with
     none sends zeros. Each bucket also carries one "used" flag per parameter, reduced with
     the gradients, so every rank learns which parameters have a gradient anywhere: those get
-    the averaged gradient on all ranks, the others keep grad=None -- as one process would.
+    the averaged gradient on all ranks, the others keep grad=None -- as one process would;
+  * the end of backward is also caught by a hook on the module's output: a rank where no
+    parameter gets a gradient (its samples all skipped them) still joins the all-reduces.
 
-With `gradient_as_bucket_view=True` each `.grad` *is* its bucket slot, so the averaged gradient
-needs no copy back (and, with `zero_grad(set_to_none=False)`, backward accumulates straight into
-the bucket). Only slots that got no gradient are zeroed before a launch, not whole buffers.
-
+With `gradient_as_bucket_view=True` each `.grad` *is* its bucket slot: no copy back (and with
+`zero_grad(set_to_none=False)` backward accumulates straight into the bucket).
 `compress="bf16"` (or "fp16") all-reduces a half-precision copy of each bucket -- half the bytes,
-and the sum is taken in that precision, as torch's bf16_compress_hook does -- then copies the
-result back into the fp32 bucket (bench_ddp.py measures its effect on the weights).
+the sum in that precision, as torch's bf16_compress_hook (bench_ddp.py measures the effect).
 
 `no_sync()` skips the communication (gradient accumulation); gradients keep accumulating in
 `.grad` and the next synchronised backward averages the accumulated sum.
@@ -46,6 +45,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .checks import describe_parameters
 from .context import gpc
+from .nest import map_tensors
 
 
 class _Bucket:
@@ -121,8 +121,7 @@ class DistributedDataParallel(nn.Module):
         self.world_size = dist.get_world_size(self.process_group)
         self.src_rank = dist.get_global_rank(self.process_group, 0)
         self.broadcast_buffers = broadcast_buffers
-        # .grad *is* the bucket slot: no copy back
-        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.gradient_as_bucket_view = gradient_as_bucket_view  # .grad *is* its bucket slot
         # all-reduce a half-precision copy of each bucket: half the bytes, a half-precision sum
         self.wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compress)
         self.require_sync = True
@@ -175,17 +174,24 @@ class DistributedDataParallel(nn.Module):
 
     # -- forward / backward ---------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        # Only a training step syncs buffers: evaluation may run a different number of batches
-        # on each rank (uneven shards), and a broadcast there has no partner. (torch's DDP looks
-        # at grad mode alone, so an eval loop without no_grad hangs there; here it does not.)
+        # only a training step syncs buffers: uneven evaluation shards would leave a broadcast
+        # without partner (torch's DDP looks at grad mode alone: an eval without no_grad hangs)
         if self.broadcast_buffers and self.training and torch.is_grad_enabled() \
                 and self.require_sync:
             self.sync_buffers()
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():  # the all-reduce even if no parameter here gets a gradient
+            map_tensors(lambda t: t.register_hook(self._queue_finish) if t.requires_grad else t,
+                        out)  # (a stage whose samples all skipped its layers: the others wait)
+        return out
+
+    def _queue_finish(self, *_) -> None:
+        if self.require_sync and not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._callback_queued = True
 
     def train(self, mode: bool = True) -> "DistributedDataParallel":
-        # Leaving training: the last step moved each replica's BatchNorm statistics locally;
-        # give all of them rank 0's, so every rank evaluates the same model.
+        # leaving training: every replica evaluates with rank 0's BatchNorm statistics
         if self.training and not mode and self.broadcast_buffers:
             self.sync_buffers()
         return super().train(mode)
@@ -197,8 +203,7 @@ class DistributedDataParallel(nn.Module):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside only accumulate local gradients; the next one outside averages
-        them."""
+        """Backward passes inside only accumulate; the next one outside averages the sum."""
         previous, self.require_sync = self.require_sync, False
         try:
             yield
@@ -208,9 +213,7 @@ class DistributedDataParallel(nn.Module):
     def _grad_ready(self, param: nn.Parameter) -> None:
         if not self.require_sync:
             return
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._callback_queued = True
+        self._queue_finish()
         bucket, i = self._where[param]
         self._write_slot(bucket, i)
         bucket.filled[i] = True

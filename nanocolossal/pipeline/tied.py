@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -54,8 +55,14 @@ def tie_across_stages(layers: nn.Sequential, starts: Sequence[int], sizes: Seque
 
 
 def sum_tied_gradients(tied: Tied) -> None:
-    """Each copy's gradient becomes the sum over the stages that hold one (after backward)."""
+    """Each copy's gradient becomes the sum over the stages that hold one (after backward). A
+    weight no stage computed a gradient for this step keeps none, as in one process: zeros would
+    let momentum and weight decay move it. (A flag first, so a used weight is summed in place.)"""
     for param, group in tied:
-        if param.grad is None:  # unused here this step: its share is zero
+        anyone = torch.tensor([param.grad is not None], dtype=torch.float32, device=param.device)
+        dist.all_reduce(anyone, group=group)
+        if not anyone.item():
+            continue
+        if param.grad is None:  # unused on this stage: its share is zero
             param.grad = param.detach().new_zeros(param.shape)
         dist.all_reduce(param.grad, group=group)

@@ -186,14 +186,17 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         if self.level == 1:
             return sum_tied_gradients(tied)
         for param, group in tied:
-            whole = torch.zeros(param.numel(), dtype=param.dtype, device=param.device)
-            for s in self.segments_of[param]:
+            segments = self.segments_of.get(param, [])  # none: this optimizer does not step it
+            # the last element counts the pieces that have a gradient: none anywhere, none kept
+            whole = torch.zeros(param.numel() + 1, dtype=param.dtype, device=param.device)
+            for s in segments:
                 if self.home(s).grad is not None:
                     whole[s.lo:s.hi] = self.home(s).grad
+                    whole[-1] = 1
             dist.all_reduce(whole, group=self.group)
             dist.all_reduce(whole, group=group)
-            for s in self.segments_of[param]:
-                self.home(s).grad = whole[s.lo:s.hi].clone()
+            for s in segments:
+                self.home(s).grad = whole[s.lo:s.hi].clone() if whole[-1] else None
 
     def _collect_grads(self) -> None:
         """Level 1: my pieces of the gradients DDP averaged (views: no copy). A parameter no
