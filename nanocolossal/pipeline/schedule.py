@@ -92,7 +92,7 @@ class _Schedule:
                               forward_only: bool = False, return_loss: bool = True,
                               loss_scale: float = 1.0, moe_aux_weight: float = 0.0):
         """Run one batch through the pipeline -> (output, label, loss); see the module docstring."""
-        P, M, V = gpc.pipeline_size, self.num_microbatches, self.num_chunks
+        M, V = self.num_microbatches, self.num_chunks
         _check(self.name, M, V)
         chunks = list(model) if isinstance(model, (nn.ModuleList, list, tuple)) else [model]
         if len(chunks) != V:
@@ -126,11 +126,10 @@ class _Schedule:
         self._comm.flush(f"the end of a {self.name} batch")
         self.max_in_flight = run.max_in_flight
 
-        if P > 1:  # every stage learns the loss (for logging and LossHook); the others add 0
-            dist.all_reduce(run.total_loss, group=gpc.pipeline_group)  # or their MoE aux
+        loss = run.reported_loss()
         if not any(run.is_last):
-            return None, None, run.total_loss
-        return torch.cat(run.outputs), labels, run.total_loss
+            return None, None, loss
+        return torch.cat(run.outputs), labels, loss
 
 
 def _label(step, V: int) -> str:
@@ -162,9 +161,10 @@ class _Run:
         self.inbox: dict[Transfer, torch.Tensor] = {}
         self.no_grad: set[Transfer] = set()  # gradients of integer activations: never sent
         self.outputs: list[torch.Tensor] = []
-        # float64: a float64 model's loss keeps its digits, and every stage adds in the same
-        # dtype (the stages' sum is one all-reduce, whatever each stage's model holds)
+        # summed in float64 (a float64 model's loss keeps its digits; every stage adds in the
+        # same dtype), reported in the criterion's dtype, as one process reports it
         self.total_loss = torch.zeros((), device=gpc.device, dtype=torch.float64)
+        self.loss_dtype: Optional[torch.dtype] = None  # known on the last stage only
         self.max_in_flight = 0
 
     def forward(self, step: Compute) -> None:
@@ -187,6 +187,7 @@ class _Run:
                     # weighted by its share of the batch: the
                     # sum over micro-batches is the batch mean
                     loss = self.criterion(output, self.y_mb[m]) * self.share[m]
+                    self.loss_dtype = loss.dtype
                     self.total_loss += loss.detach()
                     loss, aux = (loss if aux is None else loss + aux), None
                 backward_from = loss
@@ -202,6 +203,16 @@ class _Run:
         if not self.forward_only:
             self.held[(c, m)] = (x, backward_from, aux)
             self.max_in_flight = max(self.max_in_flight, len(self.held))
+
+    def reported_loss(self) -> torch.Tensor:
+        """The batch's loss on every stage (for logging and LossHook): the stages' sum (the
+        others add 0, or their MoE aux), with the last stage's dtype riding along as a code."""
+        dtypes = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16)
+        both = torch.stack([self.total_loss, self.total_loss.new_tensor(
+            float(dtypes.index(self.loss_dtype)))])
+        if self.P > 1:
+            dist.all_reduce(both, group=gpc.pipeline_group)
+        return both[0].to(dtypes[int(both[1])] or torch.get_default_dtype())
 
     def backward(self, step: Compute, index: int) -> None:
         c, m, v = step.chunk, step.mb, virtual_stage(step.chunk, gpc.pipeline_rank, self.P)
