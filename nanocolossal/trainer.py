@@ -17,7 +17,8 @@ the loop's position is a Progress (progress.py), the same one the scripts' own l
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+import itertools
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from tqdm import tqdm
@@ -121,7 +122,8 @@ class Trainer:
         self.engine.train()
         self._call("before_train_epoch")
         self.timer.start("train-epoch")
-        bar = self._bar(self.progress.batches(loader), f"epoch {self.cur_epoch + 1}/{epochs}", show,
+        bar = self._bar(self._read_groups_ahead(self.progress.batches(loader), loader),
+                        f"epoch {self.cur_epoch + 1}/{epochs}", show,
                         self.progress.remaining(loader))
         stopped = False
         for batch in bar:
@@ -147,6 +149,22 @@ class Trainer:
         )
         self._call("after_train_epoch")
         return stopped
+
+    def _read_groups_ahead(self, batches: Iterable, loader: Iterable) -> Iterator:
+        """Gradient accumulation: read each group's batches before its first backward, so the
+        engine counts their targets first and every micro-step's mean weighs its share of them
+        (loss_weights.py). A group carried over from the last epoch (a loader without a length
+        ends an epoch mid-group) runs as it is, weighing 1 / N."""
+        n, batches = self.engine.gradient_accumulation, iter(batches)
+        for batch in batches:
+            if n == 1 or self.engine.accumulating:
+                yield batch
+                continue
+            group = [batch, *itertools.islice(batches, n - 1)]
+            labelled = all(isinstance(b, (list, tuple)) and len(b) > 1 for b in group)
+            if labelled and (len(group) == n or hasattr(loader, "__len__")):  # the group ends here
+                self.engine.count_targets([b[1] for b in group])
+            yield from group
 
     @torch.no_grad()
     def _test_epoch(self, loader: Iterable, show: bool) -> None:

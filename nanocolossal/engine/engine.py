@@ -20,6 +20,11 @@ live only in memory: the Trainer stops and checkpoints only between groups), and
 before an epoch's last batch, so every epoch ends with a step, whatever its length (a shorter
 last group still divides by N, as Hugging Face Accelerate does).
 
+Mean losses over counted targets (padding, class weights; loss_weights.py): `engine.criterion`
+weighs this rank's mean by its share of the targets counted on all data ranks, so ranks with
+more padding do not weigh more per token; `engine.count_targets(labels)` before a group does
+the same over its micro-steps (the Trainer calls it before each group).
+
 Clipping (clip_grad_norm): the global norm of the unscaled gradients -- after DDP's average every
 data-parallel rank holds the same gradients, and ranks holding *other* parameters (pipeline
 stages, tensor shards, MoE experts) add their squares once.
@@ -34,7 +39,7 @@ through its schedule (`execute_schedule`), one optimizer step per batch.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -43,6 +48,7 @@ from ..amp import MixedPrecisionOptimizer
 from ..context import gpc
 from ..ddp import DistributedDataParallel, broadcast_buffers
 from ..gradient_handler import DataParallelGradientHandler
+from ..loss_weights import counts_targets, piece_weights, target_counts, total_count, weigh
 from ..moe import moe_aux_loss
 from ..nest import map_tensors
 from ..pipeline.tied import sum_tied_gradients
@@ -74,6 +80,8 @@ class Engine:
         self.last_grad_norm: Optional[float] = None
         self._micro = 0  # backward calls since the last real step
         self._closing = False  # close_group(): the current group ends at the next backward
+        self._group_count = None  # W of the running group, from count_targets (loss_weights.py)
+        self._group_len = 0  # and its number of micro-steps
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward_module(*_to_device(args), **_to_device(kwargs))
@@ -82,11 +90,51 @@ class Engine:
         if self._criterion is None:
             raise RuntimeError(f"[rank {gpc.rank}] no criterion: "
                                "pass one to nanocolossal.initialize")
-        loss = self._criterion(output, _to_device(label))
+        label = _to_device(label)
+        loss = self._criterion(output, label)
+        if self._weighs_pieces():  # the ranks' means weighted by their counted targets
+            loss = self._weigh(loss, label)
         if self.moe_aux_weight and self.forward_module.training:
             # every rank adds it: its backward all-reduces over the data ranks (moe/balance.py)
             loss = loss + self.moe_aux_weight * moe_aux_loss(self.model).to(loss.dtype)
         return loss
+
+    def _weighs_pieces(self) -> bool:
+        """Training with a mean over counted targets (loss_weights.py) and more than one rank
+        averaging gradients. Not in evaluation: ranks may run different numbers of batches there,
+        and an all-reduce would wait for a partner."""
+        return ((gpc.gradient_size > 1 or self._group_count is not None)
+                and counts_targets(self._criterion)
+                and self.forward_module.training and torch.is_grad_enabled())
+
+    def _weigh(self, loss: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        """This rank's mean x W_p G / W (loss_weights.py), W this micro-step's count on all data
+        ranks: their average is the micro-step's mean. In a counted group the gradient is the
+        share of the group's count instead, k / N of it for a group of k (backward divides by N):
+        the value stays the micro-step's, for logging (x + (y - y.detach()) is x, with y's
+        gradient)."""
+        count = target_counts(self._criterion, [label])
+        spans = getattr(self._criterion, "spans_sequence", False)
+        step = weigh(loss, piece_weights(count, spans)[0], count[0])
+        if self._group_count is None:
+            return step
+        group = weigh(loss, piece_weights(count, spans, self._group_count)[0] * self._group_len,
+                      count[0])
+        return step.detach() + (group - group.detach())
+
+    def count_targets(self, labels: Sequence[Any]) -> None:
+        """The labels of the accumulation group about to run, one per micro-step (the Trainer
+        passes them, reading the group's batches ahead): their targets counted over the group and
+        the data ranks (one all-reduce) make each micro-step's mean weigh its share of them --
+        exact with padding spread unevenly over micro-steps. Call it between groups."""
+        if self.accumulating or len(labels) > self.gradient_accumulation:
+            raise RuntimeError(f"[rank {gpc.rank}] engine.count_targets takes the labels of one "
+                               f"whole group (at most gradient_accumulation="
+                               f"{self.gradient_accumulation}, got {len(labels)}): call it "
+                               f"before the group's first backward")
+        if self.gradient_accumulation > 1 and counts_targets(self._criterion):
+            counts = target_counts(self._criterion, [_to_device(y) for y in labels])
+            self._group_count, self._group_len = total_count(counts), len(labels)
 
     def train(self) -> None:
         self.forward_module.train()
@@ -132,7 +180,7 @@ class Engine:
         taken."""
         if not self._group_ends():
             return False
-        self._micro, self._closing = 0, False
+        self._micro, self._closing, self._group_count = 0, False, None
         self.reduce_gradients()
         if self.clip_grad_norm:
             # ranks holding *other* parameters (pipeline stages, tensor shards) add their squares

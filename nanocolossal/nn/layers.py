@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..context import gpc
+from ..loss_weights import counted_targets
 from ..tensor import layers_1d, layers_2d
 from ..tensor.base import PatchEmbedding as _PlainPatchEmbedding
 from ..tensor.base import check_tied_shape, sharded_dropout
@@ -152,8 +153,13 @@ class TokenCrossEntropyLoss(nn.CrossEntropyLoss):
             reduction = "mean" if reduction else "none"
         super().__init__(reduction=reduction, **kwargs)
 
+    @property
+    def spans_sequence(self) -> bool:
+        """Is a mean over the sequence group's targets (loss_weights.py: a piece is the group)?"""
+        return gpc.sequence_size > 1 and self.reduction != "none"
+
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if gpc.sequence_size > 1 and self.reduction != "none":
+        if self.spans_sequence:
             return self._sequence_share(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
         loss = super().forward(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
         return loss.reshape(target.shape) if self.reduction == "none" else loss
@@ -168,9 +174,7 @@ class TokenCrossEntropyLoss(nn.CrossEntropyLoss):
                                  reduction="none", label_smoothing=self.label_smoothing)
         if self.reduction == "sum":
             return losses.sum() * n
-        valid = target != self.ignore_index
-        count = (valid.to(losses.dtype) if self.weight is None else
-                 self.weight[target.where(valid, 0)] * valid).sum().detach()
+        count = counted_targets(target, self.ignore_index, self.weight).to(losses.dtype)
         dist.all_reduce(count, group=gpc.sequence_group)
         return losses.sum() * n / count
 

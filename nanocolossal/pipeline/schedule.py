@@ -33,6 +33,7 @@ from torch import nn
 
 from ..context import gpc
 from ..ddp import DistributedDataParallel
+from ..loss_weights import counts_targets, piece_weights, target_counts, weigh
 from .moe_aux import backward_output_and_aux, chunk_aux_loss
 from .p2p import StageComm
 from .plan import (
@@ -151,6 +152,11 @@ class _Run:
         n = sum(len(y) for y in y_mb)
         self.share = [len(y) / n for y in y_mb]
         self.is_last = [virtual_stage(c, gpc.pipeline_rank, P) == P * V - 1 for c in range(V)]
+        # training a mean over counted targets: micro-batch m weighs W_m G / W, not n_m / n
+        self.counts = self.weights = None
+        if any(self.is_last) and not forward_only and counts_targets(criterion):
+            self.counts = target_counts(criterion, y_mb)
+            self.weights = piece_weights(self.counts, getattr(criterion, "spans_sequence", False))
         self.plan = schedule.plan(forward_only=forward_only)
         self.last_backward = {
             s.chunk: i for i, s in enumerate(self.plan) if isinstance(s, Compute) and s.kind == "B"
@@ -186,7 +192,9 @@ class _Run:
                 if self.criterion is not None:
                     # weighted by its share of the batch: the
                     # sum over micro-batches is the batch mean
-                    loss = self.criterion(output, self.y_mb[m]) * self.share[m]
+                    loss = self.criterion(output, self.y_mb[m])
+                    loss = (loss * self.share[m] if self.counts is None else
+                            weigh(loss, self.weights[m], self.counts[m]))  # loss_weights.py
                     self.loss_dtype = loss.dtype
                     self.total_loss += loss.detach()
                     loss, aux = (loss if aux is None else loss + aux), None

@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..context import gpc
+from ..loss_weights import counted_targets
 from .base import PatchEmbedding, add_bias, check_divisible, embed_patches, keep_slice, tied
 from .comm import copy_to, group_sum, reduce_from, split
 from .summa import summa_matmul
@@ -213,9 +214,4 @@ class CrossEntropyLoss2D(nn.Module):
 
     def _count(self, target: torch.Tensor) -> torch.Tensor:
         """The mean's denominator, as F.cross_entropy's, from the whole batch's labels."""
-        if target.is_floating_point():  # class probabilities: every sample (and position) counts
-            return torch.tensor(target.numel() / target.shape[1])
-        counted = target != self.ignore_index
-        if self.weight is None:
-            return counted.sum()
-        return (self.weight.to(target.device)[target.masked_fill(~counted, 0)] * counted).sum()
+        return counted_targets(target, self.ignore_index, self.weight)

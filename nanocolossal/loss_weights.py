@@ -1,0 +1,106 @@
+"""A mean loss cut into pieces: weigh each piece by the targets it counts, not by its samples.
+
+One process on the whole batch computes a cross entropy's mean as torch does:
+
+    loss = S / W,   S = sum_t w_t l_t,   W = sum_t w_t
+
+where w_t is 0 for a target equal to `ignore_index` (padding, a masked prompt) and the class
+weight (1 without `weight=`) otherwise. Distributed training cuts the batch into pieces p -- data
+ranks, pipeline micro-batches -- and each piece's criterion returns its own mean S_p / W_p. The
+naive way to put them together weighs each piece by its share of the *samples*:
+
+    sum_p (n_p / n) * S_p / W_p           (DDP's average over ranks, a micro-batch's n_m / n)
+
+That is S / W only when every piece counts targets in proportion to its samples. With padding
+spread unevenly it is not: a rank holding 3 real tokens weighs as much as one holding 300, and
+each of its 3 tokens 100 times more than one process would (Hugging Face's gradient accumulation
+bug of 2024 was this one). Exact: weigh each piece by its share of the counted targets,
+
+    sum_p (W_p / W) * S_p / W_p  =  sum_p S_p / W  =  S / W.
+
+W is known before any backward, at the price of one all-reduce of a number: the counts come from
+the labels alone. The engine (and a pipeline's last stage) multiplies each piece's loss by
+
+    weight_p = W_p * G / W
+
+where G is the number of pieces an average divides by (the G ranks DDP averages over; a
+pipeline's micro-batches are summed, so there G counts ranks and weight_m = W_m * G / W). When
+every piece counts in proportion to its samples the weight is the sample share exactly (integers
+divided in float64), so nothing moves by a bit. A piece that counts nothing (all padding) adds 0
+and no gradient, where its own mean would be NaN.
+
+Who counts: criteria whose mean divides by counted targets -- torch's CrossEntropyLoss and
+NLLLoss, the vocab-parallel and 2d losses. Any other criterion (MSELoss, your own) is weighted
+by samples, as before. Under sequence parallelism the token loss already divides by its whole
+sequences' count (nn/layers.py), so there a piece is a sequence group, not a rank.
+
+Gradient accumulation makes the N micro-steps of a group pieces too, but the engine meets them
+one at a time and cannot count the targets of those it has not seen. So the Trainer reads each
+group's batches ahead and hands their labels to `engine.count_targets` (one all-reduce per
+group); then micro-step i's gradient weighs W_i * G * k / W for a group of k (backward's 1 / N
+undone, but for k / N: an epoch's short last group weighs k / N of its mean, as without counts).
+A loop of your own does the same by calling it before each group; without it each micro-step
+weighs 1 / N, as Accelerate does unless told the group's count.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .context import gpc
+
+
+def counted_targets(target: torch.Tensor, ignore_index: int = -100,
+                    weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W: the denominator of F.cross_entropy's mean -- targets not ignored, or the sum of their
+    class weights; class probabilities (float targets) count every sample and position."""
+    if target.is_floating_point():
+        return torch.tensor(float(target.numel() // target.shape[1] if target.dim() > 1 else 1))
+    counted = target != ignore_index
+    if weight is None:
+        return counted.sum()
+    return (weight.to(target.device)[target.masked_fill(~counted, 0)] * counted).sum()
+
+
+def counts_targets(criterion: Any) -> bool:
+    """Does this criterion's mean divide by counted targets (so its pieces need weights)?"""
+    return getattr(criterion, "reduction", None) in ("mean", True) \
+        and hasattr(criterion, "ignore_index")
+
+
+def target_counts(criterion: Any, targets: Sequence[torch.Tensor]) -> torch.Tensor:
+    """W_p for each piece's targets (float64: integer counts stay exact)."""
+    weight = getattr(criterion, "weight", None)
+    return torch.stack([counted_targets(t, criterion.ignore_index, weight).to(torch.float64)
+                        for t in targets]).to(gpc.device)
+
+
+def total_count(counts: torch.Tensor) -> torch.Tensor:
+    """W: the counts summed over this rank's pieces and the ranks that average gradients
+    (gpc.gradient_group): one all-reduce of one number."""
+    total = counts.sum()
+    if gpc.gradient_size > 1:
+        dist.all_reduce(total, group=gpc.gradient_group)
+    return total
+
+
+def piece_weights(counts: torch.Tensor, spans_sequence: bool = False,
+                  total: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """weight_p = W_p * G / W for this rank's pieces; W counted now, unless given (an
+    accumulation group's, counted ahead). A piece spanning a sequence group counts the group's."""
+    total = total_count(counts) if total is None else total
+    ranks = gpc.gradient_size
+    if spans_sequence:  # the criterion's mean is already over the sequence group's targets
+        counts = counts.clone()
+        dist.all_reduce(counts, group=gpc.sequence_group)
+        ranks //= gpc.sequence_size
+    return counts * ranks / total
+
+
+def weigh(loss: torch.Tensor, weight: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """loss * weight; a piece that counts nothing gives 0 and no gradient (its mean is NaN),
+    unless nothing counts anywhere (then NaN, as one process's mean)."""
+    weight = weight.to(loss.dtype)
+    return torch.where(count > 0, loss * weight, weight * 0)
