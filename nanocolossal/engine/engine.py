@@ -105,7 +105,8 @@ class Engine:
         and an all-reduce would wait for a partner."""
         return ((gpc.gradient_size > 1 or self._group_count is not None)
                 and counts_targets(self._criterion)
-                and self.forward_module.training and torch.is_grad_enabled())
+                and self.forward_module.training and self.model.training  # either may say eval
+                and torch.is_grad_enabled())
 
     def _weigh(self, loss: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
         """This rank's mean x W_p G / W (loss_weights.py), W this micro-step's count on all data
