@@ -121,6 +121,17 @@ def _check_evaluation_batches(counts: list, model: nn.Module) -> None:
             f"DistributedSampler(pad=True) or drop_last=True")
 
 
+def peer_failed(what: str, group: Any, error: Exception) -> RuntimeError:
+    """The error for a collective of a data-parallel group that failed: which one, and where to
+    look (the peer that stopped has the first error)."""
+    return RuntimeError(
+        f"[rank {gpc.rank}] {what} failed "
+        f"({str(error).splitlines()[0] if str(error) else type(error).__name__}): another rank "
+        f"of data-parallel group {dist.get_process_group_ranks(group)} stopped, crashed or fell "
+        f"more than {gpc.timeout.total_seconds():.0f} s behind; look for the first error on the "
+        f"other ranks")
+
+
 def debug_barrier(where: str) -> None:
     """With config debug=True: a barrier that names the ranks that did not arrive (gloo)."""
     if not (gpc.is_initialized and gpc.world_size > 1 and gpc.config.get("debug")):

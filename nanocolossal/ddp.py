@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .checks import describe_parameters
+from .checks import describe_parameters, peer_failed
 from .context import gpc
 from .nest import map_tensors
 
@@ -252,14 +252,8 @@ class DistributedDataParallel(nn.Module):
             self._write_slot(bucket, i)
 
     def _fail(self, bucket: _Bucket, error: Exception) -> None:
-        ranks = dist.get_process_group_ranks(self.process_group)
-        raise RuntimeError(
-            f"[rank {gpc.rank}] DDP gradient all-reduce of bucket "
-            f"{self.buckets.index(bucket) + 1} of {len(self.buckets)} failed "
-            f"({str(error).splitlines()[0] if str(error) else type(error).__name__}): "
-            f"another rank of data-parallel group {ranks} stopped, crashed "
-            f"or fell more than {gpc.timeout.total_seconds():.0f} s behind; "
-            "look for the first error on the other ranks") from error
+        raise peer_failed(f"DDP gradient all-reduce of bucket {self.buckets.index(bucket) + 1} "
+                          f"of {len(self.buckets)}", self.process_group, error) from error
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):

@@ -49,6 +49,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .checks import peer_failed
 from .context import gpc
 
 
@@ -82,8 +83,23 @@ def total_count(counts: torch.Tensor) -> torch.Tensor:
     (gpc.gradient_group): one all-reduce of one number."""
     total = counts.sum()
     if gpc.gradient_size > 1:
-        dist.all_reduce(total, group=gpc.gradient_group)
+        _debug_check()
+        try:
+            dist.all_reduce(total, group=gpc.gradient_group)
+        except RuntimeError as e:  # a peer stopped: say which collective, and where to look
+            raise peer_failed("the all-reduce of the loss's target count (loss_weights.py)",
+                              gpc.gradient_group, e) from e
     return total
+
+
+def _debug_check() -> None:
+    """debug=True: every data rank is here, not in another collective (ZeRO 3 checks its gathers
+    the same way, so a unit only some ranks run is named instead of mis-paired collectives)."""
+    from .zero.comm import same_everywhere  # (here: zero/ imports the tensor layers, which use us)
+    if gpc.config.get("debug") and not same_everywhere(-1, gpc.gradient_group, gpc.device):
+        raise RuntimeError(f"[rank {gpc.rank}] the loss's target count (loss_weights.py) is "
+                           f"all-reduced here while another data rank runs another collective: "
+                           f"every data rank must call engine.criterion alike")
 
 
 def piece_weights(counts: torch.Tensor, spans_sequence: bool = False,

@@ -8,6 +8,7 @@ import pytest
 import torch
 from dist_helpers import run_ranks
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import nanocolossal as nc
@@ -23,13 +24,19 @@ def _layers():
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
-def _engine(config, rank, world_size, port, pipeline=False):
+def _engine(config, rank, world_size, port, pipeline=False, criterion=None):
     nc.launch({"timeout": TIMEOUT, **config}, rank=rank, world_size=world_size, host="127.0.0.1",
               port=port)
     model = build_pipeline_model(_layers(), partition="uniform") if pipeline else _layers()
     engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                               nn.CrossEntropyLoss(), verbose=False)
+                               criterion or nn.CrossEntropyLoss(), verbose=False)
     return engine
+
+
+def _plain_cross_entropy(output, label):
+    """A criterion the engine does not count targets for (no ignore_index): no collective of its
+    own, so DDP's bucket all-reduce is a step's first."""
+    return F.cross_entropy(output, label)
 
 
 def _data(n):
@@ -89,9 +96,9 @@ def test_comparable_config_values():
     assert comparable(len) != comparable(_transform)
 
 
-def _kill_worker(rank, world_size, port, pipeline):
+def _kill_worker(rank, world_size, port, pipeline, criterion=None):
     config = {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2} if pipeline else {}
-    engine = _engine(config, rank, world_size, port, pipeline)
+    engine = _engine(config, rank, world_size, port, pipeline, criterion)
     x, y = _data(8).tensors
     start = time.monotonic()
     try:
@@ -108,16 +115,21 @@ def _kill_worker(rank, world_size, port, pipeline):
         raise RuntimeError(f"{e} [after {time.monotonic() - start:.1f} s]") from e
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["ddp", "pipeline"])
-def test_gloo_killed_rank_makes_the_survivor_fail_clearly_and_quickly(pipeline):
+@pytest.mark.parametrize("case", ["ddp", "ddp-uncounted", "pipeline"])
+def test_gloo_killed_rank_makes_the_survivor_fail_clearly_and_quickly(case):
     with pytest.raises(AssertionError) as info:  # both ranks fail; the report holds both stories
-        run_ranks(_kill_worker, 2, pipeline, timeout=60, grace=TIMEOUT + 15)
+        run_ranks(_kill_worker, 2, case == "pipeline",
+                  _plain_cross_entropy if case == "ddp-uncounted" else None,
+                  timeout=60, grace=TIMEOUT + 15)
     report = str(info.value)
     assert "--- rank 1: died with exit code -9" in report
-    if pipeline:
+    if case == "pipeline":
         assert "[rank 0] pipeline transfer with rank(s) [1] failed at 1f1b step" in report
-    else:
-        assert "[rank 0] DDP gradient all-reduce of bucket 1 of 1 failed" in report
+    else:  # a step's first collective: the count of the loss's targets (loss_weights.py), or
+        assert {"ddp": "[rank 0] the all-reduce of the loss's target count (loss_weights.py) "
+                       "failed",  # for a criterion that counts none, DDP's
+                "ddp-uncounted": "[rank 0] DDP gradient all-reduce of bucket 1 of 1 failed"
+                }[case] in report
         assert "data-parallel group [0, 1]" in report
     seconds = float(re.search(r"\[after ([0-9.]+) s\]", report).group(1))
     assert seconds < TIMEOUT + 10, f"the survivor took {seconds} s to notice"

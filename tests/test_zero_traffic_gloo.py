@@ -14,6 +14,8 @@ so two flat buffers, each padded to a multiple of N (level 3: two per unit a, b,
                                                  flags 0, so every rank issues the same calls)
                           + 2                   (before the step: the units' order, the same on
                                                  every rank? zero/unit_order.py)
+    every level: all-reduce + 1                 (the cross entropy's targets counted over the
+                                                 data ranks: loss_weights.py)
 
 Level 3 prefetches, as each unit starts its forward, the unit that followed it in the previous
 forward: on an odd step `side` (used the step before, skipped now) is gathered for nothing --
@@ -51,15 +53,15 @@ def expected(level, N, used, previous=()):
     a step that ran `previous`."""
     psi, P = sum(p.numel() for p in Net().parameters()), len(list(Net().parameters()))
     if level == 0:
-        return {"all_reduce": psi + P}
+        return {"all_reduce": psi + P + 1}
     if level in (1, 2):
         whole = sum(_padded(sum(_numel(u, g) for u in UNITS), N) for g in GROUPS)
-        return {"all_reduce": psi + P, "broadcast": whole}
+        return {"all_reduce": psi + P + 1, "broadcast": whole}
     prefetched = {previous[previous.index(u) + 1] for u in used if u in previous[:-1]}
     forward = sum(_padded(_numel(u, g), N) for u in {*used, *prefetched} for g in GROUPS)
     backward = sum(_padded(_numel(u, g), N) for u in used for g in GROUPS)
     every = sum(_padded(_numel(u, g), N) for u in UNITS for g in GROUPS)
-    return {"broadcast": forward + backward, "all_reduce": every + P + 2}
+    return {"broadcast": forward + backward, "all_reduce": every + P + 2 + 1}
 
 
 def _worker(rank, world_size, port, level):
