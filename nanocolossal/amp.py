@@ -113,6 +113,8 @@ class MixedPrecisionOptimizer:
         self._unscaled, self._found_inf = False, False
         self.last_step_skipped = False
         self.skipped_steps = 0
+        # G where the engine weighs a counted loss over G ranks: see backward_scale
+        self.loss_shares = 1
 
     @property
     def param_groups(self) -> list[dict]:
@@ -121,6 +123,14 @@ class MixedPrecisionOptimizer:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def backward_scale(self) -> float:
+        """What backward multiplies the loss by, and unscale_ divides by: the loss scale, over G
+        where each rank's counted loss carries G x its share (loss_weights.py). A token's half
+        gradient is then one process's size, where G x would overflow at a scale one process
+        survives."""
+        return self.loss_scale / self.loss_shares if self.scaler is not None else 1.0
 
     def master_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """O2's (half model parameter, fp32 master) pairs; empty otherwise."""
@@ -138,7 +148,7 @@ class MixedPrecisionOptimizer:
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is not None:
-            loss = loss * self.scaler.scale
+            loss = loss * self.backward_scale
         loss.backward()
 
     def unscale_(self) -> bool:
@@ -153,7 +163,7 @@ class MixedPrecisionOptimizer:
             master.grad = None if model_param.grad is None else model_param.grad.float()
         if self.check_finite:  # amp_scaler.py: the plain loop, then the fused kernel it uses
             grads = [p.grad for p in self.params() if p.grad is not None]
-            found = unscale_grads(grads, self.loss_scale)
+            found = unscale_grads(grads, self.backward_scale)
             # data, pipeline and tensor ranks skip together
             if gpc.is_initialized and gpc.world_size > 1:
                 found = found.to(gpc.device)
@@ -293,4 +303,4 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
 @contextmanager
 def scale_loss(loss: torch.Tensor, optimizer: MixedPrecisionOptimizer) -> Iterator[torch.Tensor]:
     """Yield loss * S for backward; gradients stay scaled until optimizer.step() / unscale_()."""
-    yield loss * optimizer.loss_scale
+    yield loss * optimizer.backward_scale

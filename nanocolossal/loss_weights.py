@@ -29,6 +29,11 @@ every piece counts in proportion to its samples the weight is the sample share e
 divided in float64), so nothing moves by a bit. A piece that counts nothing (all padding) adds 0
 and no gradient, where its own mean would be NaN.
 
+Half precision: a piece's weight reaches G when it holds most of the targets, so its half
+gradients would be up to G x one process's and overflow at a loss scale one process survives.
+The optimizer's backward therefore scales by loss_scale / G (and unscales by the same): per
+token, the half gradient is exactly one process's, S / W (amp.py: backward_scale).
+
 Who counts: criteria whose mean divides by counted targets -- torch's CrossEntropyLoss and
 NLLLoss, the vocab-parallel and 2d losses. Any other criterion (MSELoss, your own) is weighted
 by samples, as before. Under sequence parallelism the token loss already divides by its whole
@@ -100,6 +105,14 @@ def _debug_check() -> None:
         raise RuntimeError(f"[rank {gpc.rank}] the loss's target count (loss_weights.py) is "
                            f"all-reduced here while another data rank runs another collective: "
                            f"every data rank must call engine.criterion alike")
+
+
+def weighed_ranks(criterion: Any) -> int:
+    """G: the pieces the gradients' average divides by -- the ranks averaging gradients, or the
+    sequence groups among them where the criterion's mean spans one (nn/layers.py)."""
+    if getattr(criterion, "spans_sequence", False):
+        return gpc.gradient_size // gpc.sequence_size
+    return gpc.gradient_size
 
 
 def piece_weights(counts: torch.Tensor, spans_sequence: bool = False,

@@ -48,7 +48,14 @@ from ..amp import MixedPrecisionOptimizer
 from ..context import gpc
 from ..ddp import DistributedDataParallel, broadcast_buffers
 from ..gradient_handler import DataParallelGradientHandler
-from ..loss_weights import counts_targets, piece_weights, target_counts, total_count, weigh
+from ..loss_weights import (
+    counts_targets,
+    piece_weights,
+    target_counts,
+    total_count,
+    weigh,
+    weighed_ranks,
+)
 from ..moe import moe_aux_loss
 from ..nest import map_tensors
 from ..pipeline.tied import sum_tied_gradients
@@ -81,6 +88,8 @@ class Engine:
         self._micro = 0  # backward calls since the last real step
         self._closing = False  # close_group(): the current group ends at the next backward
         self._group_count = None  # W of the running group, from count_targets (loss_weights.py)
+        if counts_targets(criterion):  # fp16: the weights' G moves into the backward's scale
+            optimizer.loss_shares = weighed_ranks(criterion)
         self._group_len = 0  # and its number of micro-steps
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -278,7 +287,7 @@ class PipelineEngine(Engine):
             self._sync_buffers()
         output, label, loss = self.schedule.forward_backward_step(
             self.chunks, batch, self._criterion, forward_only, return_loss,
-            loss_scale=self.optimizer.loss_scale, moe_aux_weight=self.moe_aux_weight)
+            loss_scale=self.optimizer.backward_scale, moe_aux_weight=self.moe_aux_weight)
         if label is not None:  # the labels of each micro-batch's output, in order
             parts = label.tensor_split(self.schedule.num_microbatches)
             label = torch.cat([labels_of_output(part) for part in parts])
