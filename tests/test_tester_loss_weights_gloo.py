@@ -395,10 +395,7 @@ def test_gloo_amp_with_padding_spread_unevenly_equals_one_process(mode):
         assert run["took"] == ref["took"], (rank, run["took"], ref["took"])
         assert run["scales"] == ref["scales"], (rank, run["scales"], ref["scales"])
         assert run["losses"] == pytest.approx(ref["losses"], rel=tol), (rank, run["losses"])
-        bad = {k: ((v - ref["delta"][k]).abs().max().item(), ref["delta"][k].abs().max().item())
-               for k, v in run["delta"].items()
-               if not (v - ref["delta"][k]).abs().max() <= 10 * tol * ref["delta"][k].abs().max()
-               + 2 * ref["ulp"][k]}
+        bad = half_update_mismatches(run, ref, tol)
         assert not bad, (mode, rank, bad)
 
 
@@ -530,3 +527,12 @@ def test_gloo_trainer_accumulation_counts_each_group_ahead(world, config):
         assert not bad, bad
         assert run["metrics"]["train"]["loss"] == pytest.approx(
             same["metrics"]["train"]["loss"], rel=REL), (run["metrics"], same["metrics"])
+
+
+def half_update_mismatches(run, ref, tol):
+    """Parameters whose update differs from one process's by more than half precision allows
+    (10 x its relative tolerance, plus 2 ulps of the half weights): name -> (diff, size)."""
+    return {k: ((v - ref["delta"][k]).abs().max().item(), ref["delta"][k].abs().max().item())
+            for k, v in run["delta"].items()
+            if not (v - ref["delta"][k]).abs().max() <= 10 * tol * ref["delta"][k].abs().max()
+            + 2 * ref["ulp"][k]}
