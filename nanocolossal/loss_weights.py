@@ -128,6 +128,15 @@ def piece_weights(counts: torch.Tensor, spans_sequence: bool = False,
     return counts * ranks / total
 
 
+def batch_shares(counts: torch.Tensor, spans_sequence: bool = False) -> torch.Tensor:
+    """W_m / W over this rank's batch alone (evaluating a pipeline: ranks may run different
+    numbers of batches, so nothing crosses data ranks; a sequence group holds the same batch)."""
+    if spans_sequence:
+        counts = counts.clone()
+        dist.all_reduce(counts, group=gpc.sequence_group)
+    return counts / counts.sum()
+
+
 def weigh(loss: torch.Tensor, weight: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """loss * weight; a piece that counts nothing gives 0 and no gradient (its mean is NaN),
     unless nothing counts anywhere (then NaN, as one process's mean)."""

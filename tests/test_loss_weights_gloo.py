@@ -235,3 +235,37 @@ def test_gloo_count_targets_inside_a_group_or_for_more_than_one_is_a_clear_error
                              timeout=60):
         assert "[rank " in message and "one whole group" in message and \
             "before the group's first backward" in message, message
+
+
+# -- evaluating a pipeline: each batch's loss is its mean over counted targets -------------------
+
+def _eval_worker(rank, world_size, port, config):
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=60)
+    model = build_pipeline_model(_gpt(), num_chunks=config.get("NUM_CHUNKS", 1),
+                                 partition="uniform")
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               col_nn.VocabParallelCrossEntropyLoss(), verbose=False)
+    engine.eval()
+    n = GLOBAL // gpc.data_size
+    x, y = _tokens(0, "uneven")
+    batch = (x[gpc.data_rank * n:][:n], y[gpc.data_rank * n:][:n])
+    if gpc.sequence_size > 1:
+        batch = split_batch(batch, gpc.sequence_size, gpc.sequence_rank)
+    with torch.no_grad():
+        _, _, loss = engine.execute_schedule(batch, forward_only=True)
+    return nc.metrics.all_reduce_mean(loss.item())  # (a sequence rank's is its share x N)
+
+
+@pytest.mark.parametrize("case", ["pipe2-1f1b", "pipe2-data2-gpipe", "seq2-pipe2"])
+def test_gloo_pipeline_evaluation_reports_each_batchs_mean_over_counted_targets(case):
+    """forward_only: micro-batch m weighs W_m / W of this rank's batch (no collective over data
+    ranks, which may run different numbers of batches when evaluating): the loss is one
+    process's on that batch, not a mean of micro-batch means."""
+    x, y = _tokens(0, "uneven")
+    model, replicas = _gpt(), 2 if "data2" in case else 1
+    n = GLOBAL // replicas
+    with torch.no_grad():
+        want = [_lm_loss(model(x[lo:lo + n]), y[lo:lo + n]).item() for lo in range(0, GLOBAL, n)]
+    for rank, loss in enumerate(run_ranks(_eval_worker, WORLD.get(case, 4), LAYOUTS[case],
+                                          timeout=120)):
+        assert loss == pytest.approx(sum(want) / len(want), rel=REL), (case, rank, loss, want)

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..context import gpc
 from ..ddp import DistributedDataParallel
-from ..loss_weights import counts_targets, piece_weights, target_counts, weigh
+from ..loss_weights import batch_shares, counts_targets, piece_weights, target_counts, weigh
 from .moe_aux import backward_output_and_aux, chunk_aux_loss
 from .p2p import StageComm
 from .plan import (
@@ -152,11 +152,14 @@ class _Run:
         n = sum(len(y) for y in y_mb)
         self.share = [len(y) / n for y in y_mb]
         self.is_last = [virtual_stage(c, gpc.pipeline_rank, P) == P * V - 1 for c in range(V)]
-        # training a mean over counted targets: micro-batch m weighs W_m G / W, not n_m / n
+        # a mean over counted targets: micro-batch m weighs W_m G / W, not n_m / n (evaluating:
+        # W_m / W over this batch alone -- ranks may run different numbers of batches there)
         self.counts = self.weights = None
-        if any(self.is_last) and not forward_only and counts_targets(criterion):
+        if any(self.is_last) and counts_targets(criterion):
+            spans = getattr(criterion, "spans_sequence", False)
             self.counts = target_counts(criterion, y_mb)
-            self.weights = piece_weights(self.counts, getattr(criterion, "spans_sequence", False))
+            self.weights = (batch_shares(self.counts, spans) if forward_only else
+                            piece_weights(self.counts, spans))
         self.plan = schedule.plan(forward_only=forward_only)
         self.last_backward = {
             s.chunk: i for i, s in enumerate(self.plan) if isinstance(s, Compute) and s.kind == "B"
