@@ -46,6 +46,9 @@ group); then micro-step i's gradient weighs W_i * G * k / W for a group of k (ba
 undone, but for k / N: an epoch's short last group weighs k / N of its mean, as without counts).
 A loop of your own does the same by calling it before each group; without it each micro-step
 weighs 1 / N, as Accelerate does unless told the group's count.
+
+Evaluation communicates nothing (ranks may run different numbers of batches): each rank's loss
+is its batch's own mean -- a pipeline's micro-batches weigh W_m / W within the batch.
 """
 from __future__ import annotations
 
