@@ -62,8 +62,9 @@ agrees exactly.
 
 Traffic: the elements each of our variants hands to collectives in one step are counted
 (nanocolossal.traffic) and turned into what a ring sends per rank, in units of Psi (N-1)/N: the
-ZeRO paper's 2 for DDP, 3 for levels 1 and 2 here (gloo: the reduce-scatter is an all-reduce;
-a true one would make level 2 a 2), 4 for level 3 (3 with a reduce-scatter).
+ZeRO paper's 2 for DDP, 3 for levels 1 and 2 here (level 2's buckets are not cut on shard
+boundaries, so it all-reduces; a reduce-scatter would make it a 2), 4 for level 3 (on gloo an
+all-reduce stands in for each unit's reduce-scatter, faster there; on NCCL the paper's 3).
 
 Prints a table and writes bench/results/zero.json (zero_4.json on 4 ranks).
 """

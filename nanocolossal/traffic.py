@@ -33,6 +33,7 @@ ELEMENTS: dict[str, Callable[..., int]] = {
     "all_gather_into_tensor": lambda output, *a, **k: output.numel(),
     "reduce_scatter": lambda output, inputs, *a, **k: sum(t.numel() for t in inputs),
     "reduce_scatter_tensor": lambda output, input, *a, **k: input.numel(),
+    "reduce_scatter_single": lambda output, input, *a, **k: input.numel(),
     "all_to_all_single": lambda output, input, *a, **k: input.numel(),
 }
 
@@ -41,7 +42,7 @@ ELEMENTS: dict[str, Callable[..., int]] = {
 def count_collectives() -> Iterator[Counter]:
     """Counter of elements handed to each kind of collective while the block runs."""
     counted: Counter = Counter()
-    originals = {name: getattr(dist, name) for name in ELEMENTS}
+    originals = {name: getattr(dist, name) for name in ELEMENTS if hasattr(dist, name)}
 
     def counting(name: str, call: Callable) -> Callable:
         def counted_call(*args: Any, **kwargs: Any) -> Any:

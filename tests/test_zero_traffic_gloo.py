@@ -10,8 +10,10 @@ so two flat buffers, each padded to a multiple of N (level 3: two per unit a, b,
     level 2   all-reduce  Psi + P               (gloo's stand-in for a reduce-scatter: the
               transient buckets) + gather pad(Psi)
     level 3   gather      pad(units used + prefetched) + pad(units used)   (forward, backward)
-              all-reduce  pad(all units) + P    (each unit's gradients; unused units too, with
-                                                 flags 0, so every rank issues the same calls)
+              all-reduce  pad(all units) + P    (each unit's gradients -- gloo's stand-in for a
+                                                 reduce-scatter, NCCL's is one -- and a "used"
+                                                 flag per tensor; unused units too, flags 0, so
+                                                 every rank issues the same calls)
                           + 2                   (before the step: the units' order, the same on
                                                  every rank? zero/unit_order.py)
     every level: all-reduce + 1                 (the cross entropy's targets counted over the
@@ -31,9 +33,11 @@ import pytest
 from dist_helpers import run_ranks
 from test_zero_gloo import B, Net, _adamw, _batch
 from torch import nn
+from torch.testing import assert_close
 
 import nanocolossal as nc
 from nanocolossal.traffic import count_collectives
+from nanocolossal.zero import comm
 
 pytestmark = pytest.mark.timeout(120)
 UNITS = ("a", "b", "side", "never")  # level 3's units: the model's children
@@ -64,9 +68,11 @@ def expected(level, N, used, previous=()):
     return {"broadcast": forward + backward, "all_reduce": every + P + 2 + 1}
 
 
-def _worker(rank, world_size, port, level):
+def _worker(rank, world_size, port, level, reduce_scatter=False):
     nc.launch({"zero": dict(level=level)} if level else {}, rank=rank, world_size=world_size,
               host="127.0.0.1", port=port)
+    if reduce_scatter:  # as on NCCL (gloo has one too, slower than its all-reduce)
+        comm.ALL_REDUCE_INSTEAD.discard("gloo")
     model = Net()
     engine, *_ = nc.initialize(model, _adamw(model), nn.CrossEntropyLoss(), verbose=False)
     counts = []
@@ -79,13 +85,14 @@ def _worker(rank, world_size, port, level):
             engine.backward(engine.criterion(engine(xs[mine]), ys[mine]))
             assert engine.step()
         counts.append(dict(counted))
-    return counts
+    comm.ALL_REDUCE_INSTEAD.add("gloo")
+    return counts, {k: v.clone() for k, v in engine.model.state_dict().items()}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("level", [0, 1, 2, 3], ids=["ddp", "zero1", "zero2", "zero3"])
 def test_gloo_elements_handed_to_collectives_per_step_equal_the_formula(level, world_size):
-    for rank, counts in enumerate(run_ranks(_worker, world_size, level, timeout=60)):
+    for rank, (counts, _) in enumerate(run_ranks(_worker, world_size, level, timeout=60)):
         previous = ()
         for step, counted in enumerate(counts):
             used = ("a", "b", "side") if step % 2 == 0 else ("a", "b")
@@ -93,3 +100,23 @@ def test_gloo_elements_handed_to_collectives_per_step_equal_the_formula(level, w
                 f"rank {rank} step {step}"
             previous = used
 
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gloo_zero3_with_a_reduce_scatter_hands_it_the_units_and_trains_the_same(world_size):
+    """As on NCCL: level 3 reduce-scatters each unit's gradients (the paper's 3 Psi a step, not
+    gloo's 4) -- pad(all units) reduce-scattered, only the flags all-reduced -- and trains to
+    the parameters of the all-reduce that stands in for it on gloo."""
+    native = run_ranks(_worker, world_size, 3, timeout=60)
+    for rank, (counts, state) in enumerate(run_ranks(_worker, world_size, 3, True, timeout=60)):
+        previous = ()
+        for step, counted in enumerate(counts):
+            used = ("a", "b", "side") if step % 2 == 0 else ("a", "b")
+            want = expected(3, world_size, used, previous)
+            every = sum(_padded(_numel(u, g), world_size) for u in UNITS for g in GROUPS)
+            want["all_reduce"] -= every
+            want[comm.REDUCE_SCATTER] = every
+            assert counted == want, f"rank {rank} step {step}"
+            previous = used
+        for key, value in state.items():
+            assert_close(value, native[rank][1][key], rtol=1e-6, atol=1e-7)

@@ -18,11 +18,13 @@ parameter nobody used -- with three changes:
 With overlap_communication=False the buckets are launched only after backward, one after the
 other (less memory saved: every .grad lives until backward ends; simpler to follow in a trace).
 
-A reduce-scatter is what this needs: each rank receives the sum of only its 1/N of a bucket,
-Psi (N-1)/N elements sent per rank per step. gloo has no reduce-scatter, so the reduction is an
-all-reduce (2 Psi (N-1)/N: a reduce-scatter plus an all-gather whose result we throw away) and
-each rank keeps its slice. On NCCL a true reduce-scatter would need each bucket cut on shard
-boundaries; this version keeps one code path for both backends and says so.
+A reduce-scatter is what this needs: each rank receives the sum of only its pieces, Psi (N-1)/N
+elements sent per rank per step. But a reduce-scatter hands rank r the r-th N-th of the tensor it
+is given, and a bucket -- parameters in the order backward produces them -- does not fall on the
+shard boundaries of the flat buffers (cutting it there would wait for the whole model's
+backward). So the reduction is an all-reduce (2 Psi (N-1)/N: a reduce-scatter plus an all-gather
+whose result we throw away) and each rank keeps its pieces. Level 3 shards every unit on its own
+and reduce-scatters it (sharded_model.py, zero/comm.py); FSDP2 shards per unit for level 2 too.
 
 Gradient accumulation: under no_sync() (the Engine's first N-1 micro-steps) nothing is
 reduced and .grad accumulates in full, as with DDP; the last micro-step reduces it once.

@@ -34,10 +34,13 @@ optimizer state a rank holds is exactly 8 bytes x the elements of its shard that
 (padding is never stepped): ceil(Psi/N) on every rank but the last ones.
 
 Traffic per step, per rank (elements): DDP's all-reduce is a reduce-scatter + an all-gather,
-2 Psi (N-1)/N. Level 1 adds an all-gather of the parameters: 3 Psi (N-1)/N. Level 2 replaces the
-all-reduce by a reduce-scatter: Psi (N-1)/N + Psi (N-1)/N = the same 2 Psi as DDP -- but gloo has
-no reduce-scatter, so gradients.py emulates it with an all-reduce (2 Psi) and keeps its slice:
-on gloo level 2 moves 3 Psi (N-1)/N, as level 1 does.
+2 Psi (N-1)/N. Level 1 adds an all-gather of the parameters: 3 Psi (N-1)/N. Level 2 could replace
+the all-reduce by a reduce-scatter: Psi (N-1)/N + Psi (N-1)/N = the same 2 Psi as DDP -- but a
+reduce-scatter hands rank r the r-th N-th of what it is given, and a bucket (parameters in
+backward's order) does not fall on shard boundaries, so gradients.py all-reduces each bucket
+(2 Psi) and keeps its pieces: level 2 moves 3 Psi (N-1)/N, as level 1 does. Level 3 shards each
+unit on its own, so there each unit's gradients are reduce-scattered (sharded_model.py; on gloo,
+whose reduce-scatter is slower than its all-reduce, an all-reduce stands in: zero/comm.py).
 
 With a pipeline or tensor parallelism, "the data-parallel ranks" are those holding the same
 stage and tensor slice (gpc.gradient_group): each shards what it holds -- a tensor-split weight

@@ -40,14 +40,14 @@ unit's buffers padded to a multiple of N):
                     (+ 4 bytes: the NaN element freed parameters share); in backward also a
                     unit's full gradients until reduced
 
-Traffic per step, elements per rank: gathers in forward and backward, a reduce-scatter, Psi
-(N-1)/N each: 3 Psi (N-1)/N, 1.5x DDP's (gloo: 4, its reduce-scatter an all-reduce; counted in
-tests/test_zero_traffic_gloo.py). Accumulation: each backward adds into my gradient shard.
-Overlap: a unit's reduction runs while autograd computes the next unit's; at most one in flight
-(overlap_communication=False: each waits at once, nothing is prefetched).
+Traffic per step, per rank: gathers in forward and backward, a reduce-scatter, Psi (N-1)/N each:
+3 Psi (N-1)/N, 1.5x DDP's (gloo: 4, zero/comm.py; tests/test_zero_traffic_gloo.py).
+Accumulation: each backward adds into my gradient shard. Overlap: a unit's reduction runs while
+autograd computes the next unit's; at most one in flight (overlap_communication=False: each waits
+at once, nothing is prefetched).
 
-Checkpoints: model.state_dict() gathers every unit (collective) into full copies; save and load
-do not (my pieces, state.py and load.py); load_state_dict of full tensors keeps my slice.
+Checkpoints: model.state_dict() gathers every unit (collective); save and load do not (my pieces,
+state.py and load.py); load_state_dict of full tensors keeps my slice.
 """
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ from torch import nn
 
 from ..context import gpc
 from ..nest import map_tensors
+from .comm import reduce_scatter_shard
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
 from .unit_order import UnitOrder
 
@@ -217,38 +218,38 @@ class ShardedModel:
             self._next += 1
 
     def _launch(self, unit: _Unit) -> None:
-        """Start the reduction of the unit's gradients: each buffer's gradients / N, then one
-        "used" flag per parameter (a parameter no rank used keeps grad=None), one all-reduce."""
+        """Reduce the unit's gradients: each buffer's / N reduce-scattered (my shard of the sum);
+        a "used" flag per parameter all-reduced (one no rank used keeps grad=None)."""
         self._finish_pending()  # at most one reduction in flight
         for b in unit.buffers:
-            wire = torch.zeros(b.data.numel() + len(b.params), dtype=b.data.dtype,
-                               device=b.local.device)
+            grads = torch.zeros(b.data.numel(), dtype=b.data.dtype, device=b.local.device)
+            used = torch.zeros(len(b.params), dtype=b.data.dtype, device=b.local.device)
             for i, (p, offset) in enumerate(zip(b.params, b.offsets)):
                 if p.grad is not None:
-                    wire[offset: offset + p.numel()].copy_(p.grad.reshape(-1)).div_(self.size)
-                    wire[b.data.numel() + i] = 1
+                    grads[offset: offset + p.numel()].copy_(p.grad.reshape(-1)).div_(self.size)
+                    used[i] = 1
                     p.grad = None  # the full gradient is not kept
-            work = dist.all_reduce(wire, group=self.group, async_op=True) if self.size > 1 \
-                else None
-            self._pending.append((b, wire, work))
+            works, mine = [], grads
+            if self.size > 1:
+                work, mine = reduce_scatter_shard(grads, self.group, async_op=True)
+                works = [work, dist.all_reduce(used, group=self.group, async_op=True)]
+            self._pending.append((b, mine, used, works))
         if not self.overlap:
             self._finish_pending()
 
     def _finish_pending(self) -> None:
         """Wait; add my shard's pieces of the averaged gradients to the optimizer's segments."""
-        for b, wire, work in self._pending:
-            if work is not None:
+        for b, mine, used, works in self._pending:
+            for work in works:
                 work.wait()
             where = {index: i for i, index in enumerate(b.indices)}
             for s in b.segments:
                 i = where[s.index]
-                if wire[b.data.numel() + i] > 0:
-                    piece = wire[b.offsets[i] + s.lo: b.offsets[i] + s.hi]
+                if used[i] > 0:  # (my shard begins at rank x shard in the unit's buffer)
+                    at = b.offsets[i] + s.lo - b.rank * b.shard
+                    piece = mine[at: at + s.hi - s.lo]
                     home = self.optimizer.home(s)  # (O2: the half view; unscale makes fp32)
-                    if home.grad is None:
-                        home.grad = piece.clone()
-                    else:
-                        home.grad.add_(piece)
+                    home.grad = piece.clone() if home.grad is None else home.grad.add_(piece)
         self._pending = []
 
     def _end_backward(self) -> None:
