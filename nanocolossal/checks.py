@@ -132,6 +132,31 @@ def peer_failed(what: str, group: Any, error: Exception) -> RuntimeError:
         f"other ranks")
 
 
+def _name(model: nn.Module, param: nn.Parameter) -> str:
+    return next((n for n, p in model.named_parameters() if p is param), "a parameter")
+
+
+def check_still_frozen(model: nn.Module, frozen: list) -> None:
+    """DDP hooks the parameters that need a gradient when it is built: one unfrozen since would
+    never be averaged, and the replicas would drift apart silently (torch's DDP too)."""
+    thawed = [_name(model, p) for p in frozen if p.requires_grad]
+    if thawed:
+        raise RuntimeError(f"[rank {gpc.rank}] DistributedDataParallel: {', '.join(thawed[:4])} "
+                           f"did not require grad when DDP was built and now does: its gradient "
+                           f"would never be averaged. Unfreeze before nanocolossal.initialize (or "
+                           f"wrapping in DDP), or keep it trainable and freeze it with lr=0")
+
+
+def ready_twice(model: nn.Module, param: nn.Parameter) -> RuntimeError:
+    """A parameter's gradient hook fired twice in one backward (reentrant checkpointing of a
+    layer used twice): its first gradient is already in a bucket being averaged."""
+    return RuntimeError(f"[rank {gpc.rank}] DistributedDataParallel: {_name(model, param)} got a "
+                        f"second gradient in one backward after its first was handed to the "
+                        f"all-reduce (torch.utils.checkpoint with use_reentrant=True around a "
+                        f"layer used twice?): use use_reentrant=False, or the gradient_handler, "
+                        f"which averages after backward")
+
+
 def debug_barrier(where: str) -> None:
     """With config debug=True: a barrier that names the ranks that did not arrive (gloo)."""
     if not (gpc.is_initialized and gpc.world_size > 1 and gpc.config.get("debug")):

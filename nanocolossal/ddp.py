@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .checks import describe_parameters, peer_failed
+from .checks import check_still_frozen, describe_parameters, peer_failed, ready_twice
 from .context import gpc
 from .nest import map_tensors
 
@@ -63,8 +63,7 @@ class _Bucket:
         self.work: Optional[dist.Work] = None
         self.ready = 0
         self.filled = [False] * len(params)  # which slots got this iteration's gradient
-        # what is all-reduced: the buffer, or its half copy
-        self.wire: Optional[torch.Tensor] = None
+        self.wire: Optional[torch.Tensor] = None  # what is all-reduced: buffer, or a half copy
 
     def view(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -132,6 +131,7 @@ class DistributedDataParallel(nn.Module):
 
         skip = {id(q) for q in reduced_elsewhere}  # another pipeline chunk's DDP reduces them
         params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
+        self._frozen = [p for p in module.parameters() if not p.requires_grad]  # checks.py
         self.buckets = self._make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next_launch = 0           # buckets are launched strictly in order
@@ -179,6 +179,8 @@ class DistributedDataParallel(nn.Module):
         if self.broadcast_buffers and self.training and torch.is_grad_enabled() \
                 and self.require_sync:
             self.sync_buffers()
+        if self._frozen and torch.is_grad_enabled():  # unfrozen since: never averaged
+            check_still_frozen(self.module, self._frozen)
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled():  # the all-reduce even if no parameter here gets a gradient
             map_tensors(lambda t: t.register_hook(self._queue_finish) if t.requires_grad else t,
@@ -215,6 +217,8 @@ class DistributedDataParallel(nn.Module):
             return
         self._queue_finish()
         bucket, i = self._where[param]
+        if bucket.filled[i]:
+            raise ready_twice(self.module, param)
         self._write_slot(bucket, i)
         bucket.filled[i] = True
         bucket.ready += 1

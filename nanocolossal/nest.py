@@ -15,6 +15,8 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     stay."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes its fields
+        return type(obj)(*(map_tensors(fn, o) for o in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(fn, o) for o in obj)
     if isinstance(obj, dict):
