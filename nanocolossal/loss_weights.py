@@ -113,30 +113,32 @@ def _debug_check() -> None:
 def weighed_ranks(criterion: Any) -> int:
     """G: the pieces the gradients' average divides by -- the ranks averaging gradients, or the
     sequence groups among them where the criterion's mean spans one (nn/layers.py)."""
-    if getattr(criterion, "spans_sequence", False):
-        return gpc.gradient_size // gpc.sequence_size
-    return gpc.gradient_size
+    spans = getattr(criterion, "spans_sequence", False)
+    return gpc.gradient_size // (gpc.sequence_size if spans else 1)
+
+
+def _piece_counts(counts: torch.Tensor, spans_sequence: bool) -> torch.Tensor:
+    """W_p: where the criterion's mean already spans the sequence group, the group's count."""
+    if not spans_sequence:
+        return counts
+    counts = counts.clone()
+    dist.all_reduce(counts, group=gpc.sequence_group)
+    return counts
 
 
 def piece_weights(counts: torch.Tensor, spans_sequence: bool = False,
                   total: Optional[torch.Tensor] = None) -> torch.Tensor:
     """weight_p = W_p * G / W for this rank's pieces; W counted now, unless given (an
-    accumulation group's, counted ahead). A piece spanning a sequence group counts the group's."""
+    accumulation group's, counted ahead)."""
     total = total_count(counts) if total is None else total
-    ranks = gpc.gradient_size
-    if spans_sequence:  # the criterion's mean is already over the sequence group's targets
-        counts = counts.clone()
-        dist.all_reduce(counts, group=gpc.sequence_group)
-        ranks //= gpc.sequence_size
-    return counts * ranks / total
+    ranks = gpc.gradient_size // (gpc.sequence_size if spans_sequence else 1)  # G
+    return _piece_counts(counts, spans_sequence) * ranks / total
 
 
 def batch_shares(counts: torch.Tensor, spans_sequence: bool = False) -> torch.Tensor:
     """W_m / W over this rank's batch alone (evaluating a pipeline: ranks may run different
     numbers of batches, so nothing crosses data ranks; a sequence group holds the same batch)."""
-    if spans_sequence:
-        counts = counts.clone()
-        dist.all_reduce(counts, group=gpc.sequence_group)
+    counts = _piece_counts(counts, spans_sequence)
     return counts / counts.sum()
 
 
