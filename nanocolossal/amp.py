@@ -95,8 +95,7 @@ class MixedPrecisionOptimizer:
         self.optimizer, self.scaler = optimizer, scaler
         # skip steps whose gradients are inf/nan on any rank: always with a scaler, else if asked
         self.check_finite = check_finite or scaler is not None
-        # (model half param, fp32 master)
-        self._copies: list[tuple[nn.Parameter, nn.Parameter]] = []
+        self._copies: list[tuple[nn.Parameter, nn.Parameter]] = []  # (half param, fp32 master)
         if master_weights:
             for group in optimizer.param_groups:  # same group dicts, so LR schedulers keep working
                 masters = []
@@ -105,16 +104,14 @@ class MixedPrecisionOptimizer:
                         masters.append(p)
                     else:
                         master = nn.Parameter(p.detach().float())
-                        # tensor-parallel marks (splits, replicas)
-                        master.__dict__.update(p.__dict__)
+                        master.__dict__.update(p.__dict__)  # tensor-parallel marks (splits, ...)
                         self._copies.append((p, master))
                         masters.append(master)
                 group["params"] = masters
         self._unscaled, self._found_inf = False, False
         self.last_step_skipped = False
         self.skipped_steps = 0
-        # G where the engine weighs a counted loss over G ranks: see backward_scale
-        self.loss_shares = 1
+        self.loss_shares = 1  # G where the engine weighs a counted loss: see backward_scale
 
     @property
     def param_groups(self) -> list[dict]:
@@ -126,10 +123,8 @@ class MixedPrecisionOptimizer:
 
     @property
     def backward_scale(self) -> float:
-        """What backward multiplies the loss by, and unscale_ divides by: the loss scale, over G
-        where each rank's counted loss carries G x its share (loss_weights.py). A token's half
-        gradient is then one process's size, where G x would overflow at a scale one process
-        survives."""
+        """What backward multiplies by and unscale_ divides by: the loss scale / G where a rank's
+        counted loss carries G x its share (loss_weights.py): one process's half gradients."""
         return self.loss_scale / self.loss_shares if self.scaler is not None else 1.0
 
     def master_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
@@ -164,8 +159,7 @@ class MixedPrecisionOptimizer:
         if self.check_finite:  # amp_scaler.py: the plain loop, then the fused kernel it uses
             grads = [p.grad for p in self.params() if p.grad is not None]
             found = unscale_grads(grads, self.backward_scale)
-            # data, pipeline and tensor ranks skip together
-            if gpc.is_initialized and gpc.world_size > 1:
+            if gpc.is_initialized and gpc.world_size > 1:  # every rank skips together
                 found = found.to(gpc.device)
                 dist.all_reduce(found, op=dist.ReduceOp.MAX)
             self._found_inf = bool(found.item())

@@ -174,8 +174,7 @@ class DistributedDataParallel(nn.Module):
 
     # -- forward / backward ---------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        # only a training step syncs buffers: uneven evaluation shards would leave a broadcast
-        # without partner (torch's DDP looks at grad mode alone: an eval without no_grad hangs)
+        # only training syncs buffers: in eval (uneven shards) a broadcast has no partner
         if self.broadcast_buffers and self.training and torch.is_grad_enabled() \
                 and self.require_sync:
             self.sync_buffers()

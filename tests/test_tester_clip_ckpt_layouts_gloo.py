@@ -642,9 +642,15 @@ def _cond_tied_worker(rank, world_size, port, config, expected, tied=True, split
                                  partition=[2, 3] if chunks == 1 else [1, 2, 1, 1])
     engine, *_ = nc.initialize(stage, _sgd(stage.parameters()), nn.CrossEntropyLoss(),
                                verbose=False)
+    return _train_vectors(engine, expected, rank,
+                          lambda step: (step != 1 or gpc.data_rank == 0) if split else step == 0)
+
+
+def _train_vectors(engine, expected, rank, use_table):
+    """STEPS steps on my data rank's rows of _vectors, USE_TABLE[0] = use_table(step)."""
     norms = []
     for step in range(STEPS):
-        USE_TABLE[0] = (step != 1 or gpc.data_rank == 0) if split else step == 0
+        USE_TABLE[0] = use_table(step)
         x, y = _vectors(step)
         n = GLOBAL // gpc.data_size
         lo = gpc.data_rank * n
@@ -899,18 +905,7 @@ def _maybe_worker(rank, world_size, port, config, expected):
     stage = build_pipeline_model(_maybe_model(), partition=[2, 1])
     engine, *_ = nc.initialize(stage, _sgd(stage.parameters()), nn.CrossEntropyLoss(),
                                verbose=False)
-    norms = []
-    for step in range(STEPS):
-        USE_TABLE[0] = step != 1 or gpc.data_rank == 0
-        x, y = _vectors(step)
-        n = GLOBAL // gpc.data_size
-        lo = gpc.data_rank * n
-        engine.zero_grad()
-        engine.execute_schedule((x[lo:lo + n], y[lo:lo + n]))
-        assert engine.step()
-        norms.append(engine.last_grad_norm)
-    USE_TABLE[0] = True
-    return _report(engine.model, expected, norms, rank)
+    return _train_vectors(engine, expected, rank, lambda step: step != 1 or gpc.data_rank == 0)
 
 
 @pytest.mark.parametrize("reduce", ["handler", "ddp"])

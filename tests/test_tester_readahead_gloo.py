@@ -456,18 +456,25 @@ def test_gloo_2d_x_data2_class_weights_x_readahead_equals_one_process(tmp_path):
 
 # -- a pipeline: TENSOR_SHAPE x the Trainer's resume; fp16 with an overflow -----------------------
 
+def _float32_engine(model, global_batch):
+    """The float32 MLP's engine, shuffled loader of _rows (global_batch rows a step) and
+    scheduler."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    sched = _sched(opt)
+    x, y = _rows()
+    train = nc.get_dataloader(torch.utils.data.TensorDataset(x.float(), y), shuffle=True, seed=5,
+                              batch_size=global_batch // gpc.data_size)
+    engine, train, *_ = nc.initialize(model, opt, _criterion(torch.float32), train,
+                                      verbose=False)
+    return engine, train, sched
+
+
 def _pipe_worker(rank, world, port, config, how):
     nc.launch(config, rank=rank, world_size=world, host="127.0.0.1", port=port, timeout=60)
     model = _mlp(torch.float32)
     if gpc.pipeline_size > 1:
         model = build_pipeline_model(model, partition="uniform")
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    sched = _sched(opt)
-    x, y = _rows()
-    train = nc.get_dataloader(torch.utils.data.TensorDataset(x.float(), y), shuffle=True, seed=5,
-                              batch_size=8 // gpc.data_size)
-    engine, train, *_ = nc.initialize(model, opt, _criterion(torch.float32), train,
-                                      verbose=False)
+    engine, train, sched = _float32_engine(model, 8)
     trainer = Trainer(engine)
     if how.get("resume"):
         assert trainer.resume(how["path"], sched)
@@ -584,13 +591,7 @@ def _amp_trainer_worker(rank, world, port, config, at):
     nc.launch(config, rank=rank, world_size=world, host="127.0.0.1", port=port, timeout=60)
     model = _mlp(torch.float32)
     before = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    sched = _sched(opt)
-    x, y = _rows()
-    train = nc.get_dataloader(torch.utils.data.TensorDataset(x.float(), y), shuffle=True, seed=5,
-                              batch_size=4 // gpc.data_size)
-    engine, train, *_ = nc.initialize(model, opt, _criterion(torch.float32), train,
-                                      verbose=False)
+    engine, train, sched = _float32_engine(model, 4)
     trainer, record = Trainer(engine), EpochLosses()
     scales, took = [], []
 

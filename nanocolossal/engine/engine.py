@@ -88,9 +88,9 @@ class Engine:
         self._micro = 0  # backward calls since the last real step
         self._closing = False  # close_group(): the current group ends at the next backward
         self._group_count = None  # W of the running group, from count_targets (loss_weights.py)
+        self._group_len = 0  # and its number of micro-steps
         if counts_targets(criterion):  # fp16: the weights' G moves into the backward's scale
             optimizer.loss_shares = weighed_ranks(criterion)
-        self._group_len = 0  # and its number of micro-steps
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward_module(*_to_device(args), **_to_device(kwargs))
