@@ -130,6 +130,38 @@ def test_gloo_zero_level2_without_overlap_equals_one_process():
     run_ranks(_worker, 4, 2, 2, 0.0, False, False, timeout=90)
 
 
+def _two_backwards_worker(rank, world_size, port, config):
+    """Each step: engine.backward twice (two losses, each synchronised), then one step."""
+    engine = _launch(rank, world_size, port, config)
+    single = Net()
+    opt = _adamw(single)
+    for step in range(3):
+        xs, ys = _batch(step, world_size * 2 * B)
+        n = world_size * B
+        halves = [(xs[h * n:][:n], ys[h * n:][:n]) for h in range(2)]
+        engine.zero_grad()
+        opt.zero_grad()
+        for x, y in halves:
+            engine.backward(engine.criterion(engine(x[rank * B:][:B]), y[rank * B:][:B]))
+            nn.functional.cross_entropy(single(x), y).backward()
+        engine.step()
+        opt.step()
+    for (name, p), q in zip(engine.model.state_dict().items(), single.state_dict().values()):
+        assert_close(p, q, msg=lambda m: f"{name}: {m}")  # (state_dict: level 3 gathers)
+
+
+HANDLER = {"gradient_handler": [{"type": "DataParallelGradientHandler"}]}
+
+
+@pytest.mark.parametrize("config", [{}, {"zero": {"level": 1}}, {"zero": {"level": 2}},
+                                    {"zero": {"level": 3}}, HANDLER],
+                         ids=["ddp", "zero1", "zero2", "zero3", "handler"])
+def test_gloo_two_backwards_before_a_step_add_up_as_in_one_process(config):
+    """loss_a.backward(); loss_b.backward(); step(): .grad holds the sum of both, as it does in
+    one process -- at level 2 each backward's reduced pieces are added to my shard's."""
+    run_ranks(_two_backwards_worker, 2, config, timeout=90)
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_gloo_zero_gradient_accumulation(level):
     run_ranks(_worker, 2, level, 3, timeout=90)

@@ -177,10 +177,11 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         return s.param
 
     def receive_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """Level 2: keep my pieces of `param`'s averaged gradient (a transient bucket slot)."""
+        """Level 2: add my pieces of `param`'s averaged gradient (a transient bucket slot) to
+        what earlier backwards of this step left there, as .grad accumulates in one process."""
         for s in self.segments_of[param]:
             home, piece = self.home(s), grad.reshape(-1)[s.lo:s.hi]
-            home.grad = piece.clone() if home.grad is None else home.grad.copy_(piece)
+            home.grad = piece.clone() if home.grad is None else home.grad.add_(piece)
 
     def sum_tied_gradients(self, tied: Tied) -> None:
         """A weight two pipeline stages share steps with the sum of their gradients (tied.py).
