@@ -136,15 +136,18 @@ def _name(model: nn.Module, param: nn.Parameter) -> str:
     return next((n for n, p in model.named_parameters() if p is param), "a parameter")
 
 
-def check_still_frozen(model: nn.Module, frozen: list) -> None:
-    """DDP hooks the parameters that need a gradient when it is built: one unfrozen since would
-    never be averaged, and the replicas would drift apart silently (torch's DDP too)."""
+def check_still_frozen(model: nn.Module, frozen: list,
+                       who: str = "DistributedDataParallel") -> None:
+    """DDP and the gradient handlers list the parameters that need a gradient when they are
+    built: one unfrozen since would never be averaged, and the replicas would drift apart
+    silently (torch's DDP too)."""
     thawed = [_name(model, p) for p in frozen if p.requires_grad]
     if thawed:
-        raise RuntimeError(f"[rank {gpc.rank}] DistributedDataParallel: {', '.join(thawed[:4])} "
-                           f"did not require grad when DDP was built and now does: its gradient "
-                           f"would never be averaged. Unfreeze before nanocolossal.initialize (or "
-                           f"wrapping in DDP), or keep it trainable and freeze it with lr=0")
+        raise RuntimeError(f"[rank {gpc.rank}] {who}: {', '.join(thawed[:4])} did not require "
+                           f"grad when {who} was built and now does: its "
+                           f"gradient would never be averaged. Unfreeze before "
+                           f"nanocolossal.initialize (or wrapping in DDP), or keep it trainable "
+                           f"and freeze it with lr=0")
 
 
 def ready_twice(model: nn.Module, param: nn.Parameter) -> RuntimeError:

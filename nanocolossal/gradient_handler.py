@@ -30,8 +30,32 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .checks import check_still_frozen
 from .context import gpc
 from .ddp import _coalesced_broadcast, by_dtype
+
+
+@torch.no_grad()
+def sum_gradients(params: list[nn.Parameter], group: Optional[dist.ProcessGroup],
+                  divisor: int) -> None:
+    """grad = (sum over `group` of grad) / divisor, one all-reduce per dtype. A rank without a
+    gradient sends zeros and a 0 flag; a parameter whose flags sum to 0 keeps grad=None."""
+    for same in by_dtype(params).values():
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
+        had = torch.tensor([p.grad is not None for p in same], dtype=same[0].dtype,
+                           device=same[0].device)
+        flat = torch.cat([_flatten_dense_tensors(grads) / divisor, had])
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+        n = flat.numel() - len(same)
+        summed = _unflatten_dense_tensors(flat[:n], grads)
+        for p, synced, anyone in zip(same, summed, flat[n:].tolist()):
+            if not anyone:  # no rank has a gradient: leave None, as one process would
+                continue
+            if p.grad is None:
+                p.grad = synced.clone()
+            else:
+                p.grad.copy_(synced)
 
 
 class DataParallelGradientHandler:
@@ -39,26 +63,14 @@ class DataParallelGradientHandler:
     backward."""
 
     def __init__(self, model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.model = model
         self.group = group if group is not None else gpc.gradient_group
         self.size = dist.get_world_size(self.group)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.frozen = [p for p in model.parameters() if not p.requires_grad]
         _coalesced_broadcast(list(model.parameters()) + list(model.buffers()),
                              dist.get_global_rank(self.group, 0), self.group)
 
-    @torch.no_grad()
     def handle_gradient(self) -> None:
-        for params in by_dtype(self.params).values():
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            had = torch.tensor([p.grad is not None for p in params], dtype=params[0].dtype,
-                               device=params[0].device)
-            flat = torch.cat([_flatten_dense_tensors(grads) / self.size, had])
-            dist.all_reduce(flat, group=self.group)
-            n = flat.numel() - len(params)
-            averaged = _unflatten_dense_tensors(flat[:n], grads)
-            for p, synced, anyone in zip(params, averaged, flat[n:].tolist()):
-                if not anyone:  # no rank has a gradient: leave None, as one process would
-                    continue
-                if p.grad is None:
-                    p.grad = synced.clone()
-                else:
-                    p.grad.copy_(synced)
+        check_still_frozen(self.model, self.frozen, "DataParallelGradientHandler")
+        sum_gradients(self.params, self.group, self.size)

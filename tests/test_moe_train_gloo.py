@@ -137,6 +137,85 @@ SCRIPT_LAYOUTS = {  # name: (processes, BATCH_SIZE per data rank (global 8), par
 }
 
 
+def _decaying(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+
+
+def _frozen_model(how):
+    model = _model(2)
+    model[1].unused = nn.Linear(3, 3).double()  # (a block: it calls only its own layers)
+    model[1].attn.requires_grad_(how != "unfreeze")
+    return model
+
+
+def _frozen_train(model, how, step_fn):
+    """Three steps; block 1's attention frozen after the first ('freeze'), or frozen before
+    initialize and unfrozen after it ('unfreeze')."""
+    for step, batch in enumerate(_batches()):
+        if step == 1:
+            model[1].attn.requires_grad_(how == "unfreeze")
+        step_fn(*batch)
+
+
+def _frozen_single(how):
+    """One process (every expert here), SGD with momentum and weight decay."""
+    model = _frozen_model(how)
+    opt = _decaying(model)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        (loss + 0.01 * moe_aux_loss(model)).backward()  # (MOE_AUX_WEIGHT's default)
+        opt.step()
+    _frozen_train(model, how, step)
+    return model.state_dict()
+
+
+def _frozen_worker(rank, world_size, port, config, how, expected):
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    model = _frozen_model(how)
+    engine, *_ = nc.initialize(model, _decaying(model), col_nn.VocabParallelCrossEntropyLoss(),
+                               verbose=False)
+    per = BATCH // gpc.data_size
+    share = slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
+
+    def step(x, y):
+        engine.zero_grad()
+        engine.execute_schedule((x[share], y[share]))
+        engine.step()
+    try:
+        _frozen_train(model, how, step)
+    except RuntimeError as e:
+        return str(e)
+    for name, value in model.state_dict().items():  # (each rank: its own experts' keys)
+        assert_close(value, expected[name], msg=lambda m: f"{name}: {m}")
+    return None
+
+
+HANDLERS = {"moe": {"parallel": {"moe": {"size": 2}}},
+            "data-parallel": {"gradient_handler": [{"type": "DataParallelGradientHandler"}]}}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_gloo_gradient_handlers_leave_unused_and_frozen_parameters_as_one_process(handler):
+    """A parameter no rank computed a gradient for keeps grad=None, so weight decay and momentum
+    leave it alone, as in one process (zeros would move it)."""
+    expected = _frozen_single("freeze")
+    assert run_ranks(_frozen_worker, 2, HANDLERS[handler], "freeze", expected) == [None, None]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("handler", HANDLERS)
+def test_gloo_a_parameter_unfrozen_after_initialize_is_a_clear_error(handler):
+    """The handlers list the trainable parameters when they are built: one unfrozen since would
+    never be averaged and the replicas would drift apart."""
+    for rank, message in enumerate(run_ranks(_frozen_worker, 2, HANDLERS[handler], "unfreeze",
+                                             None)):
+        assert message.startswith(f"[rank {rank}] ") and "1.attn.qkv.weight" in message and \
+            "did not require grad when" in message and "Unfreeze before" in message, message
+
+
 def _train_gpt(tmp_path, name):
     nproc, batch, parallel, aux = SCRIPT_LAYOUTS[name]
     config = tmp_path / f"{name.replace(' ', '_').replace(',', '')}.py"

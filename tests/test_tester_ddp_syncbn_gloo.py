@@ -329,8 +329,9 @@ def test_gloo_ddp_a_parameter_unfrozen_after_wrapping_is_a_clear_error():
                                             "default")):
         problems = result["unfreeze_side_at_step_1"]
         assert len(problems) == 1 and problems[0].startswith(f"error: [rank {rank}] ") and \
-            "side.weight" in problems[0] and "did not require grad when DDP was built" in \
-            problems[0], f"rank {rank}: {problems}"
+            "side.weight" in problems[0] and \
+            "did not require grad when DistributedDataParallel was built" in problems[0], \
+            f"rank {rank}: {problems}"
 
 
 def test_gloo_ddp_namedtuple_output():

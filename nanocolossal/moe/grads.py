@@ -35,15 +35,15 @@ on {0, 2}, expert 1 on {1, 3}.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..checks import check_still_frozen
 from ..context import gpc
 from ..ddp import _coalesced_broadcast
+from ..gradient_handler import sum_gradients
 from .experts import expert_parameters
 from .layer import moe_layers
 from .placement import Group, check_sizes, group_size, rank_prefix
@@ -104,31 +104,10 @@ def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
     return ([p for p in params if id(p) not in experts], [p for p in params if id(p) in experts])
 
 
-@torch.no_grad()
-def _sum_and_divide(params: Iterable[nn.Parameter], group: Group, divisor: int) -> None:
-    """grad = (sum over `group` of grad) / divisor, one all-reduce per dtype; a missing grad
-    counts as zeros (every rank must send the same message)."""
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    for same in by_dtype.values():
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
-        # divide first, as DDP does: a sum of loss-scaled fp16 gradients may overflow where
-        # their mean does not (and then a step one process takes would be skipped)
-        flat = _flatten_dense_tensors(grads) / divisor
-        if group_size(group) > 1:
-            dist.all_reduce(flat, group=group)
-        for p, synced in zip(same, _unflatten_dense_tensors(flat, grads)):
-            if p.grad is None:
-                p.grad = synced.clone()
-            else:
-                p.grad.copy_(synced)
-
-
 def allreduce_expert_gradients(model: nn.Module, expert_data_group: Group,
                                data_size: int) -> None:
     """Expert gradients: sum over the ranks holding the same expert, divided by D."""
-    _sum_and_divide(split_parameters(model)[1], expert_data_group, data_size)
+    sum_gradients(split_parameters(model)[1], expert_data_group, data_size)
 
 
 def allreduce_moe_gradients(model: nn.Module, data_group: Group, expert_data_group: Group) -> None:
@@ -137,7 +116,7 @@ def allreduce_moe_gradients(model: nn.Module, data_group: Group, expert_data_gro
     process's gradient of the mean loss over the global batch."""
     dense, _ = split_parameters(model)
     data_size = group_size(data_group)
-    _sum_and_divide(dense, data_group, data_size)
+    sum_gradients(dense, data_group, data_size)
     allreduce_expert_gradients(model, expert_data_group, data_size)
 
 
@@ -157,7 +136,9 @@ class MoeGradientHandler:
 
     def __init__(self, model: nn.Module,
                  pairs: Sequence[tuple[nn.Parameter, nn.Parameter]] = ()) -> None:
+        self.model = model
         self.dense, _ = split_parameters(model)
+        self.frozen = [p for p in model.parameters() if not p.requires_grad]
         self.data_group, self.data_size = gpc.gradient_group, gpc.gradient_size
         self.experts: dict[int, list[nn.Parameter]] = {}  # by exchange block G
         for layer in moe_layers(model):
@@ -181,6 +162,7 @@ class MoeGradientHandler:
         return gpc.expert_data_groups[block]
 
     def handle_gradient(self) -> None:
-        _sum_and_divide(self.dense, self.data_group, self.data_size)
+        check_still_frozen(self.model, self.frozen, "MoeGradientHandler")
+        sum_gradients(self.dense, self.data_group, self.data_size)
         for g, params in sorted(self.experts.items()):
-            _sum_and_divide(params, self._holders(g)[0], self.data_size)
+            sum_gradients(params, self._holders(g)[0], self.data_size)
