@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from .checks import peer_failed
 from .context import gpc
+from .nest import map_tensors
 
 
 def counted_targets(target: torch.Tensor, ignore_index: int = -100,
@@ -140,6 +141,36 @@ def batch_shares(counts: torch.Tensor, spans_sequence: bool = False) -> torch.Te
     numbers of batches, so nothing crosses data ranks; a sequence group holds the same batch)."""
     counts = _piece_counts(counts, spans_sequence)
     return counts / counts.sum()
+
+
+def mean_over(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """total / count; no target counted: NaN, as torch's mean, with zero gradients (a plain
+    0 / 0 would send NaN back into every weight)."""
+    return torch.where(count > 0, total / count.clamp(min=1e-12),
+                       torch.full_like(total, float("nan")))
+
+
+class _GradientIfCounted(torch.autograd.Function):
+    """Identity on a piece's output; its gradient is zeroed where the piece counts no target.
+    torch's mean over targets whose class weights are all 0 is 0 / 0, and its backward divides
+    by that 0 too: NaN gradients, which the average over ranks would spread to every replica."""
+
+    @staticmethod
+    def forward(ctx: Any, count: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(count)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        (count,) = ctx.saved_tensors
+        return None, torch.where(count > 0, grad, torch.zeros_like(grad))
+
+
+def gradient_if_counted(output: Any, count: torch.Tensor) -> Any:
+    """The criterion's input, passed through _GradientIfCounted (each tensor of it that needs a
+    gradient)."""
+    return map_tensors(lambda t: _GradientIfCounted.apply(count, t)
+                       if t.requires_grad and t.is_floating_point() else t, output)
 
 
 def weigh(loss: torch.Tensor, weight: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -37,19 +37,28 @@ def _gpt():
 
 
 KEEP = {"uneven": [1, 8, 3, 8, 2, 6, 8, 1], "empty": [8, 5, 2, 7, 0, 0, 0, 0],
+        "weightless": [8, 5, 2, 7, 0, 0, 0, 0],
         "sparse": [1, 1, 0, 2, 1, 1, 1, 1], "full": [8, 8, 8, 7, 8, 8, 8, 8]}
 
 
 def _tokens(step, pattern):
     """Targets of row i ignored (-100) from position KEEP[pattern][i] on: padding spread
     unevenly over rows, so over data ranks, micro-batches and sequence chunks. 'empty': the
-    second half of the rows is all padding (a data rank, on 2, counts nothing)."""
+    second half of the rows is all padding (a data rank, on 2, counts nothing). 'weightless':
+    class 0 (weight 0, see _weight) instead of padding."""
     g = torch.Generator().manual_seed(100 + step)
     t = torch.randint(0, VOCAB, (GLOBAL, SEQ + 1), generator=g)
     x, y = t[:, :-1], t[:, 1:].clone()
     for i, k in enumerate(KEEP[pattern]):
-        y[i, k:] = -100
+        y[i, k:] = 0 if pattern == "weightless" else -100
     return x, y
+
+
+def _weight(pattern, weighted):
+    """The class weights, if `weighted`; 'weightless' gives class 0 a weight of 0."""
+    if not weighted:
+        return None
+    return WEIGHT * (torch.arange(VOCAB) > 0) if pattern == "weightless" else WEIGHT
 
 
 def _one_process(pattern, weighted, groups=None):
@@ -63,7 +72,7 @@ def _one_process(pattern, weighted, groups=None):
         x, y = (torch.cat(t) for t in zip(*parts))
         opt.zero_grad()
         logits = model(x)
-        loss = _lm_loss(logits, y, WEIGHT if weighted else None)
+        loss = _lm_loss(logits, y, _weight(pattern, weighted))
         losses.append(loss.item())
         if groups is None:
             loss.backward()
@@ -85,7 +94,7 @@ def _worker(rank, world_size, port, config, pattern, weighted, expected):
     if gpc.pipeline_size > 1:
         model = build_pipeline_model(model, num_chunks=config.get("NUM_CHUNKS", 1),
                                      partition="uniform")
-    criterion = col_nn.VocabParallelCrossEntropyLoss(weight=WEIGHT if weighted else None)
+    criterion = col_nn.VocabParallelCrossEntropyLoss(weight=_weight(pattern, weighted))
     engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                criterion, verbose=False)
     norms, losses = [], []
@@ -148,6 +157,14 @@ def test_gloo_a_piece_that_counts_nothing_adds_nothing_and_no_nan(case):
     """'empty': on 2 data ranks rank 1 holds only padding (its own mean is NaN); a micro-batch or
     a sequence chunk of nothing but padding likewise."""
     _check(case, "empty", weighted=False)
+
+
+@pytest.mark.parametrize("case", ["data2", "data2-zero2", "pipe2-1f1b", "seq2-data2"])
+def test_gloo_a_piece_whose_targets_all_weigh_0_adds_nothing_and_no_nan(case):
+    """Every target of rank 1 (of a micro-batch, of a sequence group) has class weight 0: its
+    mean is 0 / 0 and so is the backward of torch's mean, NaN in every gradient, which the
+    average over ranks would spread to every replica. One process stays finite."""
+    _check(case, "weightless", weighted=True)
 
 
 def _check(case, pattern, weighted):

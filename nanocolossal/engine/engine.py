@@ -50,6 +50,7 @@ from ..ddp import DistributedDataParallel, broadcast_buffers
 from ..gradient_handler import DataParallelGradientHandler
 from ..loss_weights import (
     counts_targets,
+    gradient_if_counted,
     piece_weights,
     target_counts,
     total_count,
@@ -100,9 +101,11 @@ class Engine:
             raise RuntimeError(f"[rank {gpc.rank}] no criterion: "
                                "pass one to nanocolossal.initialize")
         label = _to_device(label)
-        loss = self._criterion(output, label)
         if self._weighs_pieces():  # the ranks' means weighted by their counted targets
-            loss = self._weigh(loss, label)
+            count = target_counts(self._criterion, [label])
+            loss = self._weigh(self._criterion(gradient_if_counted(output, count[0]), label), count)
+        else:
+            loss = self._criterion(output, label)
         if self.moe_aux_weight and self.forward_module.training:
             # every rank adds it: its backward all-reduces over the data ranks (moe/balance.py)
             loss = loss + self.moe_aux_weight * moe_aux_loss(self.model).to(loss.dtype)
@@ -117,13 +120,12 @@ class Engine:
                 and self.forward_module.training and self.model.training  # either may say eval
                 and torch.is_grad_enabled())
 
-    def _weigh(self, loss: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    def _weigh(self, loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """This rank's mean x W_p G / W (loss_weights.py), W this micro-step's count on all data
         ranks: their average is the micro-step's mean. In a counted group the gradient is the
         share of the group's count instead, k / N of it for a group of k (backward divides by N):
         the value stays the micro-step's, for logging (x + (y - y.detach()) is x, with y's
         gradient)."""
-        count = target_counts(self._criterion, [label])
         spans = getattr(self._criterion, "spans_sequence", False)
         step = weigh(loss, piece_weights(count, spans)[0], count[0])
         if self._group_count is None:

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..context import gpc
-from ..loss_weights import counted_targets
+from ..loss_weights import counted_targets, mean_over
 from ..tensor import layers_1d, layers_2d
 from ..tensor.base import PatchEmbedding as _PlainPatchEmbedding
 from ..tensor.base import check_tied_shape, sharded_dropout
@@ -176,7 +176,7 @@ class TokenCrossEntropyLoss(nn.CrossEntropyLoss):
             return losses.sum() * n
         count = counted_targets(target, self.ignore_index, self.weight).to(losses.dtype)
         dist.all_reduce(count, group=gpc.sequence_group)
-        return losses.sum() * n / count
+        return mean_over(losses.sum() * n, count)
 
 
 def PatchEmbedding(img_size: int, patch_size: int, in_chans: int, embed_size: int) -> nn.Module:

@@ -33,7 +33,14 @@ from torch import nn
 
 from ..context import gpc
 from ..ddp import DistributedDataParallel
-from ..loss_weights import batch_shares, counts_targets, piece_weights, target_counts, weigh
+from ..loss_weights import (
+    batch_shares,
+    counts_targets,
+    gradient_if_counted,
+    piece_weights,
+    target_counts,
+    weigh,
+)
 from .moe_aux import backward_output_and_aux, chunk_aux_loss
 from .p2p import StageComm
 from .plan import (
@@ -195,9 +202,12 @@ class _Run:
                 if self.criterion is not None:
                     # weighted by its share of the batch: the
                     # sum over micro-batches is the batch mean
-                    loss = self.criterion(output, self.y_mb[m])
-                    loss = (loss * self.share[m] if self.counts is None else
-                            weigh(loss, self.weights[m], self.counts[m]))  # loss_weights.py
+                    if self.counts is None:
+                        loss = self.criterion(output, self.y_mb[m]) * self.share[m]
+                    else:  # loss_weights.py
+                        counted = gradient_if_counted(output, self.counts[m])
+                        loss = self.criterion(counted, self.y_mb[m])
+                        loss = weigh(loss, self.weights[m], self.counts[m])
                     self.loss_dtype = loss.dtype
                     self.total_loss += loss.detach()
                     loss, aux = (loss if aux is None else loss + aux), None

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..context import gpc
-from ..loss_weights import counted_targets
+from ..loss_weights import counted_targets, mean_over
 from .base import PatchEmbedding, add_bias, check_divisible, embed_patches, keep_slice, tied
 from .comm import copy_to, group_sum, reduce_from, split
 from .summa import summa_matmul
@@ -210,7 +210,7 @@ class CrossEntropyLoss2D(nn.Module):
         total = reduce_from(losses.sum(), gpc.tensor_col_group)  # the rows' sums: the batch's
         if self.reduction == "sum":
             return total
-        return total / self._count(target).to(total)
+        return mean_over(total, self._count(target).to(total))
 
     def _count(self, target: torch.Tensor) -> torch.Tensor:
         """The mean's denominator, as F.cross_entropy's, from the whole batch's labels."""

@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..context import gpc
+from ..loss_weights import mean_over
 from .base import check_divisible, check_tied_shape, keep_slice
 from .comm import copy_to, reduce_from
 
@@ -175,10 +176,7 @@ def reduce_losses(losses: torch.Tensor, valid: torch.Tensor, reduction: Reductio
     count = w.sum().detach()
     if batch_group is not None:
         dist.all_reduce(count, group=batch_group)
-    # "mean" (Colossal-AI's reduction=True). No token counted: NaN, as torch's, but zero
-    # gradients, as torch's (0 / 0 would send NaN into every weight)
-    return torch.where(count > 0, total / count.clamp(min=1e-12),
-                       torch.full_like(total, float("nan")))
+    return mean_over(total, count)  # "mean" (Colossal-AI's reduction=True)
 
 
 class VocabParallelCrossEntropyLoss1D(nn.Module):
