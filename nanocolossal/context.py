@@ -28,17 +28,16 @@ pure function that the tests check for many shapes without starting a process.
 
 Before `launch`, gpc describes one process (rank 0 of 1, CPU) so single-process code works.
 `gpc.destroy()` ends a job: the groups, gpc's fields, and what other modules remember for the
-job (`_forget_job_state`), so that a second job in the same process starts as a fresh one would.
+job (each registers its reset with `on_destroy`), so that a second job in the same process starts
+as a fresh one would.
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -269,24 +268,18 @@ class ParallelContext:
                 f"data={self.data_rank}/{self.data_size})")
 
 
+_JOB_STATE_RESETS: list[Callable[[], None]] = []
+
+
+def on_destroy(reset: Callable[[], None]) -> None:
+    """Register what a module remembers for one job, forgotten by gpc.destroy(): each module
+    registers its own reset when it is imported (the context knows none of them)."""
+    _JOB_STATE_RESETS.append(reset)
+
+
 def _forget_job_state() -> None:
-    """What other modules remember for one job, forgotten. A module not imported has nothing to
-    forget (and is not imported just for that: they all import this one)."""
-    if layers := sys.modules.get("nanocolossal.nn.layers"):
-        layers.reset_1d_alternation()    # the next model's first 1d Linear is column-parallel
-    if cpu_half := sys.modules.get("nanocolossal.cpu_half"):
-        cpu_half.reset_cpu_half_dtype()  # measured again, by the next job's ranks together
-    if data := sys.modules.get("nanocolossal.data"):
-        data._announced.clear()          # "using a synthetic stand-in" is said once per job
-    if dist_logging := sys.modules.get("nanocolossal.logging"):
-        for name in dist_logging._loggers:  # a level from set_level, a file from log_to_file
-            logger = logging.getLogger(name)
-            logger.setLevel(logging.INFO)
-            for handler in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
-                logger.removeHandler(handler)
-                handler.close()
-    if hardening := sys.modules.get("nanocolossal.launch_hardening"):
-        hardening.uninstall_user_error_hook()  # sys.excepthook as it was before launch
+    for reset in _JOB_STATE_RESETS:
+        reset()
 
 
 gpc = ParallelContext()

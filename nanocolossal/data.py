@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .context import gpc
+from .context import gpc, on_destroy
 from .logging import get_dist_logger
 
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)
@@ -177,6 +177,7 @@ def _local_rank0_first() -> Iterator[None]:
 
 
 _announced: set[tuple[str, str]] = set()
+on_destroy(_announced.clear)  # "using a synthetic stand-in" is said once per job
 
 
 def _load_or_synthesize(name: str, folder: str, build: Callable[[], Dataset], root: str,

@@ -31,7 +31,7 @@ from typing import Iterator, Optional
 import torch.distributed as dist
 
 from .config import ConfigError
-from .context import gpc
+from .context import gpc, on_destroy
 
 
 class LaunchError(RuntimeError):
@@ -129,6 +129,9 @@ def uninstall_user_error_hook() -> None:
     global _previous_hook
     if sys.excepthook is _print_user_error:
         sys.excepthook, _previous_hook = _previous_hook or sys.__excepthook__, None
+
+
+on_destroy(uninstall_user_error_hook)  # sys.excepthook as it was before launch
 
 
 @contextmanager

@@ -20,7 +20,7 @@ import logging
 import sys
 from typing import Iterable, Optional
 
-from .context import gpc
+from .context import gpc, on_destroy
 
 _FORMAT = "%(asctime)s [rank %(rank)s] %(levelname)s %(name)s: %(message)s"
 
@@ -82,6 +82,19 @@ def get_dist_logger(name: str = "nanocolossal") -> DistributedLogger:
     if name not in _loggers:
         _loggers[name] = DistributedLogger(name)
     return _loggers[name]
+
+
+def _reset_loggers() -> None:
+    """A job's level (set_level) and files (log_to_file), forgotten by gpc.destroy()."""
+    for name in _loggers:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        for handler in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
+            logger.removeHandler(handler)
+            handler.close()
+
+
+on_destroy(_reset_loggers)
 
 
 def disable_existing_loggers(include: Optional[Iterable[str]] = None,

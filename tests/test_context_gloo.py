@@ -109,8 +109,8 @@ def test_gloo_destroy_leaves_a_debug_level_the_user_chose(monkeypatch):
     assert os.environ["TORCH_DISTRIBUTED_DEBUG"] == "INFO"
 
 
-def test_destroy_measures_the_cpu_half_type_again():
+def test_destroy_forgets_the_cpu_half_type():
     cpu_half = pytest.importorskip("nanocolossal.cpu_half")
-    cpu_half._cache["dtype"] = None  # a measured answer, of the last job's rank 0
+    cpu_half._cache["dtype"] = None  # the last job's rank 0's answer
     gpc.destroy()
     assert not cpu_half._cache

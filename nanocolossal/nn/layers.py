@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from ..context import gpc
+from ..context import gpc, on_destroy
 from ..loss_weights import counted_targets, mean_over
 from ..tensor import layers_1d, layers_2d
 from ..tensor.base import PatchEmbedding as _PlainPatchEmbedding
@@ -54,6 +54,9 @@ _state = {"1d_input_is_split": False}  # 1d alternation: does the next Linear ge
 def reset_1d_alternation() -> None:
     """Start the next 1d Linear as column-parallel again (e.g. before building a second model)."""
     _state["1d_input_is_split"] = False
+
+
+on_destroy(reset_1d_alternation)  # the next job's first 1d Linear is column-parallel
 
 
 def set_1d_input_is_split(split: bool) -> None:
