@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import cpu_half
 from .checkpoint_merge import (  # noqa: F401 -- re-exported: the offline half of checkpoints
     PREFIXES,
     PathLike,
@@ -72,6 +73,7 @@ from .checkpoint_merge import (  # noqa: F401 -- re-exported: the offline half o
 )
 from .config import ConfigError
 from .context import gpc
+from .logging import get_dist_logger
 from .zero import ShardedOptimizer
 from .zero.load import load_model_entries, read_my_pieces
 from .zero.state import my_pieces, skeleton
@@ -186,7 +188,8 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
                  "tensor": {"rank": gpc.tensor_rank, "size": _tensor_split(),
                             "mode": _job_layout()[2],
                             "splits": layout, "shapes": _plain_shapes(model, layout)},
-                 "moe": {"rank": gpc.ep_rank, "size": gpc.moe_size}}
+                 "moe": {"rank": gpc.ep_rank, "size": gpc.moe_size},
+                 "cpu_half": cpu_half.stored_choice()}
         atomic_save(state, stage_path(path))
     if gpc.is_initialized and gpc.world_size > 1:
         dist.barrier()
@@ -206,6 +209,7 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None,
     state = read_my_pieces(state, file, optimizer, trusted) or complete_zero_state(state, file,
                                                                                   trusted)
     _check_layout(state, file, path)
+    _check_compute_type(state.get("cpu_half"), file)
     if gpc.is_initialized and gpc.pipeline_size * gpc.tensor_size > 1:
         parts: list[Any] = [None] * (gpc.pipeline_size * gpc.tensor_size)
         dist.all_gather_object(parts, describe_save(state, file), group=gpc.model_group)
@@ -223,6 +227,17 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None,
     if not restore_rng:
         info["rng"] = mine  # for the caller to restore later (see skip_batches)
     return info
+
+
+def _check_compute_type(saved: Optional[str], file: Path) -> None:
+    """fp16 on a CPU computes in the type its instruction set allows (cpu_half.py): a file saved
+    on another kind of CPU was computed in another type than this run will be."""
+    now = cpu_half.stored_choice()
+    if saved and now and saved != now:
+        get_dist_logger().warning(
+            f"[rank {gpc.rank}] {file} was computed in {saved} (fp16 on its CPU) and this CPU "
+            f"computes in {now}: the resumed run will differ from the straight one; to compute "
+            f"as it did, set fp16=dict(..., dtype='bfloat16') (or enabled=False for float32)")
 
 
 # -- one layout per file ----------------------------------------------------------------------

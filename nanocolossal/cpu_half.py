@@ -1,71 +1,60 @@
-"""Which half type a CPU should compute in -- measured once per process, not assumed.
+"""Which half type a CPU computes in: decided from its instruction set, never from a timing.
 
 On a GPU, `fp16=dict(mode=...)` means float16 (or bfloat16): both have fast kernels. A CPU has
 no fast float16 kernels at all (a ResNet-34 step measured 75x slower than in bfloat16), and
-only some CPUs have fast bfloat16 ones (on CPUs without them a bf16 ResNet-34 step measured 40x
-slower than fp32). So on a CPU the half type is a measurement:
+only CPUs with bfloat16 instructions have fast bfloat16 ones (without them a bf16 ResNet-34 step
+measured 40x slower than fp32, emulated in AVX-512 code). So on a CPU:
 
-    cpu_half_dtype()        torch.bfloat16 if this CPU runs bf16 at least as fast as fp32,
-                            else None (compute in float32). Timed on a small conv + matmul
-                            (a few ms), the first time it is asked; the answer is cached.
-    reset_cpu_half_dtype()  forget the answer (gpc.destroy() calls it: the next launch measures
-                            again, all its ranks together)
+    cpu_half_dtype()   torch.bfloat16 if this CPU has bfloat16 instructions (x86's AVX512-BF16
+                       or AMX, as torch reports them), else None: compute in float32
 
-Every rank must compute alike, so rank 0 measures and broadcasts its answer: all ranks of a
-launched job must ask together (engine/initialize.py asks during nc.initialize). The config
-overrides the measurement: `fp16=dict(..., dtype='bfloat16' or 'float16')` is used as given and
-this module is never asked (engine/initialize.py, apply_amp).
+Not a timing: numerics must not depend on how busy the machine was when it measured (a run and
+its resumed half would compute in different types). Rank 0 decides and broadcasts, so a job on
+mixed machines computes alike; initialize logs the choice, save_checkpoint stores it
+(`stored_choice`) and load_checkpoint warns when a checkpoint was computed in another type than
+the resuming run. The config overrides the choice: `fp16=dict(..., dtype='bfloat16' or
+'float16')` is used as given and this module is never asked (engine/initialize.py, apply_amp).
+gpc.destroy() forgets the answer (the next launch's ranks decide together).
 """
 from __future__ import annotations
 
-import math
-import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from .context import gpc
+from .context import gpc, on_destroy
 
-# The cached answer, under the key "dtype" once measured (None is a valid answer: float32).
+# The answer, under the key "dtype" once decided (None is a valid answer: float32).
 _cache: dict[str, Optional[torch.dtype]] = {}
 
 
-def _step_time(dtype: Optional[torch.dtype]) -> float:
-    """Best of 3 timings of a small conv + linear forward and backward, under autocast to
-    `dtype` (None: plain float32)."""
-    conv, linear = nn.Conv2d(16, 16, 3, padding=1), nn.Linear(256, 256)
-    x = torch.randn(8, 16, 16, 16)
-    best = math.inf
-    for _ in range(3):
-        start = time.perf_counter()
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            y = linear(conv(x).flatten(1)[:, :256])
-        y.float().sum().backward()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def measure_cpu_half_dtype() -> Optional[torch.dtype]:
-    """This process's own measurement, uncached: torch.bfloat16 or None (float32)."""
-    with torch.random.fork_rng(devices=[]):  # the RNG stays as the user seeded it
-        bf16_is_fast = _step_time(torch.bfloat16) <= _step_time(None)
-    if bf16_is_fast:
-        return torch.bfloat16
-    return None
+def has_bf16_instructions() -> bool:
+    """Does this CPU compute bfloat16 natively (not emulated)? torch's own CPU feature checks."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
 def cpu_half_dtype() -> Optional[torch.dtype]:
-    """rank 0's measurement, the same on every rank; measured on the first call, then cached."""
+    """rank 0's answer, the same on every rank; decided on the first call, then cached."""
     if "dtype" not in _cache:
-        answer = [measure_cpu_half_dtype()]
+        answer = [torch.bfloat16 if has_bf16_instructions() else None]
         if gpc.is_initialized and gpc.world_size > 1:
             dist.broadcast_object_list(answer, src=0)
         _cache["dtype"] = answer[0]
     return _cache["dtype"]
 
 
+def stored_choice() -> Optional[str]:
+    """What a checkpoint records: 'bfloat16' or 'float32' if this job asked, else None."""
+    if "dtype" not in _cache:
+        return None
+    return str(_cache["dtype"] or torch.float32).removeprefix("torch.")
+
+
 def reset_cpu_half_dtype() -> None:
-    """Forget the cached answer: the next cpu_half_dtype() measures again."""
+    """Forget the answer: the next cpu_half_dtype() decides again."""
     _cache.clear()
+
+
+on_destroy(reset_cpu_half_dtype)

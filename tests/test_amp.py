@@ -394,24 +394,17 @@ def test_clip_then_step_under_a_loss_scaler_equals_plain_clip_then_step(setup, c
             assert_close(p.detach(), q)
 
 
-def test_cpu_half_dtype_is_measured_once_then_cached_until_reset(monkeypatch):
+def test_cpu_half_dtype_follows_the_instruction_set_not_a_timing(monkeypatch):
+    """bf16 exactly where the CPU has bfloat16 instructions, however busy the machine is: a run
+    and its resumed half must compute alike. Decided once, then cached until reset."""
     monkeypatch.setattr(cpu_half, "_cache", {})  # this test's own cache; the real one is kept
-    answers = iter([torch.bfloat16, None])
-    measured = []
-
-    def measure():
-        measured.append(1)
-        return next(answers)
-    monkeypatch.setattr(cpu_half, "measure_cpu_half_dtype", measure)
-    assert [cpu_half.cpu_half_dtype() for _ in range(3)] == [torch.bfloat16] * 3
-    assert len(measured) == 1, "measured once, then cached"
-    cpu_half.reset_cpu_half_dtype()
-    assert cpu_half.cpu_half_dtype() is None and len(measured) == 2, "reset: measured again"
-
-
-def test_cpu_half_measurement_answers_bf16_or_float32_and_keeps_the_rng():
-    torch.manual_seed(3)
-    expected = torch.rand(2)
-    torch.manual_seed(3)
-    assert cpu_half.measure_cpu_half_dtype() in (torch.bfloat16, None)
-    assert torch.equal(torch.rand(2), expected), "the user's seeded RNG is untouched"
+    asked, real = [], cpu_half.has_bf16_instructions
+    for native, expected in ((True, torch.bfloat16), (False, None)):
+        monkeypatch.setattr(cpu_half, "has_bf16_instructions",
+                            lambda native=native: asked.append(1) or native)
+        cpu_half.reset_cpu_half_dtype()
+        assert [cpu_half.cpu_half_dtype() for _ in range(3)] == [expected] * 3
+        assert cpu_half.stored_choice() == str(expected or torch.float32).removeprefix("torch.")
+    assert len(asked) == 2, "asked once per job, then cached"
+    has_avx512_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert real() == has_avx512_bf16

@@ -1,3 +1,4 @@
+import logging
 import os
 import pickle
 import random
@@ -400,3 +401,35 @@ def test_merge_checkpoint_after_a_layout_change_ignores_the_older_layouts_files(
     merged = merge_checkpoint(tmp_path / "ckpt.pt")
     assert sorted(merged) == ["0.weight", "1.weight"]
     assert all(torch.equal(v, torch.ones(2)) for v in merged.values())
+
+
+def _cpu_half_worker(rank, world_size, port, path, other):
+    """fp16 on a CPU without a dtype: save, then load as a run on another kind of CPU would."""
+    nc.launch({"fp16": {"mode": AMP_TYPE.TORCH}}, rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port)
+    model = nn.Linear(4, 2)
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               nn.MSELoss(), verbose=False)
+    save_checkpoint(path, 0, engine.model, engine.optimizer)
+    saved = checkpoint.read_file(path, "cpu")["cpu_half"]
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger = nc.get_dist_logger()._logger
+    logger.addHandler(handler)
+    load_checkpoint(path, engine.model, engine.optimizer)  # the same CPU: nothing to say
+    nc.cpu_half._cache["dtype"] = other  # this run decided otherwise (another CPU)
+    load_checkpoint(path, engine.model, engine.optimizer)
+    logger.removeHandler(handler)
+    return saved, warnings
+
+
+def test_gloo_a_checkpoint_records_the_cpu_half_type_and_a_resume_on_another_warns(tmp_path):
+    """fp16 on a CPU computes in bf16 or float32 by the CPU's instructions (cpu_half.py): the
+    checkpoint stores which, and loading it where the choice differs says so and how to pin it."""
+    native = nc.cpu_half.has_bf16_instructions()
+    other = None if native else torch.bfloat16
+    [(saved, warnings)] = run_ranks(_cpu_half_worker, 1, tmp_path / "c.pt", other, timeout=60)
+    assert saved == ("bfloat16" if native else "float32")
+    assert len(warnings) == 1 and f"computed in {saved}" in warnings[0] and \
+        "set fp16=dict(..., dtype='bfloat16')" in warnings[0], warnings

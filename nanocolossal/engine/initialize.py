@@ -88,8 +88,9 @@ def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer
     if measure:
         get_dist_logger().info(
             f"fp16 on CPU: computing in {str(cpu_half or torch.float32).removeprefix('torch.')}: "
-            f"measured the fastest on this CPU, which has no fast float16 kernels; "
-            f"fp16=dict(..., dtype='bfloat16'|'float16') overrides")
+            f"this CPU {'has' if cpu_half else 'lacks'} bfloat16 instructions and no CPU has fast "
+            f"float16 kernels (cpu_half.py); fp16=dict(..., dtype='bfloat16'|'float16') "
+            f"overrides")
     if kwargs is None:
         off = "off (enabled=False)" if fp16.get("enabled") is False else "in float32 on this CPU"
         return model, MixedPrecisionOptimizer(optimizer), f"{name} {off}"
