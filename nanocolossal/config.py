@@ -175,8 +175,13 @@ def is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _parallel_size(value: Any, key: str) -> int:
-    """`tensor=4` and `tensor=dict(size=4, mode='2d')` are both Colossal-AI spellings."""
+def _parallel_size(value: Any, key: str, known: tuple[str, ...] = ("size",)) -> int:
+    """`tensor=4` and `tensor=dict(size=4, mode='2d')` are both Colossal-AI spellings. A key
+    the dict does not know (a misspelt one, or one for another mode) is refused."""
+    unknown = sorted(set(value) - set(known)) if isinstance(value, Mapping) else []
+    if unknown:
+        raise ConfigError(f"unknown parallel.{key} key(s) {unknown}; parallel.{key} "
+                          f"understands {', '.join(known)}")
     size = value.get("size", 1) if isinstance(value, Mapping) else value
     if not is_positive_int(size):
         raise ConfigError(f"parallel.{key} must be a positive "
@@ -204,8 +209,10 @@ def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[i
                           "1d/2d tensor split; remove parallel.sequence")
     P = _parallel_size(parallel.get("pipeline", 1), "pipeline")
     tensor = parallel.get("tensor", 1)
-    T = _parallel_size(tensor, "tensor")
     mode = tensor.get("mode") if isinstance(tensor, Mapping) else None
+    # (depth: 2.5d's, refused below as not implemented yet, not as an unknown key)
+    T = _parallel_size(tensor, "tensor", ("size", "mode", "depth") if mode == "2.5d" else
+                       ("size", "mode"))
     if T == 1:
         mode = None
     elif mode in _NOT_YET:
@@ -247,8 +254,13 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError(f"ddp.compress must be None, 'bf16' or 'fp16', got {ddp['compress']!r}")
     handlers = cfg.get("gradient_handler")
     if handlers is not None:
-        types = [h.get("type") if isinstance(h, Mapping) else h for h in
-                 (handlers if isinstance(handlers, (list, tuple)) else [handlers])]
+        entries = handlers if isinstance(handlers, (list, tuple)) else [handlers]
+        extra = sorted({k for h in entries if isinstance(h, Mapping) for k in h} - {"type"})
+        if extra:
+            raise ConfigError(f"gradient_handler entries take only type, e.g. "
+                              f"[dict(type='DataParallelGradientHandler')] (unknown: "
+                              f"{', '.join(extra)})")
+        types = [h.get("type") if isinstance(h, Mapping) else h for h in entries]
         # both all-reduce over gpc.gradient_group: data ranks, times sequence ranks if any
         if types not in (["DataParallelGradientHandler"], ["SequenceParallelGradientHandler"]):
             raise ConfigError(f"gradient_handler {types} is not supported; use "
