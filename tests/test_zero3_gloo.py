@@ -1,9 +1,12 @@
-"""ZeRO level 3 on gloo ranks: the same training as one process, parameters held as shards
-between uses (bytes counted from live tensors), checkpoints as the plain model's, and
-Colossal-AI v0.1's zero=dict(model_config=..., optimizer_config=...) spelling."""
+"""ZeRO level 3 on gloo ranks: the same training as one process, also for models as written
+(blocks in a ModuleList / ModuleDict, a head reading the embedding's weight, a block called
+twice, two forwards per backward, activation checkpointing), parameters held as shards between
+uses (bytes counted from live tensors), checkpoints as the plain model's, and Colossal-AI
+v0.1's zero=dict(model_config=..., optimizer_config=...) spelling."""
 import copy
 import logging
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -19,7 +22,9 @@ from test_zero_gloo import (
     zero_config,
 )
 from torch import nn
+from torch.nn import functional as F
 from torch.testing import assert_close
+from torch.utils.checkpoint import checkpoint
 
 import nanocolossal as nc
 from nanocolossal.amp import AMP_TYPE
@@ -32,7 +37,7 @@ from nanocolossal.checkpoint import (
     save_checkpoint,
 )
 from nanocolossal.config import ConfigError, load_config
-from nanocolossal.zero import ParamShardedOptimizer, zero_settings
+from nanocolossal.zero import ParamShardedOptimizer, plan_units, zero_settings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -334,3 +339,155 @@ def test_gloo_zero3_same_sized_units_run_on_different_ranks_are_refused_at_the_s
     both = run_ranks(_twins_worker, 2, {0, 1}, timeout=60)
     assert isinstance(both[0], dict) and isinstance(both[1], dict), both
     assert_close(both[0], both[1], rtol=0, atol=0)
+
+
+V, T, D = 11, 5, 8  # vocabulary, sequence, width of the GPT-like models below
+
+
+class Block(nn.Module):
+    """Causal self-attention and an MLP, residual; `ckpt` (use_reentrant) recomputes the MLP
+    under activation checkpointing."""
+
+    def __init__(self, ckpt=None) -> None:
+        super().__init__()
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(D), nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.ln2, self.fc, self.out = nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        self.ckpt = ckpt
+
+    def mlp(self, x):
+        return self.out(torch.tanh(self.fc(self.ln2(x))))
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        if self.ckpt is None:
+            return x + self.mlp(x)
+        return x + checkpoint(self.mlp, x, use_reentrant=self.ckpt)
+
+
+class ListGPT(nn.Module):
+    """Blocks in an nn.ModuleList; `ckpt` inside each block, or `whole`: each block checkpointed
+    from the model's forward (use_reentrant); `shared`: one block, called twice."""
+
+    def __init__(self, ckpt=None, whole=None, shared=False) -> None:
+        super().__init__()
+        self.wte, self.ln_f, self.head = nn.Embedding(V, D), nn.LayerNorm(D), nn.Linear(D, V)
+        self.blocks = nn.ModuleList(Block(ckpt) for _ in range(1 if shared else 2))
+        self.whole, self.shared = whole, shared
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in [*self.blocks] * (2 if self.shared else 1):
+            x = block(x) if self.whole is None else checkpoint(block, x, use_reentrant=self.whole)
+        return self.head(self.ln_f(x)).flatten(0, 1)
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's layout: a ModuleDict holding a ModuleList; the head is the token embedding,
+    read by the model's own forward (F.linear), outside the embedding's unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(V, D), wpe=nn.Embedding(T, D),
+            h=nn.ModuleList(Block() for _ in range(2)), ln_f=nn.LayerNorm(D)))
+
+    def forward(self, idx):
+        tr = self.transformer
+        x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1]))
+        for block in tr.h:
+            x = block(x)
+        return F.linear(tr.ln_f(x), tr.wte.weight).flatten(0, 1)
+
+
+def test_zero3_units_are_the_modules_that_run():
+    """Containers are opened (a ModuleDict, a ModuleList, a Sequential): nanoGPT's units are its
+    embeddings, each block and the final norm; a weight two units share is the root unit's."""
+    model = NanoGPT()
+    model.head = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, V, bias=False))
+    model.head[2].weight = model.transformer.wte.weight
+    units, unit_of = plan_units(model, list(model.parameters()))
+    names = {id(m): n for n, m in model.named_modules()}
+    assert [names[id(u)] for u in units] == [
+        "transformer.wte", "transformer.wpe", "transformer.h.0", "transformer.h.1",
+        "transformer.ln_f", "head.0", "head.1", "head.2"]
+    assert unit_of[id(model.transformer.wte.weight)] == len(units)
+    assert unit_of[id(model.head[0].weight)] == 5
+
+
+KINDS = {  # name: (model, ranks, forwards before each backward, gradient accumulation)
+    "ModuleList of blocks": (ListGPT, 2, 1, 1),
+    "nanoGPT ModuleDict, head tied by F.linear": (NanoGPT, 3, 1, 1),
+    "one block called twice": (partial(ListGPT, shared=True), 2, 1, 1),
+    "siamese: two forwards, one backward, accumulation 2": (ListGPT, 2, 2, 2),
+    "checkpointing in a block, reentrant": (partial(ListGPT, ckpt=True), 2, 1, 1),
+    "checkpointing in a block, non-reentrant": (partial(ListGPT, ckpt=False), 2, 1, 1),
+    "blocks checkpointed whole, reentrant": (partial(ListGPT, whole=True), 2, 1, 1),
+    "blocks checkpointed whole, non-reentrant": (partial(ListGPT, whole=False), 2, 1, 1),
+}
+
+
+def _model(kind):
+    torch.manual_seed(0)
+    return KINDS[kind][0]().double()
+
+
+def _tokens(step, n):
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randint(0, V, (n, T), generator=g), torch.randint(0, V, (n, T), generator=g)
+
+
+def _kind_steps(kind, model_loss, ranks, rank=None, steps=3):
+    """Yields (last micro-step of its step?, loss): each step `accum` micro-steps of `forwards`
+    forwards on B samples per rank (rank None: one process, on every rank's); model_loss(idx,
+    targets) runs a forward and returns its loss, summed over the forwards."""
+    _, _, forwards, accum = KINDS[kind]
+    n = B if rank is not None else ranks * B
+    for step in range(steps):
+        idx, tgt = _tokens(step, accum * forwards * ranks * B)
+        for micro in range(accum):
+            at = [((micro * forwards + f) * ranks + (rank or 0)) * B for f in range(forwards)]
+            yield micro == accum - 1, sum(model_loss(idx[a:a + n], tgt[a:a + n].flatten())
+                                          for a in at)
+
+
+def _kind_worker(rank, world_size, port, kind):
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("nanocolossal").addHandler(handler)
+    nc.launch({"zero": dict(level=3), "gradient_accumulation": KINDS[kind][3]}, rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    model = _model(kind)
+    engine, *_ = nc.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.01),
+                               nn.CrossEntropyLoss(), verbose=False)
+    for _, loss in _kind_steps(kind, lambda x, y: engine.criterion(engine(x), y), world_size,
+                               rank):
+        engine.zero_grad()
+        engine.backward(loss)
+        engine.step()
+    assert _freed(engine.model)
+    logging.getLogger("nanocolossal").removeHandler(handler)
+    return engine.model.state_dict(), [line for line in logged if "zero level 3" in line]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gloo_zero3_models_as_written_train_as_one_process(kind):
+    """Units are the modules that run (blocks inside a ModuleList / ModuleDict); a unit called
+    twice, two forwards before one backward and activation checkpointing (in a block, or of
+    whole blocks) give one process's parameters after 3 AdamW steps; a head reading the
+    embedding's weight outside its unit moves that unit to the root unit, and says so."""
+    ranks, accum = KINDS[kind][1], KINDS[kind][3]
+    single = _model(kind)
+    opt = torch.optim.AdamW(single.parameters(), lr=0.01)
+    for last, loss in _kind_steps(kind, lambda x, y: F.cross_entropy(single(x), y), ranks):
+        (loss / accum).backward()
+        if last:
+            opt.step()
+            opt.zero_grad()
+    results = run_ranks(_kind_worker, ranks, kind, timeout=90)
+    for state, _ in results:
+        assert_close(state, single.state_dict())
+    moved = ["zero level 3: transformer.wte.weight is read outside unit 'transformer.wte', which "
+             "joins the root unit (gathered for the whole forward and backward)"]
+    assert results[0][1] == (moved if kind.startswith("nanoGPT") else []), results[0][1]

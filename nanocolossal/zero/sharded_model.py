@@ -1,9 +1,10 @@
 """ZeRO level 3: parameters live as shards between uses; each unit is gathered just for its
 forward and again for its backward, and its gradients are reduce-scattered when its backward ends.
 
-Units (the wrapping policy): each direct child of the model holding parameters the optimizer
-steps. The model's own parameters and any two children share (a tied embedding) form the root
-unit, gathered for the whole forward and backward; parameters not stepped are kept whole.
+Units (the wrapping policy, unit_order.py: plan_units): the modules that run -- the model's
+children with nn.ModuleList, nn.ModuleDict and nn.Sequential opened, so a stack of blocks is one
+unit per block. The model's own parameters and any two units share (a tied embedding) form the
+root unit, gathered for the whole forward and backward; parameters not stepped are kept whole.
 
 Who holds what when, one step, units L0 -> L1 -> L2 (N ranks, `g` = all-gather, `rs` =
 reduce-scatter of the unit's gradients, which keeps only my shard of them):
@@ -21,16 +22,33 @@ followed it last forward (backward: this forward's order reversed); a changed or
 
 How the hooks know: a forward pre-hook gathers the unit and passes its inputs through an
 identity autograd function whose backward runs when the gradients of the inputs are done,
-i.e. when the unit's backward has ended ("post-backward": free, reduce-scatter). A forward hook
-frees the unit and puts a hook on its outputs, which fires when their gradients arrive, i.e.
-just before the unit's backward ("pre-backward": gather). A unit whose inputs need no gradient
-(the first layer) and a unit not used in this pass are reduced by a callback at the end of
-backward. Reductions start in a fixed order (last unit first), as DDP's buckets do, so every
-rank issues the same collectives whatever order autograd reaches the units in. Each unit runs
-once per forward (its backward would find a second call's parameters freed), and every data
-rank must run the same units in the same order (as FSDP requires): a unit only some ranks run
-(a branch taken on rank 0's data alone) pairs one rank's gather with another's: unit_order.py
-checks the order before every step (debug=True: before every gather).
+i.e. when the unit's backward has ended ("post-backward"). A forward hook frees the unit and
+puts a hook on its outputs, which fires when their gradients arrive, i.e. just before the
+unit's backward ("pre-backward": gather). Reductions start in a fixed order (last unit first),
+as DDP's buckets do, so every rank issues the same collectives whatever order autograd reaches
+the units in. Every data rank must run the same units in the same order (as FSDP requires):
+unit_order.py checks it before every step (debug=True: before every gather).
+
+Calls: a unit may run several times before a backward (a block called twice, a siamese loss
+over two forwards). Each call gathers and frees on its own, forward and backward (k calls: k
+gathers each way, one reduction); the unit counts its calls with grad, each post-backward counts
+one off, and the last one reduces it -- autograd has then summed every call's gradient into
+.grad. A block B called twice (a unit stays gathered while any of its calls is in backward):
+
+    forward     B: g | call 1 | free | g | call 2 | free                    calls: 2
+    backward    B:                          g | call 2 | free | g | call 1 | free | rs  calls: 1, 0
+
+A call whose inputs need no gradient (the first layer) never counts off: that unit, and one not
+used, are reduced by a callback at the end of backward (counts that no backward took back, a
+forward whose loss was dropped, are forgotten at the step). Activation checkpointing inside a
+unit recomputes while the unit is gathered for its backward. A whole unit checkpointed
+recomputes in backward: gathered if it is not, neither counted nor freed there (its forward's
+call frees it); under use_reentrant=True its forward ran without grad and counted nothing, so
+the recomputation's post-backward reduces it: such a unit may run once per forward only.
+
+A unit's parameters read outside its forward (a tied head, the model calling
+F.linear(x, self.transformer.wte.weight)) would read the freed NaN placeholder: the first
+forward finds such reads (unit_order.py) and that unit joins the root unit.
 
 Memory per rank (fp32 parameters, Adam, Psi = elements the optimizer steps, N ranks; each
 unit's buffers padded to a multiple of N):
@@ -59,25 +77,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..context import gpc
+from ..logging import get_dist_logger
 from ..nest import map_tensors
 from .comm import reduce_scatter_shard
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
-from .unit_order import UnitOrder
+from .unit_order import OutsideUse, UnitOrder, plan_units
 
-
-def plan_units(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[nn.Module], dict]:
-    """The policy: direct children with parameters are units; the root's own parameters and
-    those shared by two children are the root unit (index len(children)). Returns the children
-    and {id(param): unit index} for the parameters the optimizer steps."""
-    children = [m for _, m in model.named_children()]
-    owners: dict[int, set[int]] = {}
-    for i, child in enumerate(children):
-        for p in child.parameters():
-            owners.setdefault(id(p), set()).add(i)
-    root = len(children)
-    unit_of = {id(p): min(owners[id(p)]) if len(owners.get(id(p), ())) == 1 else root
-               for p in params}
-    return children, unit_of
+__all__ = ["ShardedModel", "plan_units"]  # (plan_units: the policy, unit_order.py)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -97,8 +103,10 @@ class _PostBackward(torch.autograd.Function):
 class _Unit:
     def __init__(self, name: str, buffers: list[ShardedFlatBuffer]) -> None:
         self.name, self.buffers = name, buffers
+        self.calls = 0      # forwards with grad whose backward has not ended
+        self.active = 0     # calls whose backward began and has not ended
         self.ready = False  # its backward is over in this pass (or it took no part)
-        self.runs = 0       # forwards with grad since the model's forward began
+        self.hooks: list = []
 
     def gather(self, group: Optional[dist.ProcessGroup], async_op: bool = False) -> None:
         for b in self.buffers:
@@ -114,31 +122,36 @@ class _Unit:
 
 
 class ShardedModel:
-    """Installs level 3's hooks on `model` (the optimizer already cut it into shards)."""
+    """Installs level 3's hooks on `model` (the optimizer already cut it into shards, by the
+    `units` of plan_units)."""
 
     def __init__(self, model: nn.Module, optimizer: ParamShardedOptimizer,
-                 children: list[nn.Module], overlap_communication: bool = True) -> None:
+                 units: list[nn.Module], overlap_communication: bool = True) -> None:
         self.model, self.optimizer, self.group = model, optimizer, optimizer.group
         self.size, self.overlap = optimizer.size, overlap_communication
         # every data rank must gather the same units in the same order: checked (unit_order.py)
         self.unit_order = UnitOrder(self.group, bool(gpc.config.get("debug")))
-        optimizer.unit_order = self.unit_order if self.size > 1 else None
-        names = {id(m): n for n, m in model.named_children()}
+        optimizer.before_step = self._before_step
+        names = {id(m): n for n, m in model.named_modules()}
         self.children: list[_Unit] = []
-        for i, child in enumerate(children):
+        for i, module in enumerate(units):
             if optimizer.buffers_of(i):
-                unit = _Unit(names[id(child)], optimizer.buffers_of(i))
+                unit = _Unit(names[id(module)], optimizer.buffers_of(i))
                 self.children.append(unit)
-                child.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
-                child.register_forward_hook(partial(self._post_forward, unit))
-        self.root = _Unit("(root)", optimizer.buffers_of(len(children)))
+                unit.hooks = [module.register_forward_pre_hook(partial(self._pre_forward, unit),
+                                                               with_kwargs=True),
+                              module.register_forward_hook(partial(self._post_forward, unit))]
+        self.root = _Unit("(root)", optimizer.buffers_of(len(units)))
         # backward reaches the last child first; the root unit ends with the whole backward
         self.order = [*reversed(self.children), self.root]
-        self._next, self._pending, self._queued = 0, [], False
+        self._next, self._pending, self._queued = 0, [], False  # (_queued: in a backward)
         self.seen: list[_Unit] = []  # prefetch: this forward's units in order, the last one's
         self.previous: list[_Unit] = []
+        self.running: list[_Unit] = []  # units whose forward is under way
+        self.watch: Optional[OutsideUse] = None  # the first forward's (unit_order.py)
+        self.watched = False
         model.register_forward_pre_hook(self._root_pre_forward)
-        model.register_forward_hook(self._root_post_forward)
+        model.register_forward_hook(self._root_post_forward, always_call=True)
         model.register_state_dict_pre_hook(self._before_state_dict)
         model.register_state_dict_post_hook(partial(ShardedModel._after_state_dict, self))
         named = model.named_parameters(remove_duplicate=False)  # (a tied weight: each name)
@@ -152,7 +165,7 @@ class ShardedModel:
         `then`, so that transfer runs while this unit computes."""
         self._gather(unit)
         unit.wait()
-        if self.overlap and unit in then[:-1]:
+        if self.overlap and unit in then[:-1] and not then[then.index(unit) + 1].ready:
             self._gather(then[then.index(unit) + 1], async_op=True)
 
     def _gather(self, unit: _Unit, async_op: bool = False) -> None:
@@ -161,27 +174,32 @@ class ShardedModel:
         unit.gather(self.group, async_op)
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
-        for unit in self.children:
-            unit.runs = 0
         self.previous, self.seen = self.seen or self.previous, []  # this forward repeats that one
+        self.running.clear()
         self._use(self.root, [])
+        if not self.watched:  # the first forward: parameters read outside their unit?
+            where = {id(p): u for u in self.children for b in u.buffers for p in b.params}
+            self.watch = OutsideUse(where, self.running, self._join_root)
+            self.watch.__enter__()
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.watch is not None:  # (always called: a forward that raised, output None, ends
+            self.watch.__exit__(None, None, None)  # the watch too, and the next one is watched)
+            self.watch, self.watched = None, output is not None
         self._on_grad_of(output, self._root_pre_backward)
         for unit in (self.root, *self.children):  # (children: a prefetch this forward skipped)
             unit.free()
 
     def _pre_forward(self, unit: _Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
-        self.seen.append(unit)
-        self._use(unit, self.previous)
+        self.running.append(unit)
+        if self._queued:  # recomputed in backward (a checkpointed unit): no count, no prefetch
+            self._use(unit, [])
+        else:
+            self.seen.append(unit)
+            self._use(unit, self.previous)
+            unit.calls += torch.is_grad_enabled()
         if not torch.is_grad_enabled():
             return None
-        unit.runs += 1
-        if unit.runs > 1:
-            raise RuntimeError(f"[rank {gpc.rank}] zero level 3: unit {unit.name!r} ran twice in "
-                               f"one forward; each direct child of the model is gathered for one "
-                               f"forward and one backward: make the repeated module part of a "
-                               f"larger child, or use zero level 2")
         found: list[torch.Tensor] = []
         map_tensors(lambda t: found.append(t) if t.requires_grad else None, (args, kwargs))
         if not found:  # the first layer: reduced by the end-of-backward callback
@@ -191,13 +209,21 @@ class ShardedModel:
 
     def _post_forward(self, unit: _Unit, module: nn.Module, args: Any, output: Any) -> None:
         self._on_grad_of(output, partial(self._pre_backward, unit))
-        unit.free()
+        if not self._queued:  # (a recomputation's saved tensors are read after it)
+            unit.free()
+        if unit in self.running:
+            self.running.remove(unit)
 
     @staticmethod
     def _on_grad_of(output: Any, hook: Callable[[], None]) -> None:
+        """hook() once, when the first gradient of a tensor of `output` arrives."""
         if torch.is_grad_enabled():
-            map_tensors(lambda t: t.register_hook(lambda g: hook()) if t.requires_grad else None,
-                        output)
+            once = [hook]
+
+            def fire(grad: torch.Tensor) -> None:
+                if once:
+                    once.pop()()
+            map_tensors(lambda t: t.register_hook(fire) if t.requires_grad else None, output)
 
     # -- backward ---------------------------------------------------------------------------
     def _root_pre_backward(self) -> None:
@@ -208,9 +234,18 @@ class ShardedModel:
 
     def _pre_backward(self, unit: _Unit) -> None:
         self._root_pre_backward()
+        unit.active += 1
         self._use(unit, self.seen[::-1])  # backward meets the units in reverse forward order
 
     def _post_backward(self, unit: _Unit) -> None:
+        unit.active = max(unit.active - 1, 0)
+        unit.calls = max(unit.calls - 1, 0)  # (0: a recomputation's, or a call since forgotten)
+        if unit.calls == 0 and not unit.ready:
+            self._done(unit)
+        elif unit.active == 0:  # another call's backward is still to come: it gathers again
+            unit.free()
+
+    def _done(self, unit: _Unit) -> None:
         unit.free()
         unit.ready = True
         while self._next < len(self.order) and self.order[self._next].ready:
@@ -253,19 +288,45 @@ class ShardedModel:
         self._pending = []
 
     def _end_backward(self) -> None:
-        for unit in self.order:  # not used, or its inputs needed no gradient: free, then reduce
+        for unit in self.order:  # not used, or a call's end unseen (a first layer): reduce now
             if not unit.ready:
-                self._post_backward(unit)
+                self._done(unit)
         self._finish_pending()
         late = [n for n, p in self.model.named_parameters() if p.grad is not None
                 and id(p) in self.optimizer.unit_of]
         for unit in self.order:
-            unit.ready = False
+            unit.ready, unit.active = False, 0
         self._next, self._queued = 0, False
         if late:
             raise RuntimeError(f"[rank {gpc.rank}] zero level 3: {', '.join(late[:4])} got a "
-                               f"gradient after its unit's backward ended (used outside its "
-                               f"unit?); it would be lost")
+                               f"gradient after its unit was reduced, so it would be lost: "
+                               f"checkpoint a unit that runs more than once per forward with "
+                               f"use_reentrant=False, and use a unit's parameters outside its "
+                               f"forward only as the first forward did (sharded_model.py)")
+
+    def _before_step(self) -> None:
+        if self.size > 1:
+            self.unit_order.check()
+        for unit in self.children:  # calls no backward reached (a forward whose loss was
+            unit.calls = 0          # dropped) would keep their unit from an early reduction
+
+    # -- a parameter read outside its unit (unit_order.py: OutsideUse) ----------------------
+    def _join_root(self, unit: _Unit, param: torch.Tensor) -> None:
+        """From now on `unit` is part of the root unit: gathered now (for the op that read
+        `param`), then for every whole forward and backward."""
+        if unit not in self.children:  # (joined already)
+            return
+        self._use(unit, [])
+        for hook in unit.hooks:
+            hook.remove()
+        self.children.remove(unit)
+        self.order.remove(unit)
+        self.root.buffers += unit.buffers
+        unit.buffers = []  # (this forward's hooks on it now do nothing)
+        name = next(n for n, p in self.model.named_parameters() if p is param)
+        get_dist_logger().info(f"zero level 3: {name} is read outside unit {unit.name!r}, which "
+                               f"joins the root unit (gathered for the whole forward and "
+                               f"backward)")
 
     # -- checkpoints: the plain model's state_dict, full tensors ------------------------------
     def gather_all(self) -> None:

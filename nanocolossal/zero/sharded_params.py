@@ -100,11 +100,12 @@ class ParamShardedOptimizer(ShardedOptimizer):
     group, unit_of), `unit_of[id(p)]` p's unit index."""
 
     buffer_class = ShardedFlatBuffer
-    unit_order = None  # set by ShardedModel: the units gathered since the last step, checked
+    before_step = None  # set by ShardedModel: the unit order checked (a step on shards of
+                        # mixed-up units would stick), the forwards' call counts forgotten
 
     def step(self) -> bool:
-        if self.unit_order is not None:  # a step on shards of mixed-up units would stick
-            self.unit_order.check()
+        if self.before_step is not None:
+            self.before_step()
         return super().step()
 
     def _kind(self, p: nn.Parameter) -> tuple:

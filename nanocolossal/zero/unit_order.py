@@ -1,9 +1,28 @@
-"""Level 3's one rule, checked: every data rank gathers the same units in the same order.
+"""Level 3's units: which modules they are, and the two rules they follow, checked.
 
-The ranks' shards meet by order: the k-th all-gather of rank 0 pairs with the k-th of rank 1.
-A unit that only some ranks run (a branch taken on rank 0's data alone) breaks the pairing.
-Units of different sizes make gloo abort; units of the same size give every rank a parameter
-built from two units' shards -- a silently wrong forward, and a wrong step after it. So:
+Which (plan_units): the modules that run. The model's children, with the containers opened,
+recursively: an nn.ModuleList or nn.ModuleDict is never called, and an nn.Sequential only calls
+its layers in turn, so the elements are the units. `self.blocks = nn.ModuleList(...)` (or a
+Sequential of blocks; nanoGPT's ModuleDict(wte=..., h=ModuleList(...), ln_f=...)) gives one unit
+per block, FSDP's usual per-block wrapping: a block is gathered alone, not the whole stack. A
+unit is not opened further. The model's own parameters and those two units share (a tied
+embedding) are the root unit, gathered for the whole forward and backward.
+
+Rule 1, a unit's parameters are read inside its forward only -- else it joins the root unit.
+A freed parameter points at a NaN element (sharded_params.py), so a read elsewhere -- a tied
+head F.linear(x, self.wte.weight) in the model's forward, a block reading another block's
+weight -- would compute with NaN. OutsideUse watches the ops of the first forward (a
+TorchFunctionMode) and reports each unit whose parameter an op reads while that unit is not
+running (its shape, dtype or device do not count); sharded_model.py gathers that unit there and
+then and makes it part of the root unit, logged: the same code works, that unit stays whole
+through forward and backward. Only the first forward that completes is watched (its cost is a
+Python call per op): a read elsewhere that first appears later still reads NaN.
+
+Rule 2, every data rank gathers the same units in the same order. The ranks' shards meet by
+order: the k-th all-gather of rank 0 pairs with the k-th of rank 1. A unit that only some ranks
+run (a branch taken on rank 0's data alone) breaks the pairing. Units of different sizes make
+gloo abort; units of the same size give every rank a parameter built from two units' shards --
+a silently wrong forward, and a wrong step after it. So:
 
     every step     each rank folds the units it gathered since the last step (prefetches too)
                    into one number, a rolling hash of their indices; before the optimizer steps,
@@ -20,14 +39,65 @@ integers per step (debug=True: one per gather).
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..context import gpc
+from ..nest import map_tensors
 from .comm import same_everywhere
 
 _PRIME = 2**61 - 1  # the hash stays an int64 (an all-reduce's element)
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+_METADATA = {"shape", "size", "dim", "ndim", "numel", "nelement", "dtype", "device", "layout",
+             "requires_grad", "is_leaf", "grad", "stride", "element_size", "itemsize", "nbytes",
+             "data_ptr", "untyped_storage", "is_contiguous", "is_cuda", "__len__"}
+
+
+def plan_units(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[nn.Module], dict]:
+    """The units: the modules that run, containers opened; the root's own parameters and those
+    shared by two units are the root unit (index len(units)). Returns the units and
+    {id(param): unit index} for the parameters the optimizer steps."""
+    def running(module: nn.Module) -> Iterator[nn.Module]:
+        for child in module.children():
+            yield from running(child) if isinstance(child, _CONTAINERS) else (child,)
+
+    units = list(dict.fromkeys(running(model)))  # (a module registered twice: one unit)
+    owners: dict[int, set[int]] = {}
+    for i, unit in enumerate(units):
+        for p in unit.parameters():
+            owners.setdefault(id(p), set()).add(i)
+    root = len(units)
+    unit_of = {id(p): min(owners[id(p)]) if len(owners.get(id(p), ())) == 1 else root
+               for p in params}
+    return units, unit_of
+
+
+class OutsideUse(TorchFunctionMode):
+    """While entered: found(unit, param) for each op that reads the values of a parameter of a
+    unit not running. `unit_of`: id(param) -> its unit; `running`: the units whose forward is
+    under way (a list the caller keeps)."""
+
+    def __init__(self, unit_of: dict[int, Any], running: list, found: Callable) -> None:
+        super().__init__()
+        self.unit_of, self.running, self.found = unit_of, running, found
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__"):  # a property: p.shape, p.T
+            name = getattr(func.__self__, "__name__", "")
+        if name not in _METADATA:  # a freed parameter's shape is right; its values are not
+            map_tensors(self._check, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _check(self, t: Any) -> None:
+        unit = self.unit_of.get(id(t))
+        if unit is not None and unit not in self.running:
+            self.found(unit, t)
 
 
 class UnitOrder:
