@@ -18,8 +18,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sized
 from enum import Enum
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -171,3 +172,12 @@ def debug_barrier(where: str) -> None:
             dist.barrier()
     except RuntimeError as e:
         raise RuntimeError(f"[rank {gpc.rank}] debug barrier at {where} failed: {e}") from e
+
+
+def same_everywhere(value: int, group: Optional[dist.ProcessGroup],
+                    device: Optional[torch.device] = None) -> bool:
+    """Whether every rank of `group` passed the same integer (one all-reduce of [v, -v], MAX;
+    `device`: where the group's backend reduces, a GPU for NCCL)."""
+    both = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return int(both[0]) == -int(both[1])

@@ -57,7 +57,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .checks import peer_failed
+from .checks import peer_failed, same_everywhere
 from .context import gpc
 from .nest import map_tensors
 
@@ -104,7 +104,6 @@ def total_count(counts: torch.Tensor) -> torch.Tensor:
 def _debug_check() -> None:
     """debug=True: every data rank is here, not in another collective (ZeRO 3 checks its gathers
     the same way, so a unit only some ranks run is named instead of mis-paired collectives)."""
-    from .zero.comm import same_everywhere  # (here: zero/ imports the tensor layers, which use us)
     if gpc.config.get("debug") and not same_everywhere(-1, gpc.gradient_group, gpc.device):
         raise RuntimeError(f"[rank {gpc.rank}] the loss's target count (loss_weights.py) is "
                            f"all-reduced here while another data rank runs another collective: "

@@ -57,11 +57,3 @@ def reduce_scatter_shard(full: torch.Tensor, group: Optional[dist.ProcessGroup],
     work = dist.all_reduce(full, group=group, async_op=async_op)
     return work, full.chunk(n)[me]
 
-
-def same_everywhere(value: int, group: Optional[dist.ProcessGroup],
-                    device: Optional[torch.device] = None) -> bool:
-    """Whether every rank of `group` passed the same integer (one all-reduce of [v, -v], MAX;
-    `device`: where the group's backend reduces, a GPU for NCCL)."""
-    both = torch.tensor([value, -value], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    return int(both[0]) == -int(both[1])

@@ -45,9 +45,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..checks import same_everywhere
 from ..context import gpc
 from ..nest import map_tensors
-from .comm import same_everywhere
 
 _PRIME = 2**61 - 1  # the hash stays an int64 (an all-reduce's element)
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
