@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .config import AMP_TYPE, ConfigError
+from .config import AMP_TYPE, ConfigError, register_check
 
 # the scaler's own arguments (amp_scaler.DynamicLossScaler), accepted in every mode
 SCALER = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
@@ -42,6 +42,21 @@ NO_EFFECT = {  # keys the backends take that mean nothing here, and what to do i
     "cast_model_outputs": "remove it (the model's output is cast to float32)",
     "num_losses": "remove it (one loss, one scaler)",
 }
+
+
+def check_fp16_config(cfg: Mapping[str, Any]) -> None:
+    """fp16=dict(mode=AMP_TYPE.X, ...), checked when a config is loaded."""
+    fp16 = cfg.get("fp16")
+    if fp16 is None:
+        return
+    if not isinstance(fp16, Mapping) or "mode" not in fp16:
+        raise ConfigError(f"fp16 must be a dict with a mode, e.g. dict(mode=AMP_TYPE.TORCH), "
+                          f"got {fp16!r}")
+    try:
+        AMP_TYPE.parse(fp16["mode"])
+    except ValueError as e:
+        raise ConfigError(f"fp16.mode: {e}") from None
+    check_fp16(fp16)
 
 
 def check_fp16(fp16: Mapping[str, Any]) -> None:
@@ -86,3 +101,6 @@ def amp_settings(fp16: Mapping[str, Any], cpu_half: Optional[torch.dtype],
             return opt_level, None
         fp16["dtype"] = cpu_half
     return opt_level, fp16
+
+
+register_check(check_fp16_config)  # validate_config runs it when a config is loaded

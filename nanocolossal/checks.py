@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sized
 from enum import Enum
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -103,16 +103,21 @@ def check_evaluation(model: nn.Module, test_dataloader: Iterable) -> None:
         _check_evaluation_batches(everyone, model)
 
 
+# Features whose forward itself talks between data ranks register why (None: not this model)
+_FORWARD_TALKS: list[Callable[[nn.Module], Optional[str]]] = []
+
+
+def forward_talks(why: Callable[[nn.Module], Optional[str]]) -> None:
+    """Register `why(model)`: how this feature's forward communicates between data ranks, or
+    None where the model does not use it (moe/settings.py, zero/settings.py)."""
+    _FORWARD_TALKS.append(why)
+
+
 def _check_evaluation_batches(counts: list, model: nn.Module) -> None:
     """Evaluation may be uneven (pad=False, for exact metrics) -- unless the forward itself
-    talks between data ranks: an MoE layer exchanges tokens in every forward, ZeRO level 3
-    gathers each unit's parameters, so a rank with an extra batch would meet the others'
-    metric all-reduce instead."""
-    from .moe import moe_layers  # (here: moe/ imports this package's config)
-    from .zero.settings import zero_settings
-    talks = "the model's MoE layers exchange tokens" if moe_layers(model) else \
-        "ZeRO level 3 gathers the parameters" if "zero" in gpc.config and \
-        zero_settings(gpc.config)[0].get("level") == 3 else None
+    talks between data ranks (MoE layers exchange tokens, ZeRO level 3 gathers each unit's
+    parameters): a rank with an extra batch would meet the others' metric all-reduce instead."""
+    talks = next((why for why in (f(model) for f in _FORWARD_TALKS) if why), None)
     if len(set(counts)) > 1 and gpc.data_size > 1 and talks:
         listed = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
         raise ConfigError(

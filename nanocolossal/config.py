@@ -31,7 +31,7 @@ import os
 import runpy
 from enum import Enum
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 
 class ConfigError(ValueError):
@@ -141,9 +141,8 @@ def load_config(config: ConfigLike, **overrides: Any) -> Config:
 
         load_config(args.config, NUM_EPOCHS=args.epochs, parallel=dict(pipeline=args.pipeline))
     """
-    # scripts load their config before launch: a bad one ends in one line per rank too
-    from .launch_hardening import install_user_error_hook  # (here: it imports this module)
-    install_user_error_hook()
+    for hook in _ON_LOAD:  # (launch_hardening: a bad config ends a script in one line per rank)
+        hook()
     if config is None:
         cfg = Config()
     elif isinstance(config, (str, os.PathLike)):
@@ -161,6 +160,24 @@ def load_config(config: ConfigLike, **overrides: Any) -> Config:
             cfg[key] = value
     validate_config(cfg)
     return cfg
+
+
+# Each feature checks its own part of a config (zero=..., fp16=..., the MoE keys): it registers
+# its check when its module is imported (importing any part of nanocolossal imports them all),
+# and validate_config runs them. Functions run before that, e.g. launch_hardening's hook that
+# ends a script on a bad config with its message alone, register with on_load.
+_CHECKS: list[Callable[[Config], None]] = []
+_ON_LOAD: list[Callable[[], None]] = []
+
+
+def register_check(check: Callable[[Config], None]) -> None:
+    """Run `check(cfg)` (raising ConfigError) on every config loaded from now on."""
+    _CHECKS.append(check)
+
+
+def on_load(hook: Callable[[], None]) -> None:
+    """Call `hook()` whenever a config is about to be loaded (and checked)."""
+    _ON_LOAD.append(hook)
 
 
 # Colossal-AI keys that this project deliberately does not implement, with what to do instead.
@@ -231,18 +248,30 @@ def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[i
     return P, T, mode, None if data is None else _parallel_size(data, "data")
 
 
+def moe_size(cfg: Mapping) -> int:
+    """parallel.moe: dict(size=EP) or EP; 1 without it (moe/settings.py checks the rest)."""
+    value = (cfg.get("parallel") or {}).get("moe", 1)
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"size"})
+        if unknown:
+            raise ConfigError(f"parallel.moe takes only size (the expert-parallel size EP), got "
+                              f"unknown key(s) {unknown}; e.g. moe=dict(size=2)")
+        value = value.get("size", 1)
+    if not is_positive_int(value):
+        raise ConfigError(f"parallel.moe size must be a positive integer (moe=dict(size=EP)), "
+                          f"got {value!r}")
+    return value
+
+
 def validate_config(cfg: Config) -> None:
     """Raise ConfigError for any key we understand but cannot honour."""
     for key, hint in _UNSUPPORTED.items():
         if key in cfg:
             raise ConfigError(f"config key {key!r} is not supported: {hint}")
 
-    P, T, mode, _ = parallel_settings(cfg)
-    if "zero" in cfg:  # (imported here: zero/ imports this module)
-        from .zero.settings import check_zero
-        check_zero(cfg, P)
-    from .moe.settings import check_moe  # (here: moe/ imports this module)
-    check_moe(cfg)
+    parallel_settings(cfg)
+    for check in _CHECKS:  # each feature's own section (zero/settings.py, amp_settings.py, ...)
+        check(cfg)
     ddp = cfg.get("ddp", {})
     if not isinstance(ddp, Mapping):
         raise ConfigError(f"ddp must be a dict of {', '.join(_DDP_OPTIONS)}; got {ddp!r}")
@@ -266,18 +295,6 @@ def validate_config(cfg: Config) -> None:
             raise ConfigError(f"gradient_handler {types} is not supported; use "
                               f"[dict(type='DataParallelGradientHandler')] (or leave it out for "
                               f"overlapped DDP)")
-
-    fp16 = cfg.get("fp16")
-    if fp16 is not None:
-        if not isinstance(fp16, Mapping) or "mode" not in fp16:
-            raise ConfigError(f"fp16 must be a dict with a mode, e.g. dict(mode=AMP_TYPE.TORCH), "
-                              f"got {fp16!r}")
-        try:
-            AMP_TYPE.parse(fp16["mode"])
-        except ValueError as e:
-            raise ConfigError(f"fp16.mode: {e}") from None
-        from .amp_settings import check_fp16  # (here: it imports this module)
-        check_fp16(fp16)
 
     for key in ("gradient_accumulation", "NUM_MICRO_BATCHES", "NUM_CHUNKS", "BATCH_SIZE",
                 "NUM_EPOCHS"):

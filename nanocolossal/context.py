@@ -42,7 +42,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .config import Config, ConfigError, parallel_settings
+from .config import Config, ConfigError, moe_size, parallel_settings
 
 
 @dataclass
@@ -94,9 +94,33 @@ def layout(world: int, P: int = 1, T: int = 1, mode: Optional[str] = None,
         for group in out.tensor:
             out.row += [[group[r * q + c] for c in range(q)] for r in range(q)]
             out.col += [[group[r * q + c] for r in range(q)] for c in range(q)]
-    from .moe.placement import moe_layout  # (here: moe/ imports this module)
     out.ep, out.expert_data = moe_layout(out.data, ep)
     return out
+
+
+def moe_layout(data: list[list[int]], ep: int) -> tuple[list[list[int]], dict]:
+    """Expert parallelism inside each data group (ranks in data-rank order): EP groups are EP
+    consecutive data ranks; an expert of a layer whose exchange block is G = min(E, EP) ranks
+    is held by the data ranks with equal data_rank % G -- one group list per G dividing EP.
+    `data` has one group per pipeline stage (and tensor rank), so under a pipeline every stage
+    has its own expert groups: a stage's experts only ever meet the same stage's replicas.
+
+        D = 4, EP = 2:  ep [0 1] [2 3];  G=2: [0 2] [1 3];  G=1: [0 1 2 3]"""
+    if ep == 1:
+        return [], {}
+    eps = [ranks[i:i + ep] for ranks in data for i in range(0, len(ranks), ep)]
+    blocks = [g for g in range(1, ep + 1) if ep % g == 0]
+    return eps, {g: [ranks[i::g] for ranks in data for i in range(g)] for g in blocks}
+
+
+def check_moe_world(ep: int, data_size: int, world_size: int) -> None:
+    """EP divides the data-parallel size D: expert groups are carved out of the data ranks."""
+    if data_size % ep:
+        raise ConfigError(f"parallel.moe size {ep} does not divide the data-parallel size "
+                          f"{data_size} (world size {world_size}): expert parallelism is carved "
+                          f"out of the data ranks; launch a multiple of {ep} processes "
+                          f"(e.g. {ep * (data_size // ep + 1)}), or use a moe size dividing "
+                          f"{data_size}")
 
 
 class ParallelContext:
@@ -151,8 +175,7 @@ class ParallelContext:
             raise ConfigError(f"parallel.data={wanted} but world size {world_size} // (pipeline x "
                               f"tensor) = {D}; drop parallel.data (it is inferred) or launch "
                               f"{wanted * P * T} processes")
-        from .moe.settings import check_moe_world  # (here: moe/ imports this module)
-        check_moe_world(config, D, world_size)
+        check_moe_world(moe_size(config), D, world_size)
         return P, T, D, mode
 
     def init(self, config: Config, rank: int, world_size: int, local_rank: int,
@@ -163,7 +186,6 @@ class ParallelContext:
         P, T, D, mode = self.parallel_sizes(config, world_size)
         self.pipeline_size, self.tensor_size, self.data_size, self.tensor_mode = P, T, D, mode
         self.data_rank, self.pipeline_rank, self.tensor_rank = coordinates(rank, P, T)
-        from .moe.settings import moe_size
         self.moe_size = moe_size(config)
         groups = layout(world_size, P, T, mode, self.moe_size)
         # every rank creates every group, in the same order; each keeps the ones it is in

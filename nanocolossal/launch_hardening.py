@@ -30,7 +30,7 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
-from .config import ConfigError
+from .config import ConfigError, on_load
 from .context import gpc, on_destroy
 
 
@@ -132,6 +132,7 @@ def uninstall_user_error_hook() -> None:
 
 
 on_destroy(uninstall_user_error_hook)  # sys.excepthook as it was before launch
+on_load(install_user_error_hook)  # scripts load their config before launch: one line per rank
 
 
 @contextmanager

@@ -92,18 +92,3 @@ def placement_for(num_experts: int, ep_group: Group) -> Placement:
     if ep_group is None:
         return Placement(num_experts, 1, 0)
     return Placement(num_experts, dist.get_world_size(ep_group), dist.get_rank(ep_group))
-
-
-def moe_layout(data: list[list[int]], ep: int) -> tuple[list[list[int]], dict]:
-    """Expert parallelism inside each data group (ranks in data-rank order): EP groups are EP
-    consecutive data ranks; an expert of a layer whose exchange block is G = min(E, EP) ranks
-    is held by the data ranks with equal data_rank % G -- one group list per G dividing EP.
-    `data` has one group per pipeline stage (and tensor rank), so under a pipeline every stage
-    has its own expert groups: a stage's experts only ever meet the same stage's replicas.
-
-        D = 4, EP = 2:  ep [0 1] [2 3];  G=2: [0 2] [1 3];  G=1: [0 1 2 3]"""
-    if ep == 1:
-        return [], {}
-    eps = [ranks[i:i + ep] for ranks in data for i in range(0, len(ranks), ep)]
-    blocks = [g for g in range(1, ep + 1) if ep % g == 0]
-    return eps, {g: [ranks[i::g] for ranks in data for i in range(g)] for g in blocks}

@@ -1,4 +1,4 @@
-"""The MoE config, checked when the config is loaded (config.validate_config).
+"""The MoE config, checked when the config is loaded (registered with config).
 
 Colossal-AI's MoE tutorial writes the expert-parallel size as a parallel entry:
 
@@ -15,8 +15,8 @@ the Engine (`moe_aux_weight`):
     MOE_AUX_WEIGHT = 0.01        # the load-balancing loss's weight in the training loss
 
 Expert parallelism is carved out of the data-parallel ranks, so EP must divide the data size D
-(checked at launch, `check_moe_world`: the world size is not known before). A pipeline composes
-(each stage's expert groups are carved out of that stage's data ranks, and every stage's
+(checked at launch, context.check_moe_world: the world size is not known before). A pipeline
+composes (each stage's expert groups are carved out of that stage's data ranks, and every stage's
 load-balancing loss joins its backward per micro-batch: pipeline/moe_aux.py). What does not
 compose is refused here, by name: tensor parallelism 1d/2d and sequence parallelism (the
 experts' tokens would be split or sharded a second way), and ZeRO (which flattens all
@@ -28,25 +28,12 @@ import math
 import numbers
 from typing import Any, Mapping, Optional
 
-from ..config import ConfigError, is_positive_int, parallel_settings
+from ..checks import forward_talks
+from ..config import ConfigError, is_positive_int, moe_size, parallel_settings, register_check
+from .layer import moe_layers
 from .router import CAPACITY_FACTOR_EVAL
 
 AUX_WEIGHT = 0.01  # Colossal-AI's MoeLoss default
-
-
-def moe_size(cfg: Mapping) -> int:
-    """parallel.moe: dict(size=EP) or EP; 1 without it."""
-    value = (cfg.get("parallel") or {}).get("moe", 1)
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - {"size"})
-        if unknown:
-            raise ConfigError(f"parallel.moe takes only size (the expert-parallel size EP), got "
-                              f"unknown key(s) {unknown}; e.g. moe=dict(size=2)")
-        value = value.get("size", 1)
-    if not is_positive_int(value):
-        raise ConfigError(f"parallel.moe size must be a positive integer (moe=dict(size=EP)), "
-                          f"got {value!r}")
-    return value
 
 
 def _number(cfg: Mapping, key: str, default: float, positive: bool) -> float:
@@ -107,12 +94,5 @@ def check_moe(cfg: Mapping) -> None:
                               f"ranks)")
 
 
-def check_moe_world(cfg: Mapping, data_size: int, world_size: int) -> None:
-    """EP divides the data-parallel size D: expert groups are carved out of the data ranks."""
-    ep = moe_size(cfg)
-    if data_size % ep:
-        raise ConfigError(f"parallel.moe size {ep} does not divide the data-parallel size "
-                          f"{data_size} (world size {world_size}): expert parallelism is carved "
-                          f"out of the data ranks; launch a multiple of {ep} processes "
-                          f"(e.g. {ep * (data_size // ep + 1)}), or use a moe size dividing "
-                          f"{data_size}")
+register_check(check_moe)  # validate_config runs it when a config is loaded
+forward_talks(lambda model: "the model's MoE layers exchange tokens" if moe_layers(model) else None)

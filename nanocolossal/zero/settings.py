@@ -1,4 +1,4 @@
-"""The zero=dict(...) config, checked when the config is loaded (config.validate_config).
+"""The zero=dict(...) config, checked when the config is loaded (registered with config).
 
 Two spellings. Colossal-AI's first: zero=dict(level=1|2|3, reduce_bucket_size_mb=25,
 overlap_communication=True). Colossal-AI v0.1's ShardedModelV2 / ShardedOptimizerV2 arguments:
@@ -11,13 +11,14 @@ check_optimizer: what initialize refuses -- an optimizer that cannot step pieces
 from __future__ import annotations
 
 import numbers
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
 from ..amp import MixedPrecisionOptimizer
-from ..config import AMP_TYPE, Config, ConfigError
+from ..checks import forward_talks
+from ..config import AMP_TYPE, Config, ConfigError, parallel_settings, register_check
 from ..context import gpc
 
 ZERO_KEYS = ("level", "reduce_bucket_size_mb", "overlap_communication")
@@ -77,9 +78,12 @@ def zero_settings(cfg: Config) -> tuple[dict, dict, list[str]]:
     return dict(level=3), scaler, notes
 
 
-def check_zero(cfg: Config, P: int) -> None:
+def check_zero(cfg: Config) -> None:
     """zero=dict(level=1|2|3, reduce_bucket_size_mb=25, overlap_communication=True), or v0.1's
     dict(model_config=..., optimizer_config=...)."""
+    if "zero" not in cfg:
+        return
+    P = parallel_settings(cfg)[0]
     if not isinstance(cfg.zero, Mapping):
         raise ConfigError(f"zero must be a dict such as dict(level=2), got {cfg.zero!r}")
     zero: Any = zero_settings(cfg)[0]
@@ -116,6 +120,17 @@ def check_zero(cfg: Config, P: int) -> None:
             raise ConfigError(f"zero with fp16 {mode.name} O3 (half parameters, no fp32 master "
                               f"weights) is not supported; use O2 (mode=AMP_TYPE.NAIVE) with zero, "
                               f"or fp16=dict(mode=AMP_TYPE.TORCH) (O1)")
+
+
+register_check(check_zero)  # validate_config runs it when a config is loaded
+
+
+def _gathers_in_forward(model: nn.Module) -> Optional[str]:
+    zero = zero_settings(gpc.config)[0] if "zero" in gpc.config else {}
+    return "ZeRO level 3 gathers the parameters" if zero.get("level") == 3 else None
+
+
+forward_talks(_gathers_in_forward)  # (checks.py: uneven evaluation batches refused)
 
 
 # optimizers whose update of an element depends only on that element's gradient and state
