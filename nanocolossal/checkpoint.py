@@ -74,6 +74,7 @@ from .checkpoint_merge import (  # noqa: F401 -- re-exported: the offline half o
 from .config import ConfigError
 from .context import gpc
 from .logging import get_dist_logger
+from .tensor.base import _axis
 from .zero import ShardedOptimizer
 from .zero.load import load_model_entries, read_my_pieces
 from .zero.state import my_pieces, skeleton
@@ -97,7 +98,6 @@ def stage_path(path: PathLike, stage: Optional[int] = None,
 def _plain_shapes(model: nn.Module, layout: dict[str, list]) -> dict[str, list[int]]:
     """The shape each entry has in the plain model: the local block's, times the parts of each
     split dimension."""
-    from .tensor.base import _axis
     shapes = {}
     # keep_vars: shapes only, so no gather of ZeRO 3's sharded parameters (not collective)
     for key, value in strip_prefixes(unwrap(model).state_dict(keep_vars=True)).items():

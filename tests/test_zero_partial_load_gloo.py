@@ -15,6 +15,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import nanocolossal as nc
+import nanocolossal.checkpoint_files as checkpoint_files
 import nanocolossal.checkpoint_merge as checkpoint_merge
 from nanocolossal.checkpoint import (
     load_checkpoint,
@@ -57,16 +58,19 @@ def _job(rank, world_size, port, level, path, load, first, last, save):
     engine, *_ = nc.initialize(model, _adamw(model), nn.CrossEntropyLoss(), verbose=False)
     read, loaded = [], None
     if load:
-        plain_read = checkpoint_merge.read_file
+        plain_read = checkpoint_files.read_file
 
         def recording(file, *args, **kwargs):  # every ZeRO piece file this rank opens
             read.append(int(str(file).rsplit("-zero", 1)[1].split(".")[0]))
             return plain_read(file, *args, **kwargs)
-        checkpoint_merge.read_file = recording
+        readers = (checkpoint_files, checkpoint_merge)  # my pieces / the plain route
+        for module in readers:
+            module.read_file = recording
         try:
             load_checkpoint(path, engine.model, engine.optimizer)
         finally:
-            checkpoint_merge.read_file = plain_read
+            for module in readers:
+                module.read_file = plain_read
         loaded = copy.deepcopy(engine.optimizer.state_dict()), {k: v.detach().clone() for k, v in
                                                  engine.model.state_dict().items()}
     _steps(engine, first, last)

@@ -31,6 +31,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .. import checkpoint_files
+from ..checkpoint_files import check_one_save, describe_save, zero_path
 from ..context import gpc
 from .optimizer import ShardedOptimizer
 from .state import per_element
@@ -112,7 +114,6 @@ def my_state(opt: ShardedOptimizer, saved: dict, parts: list[dict], files: list[
 def read_my_pieces(state: dict, file: Path, opt: Any, trusted: bool = False) -> Optional[dict]:
     """`state`, a stage file just read, with my pieces from the files that hold them; None
     where the plain route is needed (see the module's docstring)."""
-    from ..checkpoint_merge import check_one_save, describe_save, read_file, zero_path
     saved = state.get("optimizer")
     if not (isinstance(opt, ShardedOptimizer) and isinstance(saved, dict) and "pieces" in saved):
         return None
@@ -121,7 +122,7 @@ def read_my_pieces(state: dict, file: Path, opt: Any, trusted: bool = False) -> 
         return None  # another model (the plain route says what differs), or whole parameters
     mine = [(s.index, s.lo, s.hi) for b in opt.buffers for s in b.segments]
     files = [zero_path(file, q) for q in files_to_read(saved["pieces"], mine)]
-    parts = [read_file(f, "cpu", trusted) for f in files]
+    parts = [checkpoint_files.read_file(f, "cpu", trusted) for f in files]
     check_one_save([describe_save(state, file)] + [describe_save(p, f)
                                                   for p, f in zip(parts, files)])
     return {**state, "optimizer": my_state(opt, saved, parts, files)}

@@ -66,6 +66,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..amp import MixedPrecisionOptimizer
+from ..checkpoint_files import strip_prefixes, unwrap
 from ..config import ConfigError
 from ..context import gpc
 from ..pipeline.tied import Tied, sum_tied_gradients
@@ -277,7 +278,6 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
 
     def param_names(self) -> list[list[str]]:
         """The model's state_dict keys of each parameter the optimizer steps (a tied one: all)."""
-        from ..checkpoint_merge import strip_prefixes, unwrap  # (it imports zero/)
         # keep_vars: the Parameters themselves (and no gather at level 3)
         keys = strip_prefixes(unwrap(self.model).state_dict(keep_vars=True))
         index = {id(p): i for i, p in enumerate(self.model_params)}
