@@ -16,34 +16,17 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from .compat.apex import NO_EFFECT, RENAMED
 from .config import AMP_TYPE, ConfigError, register_check
 
 # the scaler's own arguments (amp_scaler.DynamicLossScaler), accepted in every mode
 SCALER = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
           "min_scale", "max_scale", "max_consecutive_overflows")
-RENAMED = {  # Colossal-AI / apex spelling -> ours
-    "initial_scale": "init_scale",        # Colossal-AI's naive mode (and zero's optimizer_config)
-    "min_loss_scale": "min_scale",        # apex
-    "max_loss_scale": "max_scale",        # apex
-}
 MODE_KEYS = {  # beyond SCALER, RENAMED, mode, dtype, enabled
     AMP_TYPE.TORCH: (),
     AMP_TYPE.NAIVE: (),
     AMP_TYPE.APEX: ("opt_level", "loss_scale", "keep_batchnorm_fp32", "master_weights"),
 }
-NO_EFFECT = {  # keys the backends take that mean nothing here, and what to do instead
-    "clip_grad_norm": "set clip_grad_norm at the top level of the config (the Engine clips the "
-                      "unscaled gradients in every mode)",
-    "verbose": "remove it (the scaler logs each skipped step)",
-    "verbosity": "remove it (the scaler logs each skipped step)",
-    "log_num_zeros_in_grad": "remove it",
-    "cast_model_type": "use dtype='float16' or 'bfloat16'",
-    "patch_torch_functions": "use mode=AMP_TYPE.TORCH (autocast) for O1",
-    "cast_model_outputs": "remove it (the model's output is cast to float32)",
-    "num_losses": "remove it (one loss, one scaler)",
-}
-
-
 def check_fp16_config(cfg: Mapping[str, Any]) -> None:
     """fp16=dict(mode=AMP_TYPE.X, ...), checked when a config is loaded."""
     fp16 = cfg.get("fp16")

@@ -6,11 +6,11 @@
 See layers.py for the table of what each name becomes in each mode. `col_nn.lr_scheduler` and
 `col_nn.metric` are Colossal-AI's schedulers and metrics, by the tutorials' paths.
 
-Colossal-AI's mode-specific classes, with its constructor arguments, are here too
-(colossal_1d.py, colossal_2d.py): `col_nn.Linear1D_Col(384, 1536, gather_output=True)`, ...
+Colossal-AI's mode-specific classes, with its constructor arguments, are importable here too
+(they live in compat/colossal_1d.py and compat/colossal_2d.py):
+`col_nn.Linear1D_Col(384, 1536, gather_output=True)`, ...
 """
-from . import lr_scheduler, metric
-from .colossal_1d import (
+from ..compat.colossal_1d import (
     Classifier1D,
     Dropout1D,
     Embedding1D,
@@ -20,7 +20,7 @@ from .colossal_1d import (
     VocabParallelCrossEntropyLoss1D,
     VocabParallelEmbedding1D,
 )
-from .colossal_2d import (
+from ..compat.colossal_2d import (
     Classifier2D,
     CrossEntropyLoss2D,
     Embedding2D,
@@ -31,6 +31,7 @@ from .colossal_2d import (
     VocabParallelCrossEntropyLoss2D,
     VocabParallelEmbedding2D,
 )
+from . import lr_scheduler, metric
 from .layers import (
     VOCAB_PARALLEL_LIMIT,
     Classifier,

@@ -1,10 +1,8 @@
 """The zero=dict(...) config, checked when the config is loaded (registered with config).
 
 Two spellings. Colossal-AI's first: zero=dict(level=1|2|3, reduce_bucket_size_mb=25,
-overlap_communication=True). Colossal-AI v0.1's ShardedModelV2 / ShardedOptimizerV2 arguments:
-zero=dict(model_config=dict(...), optimizer_config=dict(...)), which is level 3 here. Of its
-keys, the loss-scaler ones map onto our scaler (they apply with fp16=dict(mode=AMP_TYPE.TORCH,
-dtype='float16')); the others name machinery we do not have and are logged as such.
+overlap_communication=True). Colossal-AI v0.1's zero=dict(model_config=dict(...),
+optimizer_config=dict(...)) is level 3 here, read by compat/zero_v01.py.
 
 check_optimizer: what initialize refuses -- an optimizer that cannot step pieces of parameters.
 """
@@ -18,64 +16,18 @@ from torch import nn
 
 from ..amp import MixedPrecisionOptimizer
 from ..checks import forward_talks
+from ..compat.zero_v01 import v01_settings
 from ..config import AMP_TYPE, Config, ConfigError, parallel_settings, register_check
 from ..context import gpc
 
 ZERO_KEYS = ("level", "reduce_bucket_size_mb", "overlap_communication")
-# v0.1 optimizer_config -> DynamicLossScaler's arguments (amp_scaler.py)
-V01_SCALER = {"initial_scale": "init_scale", "min_scale": "min_scale",
-              "growth_factor": "growth_factor", "backoff_factor": "backoff_factor",
-              "growth_interval": "growth_interval", "hysteresis": "hysteresis",
-              "max_scale": "max_scale"}
-# v0.1 keys with no meaning here, and why
-V01_NO_MEANING = {
-    "shard_strategy": "parameters are always flattened per unit and cut in N equal slices",
-    "reduce_scatter_bucket_size_mb": "level 3 reduces each unit's gradients as one piece",
-    "fp32_reduce_scatter": "gradients are reduced in the parameters' dtype",
-    "gradient_predivide_factor": "gradients are divided by N before they are summed",
-    "reuse_fp16_shard": "gradient shards are kept apart from the parameter shards",
-    "offload_config": "no CPU offload here",
-    "use_memory_tracer": "no memory tracer here",
-    "warmup_non_model_data_ratio": "no memory tracer here",
-    "gpu_margin_mem_ratio": "no CPU offload of optimizer states here",
-}
-PLACEMENTS = ("cuda", "cpu", "auto")
-
-
 def zero_settings(cfg: Config) -> tuple[dict, dict, list[str]]:
     """(zero=dict(level, ...) settings, loss-scaler arguments, notes for the log) of either
     spelling; the v0.1 one is checked here."""
     zero = cfg.zero
     if "model_config" not in zero and "optimizer_config" not in zero:
         return dict(zero), {}, []
-    unknown = sorted(set(zero) - {"model_config", "optimizer_config"})
-    if unknown:
-        raise ConfigError(f"unknown zero key(s) {unknown} beside model_config/optimizer_config "
-                          f"(Colossal-AI v0.1's spelling, level 3 here)")
-    model, opt = zero.get("model_config", {}) or {}, zero.get("optimizer_config", {}) or {}
-    for name, part, known in (("model_config", model, V01_NO_MEANING.keys() | {
-            "tensor_placement_policy"}), ("optimizer_config", opt, V01_NO_MEANING.keys() |
-                                          V01_SCALER.keys())):
-        bad = sorted(set(part) - set(known)) if isinstance(part, Mapping) else None
-        if bad is None or bad:
-            raise ConfigError(f"zero.{name}: unknown key(s) {bad if bad else part!r}; Colossal-AI "
-                              f"v0.1's keys are {', '.join(sorted(known))}")
-    notes = [f"zero: {key} ignored: {V01_NO_MEANING[key]}" for key in (*model, *opt)
-             if key in V01_NO_MEANING]
-    placement = model.get("tensor_placement_policy", "cuda")
-    if placement not in PLACEMENTS:
-        raise ConfigError(f"zero.model_config.tensor_placement_policy must be one of "
-                          f"{', '.join(PLACEMENTS)}, got {placement!r}")
-    if placement != "cuda":
-        notes.append(f"zero: tensor_placement_policy={placement!r} ignored: shards stay on the "
-                     f"model's device (no CPU offload here)")
-    scaler = {V01_SCALER[k]: v for k, v in opt.items() if k in V01_SCALER}
-    if scaler and not cfg.get("fp16"):
-        notes.append(f"zero: optimizer_config's {', '.join(k for k in opt if k in V01_SCALER)} "
-                     f"ignored: they set the loss scaler of fp16=dict(mode=AMP_TYPE.TORCH, "
-                     f"dtype='float16'), and this config has no fp16")
-        scaler = {}
-    return dict(level=3), scaler, notes
+    return v01_settings(zero, bool(cfg.get("fp16")))
 
 
 def check_zero(cfg: Config) -> None:

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from ..context import gpc
+from ..nn import layers
 from ..tensor.base import reinitialize
-from . import layers
 
 Initializer = Callable[..., Any]  # Colossal-AI's: init(tensor, fan_in=None, fan_out=None)
 

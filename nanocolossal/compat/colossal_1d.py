@@ -34,10 +34,10 @@ import torch
 from torch import nn
 
 from ..context import gpc
+from ..nn import layers
 from ..tensor import layers_1d, vocab_parallel
 from ..tensor.base import add_bias
 from ..tensor.comm import gather, split
-from . import layers
 from .colossal_args import (
     Initializer,
     check_embedding_extras,
