@@ -64,8 +64,8 @@ Accumulation: each backward adds into my gradient shard. Overlap: a unit's reduc
 autograd computes the next unit's; at most one in flight (overlap_communication=False: each waits
 at once, nothing is prefetched).
 
-Checkpoints: model.state_dict() gathers every unit (collective); save and load do not (my pieces,
-state.py and load.py); load_state_dict of full tensors keeps my slice.
+Checkpoints: model.state_dict() gathers every unit (collective, state_dict.py); save and load do
+not (my pieces, state.py and load.py); load_state_dict of full tensors keeps my slice.
 """
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ from ..logging import get_dist_logger
 from ..nest import map_tensors
 from .comm import reduce_scatter_shard
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
+from .state_dict import FullStateDict
 from .unit_order import OutsideUse, UnitOrder, plan_units
 
 __all__ = ["ShardedModel", "plan_units"]  # (plan_units: the policy, unit_order.py)
@@ -152,12 +153,7 @@ class ShardedModel:
         self.watched = False
         model.register_forward_pre_hook(self._root_pre_forward)
         model.register_forward_hook(self._root_post_forward, always_call=True)
-        model.register_state_dict_pre_hook(self._before_state_dict)
-        model.register_state_dict_post_hook(partial(ShardedModel._after_state_dict, self))
-        named = model.named_parameters(remove_duplicate=False)  # (a tied weight: each name)
-        self.param_keys = {n for n, p in named if p in optimizer.segments_of}
-        model.register_load_state_dict_pre_hook(self._before_load)
-        model.register_load_state_dict_post_hook(self._after_load)
+        FullStateDict(model, [b for unit in self.order for b in unit.buffers], optimizer)
 
     # -- forward ----------------------------------------------------------------------------
     def _use(self, unit: _Unit, then: list[_Unit]) -> None:
@@ -327,35 +323,3 @@ class ShardedModel:
         get_dist_logger().info(f"zero level 3: {name} is read outside unit {unit.name!r}, which "
                                f"joins the root unit (gathered for the whole forward and "
                                f"backward)")
-
-    # -- checkpoints: the plain model's state_dict, full tensors ------------------------------
-    def gather_all(self) -> None:
-        for unit in self.order:
-            unit.gather(self.group)
-
-    def free_all(self) -> None:
-        for unit in self.order:
-            unit.free()
-
-    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if not keep_vars:  # keep_vars=True asks for the Parameters (shapes, marks): no gather
-            self.gather_all()
-
-    def _after_state_dict(self, module: nn.Module, state: dict, prefix: str, meta: Any) -> None:
-        ours = {b.data.untyped_storage().data_ptr() for u in self.order for b in u.buffers
-                if b.gathered}
-        for key, value in state.items():  # copies: the gathered buffers are freed now
-            if torch.is_tensor(value) and value.untyped_storage().data_ptr() in ours:
-                state[key] = value.clone()
-        self.free_all()
-
-    def _before_load(self, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
-        # whole values if it loads parameters (load.py's pieces come through the optimizer)
-        if any(k.removeprefix(prefix) in self.param_keys for k in state):
-            self.gather_all()
-
-    def _after_load(self, module: nn.Module, incompatible: Any) -> None:
-        for unit in self.order:
-            for b in unit.buffers:
-                b.keep_my_slice()
-        self.free_all()

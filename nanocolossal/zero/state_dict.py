@@ -1,0 +1,68 @@
+"""ZeRO level 3's model.state_dict() and load_state_dict(): the plain model's keys, full tensors.
+
+Between uses each rank holds only its shard of every unit (sharded_params.py), so the model's
+own state_dict calls are made whole around torch's:
+
+    state_dict()        gather every unit (collective: every rank calls it), copy the full
+                        tensors out, free the units again
+    load_state_dict()   gather (when it loads parameters), let torch copy the whole values in,
+                        keep my slice of each as my shard, free
+    keep_vars=True      asks for the Parameters themselves (shapes, marks): nothing is gathered
+
+Checkpoints do not come this way: save and load write and read each rank's pieces (state.py,
+load.py), so saving a model gathers nothing.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
+
+
+class FullStateDict:
+    """Installs the hooks on `model` whose parameters live in `buffers` (every unit's, in the
+    same order on every rank)."""
+
+    def __init__(self, model: nn.Module, buffers: list[ShardedFlatBuffer],
+                 optimizer: ParamShardedOptimizer) -> None:
+        self.buffers, self.group = buffers, optimizer.group
+        named = model.named_parameters(remove_duplicate=False)  # (a tied weight: each name)
+        self.param_keys = {n for n, p in named if p in optimizer.segments_of}
+        model.register_state_dict_pre_hook(self._before_state_dict)
+        # (a partial: torch marks the hook with an attribute, which a bound method refuses)
+        model.register_state_dict_post_hook(partial(FullStateDict._after_state_dict, self))
+        model.register_load_state_dict_pre_hook(self._before_load)
+        model.register_load_state_dict_post_hook(self._after_load)
+
+    def gather_all(self) -> None:
+        for b in self.buffers:
+            b.gather(self.group)
+
+    def free_all(self) -> None:
+        for b in self.buffers:
+            b.free()
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not keep_vars:
+            self.gather_all()
+
+    def _after_state_dict(self, module: nn.Module, state: dict, prefix: str, meta: Any) -> None:
+        ours = {b.data.untyped_storage().data_ptr() for b in self.buffers if b.gathered}
+        for key, value in state.items():  # copies: the gathered buffers are freed now
+            if torch.is_tensor(value) and value.untyped_storage().data_ptr() in ours:
+                state[key] = value.clone()
+        self.free_all()
+
+    def _before_load(self, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
+        # whole values if it loads parameters (load.py's pieces come through the optimizer)
+        if any(k.removeprefix(prefix) in self.param_keys for k in state):
+            self.gather_all()
+
+    def _after_load(self, module: nn.Module, incompatible: Any) -> None:
+        for b in self.buffers:
+            b.keep_my_slice()
+        self.free_all()
