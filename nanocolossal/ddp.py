@@ -35,7 +35,7 @@ the sum in that precision, as torch's bf16_compress_hook (bench_ddp.py measures 
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Collection, Iterator, Optional
 
 import torch
@@ -45,6 +45,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .checks import check_still_frozen, describe_parameters, peer_failed, ready_twice
 from .context import gpc
+from .extensions import Extension
 from .nest import map_tensors
 
 
@@ -298,3 +299,39 @@ class DistributedDataParallel(nn.Module):
             bucket.flags().zero_()
             bucket.filled = [False] * len(bucket.params)
             bucket.work, bucket.ready = None, 0
+
+
+class DdpSync(Extension):
+    """DDP's part in the Engine and the pipeline executor (extensions.py): of the backwards
+    before a step only the last averages -- a group's last micro-step, or a pipeline chunk's
+    last micro-batch, while the stage's other chunks wait (a weight two chunks share is reduced
+    by the first, whose last backward is the stage's last: initialize.py). A pipeline stage's
+    chunks do not broadcast buffers in every micro-batch's forward: the engine asks per batch."""
+
+    def __init__(self, chunks: list[DistributedDataParallel], pipelined: bool) -> None:
+        self.chunks, self.pipelined = chunks, pipelined
+
+    @contextmanager
+    def sync(self, chunk: int, last: bool) -> Iterator[None]:
+        with ExitStack() as waiting:
+            for i, part in enumerate(self.chunks):
+                if not (last and i == chunk):
+                    waiting.enter_context(part.no_sync())
+            yield
+
+    def sync_buffers(self) -> None:
+        if self.pipelined:  # (unpipelined, DDP broadcasts them itself: forward and eval())
+            for part in self.chunks:
+                part.sync_buffers()
+
+
+class BroadcastBuffers(Extension):
+    """Replicas without a DDP wrapper (the gradient handlers, ZeRO level 3) take the group's
+    first rank's buffers when the engine asks: before evaluating, and each pipeline batch."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
+
+    def sync_buffers(self) -> None:
+        for module in self.modules:
+            broadcast_buffers(module)

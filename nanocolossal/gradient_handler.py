@@ -33,6 +33,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from .checks import check_still_frozen
 from .context import gpc
 from .ddp import _coalesced_broadcast, by_dtype
+from .extensions import Extension
 
 
 @torch.no_grad()
@@ -58,9 +59,9 @@ def sum_gradients(params: list[nn.Parameter], group: Optional[dist.ProcessGroup]
                 p.grad.copy_(synced)
 
 
-class DataParallelGradientHandler:
+class DataParallelGradientHandler(Extension):
     """All-reduce (average) the gradients of `model` over the data-parallel group, after
-    backward."""
+    backward: after the last backward of each accumulation group (extensions.py: end_group)."""
 
     def __init__(self, model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
         self.model = model
@@ -74,3 +75,6 @@ class DataParallelGradientHandler:
     def handle_gradient(self) -> None:
         check_still_frozen(self.model, self.frozen, "DataParallelGradientHandler")
         sum_gradients(self.params, self.group, self.size)
+
+    def end_group(self) -> None:
+        self.handle_gradient()

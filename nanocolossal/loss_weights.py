@@ -49,16 +49,20 @@ weighs 1 / N, as Accelerate does unless told the group's count.
 
 Evaluation communicates nothing (ranks may run different numbers of batches): each rank's loss
 is its batch's own mean -- a pipeline's micro-batches weigh W_m / W within the batch.
+
+`CountedTargets` puts this into the loop (extensions.py): initialize adds it for a criterion that
+counts targets; it weighs engine.criterion's loss and the pipeline's micro-batches.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .checks import peer_failed, same_everywhere
 from .context import gpc
+from .extensions import Extension, MicroBatchLoss
 from .nest import map_tensors
 
 
@@ -177,3 +181,64 @@ def weigh(loss: torch.Tensor, weight: torch.Tensor, count: torch.Tensor) -> torc
     unless nothing counts anywhere (then NaN, as one process's mean)."""
     weight = weight.to(loss.dtype)
     return torch.where(count > 0, loss * weight, weight * 0)
+
+
+class CountedTargets(Extension):
+    """The weights above in the Engine and the pipeline executor (extensions.py).
+
+    engine.criterion: while training with more than one rank averaging gradients (or a counted
+    group), this rank's mean x W_p G / W, W this micro-step's count on all data ranks: their
+    average is the micro-step's mean. In a counted group (engine.count_targets) the gradient is
+    the share of the group's count instead, k / N of it for a group of k (backward divides by
+    N); the value stays the micro-step's, for logging (x + (y - y.detach()) is x, with y's
+    gradient). Not in evaluation: ranks may run different numbers of batches there, and an
+    all-reduce would wait for a partner.
+
+    The executor: micro-batch m weighs W_m G / W, not n_m / n (evaluating: W_m / W over this
+    batch alone)."""
+
+    def __init__(self, criterion: Any, modules: Sequence[Any], accumulation: int) -> None:
+        self.criterion = criterion
+        self.spans = getattr(criterion, "spans_sequence", False)
+        self.modules = modules  # whose training flags say training (either may say eval)
+        self.accumulation = accumulation
+        self.group: Optional[tuple[torch.Tensor, int]] = None  # (W, k) of the counted group
+
+    def _weighs(self) -> bool:
+        return ((gpc.gradient_size > 1 or self.group is not None)
+                and all(m.training for m in self.modules) and torch.is_grad_enabled())
+
+    def loss(self, compute: Callable, output: Any, label: Any) -> torch.Tensor:
+        if not self._weighs():
+            return compute(output, label)
+        count = target_counts(self.criterion, [label])
+        loss = compute(gradient_if_counted(output, count[0]), label)
+        step = weigh(loss, piece_weights(count, self.spans)[0], count[0])
+        if self.group is None:
+            return step
+        total, k = self.group
+        group = weigh(loss, piece_weights(count, self.spans, total)[0] * k, count[0])
+        return step.detach() + (group - group.detach())
+
+    def group_labels(self, labels: Sequence[Any]) -> None:
+        """The group's targets counted over its micro-steps and the data ranks: one all-reduce."""
+        if self.accumulation > 1:
+            counts = target_counts(self.criterion, [y.to(gpc.device, non_blocking=True)
+                                                    for y in labels])
+            self.group = (total_count(counts), len(labels))
+
+    def end_group(self) -> None:
+        self.group = None  # the next group is counted anew, or weighs 1 / N
+
+    def weigh_micro_batches(self, criterion: Any, labels: list,
+                            training: bool) -> Optional[MicroBatchLoss]:
+        if not counts_targets(criterion):
+            return None
+        spans = getattr(criterion, "spans_sequence", False)
+        counts = target_counts(criterion, labels)
+        weights = piece_weights(counts, spans) if training else batch_shares(counts, spans)
+
+        def loss(output: Any, m: int) -> torch.Tensor:
+            counted = gradient_if_counted(output, counts[m])
+            return weigh(criterion(counted, labels[m]), weights[m], counts[m])
+        return loss

@@ -3,7 +3,9 @@
     engine, train_dl, test_dl, lr_scheduler = nc.initialize(model, optimizer, criterion,
                                                             train_dl, test_dl, lr_scheduler)
 
-Each step is a function that returns what it built and a few words for the log line:
+Each step is a function that returns what it built and a few words for the log line; the
+steps that change what the training loop does return extensions (extensions.py), which the
+Engine and the pipeline executor call at their marked places:
 
     check_inputs        refuse a bad config or model before anything changes
     apply_sync_bn       sync_bn=True: BatchNorm statistics over the whole data-parallel batch
@@ -12,16 +14,22 @@ Each step is a function that returns what it built and a few words for the log l
                         level 3 also keeps only the shard of the parameters between uses
     apply_moe           a model with MoE layers (moe/): experts' gradients over the ranks holding
                         them, the rest over the data ranks, after backward (moe/grads.py), in
-                        place of DDP; the Engine adds MOE_AUX_WEIGHT x the load-balancing loss
-                        (under a pipeline every stage adds its own, per micro-batch)
+                        place of DDP
     wrap_data_parallel  DDP over the gradient group -- the data ranks, times the sequence ranks
                         if any -- (or the gradient handler), after AMP: DDP must bucket the final
-                        parameters; a pipeline stage wraps each chunk
+                        parameters; a pipeline stage wraps each chunk. Extensions: when backward
+                        averages (ddp.DdpSync) or the handler after it; buffer broadcasts
+    extend_loss         extensions: counted-target weights (loss_weights.py), then MOE_AUX_WEIGHT
+                        x the load-balancing loss (pipeline/moe_aux.py: per stage, per micro-batch)
+    sum_tied_weights    extensions: a weight pipeline stages share sums their gradients
+                        (pipeline/tied.py), after the data-parallel average
+    split_labels        extensions: under 2d a grid row's output holds a block of the labels
     build_engine        Engine, or PipelineEngine with the schedule the config asks for
     split_loader        mode='sequence': the loaders yield this rank's share of each sequence
 
 The order matters: AMP O2 casts parameters, and DDP's buckets hold the final ones; SyncBN
-replaces modules, so it comes before AMP picks which layers stay in fp32.
+replaces modules, so it comes before AMP picks which layers stay in fp32. The extensions' order
+matters too: the loss's wrappers nest in it, and end_group reduces in it.
 """
 from __future__ import annotations
 
@@ -37,13 +45,18 @@ from ..amp import MixedPrecisionOptimizer
 from ..amp_settings import amp_settings
 from ..config import AMP_TYPE
 from ..context import gpc
-from ..ddp import DistributedDataParallel
+from ..ddp import BroadcastBuffers, DdpSync, DistributedDataParallel
+from ..extensions import Extension
 from ..gradient_handler import DataParallelGradientHandler
 from ..logging import get_dist_logger
+from ..loss_weights import CountedTargets, counts_targets, weighed_ranks
 from ..moe import MoeGradientHandler, moe_layers
 from ..moe.settings import moe_aux_weight
+from ..pipeline.moe_aux import MoeAuxLoss
+from ..pipeline.tied import TiedGradients
 from ..sequence import check_sequence_model, split_loader
 from ..syncbn import convert_sync_batchnorm
+from ..tensor.layers_2d import SplitLabels
 from ..zero import MixedShardedOptimizer, ReduceScatterDDP, ShardedOptimizer
 from ..zero.mixed import MixedParamShardedOptimizer
 from ..zero.settings import zero_settings
@@ -159,28 +172,32 @@ def apply_moe(model: nn.Module, optimizer: MixedPrecisionOptimizer
 
 def wrap_data_parallel(model: nn.Module, pipelined: bool,
                        optimizer: Optional[MixedPrecisionOptimizer] = None, moe: Any = None
-                       ) -> tuple[list[nn.Module], Optional[DataParallelGradientHandler], Did]:
+                       ) -> tuple[list[nn.Module], list[Extension], Did]:
     """What forward runs through -- the model, or DDP around it; for a pipeline stage one DDP per
-    chunk -- and the gradient handler when the config asks for one instead of DDP. ZeRO level 2
+    chunk -- and the extensions that synchronise: DDP's (no_sync but on the last backward), or
+    the gradient handler the config asks for instead, which averages after the group's last
+    backward (and whose replicas broadcast their buffers, as do ZeRO level 3's). ZeRO level 2
     reduce-scatters instead of DDP's all-reduce; level 1 is DDP with zero's bucket size."""
     parts = list(model) if pipelined and isinstance(model, nn.ModuleList) else [model]
     # a weight two chunks of a stage share is reduced by the first: its last backward is the
-    # stage's last (the schedule keeps every other chunk's DDP in no_sync meanwhile)
+    # stage's last (DdpSync keeps every other chunk's DDP in no_sync meanwhile)
     earlier = [[p for q in parts[:i] for p in q.parameters()] for i in range(len(parts))]
     zero = gpc.config.get("zero", {})
+    replicas = [BroadcastBuffers(parts)] if gpc.gradient_size > 1 else []
     if isinstance(optimizer, ParamShardedOptimizer):  # its hooks reduce the gradients
-        return [model], None, None
+        return [model], replicas, None
     if isinstance(optimizer, ShardedOptimizer) and optimizer.level == 2:
-        # (a pipeline stage syncs buffers once per batch, not per micro-batch: see below)
-        return [ReduceScatterDDP(part, optimizer, zero.get("reduce_bucket_size_mb", 25),
-                                 zero.get("overlap_communication", True), not pipelined, skip)
-                for part, skip in zip(parts, earlier)], None, "reduce-scatter of gradients"
+        # (a pipeline stage syncs buffers once per batch, not per micro-batch: DdpSync)
+        wrapped = [ReduceScatterDDP(part, optimizer, zero.get("reduce_bucket_size_mb", 25),
+                                    zero.get("overlap_communication", True), not pipelined, skip)
+                   for part, skip in zip(parts, earlier)]
+        return wrapped, [DdpSync(wrapped, pipelined)], "reduce-scatter of gradients"
     if gpc.gradient_size == 1:
-        return parts, None, None
+        return parts, [], None
     if moe is not None:  # experts are not replicated over the data ranks: apply_moe's handler
-        return parts, moe, None
+        return parts, [moe, *replicas], None
     if gpc.config.get("gradient_handler"):  # Colossal-AI's all-reduce after backward
-        return parts, DataParallelGradientHandler(model), \
+        return parts, [DataParallelGradientHandler(model), *replicas], \
             f"gradient handler x{gpc.gradient_size}"
     options = dict(gpc.config.get("ddp", {}))  # bucket_cap_mb, gradient_as_bucket_view, compress
     if "reduce_bucket_size_mb" in zero:
@@ -188,22 +205,53 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
     if pipelined:  # the engine syncs buffers once per batch, not on every micro-batch's forward
         options["broadcast_buffers"] = False
     shown = "".join(f", {k}={v}" for k, v in options.items() if k != "broadcast_buffers")
-    return [DistributedDataParallel(part, reduced_elsewhere=skip, **options)
-            for part, skip in zip(parts, earlier)], None, \
+    wrapped = [DistributedDataParallel(part, reduced_elsewhere=skip, **options)
+               for part, skip in zip(parts, earlier)]
+    return wrapped, [DdpSync(wrapped, pipelined)], \
         f"{'data parallel' if pipelined else 'DDP'} x{gpc.gradient_size}{shown}"
 
 
+def extend_loss(model: nn.Module, forward_module: nn.Module, criterion: Any,
+                optimizer: MixedPrecisionOptimizer, aux_weight: float) -> list[Extension]:
+    """What the loss weighs and adds: a criterion whose mean divides by counted targets weighs
+    each piece by them (loss_weights.py); MoE layers add MOE_AUX_WEIGHT x their load-balancing
+    loss (pipeline/moe_aux.py). In this order: the aux loss is not weighed."""
+    extensions: list[Extension] = []
+    if counts_targets(criterion):
+        optimizer.loss_shares = weighed_ranks(criterion)  # fp16: the G of the weights (amp.py)
+        accumulation = gpc.config.get("gradient_accumulation", 1)
+        extensions.append(CountedTargets(criterion, (forward_module, model), accumulation))
+    if aux_weight:
+        extensions.append(MoeAuxLoss(model, aux_weight, forward_module))
+    return extensions
+
+
+def sum_tied_weights(model: nn.Module, optimizer: MixedPrecisionOptimizer,
+                     pipelined: bool) -> list[Extension]:
+    """A weight two pipeline stages share (a GPT's embedding and classifier) steps with the sum
+    of their gradients (pipeline/tied.py); ZeRO level 1-2's optimizer sums its own pieces."""
+    tied = getattr(model, "tied", [])
+    if not pipelined or not tied:
+        return []
+    summing = optimizer.sum_tied_gradients if isinstance(optimizer, ShardedOptimizer) else None
+    return [TiedGradients(tied, summing)]
+
+
+def split_labels() -> list[Extension]:
+    """2d: a grid row's output holds one block of the batch; the engine returns its labels."""
+    return [SplitLabels()] if gpc.tensor_mode == "2d" else []
+
+
 def build_engine(model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Any,
-                 parts: list[nn.Module], handler: Any, schedule: Any,
-                 moe_aux_weight: float = 0.0) -> tuple[Engine, Did]:
+                 parts: list[nn.Module], extensions: list[Extension],
+                 schedule: Any) -> tuple[Engine, Did]:
     cfg = gpc.config
     clip, accumulation = cfg.get("clip_grad_norm", 0.0), cfg.get("gradient_accumulation", 1)
     if schedule is not None:
         engine: Engine = PipelineEngine(model, optimizer, criterion, schedule, parts, clip,
-                                        handler, moe_aux_weight)
+                                        extensions)
     else:
-        engine = Engine(model, optimizer, criterion, parts[0], accumulation, clip, handler,
-                        moe_aux_weight)
+        engine = Engine(model, optimizer, criterion, parts[0], accumulation, clip, extensions)
     did = [f"gradient accumulation x{accumulation}" if accumulation > 1 else "",
            f"clip_grad_norm={clip}" if clip else ""]
     return engine, ", ".join(d for d in did if d) or None
@@ -234,9 +282,15 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
     model, optimizer, mixed = apply_amp(model, optimizer)
     optimizer, zero = apply_zero(model, optimizer)
     moe, aux_weight, moe_did = apply_moe(model, optimizer)
-    parts, handler, data = wrap_data_parallel(model, schedule is not None, optimizer, moe)
-    engine, engine_did = build_engine(model, optimizer, criterion, parts, handler, schedule,
-                                      aux_weight)
+    pipelined = schedule is not None
+    parts, synchronising, data = wrap_data_parallel(model, pipelined, optimizer, moe)
+    # the loop calls them in this order (extensions.py): the loss's wrappers nest in it, and
+    # end_group averages over the data ranks before it sums tied copies over the stages
+    front = model if pipelined else parts[0]  # what the engine's forward runs through
+    extensions = [*extend_loss(model, front, criterion, optimizer, aux_weight),
+                  *synchronising, *sum_tied_weights(model, optimizer, pipelined),
+                  *split_labels()]
+    engine, engine_did = build_engine(model, optimizer, criterion, parts, extensions, schedule)
     if verbose:
         did = [d for d in (describe_layout(schedule), sync_bn, mixed, zero, moe_did, data,
                            engine_did) if d]

@@ -43,6 +43,7 @@ from torch import nn
 from ..checks import check_still_frozen
 from ..context import gpc
 from ..ddp import _coalesced_broadcast
+from ..extensions import Extension
 from ..gradient_handler import sum_gradients
 from .experts import expert_parameters
 from .layer import moe_layers
@@ -120,10 +121,10 @@ def allreduce_moe_gradients(model: nn.Module, data_group: Group, expert_data_gro
     allreduce_expert_gradients(model, expert_data_group, data_size)
 
 
-class MoeGradientHandler:
+class MoeGradientHandler(Extension):
     """The Engine's gradient reduction for a model with MoE layers (initialize.apply_moe), after
-    backward, in place of DDP -- whose one group and whose check that every rank holds the same
-    parameters do not fit experts:
+    a group's last backward (extensions.py: end_group), in place of DDP -- whose one group and
+    whose check that every rank holds the same parameters do not fit experts:
 
         non-expert:          all-reduce over gpc's gradient group, / D (the mean)
         experts of block G:  all-reduce over the data ranks holding them (gpc.expert_data_groups[G],
@@ -166,3 +167,9 @@ class MoeGradientHandler:
         sum_gradients(self.dense, self.data_group, self.data_size)
         for g, params in sorted(self.experts.items()):
             sum_gradients(params, self._holders(g)[0], self.data_size)
+
+    def end_group(self) -> None:
+        self.handle_gradient()
+
+    def clip_options(self) -> dict:
+        return {"sharded": self.norm}

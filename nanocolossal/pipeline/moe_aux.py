@@ -1,10 +1,11 @@
-"""Mixture of experts under a pipeline: every stage's load-balancing loss reaches the backward.
+"""MoE's load-balancing loss in training: every layer's reaches the backward, pipelined or not.
 
 In one process the training loss of a batch is cross-entropy + w x (sum of every MoE layer's
-aux loss), w = MOE_AUX_WEIGHT. Cut into stages, the MoE layers of stage 0 never see the loss:
+aux loss), w = MOE_AUX_WEIGHT. Without a pipeline that is what engine.criterion returns while
+training (`MoeAuxLoss.loss`). Cut into stages, the MoE layers of stage 0 never see the loss:
 only the last stage applies the criterion. But the aux loss of a layer depends only on that
 layer's router, so its gradient is local to the stage that holds it. The executor
-(schedule.py) therefore, per micro-batch m and chunk c, after F(c, m):
+(schedule.py) therefore, per micro-batch m and chunk c, after F(c, m) (`MoeAuxLoss.extra_loss`):
 
     aux(c, m) = w x (sum of chunk c's MoE layers' aux loss of micro-batch m) x share(m)
 
@@ -27,34 +28,33 @@ one-process training loss. Only when training: forward_only (evaluation) adds no
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
+from ..extensions import Extension
 from ..moe.layer import moe_aux_loss, moe_layers
 
 
-def chunk_aux_loss(chunk: nn.Module, weight: float, share: float) -> Optional[torch.Tensor]:
-    """weight x (chunk's MoE aux losses of its last forward) x share, or None for a chunk
-    without MoE layers (nothing to backpropagate)."""
-    if not weight or not moe_layers(chunk):
-        return None
-    return moe_aux_loss(chunk) * (weight * share)
+class MoeAuxLoss(Extension):
+    """w x the load-balancing loss, in engine.criterion and per pipeline chunk (extensions.py);
+    initialize adds it for a model with MoE layers."""
 
+    def __init__(self, model: nn.Module, weight: float, forward_module: nn.Module) -> None:
+        self.model, self.weight = model, weight
+        self.forward_module = forward_module  # its training flag says training
 
-def backward_output_and_aux(output: torch.Tensor, grad: Optional[torch.Tensor],
-                            aux: Optional[torch.Tensor], loss_scale: float) -> None:
-    """A non-last stage's backward: the output with the gradient the next stage sent, and the
-    chunk's own aux loss (scaled like the loss) -- one backward through the shared graph. An
-    integer output has no gradient (`grad` None), and the output of a frozen stage needs none:
-    only the aux loss, if any, goes backward."""
-    if grad is None or not output.requires_grad:
-        if aux is not None:
-            (aux * loss_scale).backward()
-        return
-    if aux is None:
-        torch.autograd.backward(output, grad)
-        return
-    scaled = aux * loss_scale
-    torch.autograd.backward((output, scaled), (grad, torch.ones_like(scaled)))
+    def loss(self, compute: Callable, output: Any, label: Any) -> torch.Tensor:
+        loss = compute(output, label)
+        if not self.weight or not self.forward_module.training:
+            return loss
+        # every rank adds it: its backward all-reduces over the data ranks (moe/balance.py)
+        return loss + self.weight * moe_aux_loss(self.model).to(loss.dtype)
+
+    def extra_loss(self, module: nn.Module, share: float) -> Optional[torch.Tensor]:
+        """w x (the chunk's MoE aux losses of its last forward) x share, or None for a chunk
+        without MoE layers (nothing to backpropagate)."""
+        if not self.weight or not moe_layers(module):
+            return None
+        return moe_aux_loss(module) * (self.weight * share)

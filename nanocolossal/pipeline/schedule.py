@@ -15,16 +15,18 @@ rank's plan:
     Comm     sends and receives posted together (p2p.py).
 
 Activations are kept only from a micro-batch's forward to its backward, so rank r holds at
-most as many as its plan has in flight (P - r for 1F1B, M for GPipe). With data parallelism
-each chunk is wrapped in DDP; its gradients are averaged over the data group during the
-chunk's last backward, overlapping the remaining pipeline steps. The mean loss is summed over
-the stages (the last one's, plus each stage's MoE load-balancing loss while training:
-moe_aux.py), so every stage can log it; outputs and labels come back on the last.
+most as many as its plan has in flight (P - r for 1F1B, M for GPipe). The mean loss is summed
+over the stages, so every stage can log it; outputs and labels come back on the last.
+
+Features reach the executor through its extensions (extensions.py), at the places marked
+`# extensions:` -- with data parallelism each chunk's gradients are averaged during its last
+backward (ddp.py), overlapping the remaining pipeline steps; the last stage may weigh its
+micro-batches by counted targets instead of samples (loss_weights.py); and a chunk may add a
+loss of its own, backpropagated with its output (MoE's load balancing: moe_aux.py).
 """
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -32,16 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..context import gpc
-from ..ddp import DistributedDataParallel
-from ..loss_weights import (
-    batch_shares,
-    counts_targets,
-    gradient_if_counted,
-    piece_weights,
-    target_counts,
-    weigh,
-)
-from .moe_aux import backward_output_and_aux, chunk_aux_loss
+from ..extensions import Extension, synchronising
 from .p2p import StageComm
 from .plan import (
     SCHEDULES,
@@ -98,7 +91,7 @@ class _Schedule:
 
     def forward_backward_step(self, model: Any, batch: Any, criterion: Optional[Callable] = None,
                               forward_only: bool = False, return_loss: bool = True,
-                              loss_scale: float = 1.0, moe_aux_weight: float = 0.0):
+                              loss_scale: float = 1.0, extensions: Sequence[Extension] = ()):
         """Run one batch through the pipeline -> (output, label, loss); see the module docstring."""
         M, V = self.num_microbatches, self.num_chunks
         _check(self.name, M, V)
@@ -112,8 +105,7 @@ class _Schedule:
         x_mb, y_mb, labels = self._split(batch)
         # a new micro-batch size means new activation shapes
         self._comm.sizes = [len(x) for x in x_mb]
-        run = _Run(self, chunks, criterion, forward_only, loss_scale, x_mb, y_mb)
-        run.aux_weight = 0.0 if forward_only else moe_aux_weight  # training only
+        run = _Run(self, chunks, criterion, not forward_only, loss_scale, x_mb, y_mb, extensions)
         if any(run.is_last) and criterion is None and (return_loss or not forward_only):
             raise ValueError(f"[rank {gpc.rank}] the last pipeline stage needs a criterion to "
                              f"compute the loss")
@@ -149,29 +141,28 @@ def _label(step, V: int) -> str:
 class _Run:
     """The state of one forward_backward_step: what is held, sent and received."""
 
-    def __init__(self, schedule: _Schedule, chunks: list, criterion, forward_only: bool,
-                 loss_scale: float, x_mb: list, y_mb: list) -> None:
+    def __init__(self, schedule: _Schedule, chunks: list, criterion: Optional[Callable],
+                 training: bool, loss_scale: float, x_mb: list, y_mb: list,
+                 extensions: Sequence[Extension]) -> None:
         P, V = gpc.pipeline_size, schedule.num_chunks
         self.M, self.P, self.chunks = schedule.num_microbatches, P, chunks
-        self.criterion, self.forward_only, self.loss_scale = criterion, forward_only, loss_scale
-        self.x_mb, self.y_mb = x_mb, y_mb
-        self.aux_weight = 0.0  # MOE_AUX_WEIGHT while training (moe_aux.py)
+        self.criterion, self.training, self.loss_scale = criterion, training, loss_scale
+        self.x_mb, self.y_mb, self.extensions = x_mb, y_mb, extensions
         n = sum(len(y) for y in y_mb)
         self.share = [len(y) / n for y in y_mb]
         self.is_last = [virtual_stage(c, gpc.pipeline_rank, P) == P * V - 1 for c in range(V)]
-        # a mean over counted targets: micro-batch m weighs W_m G / W, not n_m / n (evaluating:
-        # W_m / W over this batch alone -- ranks may run different numbers of batches there)
-        self.counts = self.weights = None
-        if any(self.is_last) and counts_targets(criterion):
-            spans = getattr(criterion, "spans_sequence", False)
-            self.counts = target_counts(criterion, y_mb)
-            self.weights = (batch_shares(self.counts, spans) if forward_only else
-                            piece_weights(self.counts, spans))
-        self.plan = schedule.plan(forward_only=forward_only)
+        self.weigh = self._by_samples
+        if any(self.is_last) and criterion is not None:
+            for extension in extensions:  # extensions: by counted targets (loss_weights.py)
+                weigh = extension.weigh_micro_batches(criterion, y_mb, training)
+                if weigh is not None:
+                    self.weigh = weigh
+                    break
+        self.plan = schedule.plan(forward_only=not training)
         self.last_backward = {
             s.chunk: i for i, s in enumerate(self.plan) if isinstance(s, Compute) and s.kind == "B"
         }
-        # (chunk, mb) -> (input, output or loss / M, the chunk's MoE aux / M if not in the loss)
+        # (chunk, mb) -> (input, output or loss, the chunk's own loss if not in the loss)
         self.held: dict[tuple, tuple] = {}
         self.outbox: dict[Transfer, torch.Tensor] = {}
         self.inbox: dict[Transfer, torch.Tensor] = {}
@@ -185,49 +176,71 @@ class _Run:
 
     def forward(self, step: Compute) -> None:
         c, m, v = step.chunk, step.mb, virtual_stage(step.chunk, gpc.pipeline_rank, self.P)
-        x = self.x_mb[m] if v == 0 else self.inbox.pop(Transfer("act", v - 1, v, m))
-        if v > 0 and not self.forward_only:
+        x = self.x_mb[m] if v == 0 else self._receive(v, m)
+        with torch.set_grad_enabled(self.training):
+            output = self.chunks[c](x)
+            extra = self._extra_loss(self.chunks[c], m)  # extensions: MoE's aux loss
+            if self.is_last[c]:
+                self.outputs.append(output.detach())
+                backward_from = self._loss(output, m)
+                if backward_from is not None and extra is not None:  # one backward for both
+                    backward_from, extra = backward_from + extra, None
+            else:
+                backward_from = self._send(output, v, m)
+        # keep the graph (input, loss or output) until this micro-batch's backward
+        if self.training:
+            self.held[(c, m)] = (x, backward_from, extra)
+            self.max_in_flight = max(self.max_in_flight, len(self.held))
+
+    def _receive(self, v: int, m: int) -> torch.Tensor:
+        """Micro-batch m's activation from part v - 1; while training it needs a gradient, unless
+        it is integer (token ids): then no gradient goes back."""
+        x = self.inbox.pop(Transfer("act", v - 1, v, m))
+        if self.training:
             if x.is_floating_point():
                 x.requires_grad_()
             else:
                 self.no_grad.add(Transfer("grad", v, v - 1, m))
-        with torch.set_grad_enabled(not self.forward_only):
-            output = self.chunks[c](x)
-            aux = chunk_aux_loss(self.chunks[c], self.aux_weight, self.share[m])
-            if aux is not None:
-                self.total_loss += aux.detach()
-            if self.is_last[c]:
-                self.outputs.append(output.detach())
-                loss = None
-                if self.criterion is not None:
-                    # weighted by its share of the batch: the
-                    # sum over micro-batches is the batch mean
-                    if self.counts is None:
-                        loss = self.criterion(output, self.y_mb[m]) * self.share[m]
-                    else:  # loss_weights.py
-                        counted = gradient_if_counted(output, self.counts[m])
-                        loss = self.criterion(counted, self.y_mb[m])
-                        loss = weigh(loss, self.weights[m], self.counts[m])
-                    self.loss_dtype = loss.dtype
-                    self.total_loss += loss.detach()
-                    loss, aux = (loss if aux is None else loss + aux), None
-                backward_from = loss
-            elif not isinstance(output, torch.Tensor):
-                raise TypeError(f"[rank {gpc.rank}] pipeline part {v} returned "
-                                f"{type(output).__name__}; stages must return one tensor")
-            else:
-                self.outbox[Transfer("act", v, v + 1, m)] = output.detach()
-                backward_from = output
-                if not output.is_floating_point():
-                    self.no_grad.add(Transfer("grad", v + 1, v, m))
-        # keep the graph (input, loss or output) until this micro-batch's backward
-        if not self.forward_only:
-            self.held[(c, m)] = (x, backward_from, aux)
-            self.max_in_flight = max(self.max_in_flight, len(self.held))
+        return x
+
+    def _send(self, output: Any, v: int, m: int) -> torch.Tensor:
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"[rank {gpc.rank}] pipeline part {v} returned "
+                            f"{type(output).__name__}; stages must return one tensor")
+        self.outbox[Transfer("act", v, v + 1, m)] = output.detach()
+        if not output.is_floating_point():
+            self.no_grad.add(Transfer("grad", v + 1, v, m))
+        return output
+
+    def _loss(self, output: torch.Tensor, m: int) -> Optional[torch.Tensor]:
+        """Micro-batch m's part of the batch's mean loss, added to the reported loss."""
+        if self.criterion is None:
+            return None
+        loss = self.weigh(output, m)
+        self.loss_dtype = loss.dtype
+        self.total_loss += loss.detach()
+        return loss
+
+    def _by_samples(self, output: torch.Tensor, m: int) -> torch.Tensor:
+        """The criterion x the micro-batch's share of the batch (1/M for equal micro-batches):
+        the sum over micro-batches is the batch mean."""
+        return self.criterion(output, self.y_mb[m]) * self.share[m]
+
+    def _extra_loss(self, chunk: nn.Module, m: int) -> Optional[torch.Tensor]:
+        """extensions: the chunk's own losses for micro-batch m while training (MoE's
+        load-balancing loss: moe_aux.py), added to the reported loss."""
+        extra = None
+        for extension in self.extensions if self.training else ():
+            more = extension.extra_loss(chunk, self.share[m])
+            if more is not None:
+                self.total_loss += more.detach()
+                extra = more if extra is None else extra + more
+        return extra
 
     def reported_loss(self) -> torch.Tensor:
         """The batch's loss on every stage (for logging and LossHook): the stages' sum (the
-        others add 0, or their MoE aux), with the last stage's dtype riding along as a code."""
+        others add 0, or their own losses), with the last stage's dtype riding along as a
+        code."""
         dtypes = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16)
         both = torch.stack([self.total_loss, self.total_loss.new_tensor(
             float(dtypes.index(self.loss_dtype)))])
@@ -237,25 +250,37 @@ class _Run:
 
     def backward(self, step: Compute, index: int) -> None:
         c, m, v = step.chunk, step.mb, virtual_stage(step.chunk, gpc.pipeline_rank, self.P)
-        x, backward_from, aux = self.held.pop((c, m))
-        # DDP averages a chunk's gradients once, during its last backward; the other chunks' DDP
-        # wait too (a weight two chunks share is reduced by one of them: initialize.py)
-        with ExitStack() as deferred:
-            for i, chunk in enumerate(self.chunks):
-                if isinstance(chunk, DistributedDataParallel) and (
-                        i != c or index != self.last_backward[c]):
-                    deferred.enter_context(chunk.no_sync())
+        x, backward_from, extra = self.held.pop((c, m))
+        # extensions: a chunk's gradients are averaged once, during its last backward (DDP)
+        with synchronising(self.extensions, c, last=index == self.last_backward[c]):
             if self.is_last[c]:  # the loss, scaled for AMP
                 (backward_from * self.loss_scale).backward()
-            else:  # the output, with the gradient the next stage sent back (and the MoE aux)
+            else:  # the output, with the gradient the next stage sent back
                 back = Transfer("grad", v + 1, v, m)
                 grad = None if back in self.no_grad else self.inbox.pop(back)
-                backward_output_and_aux(backward_from, grad, aux, self.loss_scale)
+                _backward(backward_from, grad, extra, self.loss_scale)
         sent = Transfer("grad", v, v - 1, m)
         if v > 0 and sent not in self.no_grad:
             if x.grad is None:
                 raise_ignored_input(v, m)
             self.outbox[sent] = x.grad
+
+
+def _backward(output: torch.Tensor, grad: Optional[torch.Tensor], extra: Optional[torch.Tensor],
+              loss_scale: float) -> None:
+    """A non-last stage's backward: the output with the gradient the next stage sent, and the
+    chunk's own loss (scaled like the loss) -- one backward through the shared graph. An integer
+    output has no gradient (`grad` None), and the output of a frozen stage needs none: only the
+    chunk's own loss, if any, goes backward."""
+    if grad is None or not output.requires_grad:
+        if extra is not None:
+            (extra * loss_scale).backward()
+        return
+    if extra is None:
+        torch.autograd.backward(output, grad)
+        return
+    scaled = extra * loss_scale
+    torch.autograd.backward((output, scaled), (grad, torch.ones_like(scaled)))
 
 
 def raise_ignored_input(v: int, m: int) -> None:

@@ -12,16 +12,23 @@ equal). They stay equal if both step with the one-process gradient, the sum of t
 (Megatron's "embedding group".) One group per (data rank, tensor rank), so each tensor shard is
 summed with its own counterpart. Clipping counts such a parameter once: each copy adds its
 squares divided by its number of copies (`pipeline_copies`).
+
+`TiedGradients` sums them after a batch's last backward (extensions.py: end_group), after the
+data-parallel mean: stages may reduce differently -- with MoE only in later blocks, stage 0
+runs DDP (averaged in backward) and the last stage a gradient handler (averaged at end_group);
+summing first would hand stage 0 the other stage's un-averaged gradient, a different one on
+each data rank. initialize.py puts it after the handlers for that.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..context import gpc
+from ..extensions import Extension
 
 Tied = list[tuple[nn.Parameter, Optional[dist.ProcessGroup]]]
 
@@ -66,3 +73,14 @@ def sum_tied_gradients(tied: Tied) -> None:
         if param.grad is None:  # unused on this stage: its share is zero
             param.grad = param.detach().new_zeros(param.shape)
         dist.all_reduce(param.grad, group=group)
+
+
+class TiedGradients(Extension):
+    """The sum above, after a batch's last backward. ZeRO level 2 holds pieces of gradients, not
+    whole ones: its optimizer sums those itself (zero/optimizer.py), and `summing` is that."""
+
+    def __init__(self, tied: Tied, summing: Optional[Callable[[Tied], None]] = None) -> None:
+        self.tied, self.summing = tied, summing or sum_tied_gradients
+
+    def end_group(self) -> None:
+        self.summing(self.tied)

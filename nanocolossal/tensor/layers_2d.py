@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..context import gpc
+from ..extensions import Extension
 from ..loss_weights import counted_targets, mean_over
 from .base import PatchEmbedding, add_bias, check_divisible, embed_patches, keep_slice, tied
 from .comm import copy_to, group_sum, reduce_from, split
@@ -49,10 +50,13 @@ def split_batch(x: torch.Tensor) -> torch.Tensor:
     return split(x, 0, gpc.tensor_col_group)  # backward: the column group's blocks gathered
 
 
-def labels_of_output(label: torch.Tensor) -> torch.Tensor:
-    """The labels of the samples this rank's output holds (for metrics): under 2d a grid row
-    holds one block of the batch, so its labels are cut the same way; otherwise all of them."""
-    return split_batch(label) if gpc.tensor_mode == "2d" else label
+class SplitLabels(Extension):
+    """The labels of the samples this rank's output holds (execute_schedule returns them, for
+    metrics; extensions.py): a grid row holds one block of the batch, so its labels are cut the
+    same way."""
+
+    def output_labels(self, label: torch.Tensor) -> torch.Tensor:
+        return split_batch(label)
 
 
 def _along_row(full: torch.Tensor, dim: int) -> nn.Parameter:
