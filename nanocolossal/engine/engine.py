@@ -92,7 +92,7 @@ class Engine:
                                f"whole group (at most gradient_accumulation="
                                f"{self.gradient_accumulation}, got {len(labels)}): call it "
                                f"before the group's first backward")
-        for extension in self.extensions:
+        for extension in self.extensions:  # extensions: counted targets (loss_weights.py)
             extension.group_labels(labels)
 
     def train(self) -> None:

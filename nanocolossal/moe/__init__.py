@@ -3,7 +3,8 @@
 Reading order: router.py (who goes where, capacity), balance.py (the load-balancing loss over
 the global batch), placement.py (which rank holds which expert), dispatch.py (the two
 all-to-alls), experts.py, layer.py (MoeLayer puts them together), grads.py (which ranks sum
-which gradients; MoeGradientHandler does it for the Engine), settings.py (the config:
+which gradients; MoeGradientHandler does it for the Engine), ../pipeline/moe_aux.py (the
+load-balancing loss in the training loss, with or without a pipeline), settings.py (the config:
 parallel=dict(moe=dict(size=EP)), NUM_EXPERTS, MOE_TOP_K, MOE_CAPACITY_FACTOR, MOE_AUX_WEIGHT).
 A transformer Block takes an MoE layer in its MLP's place with `Block(..., moe=dict(...))`.
 """
