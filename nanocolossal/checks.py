@@ -159,11 +159,12 @@ def check_still_frozen(model: nn.Module, frozen: list,
 def ready_twice(model: nn.Module, param: nn.Parameter) -> RuntimeError:
     """A parameter's gradient hook fired twice in one backward (reentrant checkpointing of a
     layer used twice): its first gradient is already in a bucket being averaged."""
-    return RuntimeError(f"[rank {gpc.rank}] DistributedDataParallel: {_name(model, param)} got a "
-                        f"second gradient in one backward after its first was handed to the "
-                        f"all-reduce (torch.utils.checkpoint with use_reentrant=True around a "
-                        f"layer used twice?): use use_reentrant=False, or the gradient_handler, "
-                        f"which averages after backward")
+    who, other = ("zero", "") if "zero" in gpc.config else \
+        ("DistributedDataParallel", ", or the gradient_handler, which averages after backward")
+    return RuntimeError(f"[rank {gpc.rank}] {who}: {_name(model, param)} got a second gradient "
+                        f"in one backward after its first was handed to the reduction "
+                        f"(torch.utils.checkpoint with use_reentrant=True around a layer used "
+                        f"twice?): use use_reentrant=False{other}")
 
 
 def debug_barrier(where: str) -> None:

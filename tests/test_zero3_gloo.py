@@ -491,3 +491,37 @@ def test_gloo_zero3_models_as_written_train_as_one_process(kind):
     moved = ["zero level 3: transformer.wte.weight is read outside unit 'transformer.wte', which "
              "joins the root unit (gathered for the whole forward and backward)"]
     assert results[0][1] == (moved if kind.startswith("nanoGPT") else []), results[0][1]
+
+
+def _penalty_worker(rank, world_size, port, first):
+    nc.launch({"zero": dict(level=3)}, rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
+    model = _model("ModuleList of blocks")
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               nn.CrossEntropyLoss(), verbose=False)
+    before = engine.model.state_dict()
+    x, y = _tokens(0, B)
+    engine.zero_grad()
+    try:
+        penalty = lambda: sum((p ** 2).sum() for p in engine.model.parameters())  # noqa: E731
+        before_forward = penalty() if first else 0.0  # (autograd reaches it after the units)
+        loss = engine.criterion(engine(x), y.flatten())
+        engine.backward(loss + 1e-3 * (before_forward if first else penalty()))
+        engine.step()
+    except RuntimeError as e:
+        assert_close(engine.model.state_dict(), before)  # nothing applied
+        return str(e)
+    return "stepped"
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["after", "before"])
+def test_gloo_zero3_parameters_read_outside_the_forward_are_refused(first):
+    """Between uses a rank holds only its shards: a parameter read in the loop (an L2 penalty
+    over model.parameters(), computed after the forward or before it) reads NaN. Its gradient
+    reaches the units before their reduction (the step refuses the NaN gradients) or after it
+    (the end of backward refuses the late gradients): either way every rank stops, names a
+    parameter and says where to compute the penalty, and nothing is applied."""
+    start = "non-finite gradients (" if not first else ""
+    for rank, message in enumerate(run_ranks(_penalty_worker, 2, first, timeout=60)):
+        assert message.startswith(f"[rank {rank}] zero level 3: {start}") and \
+            "inside the model's forward" in message, message

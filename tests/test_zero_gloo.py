@@ -382,3 +382,41 @@ def test_gloo_zero_fp16_overflow_skipped_by_every_rank(level):
     for params, rank_scale, rank_skipped in run_ranks(_fp16_worker, 4, level, B, timeout=90):
         assert (rank_scale, rank_skipped) == (scale, skipped)
         assert_close(params, single, atol=3e-3, rtol=0)  # fp16 sums of other splits round apart
+
+
+class Twice(nn.Module):
+    """One layer called twice, each call in its own reentrant checkpoint: each checkpoint's
+    backward hands the layer's gradient on, so it arrives twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 5)
+
+    def forward(self, x):
+        for _ in range(2):
+            x = torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=True)
+        return self.b(x)
+
+
+def _twice_worker(rank, world_size, port, level):
+    nc.launch({"zero": dict(level=level)}, rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
+    model = Twice()
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               nn.CrossEntropyLoss(), verbose=False)
+    xs, ys = _batch(0, B)
+    try:
+        engine.backward(engine.criterion(engine(xs.requires_grad_()), ys))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_gloo_zero_a_gradient_arriving_twice_names_the_fix_zero_takes(level):
+    """Reentrant checkpointing of a layer used twice hands its first gradient to the reduction
+    before the second arrives: the error names the parameter and the one fix that works with
+    ZeRO (not the gradient handler, which zero refuses)."""
+    for rank, message in enumerate(run_ranks(_twice_worker, 2, level, timeout=60)):
+        assert message.startswith(f"[rank {rank}] zero: a.") and \
+            message.endswith("use use_reentrant=False"), message

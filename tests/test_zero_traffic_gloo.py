@@ -16,6 +16,8 @@ so two flat buffers, each padded to a multiple of N (level 3: two per unit a, b,
                                                  every rank issues the same calls)
                           + 2                   (before the step: the units' order, the same on
                                                  every rank? zero/unit_order.py)
+                          + 1                   (any non-finite gradient? a parameter read
+                                                 outside the forward reads NaN: sharded_params.py)
     every level: all-reduce + 1                 (the cross entropy's targets counted over the
                                                  data ranks: loss_weights.py)
 
@@ -65,7 +67,7 @@ def expected(level, N, used, previous=()):
     forward = sum(_padded(_numel(u, g), N) for u in {*used, *prefetched} for g in GROUPS)
     backward = sum(_padded(_numel(u, g), N) for u in used for g in GROUPS)
     every = sum(_padded(_numel(u, g), N) for u in UNITS for g in GROUPS)
-    return {"broadcast": forward + backward, "all_reduce": every + P + 2 + 1}
+    return {"broadcast": forward + backward, "all_reduce": every + P + 2 + 1 + 1}
 
 
 def _worker(rank, world_size, port, level, reduce_scatter=False):

@@ -296,9 +296,10 @@ class ShardedModel:
         if late:
             raise RuntimeError(f"[rank {gpc.rank}] zero level 3: {', '.join(late[:4])} got a "
                                f"gradient after its unit was reduced, so it would be lost: "
-                               f"checkpoint a unit that runs more than once per forward with "
-                               f"use_reentrant=False, and use a unit's parameters outside its "
-                               f"forward only as the first forward did (sharded_model.py)")
+                               f"compute anything that reads parameters (a penalty over "
+                               f"model.parameters()) inside the model's forward, and checkpoint "
+                               f"a unit that runs more than once per forward with "
+                               f"use_reentrant=False")
 
     def _before_step(self) -> None:
         if self.size > 1:

@@ -8,8 +8,9 @@ the model), and changes who holds the buffer:
 
     between uses    local = my slice (a copy, ceil(numel/N) elements), the only one I keep;
                     the full buffer's storage is resized to 0 bytes, and every parameter points at
-                    one shared NaN element (right shape, stride 0): a stray use gives NaN, not a
-                    crash, and shapes stay readable (checkpoint layouts, optimizer state_dict)
+                    one shared NaN element (right shape, stride 0): shapes stay readable
+                    (checkpoint layouts, optimizer state_dict), and a stray read (outside the
+                    forward) gives NaN gradients, which the step refuses by name
     gather()        storage back to full size, all-gather every rank's `local` into it, and the
                     parameters become views of it again (async_op: a prefetch; wait() before use)
     free()          storage to 0 bytes, parameters back to the NaN placeholder
@@ -23,12 +24,13 @@ forward gathers the new values.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..context import gpc
 from .comm import gather_shards
 from .optimizer import FlatBuffer, ShardedOptimizer
 
@@ -103,10 +105,31 @@ class ParamShardedOptimizer(ShardedOptimizer):
     before_step = None  # set by ShardedModel: the unit order checked (a step on shards of
                         # mixed-up units would stick), the forwards' call counts forgotten
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.check_finite = True  # see step: a stray read of a freed parameter gives NaN
+
     def step(self) -> bool:
         if self.before_step is not None:
             self.before_step()
+        if self.scaler is None and self.unscale_():  # (with a scaler: an fp16 overflow, skipped)
+            raise self._non_finite()
         return super().step()
+
+    def _non_finite(self) -> RuntimeError:
+        """Between uses a parameter points at a NaN element: read outside the model's forward
+        (a penalty over model.parameters() in the loop) it turns every gradient NaN. One
+        all-reduced flag per step refuses such a step rather than apply it to every shard."""
+        names = self.param_names()
+        bad = [names[self.index_of[id(p)]][0] for p in self.params()
+               if p.grad is not None and not torch.isfinite(p.grad).all()]
+        return RuntimeError(
+            f"[rank {gpc.rank}] zero level 3: non-finite gradients "
+            f"({', '.join(dict.fromkeys(bad[:4])) or 'on another rank'}); the step was not "
+            f"taken. Between uses each rank holds only its shard and a parameter reads NaN: "
+            f"compute anything that reads parameters (a penalty over model.parameters()) inside "
+            f"the model's forward, or use the optimizer's weight_decay; if the training itself "
+            f"diverged, lower the learning rate")
 
     def _kind(self, p: nn.Parameter) -> tuple:
         return (self.unit_of[id(p)], p.dtype, p.device)
