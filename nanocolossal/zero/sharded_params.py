@@ -107,12 +107,14 @@ class ParamShardedOptimizer(ShardedOptimizer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.check_finite = True  # see step: a stray read of a freed parameter gives NaN
+        # see step: a stray read of a freed parameter gives NaN. AMP already checks (and skips
+        # such a step with a warning, as one process would); without AMP, refuse it here
+        self.refuse_non_finite, self.check_finite = not self.check_finite, True
 
     def step(self) -> bool:
         if self.before_step is not None:
             self.before_step()
-        if self.scaler is None and self.unscale_():  # (with a scaler: an fp16 overflow, skipped)
+        if self.refuse_non_finite and self.unscale_():
             raise self._non_finite()
         return super().step()
 
