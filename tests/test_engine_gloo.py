@@ -307,3 +307,39 @@ def test_gloo_without_ddp_every_replica_evaluates_with_rank0s_buffers(config):
     (moved0, eval0), (moved1, eval1) = run_ranks(_handler_buffers_worker, 2, config)
     assert not torch.equal(moved0, moved1), "each replica's statistics moved with its own batch"
     assert torch.equal(eval0, moved0) and torch.equal(eval1, moved0)
+
+
+def _seeded_worker(rank, world_size, port, config):
+    """A model built under a per-rank seed (nanoGPT seeds 1337 + rank), trained 3 steps."""
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(1337 + rank)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               nn.CrossEntropyLoss(), verbose=False)
+    per = 8 // world_size
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x[rank * per:][:per]), y[rank * per:][:per]))
+        engine.step()
+    return engine.model.state_dict()  # (O2: bf16, compared at bf16 precision)
+
+
+BF16_O2 = {"fp16": {"mode": AMP_TYPE.NAIVE, "dtype": "bfloat16"}}
+SEEDED = {"DDP": {}, "DDP, O2": BF16_O2,
+          "gradient handler, O2": {**BF16_O2, "gradient_handler": [
+              {"type": "DataParallelGradientHandler"}]},
+          "ZeRO 1, O2": {**BF16_O2, "zero": {"level": 1}}, "ZeRO 2": {"zero": {"level": 2}},
+          "ZeRO 3": {"zero": {"level": 3}}, "ZeRO 3, O2": {**BF16_O2, "zero": {"level": 3}}}
+
+
+@pytest.mark.parametrize("layout", SEEDED)
+def test_gloo_replicas_built_under_per_rank_seeds_start_as_rank_0s(layout):
+    """initialize gives every replica rank 0's parameters (and buffers) before AMP copies fp32
+    masters out of them and ZeRO cuts them into shards: two ranks train as one process built
+    from rank 0's seed (without: O2 replicas drift apart by 0.8, ZeRO 3 trains a mix)."""
+    [want] = run_ranks(_seeded_worker, 1, SEEDED[layout], timeout=60)
+    tol = dict(atol=5e-3, rtol=0) if "O2" in layout else {}  # bf16: a ulp or two apart
+    for got in run_ranks(_seeded_worker, 2, SEEDED[layout], timeout=60):
+        assert_close(got, want, **tol, msg=lambda m: f"{layout}: {m}")

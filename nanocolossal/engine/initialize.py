@@ -8,6 +8,8 @@ steps that change what the training loop does return extensions (extensions.py),
 Engine and the pipeline executor call at their marked places:
 
     check_inputs        refuse a bad config or model before anything changes
+    broadcast_replicas  replicas start equal: each parameter and buffer from the first rank
+                        holding it (replicas.py), before anything is built from them
     apply_sync_bn       sync_bn=True: BatchNorm statistics over the whole data-parallel batch
     apply_amp           fp16=dict(...): may change parameter dtypes (O2/O3), so before DDP
     apply_zero          zero=dict(level=1|2|3): the optimizer steps only this rank's shard (zero/);
@@ -54,6 +56,7 @@ from ..moe import MoeGradientHandler, moe_layers
 from ..moe.settings import moe_aux_weight
 from ..pipeline.moe_aux import MoeAuxLoss
 from ..pipeline.tied import TiedGradients
+from ..replicas import broadcast_replicas
 from ..sequence import check_sequence_model, split_loader
 from ..syncbn import convert_sync_batchnorm
 from ..tensor.layers_2d import SplitLabels
@@ -278,6 +281,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
     lr_scheduler)."""
     schedule = check_inputs(model, {"train": train_dataloader, "test": test_dataloader})
     model = model.to(gpc.device)
+    broadcast_replicas(model)  # before AMP's masters and ZeRO's shards are made from it
     model, sync_bn = apply_sync_bn(model)
     model, optimizer, mixed = apply_amp(model, optimizer)
     optimizer, zero = apply_zero(model, optimizer)

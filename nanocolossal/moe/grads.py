@@ -42,7 +42,6 @@ from torch import nn
 
 from ..checks import check_still_frozen
 from ..context import gpc
-from ..ddp import _coalesced_broadcast
 from ..extensions import Extension
 from ..gradient_handler import sum_gradients
 from .experts import expert_parameters
@@ -130,10 +129,11 @@ class MoeGradientHandler(Extension):
         experts of block G:  all-reduce over the data ranks holding them (gpc.expert_data_groups[G],
                              data_rank % G equal), / D
 
-    At the start every parameter is broadcast from the first rank of its group (replicas start
-    equal, as DDP does). `norm` gives clip_grad_norm each expert's weight in the expert-parallel
-    group: an expert of block G has EP / G copies there, so it adds its squares x G / EP and the
-    global norm counts every expert once (masters under AMP O2 included, by `pairs`)."""
+    Replicas start equal: initialize broadcasts each parameter from the first rank holding it
+    (replicas.py) before building this. `norm` gives clip_grad_norm each expert's weight in the
+    expert-parallel group: an expert of block G has EP / G copies there, so it adds its squares
+    x G / EP and the global norm counts every expert once (masters under AMP O2 included, by
+    `pairs`)."""
 
     def __init__(self, model: nn.Module,
                  pairs: Sequence[tuple[nn.Parameter, nn.Parameter]] = ()) -> None:
@@ -148,13 +148,6 @@ class MoeGradientHandler(Extension):
         master = {id(p): m for p, m in pairs}
         self.norm = ({id(master.get(id(p), p)): g / gpc.moe_size
                       for g, params in self.experts.items() for p in params}, gpc.ep_group)
-        if self.data_group is not None:
-            _coalesced_broadcast(self.dense + list(model.buffers()), gpc.gradient_ranks[0],
-                                 self.data_group)
-        for g, params in sorted(self.experts.items()):
-            group, ranks = self._holders(g)
-            if group is not None:
-                _coalesced_broadcast(params, ranks[0], group)
 
     @staticmethod
     def _holders(block: int) -> tuple[Group, list[int]]:
