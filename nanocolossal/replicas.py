@@ -10,9 +10,12 @@ afterwards is the same on every replica:
     parameters and buffers   from the first rank of the gradient group (data x sequence ranks)
     experts (parallel.moe)   from the first of the data ranks holding the same experts
                              (moe/grads.py); a rank holding different experts keeps its own
+    tied weights             a weight pipeline stages share (pipeline/tied.py: the embedding
+                             and the classifier), on the last stage from the first
 """
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
 from .context import gpc
@@ -22,8 +25,9 @@ from .moe import moe_layers
 
 def broadcast_replicas(model: nn.Module) -> None:
     """Give every replica of `model` the same starting values (collective over the gradient
-    group, and over each expert holders' group)."""
-    if gpc.gradient_size == 1:
+    group, each expert holders' group and each tied weight's stages)."""
+    tied = getattr(model, "tied", [])
+    if gpc.gradient_size == 1 and not tied:
         return
     experts: dict[int, list[nn.Parameter]] = {}  # by exchange block: held by other groups
     if gpc.moe_size > 1:
@@ -31,8 +35,12 @@ def broadcast_replicas(model: nn.Module) -> None:
             experts.setdefault(layer.placement.block, []).extend(layer.experts.parameters())
     held = {id(p) for params in experts.values() for p in params}
     replicated = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in held]
-    _coalesced_broadcast(replicated, gpc.gradient_ranks[0], gpc.gradient_group)
+    if gpc.gradient_size > 1:
+        _coalesced_broadcast(replicated, gpc.gradient_ranks[0], gpc.gradient_group)
     for block, params in sorted(experts.items()):
         group, ranks = gpc.expert_data_groups[block]
         if group is not None:  # (a group of one: nobody else holds these experts)
             _coalesced_broadcast(params, ranks[0], group)
+    for param, group in tied:  # (the first stage has the lowest rank of each group)
+        if group is not None:
+            _coalesced_broadcast([param], dist.get_global_rank(group, 0), group)

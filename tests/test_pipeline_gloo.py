@@ -368,3 +368,35 @@ def test_gloo_pipeline_syncs_batchnorm_buffers_once_per_batch():
     # mean and var) and one int64 (batches tracked), so 4 over 2
     # batches -- on every micro-batch it would be 16; stage 1 has none
     assert run_ranks(_bn_broadcast_worker, 4, timeout=90) == [4, 0, 4, 0]
+
+
+def _tied_seeded_worker(rank, world_size, port):
+    """A GPT whose classifier shares the embedding's table, built under a per-rank seed."""
+    import sys
+
+    from dist_helpers import ROOT
+    sys.path.insert(0, str(ROOT))
+    from train_gpt import gpt
+    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2}, rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(1337 + rank)
+    stage = build_pipeline_model(gpt(vocab=16, seq_len=8, dim=8, depth=2, heads=2))
+    engine, *_ = nc.initialize(stage, torch.optim.SGD(stage.parameters(), lr=0.1),
+                               nc.nn.VocabParallelCrossEntropyLoss(), verbose=False)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 16, (4, 9), generator=g)
+    engine.zero_grad()
+    engine.execute_schedule((tokens[:, :-1], tokens[:, 1:]))
+    engine.step()
+    [(table, group)] = stage.tied
+    copies = [torch.empty_like(table) for _ in range(2)]
+    torch.distributed.all_gather(copies, table.detach(), group=group)
+    return copies
+
+
+def test_gloo_a_weight_two_stages_share_starts_and_stays_one_weight():
+    """The embedding (stage 0) and the classifier (stage 1) share one table: built under a
+    per-rank seed, the last stage's copy starts as the first stage's (replicas.py) and both take
+    the same step, so the two copies are one weight."""
+    for first, last in run_ranks(_tied_seeded_worker, 2, timeout=60):
+        assert torch.equal(first, last)
