@@ -180,9 +180,15 @@ def test_gloo_batch_smaller_than_micro_batches():
         assert f"[rank {rank}] batch size 3 is smaller than NUM_MICRO_BATCHES=4" in message
 
 
-def _any_batch_worker(rank, world_size, port):
+# a mean over counted targets (loss_weights.py) and a plain mean over samples (no ignore_index:
+# there each micro-batch weighs its share of the samples, 4/13 or 3/13, not 1/M)
+CRITERIA = {"cross_entropy": nn.CrossEntropyLoss, "sample_mean": nn.MultiMarginLoss}
+
+
+def _any_batch_worker(rank, world_size, port, criterion_name):
     """One schedule object, batches of 16, 8, 10 and 13 in turn (a test loader's last batch):
     near-equal micro-batches weighted by their share give the whole batch's loss and gradients."""
+    criterion = CRITERIA[criterion_name]()
     nc.launch({"parallel": {"pipeline": world_size}}, rank=rank, world_size=world_size,
               host="127.0.0.1", port=port)
     checked = []
@@ -193,12 +199,12 @@ def _any_batch_worker(rank, world_size, port):
             x, y = _batch(seed=n, n=n)
             reference = _model()
             ref_out = reference(x)
-            ref_loss = nn.functional.cross_entropy(ref_out, y)
+            ref_loss = criterion(ref_out, y)
             ref_loss.backward()
             ref_grads = {k: p.grad for k, p in reference.named_parameters()}
             for chunk in _chunks(stage):
                 chunk.zero_grad()
-            out, label, loss = schedule.forward_backward_step(stage, (x, y), nn.CrossEntropyLoss())
+            out, label, loss = schedule.forward_backward_step(stage, (x, y), criterion)
             assert_close(loss, ref_loss.detach(), msg=lambda m: f"{name} n={n} loss: {m}")
             for chunk in _chunks(stage):
                 for key, p in chunk.named_parameters():
@@ -206,7 +212,7 @@ def _any_batch_worker(rank, world_size, port):
                                  msg=lambda m: f"{name} n={n} grad {key}: {m}")
             with torch.no_grad():
                 out, label, eval_loss = schedule.forward_backward_step(
-                    stage, (x, y), nn.CrossEntropyLoss(), forward_only=True
+                    stage, (x, y), criterion, forward_only=True
                 )
             assert_close(eval_loss, ref_loss.detach())
             if gpc.is_last_stage():
@@ -216,9 +222,10 @@ def _any_batch_worker(rank, world_size, port):
     return checked
 
 
-def test_gloo_pipelines_take_any_batch_of_at_least_m_samples():
+@pytest.mark.parametrize("criterion", list(CRITERIA))
+def test_gloo_pipelines_take_any_batch_of_at_least_m_samples(criterion):
     expected = [(name, n) for name in ("gpipe", "1f1b", "interleaved") for n in (16, 8, 10, 13, 16)]
-    assert run_ranks(_any_batch_worker, 2, timeout=120) == [expected, expected]
+    assert run_ranks(_any_batch_worker, 2, criterion, timeout=120) == [expected, expected]
 
 
 class ShapeShifter(nn.Module):
