@@ -34,10 +34,11 @@ it (pipeline size, tensor mode and size); another layout is an error that names 
 way across: `merge_checkpoint` it into the plain model, `load_plain_state_dict` that.
 
 Files are written with torch.save and read with torch.load(weights_only=True) plus an
-allow-list of the types our files hold (checkpoint_merge.read_file): loading a file cannot run
+allow-list of the types our files hold (checkpoint_files.read_file): loading a file cannot run
 code from it. A file that holds other objects is refused with an error naming them; pass
 `trusted=True` to load such a file you trust. The offline part (reading, merging, cutting a
-plain state_dict again) lives in checkpoint_merge.py; its names are re-exported here.
+plain state_dict again) lives in checkpoint_files.py and checkpoint_merge.py; their names are
+re-exported here.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """A checkpoint's files offline: read them safely, merge them into the plain model, cut it again.
 
-checkpoint.py writes one file per (pipeline stage, tensor rank). This module needs no running
+checkpoint.py writes one file per (pipeline stage, tensor rank, expert rank). This needs no running
 job: with the files of one save, read without trusting them (checkpoint_files.py), it turns
 any layout's files into the plain model's state_dict (`merge_checkpoint`), which
 `load_plain_state_dict` cuts into any other layout; a ZeRO save's pieces are put back first
-(`complete_zero_state`, zero/state.py).
+(`complete_zero_state`, with zero/state.py's `assemble`).
 
 Merging. Tensor-parallel files record how each parameter was cut (`tensor_splits`, keyed by
 the plain model's keys) and the plain shape, so the blocks are put back together offline.

@@ -254,6 +254,13 @@ class ParallelContext:
         return self.tensor_rank if self.tensor_mode == "sequence" else 0
 
     @property
+    def other_parts_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks holding the *other* parts of my replica (pipeline stages, tensor slices),
+        whose squares a global gradient norm adds: the model group, but the pipeline group under
+        sequence parallelism (sequence ranks hold replicas, as data ranks do)."""
+        return self.pipeline_group if self.sequence_size > 1 else self.model_group
+
+    @property
     def sequence_group(self) -> Optional[dist.ProcessGroup]:
         return self.tensor_group if self.tensor_mode == "sequence" else None
 

@@ -28,7 +28,8 @@ All of them then do the same three things (`_launch`):
    gradient  the ranks holding the same parameters: the data group, or with mode='sequence'
              (whose T ranks split the sequence, not the weights) data x sequence ranks
 
-3. Every rank seeds its RNGs alike, so that the replicas' models are born equal.
+3. Every rank seeds its RNGs alike, so that the replicas' models are born equal (and
+   initialize broadcasts them anyway: replicas.py).
 
 Backend: nccl when CUDA is available, else gloo. Device: cuda:local_rank with nccl, cpu with
 gloo. Every wait is bounded by `timeout` (config `timeout`, default 300 s). What makes a start

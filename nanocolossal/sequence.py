@@ -17,11 +17,12 @@ Who does what, layer by layer:
     LayerNorm,  per token: the local tokens alone, unchanged
     MLP, head
     attention   every query needs every key: ring attention, K/V blocks going round the ring
-    loss        the mean over this rank's tokens
+    loss        N x this rank's share of the sequences' loss: its tokens' sum divided by the
+                targets counted on all N ranks (nn/layers.py), so the N ranks' mean is the loss
     gradients   averaged over the gradient group: data x sequence ranks (gpc.gradient_group)
 
-Why averaging is exact. The global batch's loss is the mean over its B*s tokens; with equal
-shares that is the mean of the D*N ranks' local means, L = 1/(DN) sum_r L_r. Ring attention's
+Why averaging is exact. The global batch's loss is the mean over its B*s tokens; each rank's
+loss is N x its tokens' share of its sequences' mean, so L = 1/(DN) sum_r L_r. Ring attention's
 backward sends every dK/dV home, so rank r's gradient collects, from every rank's loss, what
 flows through r's tokens; summed over the ranks that is d(sum_r L_r)/dθ, and averaged -- what
 DDP over the gradient group does -- it is dL/dθ. To everything but attention a sequence rank

@@ -138,13 +138,12 @@ class Engine:
         for extension in self.extensions:  # extensions: handlers' averages, then tied sums
             extension.end_group()
         if self.clip_grad_norm:
-            # ranks holding *other* parameters (pipeline stages, tensor shards) add their squares
-            # sequence ranks hold replicas, like data ranks: only the stages are other parts
-            parts = gpc.pipeline_group if gpc.sequence_size > 1 else gpc.model_group
+            # ranks holding *other* parameters (pipeline stages, tensor slices) add their squares
+            others = gpc.other_parts_group
             options = {}
             for extension in self.extensions:  # extensions: MoE experts' copies (moe/grads.py)
                 options.update(extension.clip_options())
-            self.last_grad_norm = self.optimizer.clip_grad_norm(self.clip_grad_norm, parts,
+            self.last_grad_norm = self.optimizer.clip_grad_norm(self.clip_grad_norm, others,
                                                                 **options)
         return self.optimizer.step()
 

@@ -22,8 +22,9 @@ Dividing an expert's sum by its D / G holders instead (what DDP on the expert-da
 would do) gives G times the gradient. Colossal-AI scales the expert gradient by 1/EP inside
 the layer (EPGradScaler) so that a plain average works; here the layer's gradient is the
 plain derivative and the division by D says what it means. `allreduce_moe_gradients` does
-both reductions; the engine may instead keep DDP (mean over the data group) for non-expert
-parameters and reduce only `expert_parameters(model)` with `allreduce_expert_gradients`.
+both reductions, for a loop of your own (one that keeps DDP for the non-expert parameters may
+reduce only `expert_parameters(model)` with `allreduce_expert_gradients`); the Engine uses
+MoeGradientHandler below.
 
 Groups. Expert parallelism is carved out of the data-parallel ranks (as Colossal-AI): with the
 data group's ranks listed in data-rank order, EP groups are blocks of EP consecutive data

@@ -9,7 +9,9 @@ layer's router, so its gradient is local to the stage that holds it. The executo
 
     aux(c, m) = w x (sum of chunk c's MoE layers' aux loss of micro-batch m) x share(m)
 
-where share(m) is the weight the cross-entropy of m gets (1/M for equal micro-batches), and
+where share(m) is micro-batch m's share of the samples (1/M for equal micro-batches; a counted
+cross-entropy weighs W_m G / W instead, loss_weights.py, but the aux loss is a mean over tokens
+and keeps the sample share), and
 B(c, m) backpropagates it together with what it already did:
 
     last stage    (criterion(m) x share(m) + aux(c, m)) x loss scale

@@ -2,8 +2,8 @@
 
 In one process a tied weight is one tensor that both layers use, and its gradient is the sum of
 both uses. Cut into stages, the embedding lives on the first stage and the classifier on the
-last, so each holds a copy (every rank built the whole model under one seed: the copies start
-equal). They stay equal if both step with the one-process gradient, the sum of the two:
+last, so each holds a copy (initialize gives the last stage's copy the first stage's values:
+replicas.py). They stay equal if both step with the one-process gradient, the sum of the two:
 
     stage 0      E.grad = dL/dE through the embedding lookup  --+  all-reduce (sum) between
     stage P-1    E.grad = dL/dE through the classifier        --+  the stages holding E

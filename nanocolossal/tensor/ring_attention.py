@@ -6,7 +6,8 @@ to all-gather K and V (allgather_attention below, kept as the baseline: each ran
 the whole sequence's keys and an (s/N) x s score matrix; autograd does its backward). Ring
 attention instead keeps each rank's queries at home and passes the K/V blocks around a ring,
 one neighbour per step, so a rank only ever holds one (s/N)^2 block of scores and two K/V
-blocks (the one it computes with, the one arriving).
+blocks (the one it computes with, the one arriving). A key padding mask rides with its K/V
+block, as an additive bias (0 or -inf) on the scores.
 
 The ring (N = 4; rank r sends to r+1, receives from r-1; "K1" is rank 1's K/V block):
 

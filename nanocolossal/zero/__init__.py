@@ -4,8 +4,10 @@ Level 1 shards the optimizer state, level 2 also the gradients (optimizer.py exp
 their memory and traffic; gradients.py is level 2's backward; mixed.py the fp32 master shards
 under AMP O2), level 3 also the parameters
 (sharded_model.py: the gather / free / reduce-scatter timeline; sharded_params.py: the shards;
-unit_order.py: every rank gathers the same units). state.py: checkpoints, the plain optimizer's
-state put together from every rank's pieces; load.py: a rank reads only the files with its own.
+unit_order.py: which modules are units, and every rank gathers the same; state_dict.py: the
+model's state_dict made whole). state.py: checkpoints, the plain optimizer's state put together
+from every rank's pieces; load.py: a rank reads only the files with its own. comm.py: the
+collectives ZeRO adds; settings.py: the zero=dict(...) config.
 Turned on by the config:
 
     zero = dict(level=2, reduce_bucket_size_mb=25, overlap_communication=True)

@@ -127,7 +127,8 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     """ZeRO level 1/2 around the optimizer `initialize` built: same calls, sharded state.
 
     `mixed` is AMP's wrapper (loss scaler, overflow check); `model` the model whose parameters
-    the optimizer steps; `group` the data-parallel group."""
+    the optimizer steps; `group` the ranks holding the same parameters (gpc.gradient_group:
+    data x sequence ranks, initialize passes it)."""
 
     buffer_class = FlatBuffer  # level 3 (sharded_params.py): one that keeps only my shard
 
@@ -138,7 +139,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         check_optimizer(optimizer, mixed, model, level)
         self.model, self.level = model, level
         self.unit_of = unit_of or {}  # level 3: id(param) -> its unit (sharded_model.py)
-        self.group = group if group is not None else gpc.data_group
+        self.group = group if group is not None else gpc.gradient_group
         self.size = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.user, self.user_groups = optimizer, optimizer.param_groups

@@ -132,7 +132,7 @@ class ShardedModel:
         self.size, self.overlap = optimizer.size, overlap_communication
         # every data rank must gather the same units in the same order: checked (unit_order.py)
         self.unit_order = UnitOrder(self.group, bool(gpc.config.get("debug")))
-        optimizer.before_step = self._before_step
+        optimizer.before_step = self._before_step  # (called first in its step: sharded_params)
         names = {id(m): n for n, m in model.named_modules()}
         self.children: list[_Unit] = []
         for i, module in enumerate(units):

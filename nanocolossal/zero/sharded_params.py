@@ -3,8 +3,8 @@ while gathered (sharded_model.py decides when).
 
 Levels 1-2 (optimizer.py) flatten the parameters of each param group into one padded flat
 buffer and the model's parameters are views of it; rank r steps the r-th of N equal slices.
-Level 3 keeps exactly that layout, cut once more by *unit* (sharded_model.py: a direct child of
-the model), and changes who holds the buffer:
+Level 3 keeps exactly that layout, cut once more by *unit* (unit_order.py: a module that runs,
+e.g. one block of a ModuleList), and changes who holds the buffer:
 
     between uses    local = my slice (a copy, ceil(numel/N) elements), the only one I keep;
                     the full buffer's storage is resized to 0 bytes, and every parameter points at
@@ -97,7 +97,7 @@ class ShardedFlatBuffer(FlatBuffer):
 
 
 class ParamShardedOptimizer(ShardedOptimizer):
-    """The level 1-2 optimizer with one flat buffer per (unit, param group, dtype, device),
+    """Level 3: the level 1-2 optimizer with one flat buffer per (unit, param group, dtype, device),
     each holding only this rank's shard between uses: ParamShardedOptimizer(mixed, model, 3,
     group, unit_of), `unit_of[id(p)]` p's unit index."""
 

@@ -17,9 +17,10 @@ holds the whole optimizer state to save it:
 
 So a checkpoint loads into any data size (2 -> 1, 1 -> 4, 4 -> 2). Loading merges the whole
 state once on each rank before keeping its pieces -- simple, and the one moment a rank holds it
-all; reading only the files that overlap my shard is the next step. `state_dict()` (collective)
-gathers the pieces in memory for a caller that wants the plain state at once. Per-element states
-are cut; per-parameter scalars (`step`) are the same on every piece and are kept once.
+all (the plain route; load.py reads only the files that overlap my shard). `state_dict()`
+(collective) gathers the pieces in memory for a caller that wants the plain state at once.
+Per-element states are cut; per-parameter scalars (`step`) are the same on every piece and are
+kept once.
 """
 from __future__ import annotations
 
