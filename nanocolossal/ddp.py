@@ -41,9 +41,9 @@ from typing import Collection, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .checks import check_still_frozen, describe_parameters, peer_failed, ready_twice
+from .collectives import broadcast_buffers, broadcast_coalesced
 from .context import gpc
 from .extensions import Extension
 from .nest import map_tensors
@@ -74,31 +74,6 @@ class _Bucket:
         return self.buffer[self.numel:]
 
 
-def by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
-    """Tensors grouped by dtype (in order): one flat message each, since a flat buffer has one."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    return groups
-
-
-def _coalesced_broadcast(tensors: list[torch.Tensor], src: int, group) -> None:
-    """Broadcast many tensors as one flat message per dtype."""
-    for group_tensors in by_dtype(tensors).values():
-        flat = _flatten_dense_tensors([t.data for t in group_tensors])
-        dist.broadcast(flat, src=src, group=group)
-        for t, synced in zip(group_tensors, _unflatten_dense_tensors(flat, group_tensors)):
-            t.data.copy_(synced)
-
-
-def broadcast_buffers(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
-    """Give every replica the group's first rank's buffers (BatchNorm statistics)."""
-    buffers = list(module.buffers())
-    group = group or gpc.gradient_group
-    if buffers and dist.get_world_size(group) > 1:
-        _coalesced_broadcast(buffers, dist.get_global_rank(group, 0), group)
-
-
 class DistributedDataParallel(nn.Module):
     """Wrap `module` so that backward averages gradients over `process_group` (default: gpc's
     gradient group: the data-parallel ranks, times the sequence ranks if any)."""
@@ -127,7 +102,7 @@ class DistributedDataParallel(nn.Module):
         self.require_sync = True
 
         self._check_same_structure()
-        _coalesced_broadcast(list(module.parameters()) + list(module.buffers()), self.src_rank,
+        broadcast_coalesced(list(module.parameters()) + list(module.buffers()), self.src_rank,
                              self.process_group)
 
         skip = {id(q) for q in reduced_elsewhere}  # another pipeline chunk's DDP reduces them

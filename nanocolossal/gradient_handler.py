@@ -31,8 +31,8 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .checks import check_still_frozen
+from .collectives import broadcast_coalesced, by_dtype
 from .context import gpc
-from .ddp import _coalesced_broadcast, by_dtype
 from .extensions import Extension
 
 
@@ -69,7 +69,7 @@ class DataParallelGradientHandler(Extension):
         self.size = dist.get_world_size(self.group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.frozen = [p for p in model.parameters() if not p.requires_grad]
-        _coalesced_broadcast(list(model.parameters()) + list(model.buffers()),
+        broadcast_coalesced(list(model.parameters()) + list(model.buffers()),
                              dist.get_global_rank(self.group, 0), self.group)
 
     def handle_gradient(self) -> None:

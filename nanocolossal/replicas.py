@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from .collectives import broadcast_coalesced
 from .context import gpc
-from .ddp import _coalesced_broadcast
 from .moe import moe_layers
 
 
@@ -36,11 +36,11 @@ def broadcast_replicas(model: nn.Module) -> None:
     held = {id(p) for params in experts.values() for p in params}
     replicated = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in held]
     if gpc.gradient_size > 1:
-        _coalesced_broadcast(replicated, gpc.gradient_ranks[0], gpc.gradient_group)
+        broadcast_coalesced(replicated, gpc.gradient_ranks[0], gpc.gradient_group)
     for block, params in sorted(experts.items()):
         group, ranks = gpc.expert_data_groups[block]
         if group is not None:  # (a group of one: nobody else holds these experts)
-            _coalesced_broadcast(params, ranks[0], group)
+            broadcast_coalesced(params, ranks[0], group)
     for param, group in tied:  # (the first stage has the lowest rank of each group)
         if group is not None:
-            _coalesced_broadcast([param], dist.get_global_rank(group, 0), group)
+            broadcast_coalesced([param], dist.get_global_rank(group, 0), group)
