@@ -25,7 +25,7 @@ import pytest
 import torch
 from dist_helpers import ROOT, run_ranks
 from run_records import record_steps
-from test_tester_loss_weights_gloo import half_update_mismatches
+from test_loss_weights_gloo import half_update_mismatches
 from torch import nn
 from torch.nn import functional as F
 
