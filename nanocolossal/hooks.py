@@ -112,7 +112,7 @@ class AccuracyHook(BaseHook):
 class LRSchedulerHook(BaseHook):
     """Step the scheduler per epoch, or per optimizer step taken (not per accumulation micro-step;
     an fp16 step skipped for overflow does not advance it, as in Accelerate, where torch's
-    GradScaler recipe does: tests/test_tester_schedulers_gloo.py pins both loops)."""
+    GradScaler recipe does: tests/test_timer_and_schedulers.py pins both loops)."""
 
     def __init__(self, lr_scheduler: Any, by_epoch: bool = True, store_lr_in_state: bool = True,
                  priority: int = 1) -> None:
