@@ -5,7 +5,7 @@ import pytest
 import torch
 from dist_helpers import run_ranks
 from run_records import record_steps
-from test_tester_amp_layouts_gloo import (
+from test_amp import (
     MODELS,
     MODES,
     _batches,
@@ -425,11 +425,11 @@ def test_gloo_a_weight_two_stages_share_starts_and_stays_one_weight():
 # dtype); with TENSOR_SHAPE (fixed shapes, fixed dtype float32) every stage output is cast to
 # fp32. Each test runs one process on the whole batch under the same AMP config and the pipeline
 # layout, and compares parameter / buffer dtypes, every module's output dtype (probes from
-# test_tester_amp_layouts_gloo.py), the dtypes that actually crossed each boundary (a spy on
+# test_amp.py), the dtypes that actually crossed each boundary (a spy on
 # StageComm.exchange), steps taken, loss scales, losses, clipped norms and the parameters after
 # 3 steps.
 #
-# Tolerance (as test_tester_amp_layouts_gloo.py argues): a pipeline sums micro-batch gradients in
+# Tolerance (as test_amp.py argues): a pipeline sums micro-batch gradients in
 # another order than one process's whole-batch backward (and data parallel all-reduces them), so
 # each rounding may differ by one half-ulp: after 3 SGD steps at lr 0.1 we allow 1e-2 in bf16
 # (8-bit mantissa, ulp(1) = 7.8e-3) and 2e-3 in fp16 (ulp(1) = 9.8e-4).

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 from dist_helpers import ROOT, run_ranks
-from test_tester_amp_layouts_gloo import _shard  # this data rank's share of each batch
+from test_amp import _shard  # this data rank's share of each batch
 from torch.nn import functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.testing import assert_close
