@@ -60,9 +60,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _PortTaken(AssertionError):
+    """Another process bound the free port between free_port() and rank 0's store."""
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, grace: float = 5.0,
               cuda: bool = False) -> list:
-    """Run fn(rank, world_size, port, *args) on `world_size` processes; results by rank."""
+    """Run fn(rank, world_size, port, *args) on `world_size` processes; results by rank. A port
+    another process took in the meantime (EADDRINUSE) is retried on a new one, twice at most."""
+    for attempt in range(3):
+        try:
+            return _run_ranks_once(fn, world_size, args, timeout, grace, cuda)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_ranks_once(fn: Callable, world_size: int, args: tuple, timeout: float, grace: float,
+                    cuda: bool) -> list:
     pool = get_pool(world_size, cuda)
     job, port = next(_JOB_IDS), free_port()
     for inbox in pool.inboxes:
@@ -94,7 +110,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, 
             _POOLS.pop((world_size, cuda), None)
             pool.close()
     if errors:
-        raise AssertionError("\n".join(f"--- rank {r}: {msg}" for r, msg in sorted(errors.items())))
+        message = "\n".join(f"--- rank {r}: {msg}" for r, msg in sorted(errors.items()))
+        taken = any("EADDRINUSE" in m or "address already in use" in m for m in errors.values())
+        raise (_PortTaken if taken and not done else AssertionError)(message)
     return [pickle.loads(done[r]) for r in range(world_size)]
 
 

@@ -37,3 +37,27 @@ def test_a_timed_out_launcher_leaves_no_rank_behind(tmp_path):
     while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in ranks), f"ranks {ranks} outlived their launcher"
+
+
+def _rank_of_a_job(rank, world_size, port):
+    import nanocolossal as nc
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=20)
+    return rank
+
+
+@pytest.mark.timeout(60)
+def test_gloo_a_port_taken_before_the_ranks_bind_it_is_retried_on_another(monkeypatch):
+    """free_port() only finds a port nobody listens on *now*: another process may bind it before
+    rank 0's store does (EADDRINUSE). run_ranks then runs the job again on a new port."""
+    import socket
+
+    import dist_helpers
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    monkeypatch.setattr(dist_helpers, "free_port", lambda: next(ports, None) or free_port())
+    try:
+        assert dist_helpers.run_ranks(_rank_of_a_job, 2, timeout=30) == [0, 1]
+    finally:
+        taken.close()
