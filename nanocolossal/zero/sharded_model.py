@@ -82,7 +82,7 @@ from ..nest import map_tensors
 from .comm import reduce_scatter_shard
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
 from .state_dict import FullStateDict
-from .unit_order import OutsideUse, UnitOrder, plan_units
+from .unit_order import OutsideUse, UnitOrder, plan_units, refuse_late_gradients
 
 __all__ = ["ShardedModel", "plan_units"]  # (plan_units: the policy, unit_order.py)
 
@@ -288,18 +288,10 @@ class ShardedModel:
             if not unit.ready:
                 self._done(unit)
         self._finish_pending()
-        late = [n for n, p in self.model.named_parameters() if p.grad is not None
-                and id(p) in self.optimizer.unit_of]
         for unit in self.order:
             unit.ready, unit.active = False, 0
         self._next, self._queued = 0, False
-        if late:
-            raise RuntimeError(f"[rank {gpc.rank}] zero level 3: {', '.join(late[:4])} got a "
-                               f"gradient after its unit was reduced, so it would be lost: "
-                               f"compute anything that reads parameters (a penalty over "
-                               f"model.parameters()) inside the model's forward, and checkpoint "
-                               f"a unit that runs more than once per forward with "
-                               f"use_reentrant=False")
+        refuse_late_gradients(self.model, self.optimizer.unit_of)
 
     def _before_step(self) -> None:
         if self.size > 1:

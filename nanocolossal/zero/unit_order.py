@@ -128,3 +128,16 @@ class UnitOrder:
                 f"were put together from different units' shards; every data rank must run the "
                 f"same units in the same order: move a branch inside a unit (a child module), "
                 f"or use zero level 2 (debug=True names the first unit that differs)")
+
+
+def refuse_late_gradients(model: nn.Module, unit_of: dict[int, int]) -> None:
+    """After backward every gradient of a sharded parameter has been reduced into my shard, so
+    a full .grad left over arrived after its unit's reduction (a parameter read outside the
+    forward, a reentrant checkpoint of a unit called twice): it would be lost, so refuse."""
+    late = [n for n, p in model.named_parameters() if p.grad is not None and id(p) in unit_of]
+    if late:
+        raise RuntimeError(f"[rank {gpc.rank}] zero level 3: {', '.join(late[:4])} got a "
+                           f"gradient after its unit was reduced, so it would be lost: compute "
+                           f"anything that reads parameters (a penalty over model.parameters()) "
+                           f"inside the model's forward, and checkpoint a unit that runs more "
+                           f"than once per forward with use_reentrant=False")
