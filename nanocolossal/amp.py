@@ -111,7 +111,7 @@ class MixedPrecisionOptimizer:
         self._unscaled, self._found_inf = False, False
         self.last_step_skipped = False
         self.skipped_steps = 0
-        self.loss_shares = 1  # G where the engine weighs a counted loss: see backward_scale
+        self.loss_ranks = 1  # G where the engine weighs a counted loss: see backward_scale
 
     @property
     def param_groups(self) -> list[dict]:
@@ -125,7 +125,7 @@ class MixedPrecisionOptimizer:
     def backward_scale(self) -> float:
         """What backward multiplies by and unscale_ divides by: the loss scale / G where a rank's
         counted loss carries G x its share (loss_weights.py): one process's half gradients."""
-        return self.loss_scale / self.loss_shares if self.scaler is not None else 1.0
+        return self.loss_scale / self.loss_ranks if self.scaler is not None else 1.0
 
     def master_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """O2's (half model parameter, fp32 master) pairs; empty otherwise."""
@@ -172,15 +172,16 @@ class MixedPrecisionOptimizer:
         return replicas(param) * getattr(param, "pipeline_copies", 1)
 
     def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
-                       sharded: Optional[tuple[dict[int, float], Any]] = None) -> float:
+                       spread: Optional[tuple[dict[int, float], Any]] = None) -> float:
         """Clip unscaled gradients to the global norm of the whole model.
 
         `group`: the ranks holding the *other* parts of the model (pipeline stages, tensor
-        shards). A parameter held identically by k tensor ranks (or k pipeline stages: a tied
-        weight) adds its squares / k, so each element counts once. `sharded` = (weight by
-        id(param), group): parameters spread over another group -- MoE experts over the
-        expert-parallel ranks (moe/grads.py) -- add their squares x weight (1 / their copies
-        there), summed over that group, then with the rest over `group`."""
+        slices). A parameter held identically by k tensor ranks (or k pipeline stages: a tied
+        weight) adds its squares / k, so each element counts once. `spread` = (weight by
+        id(param), group): parameters spread over another group -- ZeRO's segments over the data
+        ranks, MoE experts over the expert-parallel ranks (moe/grads.py) -- add their squares x
+        weight (1 / their copies there), summed over that group, then with the rest over
+        `group`."""
         if self.unscale_():
             return math.inf
         # float32 sums (half gradients overflow), float64 for a float64 model (a float32
@@ -189,13 +190,13 @@ class MixedPrecisionOptimizer:
             torch.float32
         params = [p for p in self.params() if p.grad is not None]
         device = params[0].grad.device if params else gpc.device
-        spread, spread_group = sharded or ({}, None)
-        sq = [torch.zeros((), device=device, dtype=acc) for _ in range(2)]  # model's, sharded
+        weight_of, spread_group = spread or ({}, None)
+        sq = [torch.zeros((), device=device, dtype=acc) for _ in range(2)]  # model's, spread
         if params:
             norms = torch._foreach_norm([p.grad for p in params])
-            weights = torch.tensor([spread.get(id(p), 1.0) / self.copies(p) for p in params],
+            weights = torch.tensor([weight_of.get(id(p), 1.0) / self.copies(p) for p in params],
                                    device=device, dtype=acc)
-            which = torch.tensor([id(p) in spread for p in params], device=device)
+            which = torch.tensor([id(p) in weight_of for p in params], device=device)
             each = torch.stack(norms).to(acc) ** 2 * weights
             sq = [each[~which].sum(), each[which].sum()]
         # the spread parameters first over their group (a pipeline stage's experts), then the

@@ -166,4 +166,4 @@ class MoeGradientHandler(Extension):
         self.handle_gradient()
 
     def clip_options(self) -> dict:
-        return {"sharded": self.norm}
+        return {"spread": self.norm}

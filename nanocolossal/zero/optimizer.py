@@ -229,7 +229,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         is in exactly one shard; padding has no gradient), summed over the data group; then
         with the other pipeline stages' and tensor ranks' sums over `group`."""
         mine = {id(p): 1.0 for p in self.params()}  # every segment is spread over the data group
-        return super().clip_grad_norm(max_norm, group, sharded=(mine, self.group))
+        return super().clip_grad_norm(max_norm, group, spread=(mine, self.group))
 
     # -- the step ---------------------------------------------------------------------------
     @property

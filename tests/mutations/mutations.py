@@ -216,8 +216,8 @@ MUTATIONS: list[dict] = [
              "sees only its own shard move",
          tests=["tests/test_zero_gloo.py", "-k", "adamw_equals_one_process"]),
     dict(id="zero-clip-local-norm", idea="ZeRO x clip", file="nanocolossal/zero/optimizer.py",
-         old="return super().clip_grad_norm(max_norm, group, sharded=(mine, self.group))",
-         new="return super().clip_grad_norm(max_norm, group, sharded=(mine, None))",
+         old="return super().clip_grad_norm(max_norm, group, spread=(mine, self.group))",
+         new="return super().clip_grad_norm(max_norm, group, spread=(mine, None))",
          bug="ZeRO's gradient norm adds only this rank's shard: the squares are not summed over "
              "the data group",
          tests=["tests/test_zero_gloo.py", "-k", "clipping_really_clips"]),
