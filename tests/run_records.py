@@ -59,3 +59,15 @@ def one_and_layout(train, config: dict, world: int, parallel: dict, *args, timeo
     ref = run_ranks(train, 1, config, *args, timeout=timeout)[0]
     runs = run_ranks(train, world, {**config, "parallel": parallel}, *args, timeout=timeout)
     return ref, runs
+
+
+def record_run(engine, loader, inject):
+    """record_steps of a run, with the optimizer's skipped steps and the model's dtypes (as
+    initialize left them, before any step)."""
+    dtypes = {k: str(v.dtype) for k, v in
+              nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()
+              if torch.is_tensor(v) and v.is_floating_point()}
+    out = record_steps(engine, loader, inject)
+    out["skipped"] = getattr(engine.optimizer, "skipped_steps", None)
+    out["dtypes"] = dtypes
+    return out

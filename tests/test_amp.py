@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, run_ranks
-from run_records import record_steps
+from run_records import record_run, record_steps
 from torch import nn
 from torch.testing import assert_close
 
@@ -485,21 +485,7 @@ SCALER_MODELS = {"cnn": _scaler_cnn, "mlp": _scaler_mlp, "gpt": _scaler_gpt,
 
 
 def _scaler_batches(model, steps, seed=7):
-    g = torch.Generator().manual_seed(seed)
-    if model == "cnn":
-        return [(torch.randn(BATCH, 3, 5, 5, generator=g),
-                 torch.randint(0, 5, (BATCH,), generator=g)) for _ in range(steps)]
-    if model == "mlp":
-        return [(torch.randn(BATCH, 6, generator=g), torch.randint(0, 5, (BATCH,), generator=g))
-                for _ in range(steps)]
-    return [tuple(torch.randint(0, VOCAB, (2, BATCH, SEQ), generator=g).unbind(0))
-            for _ in range(steps)]
-
-
-def _scaler_shard(batches):
-    per = batches[0][0].shape[0] // gpc.data_size
-    mine = slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
-    return [(x[mine], y[mine]) for x, y in batches]
+    return _batches(model, steps, seed, side=5)  # (a 5x5 image: the scaler tests' CNN)
 
 
 def _build(model_name, config, batches):
@@ -511,7 +497,7 @@ def _build(model_name, config, batches):
         col_nn.VocabParallelCrossEntropyLoss()
     engine, loader, *_ = nc.initialize(
         model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), crit,
-        _scaler_shard(batches), verbose=False)
+        _shard(batches), verbose=False)
     return engine, loader
 
 
@@ -666,7 +652,7 @@ def _edge_train(rank, world, port, config):
         model.weight.zero_()
     batches = [(torch.ones(BATCH, 4), torch.full((BATCH, 1), -0.3)) for _ in range(2)]
     engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                       nn.MSELoss(), _scaler_shard(batches), verbose=False)
+                                       nn.MSELoss(), _shard(batches), verbose=False)
     out = record_steps(engine, loader)
     out["state"] = _state(engine)
     return out
@@ -806,7 +792,7 @@ def _trainer_train(rank, world, port, config, path, batches_n, inject_at, stop_a
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
         engine, loader, *_ = nc.initialize(model, opt, nn.CrossEntropyLoss(),
-                                           _scaler_shard(batches), verbose=False)
+                                           _shard(batches), verbose=False)
         seen = _inject_on_backward(engine, inject_at, [gpc.world_size - 1],
                                    config.get("NUM_MICRO_BATCHES", 1))
         return nc.trainer.Trainer(engine), loader, sched, seen
@@ -1061,10 +1047,10 @@ def _gpt(moe=False):
 MODELS = {"cnn": _cnn, "mlp": _mlp, "gpt": _gpt, "gpt_moe": lambda: _gpt(True)}
 
 
-def _batches(model, steps=3, seed=7):
+def _batches(model, steps=3, seed=7, side=6):
     g = torch.Generator().manual_seed(seed)
     if model == "cnn":
-        return [(torch.randn(BATCH, 3, 6, 6, generator=g),
+        return [(torch.randn(BATCH, 3, side, side, generator=g),
                  torch.randint(0, 5, (BATCH,), generator=g)) for _ in range(steps)]
     if model == "mlp":
         return [(torch.randn(BATCH, 6, generator=g), torch.randint(0, 5, (BATCH,), generator=g))
@@ -1164,12 +1150,7 @@ def _layout_train(rank, world, port, model_name, config, steps=3, inject=None):
         engine, loader, *_ = nc.initialize(
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), crit,
             _shard(_batches(model_name, steps)), verbose=False)
-        dtypes = {k: str(v.dtype) for k, v in
-                  nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()
-                  if torch.is_tensor(v) and v.is_floating_point()}
-        out = record_steps(engine, loader, inject)
-        out["skipped"] = getattr(engine.optimizer, "skipped_steps", None)
-        out["dtypes"] = dtypes
+        out = record_run(engine, loader, inject)
         out["seen"] = {k: sorted(v) for k, v in seen.items()}
         out["state"] = {k: v.detach().double().clone() for k, v in
                         nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()

@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 from dist_helpers import run_ranks
-from run_records import record_steps
+from run_records import record_run
 from test_amp import (
     MODELS,
     MODES,
@@ -527,12 +527,7 @@ def _train(rank, world, port, model_name, config, steps=3, inject=None, partitio
         engine, loader, *_ = nc.initialize(
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), crit,
             _shard(data[:steps]), verbose=False)
-        dtypes = {k: str(v.dtype) for k, v in
-                  nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()
-                  if torch.is_tensor(v) and v.is_floating_point()}
-        out = record_steps(engine, loader, inject)
-        out["skipped"] = getattr(engine.optimizer, "skipped_steps", None)
-        out["dtypes"] = dtypes
+        out = record_run(engine, loader, inject)
         out["state"] = {k: v.detach().double().clone() for k, v in
                         nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()
                         if torch.is_tensor(v) and v.is_floating_point()}
