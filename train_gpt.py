@@ -71,14 +71,14 @@ class LMHead(nn.Module):
 
 def gpt(vocab: int = VOCAB_SIZE, seq_len: int = 64, dim: int = 128, depth: int = 4,
         heads: int = 4, mlp_ratio: int = 4, dropout: float = 0.0,
-        moe: Optional[dict] = None) -> nn.Sequential:
+        moe: Optional[dict] = None, attention: str = "fused") -> nn.Sequential:
     """GPT as a flat Sequential (pipeline-ready): embeddings, `depth` causal blocks, head.
     `moe` (MoeLayer's arguments): every other block's MLP (the 2nd, 4th, ...) is an MoE layer,
-    as in GShard and Switch."""
+    as in GShard and Switch. `attention`: 'fused' or 'explicit' (nn/transformer.py)."""
     col_nn.reset_1d_alternation()
     embeddings = Embeddings(vocab, seq_len, dim)
-    blocks = [Block(dim, heads, mlp_ratio, dropout, causal=True, moe=moe if i % 2 else None)
-              for i in range(depth)]
+    blocks = [Block(dim, heads, mlp_ratio, dropout, causal=True, moe=moe if i % 2 else None,
+                    attention=attention) for i in range(depth)]
     return nn.Sequential(embeddings, *blocks, LMHead(dim, vocab, embeddings.tok.weight))
 
 

@@ -9,6 +9,20 @@ grid row; the same code runs on the local blocks. Under mode='sequence' every la
 rank's share of the tokens and only attention changes: ring attention over the sequence group
 (tensor/ring_attention.py, sequence.py), which applies the causal mask by global position.
 A Block built with `moe=...` holds a mixture of experts (moe/) instead of its MLP.
+
+Attention on the whole sequence is written twice, chosen by `attention=`:
+
+    'explicit'  softmax(q k^T / sqrt(d) + mask) v, as the formula reads: the s x s scores and
+                their softmax are tensors (held for backward: 2 B h s^2 numbers per layer)
+    'fused'     F.scaled_dot_product_attention, the same formula in one kernel (flash /
+                memory-efficient on CUDA, a blocked online softmax on CPU): no s x s tensor,
+                the default
+
+They agree to rounding (tests/test_attention.py: equal in float64, forward and gradients).
+Dropout on the attention weights: the fused kernel draws its mask from torch's default
+generator. Where the heads are split over tensor ranks (1d, 2d) each rank's mask must differ
+(nn/layers.py's Dropout draws it from a per-rank generator), so a sharded attention dropout
+that is on takes the explicit path; without dropout (the default) every layout runs fused.
 """
 from __future__ import annotations
 
@@ -16,19 +30,26 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..context import gpc
 from ..moe import MoeLayer
 from ..tensor.ring_attention import ring_attention
 from .layers import Dropout, LayerNorm, Linear
 
+ATTENTION = ("fused", "explicit")  # how attention on the whole sequence is computed
+
 
 class Attention(nn.Module):
     """Multi-head self-attention; `causal`: a token attends only to itself and earlier ones."""
     splits_sequence = True  # knows when the sequence is split: sequence.check_sequence_model
 
-    def __init__(self, dim: int, heads: int, dropout: float = 0.0, causal: bool = False) -> None:
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0, causal: bool = False,
+                 attention: str = "fused") -> None:
         super().__init__()
+        if attention not in ATTENTION:
+            raise ValueError(f"[rank {gpc.rank}] attention={attention!r}: use one of "
+                             f"{', '.join(map(repr, ATTENTION))}")
         parts = {"2d": gpc.summa_dim, "1d": gpc.tensor_size}.get(gpc.tensor_mode, 1)
         if gpc.sequence_size > 1 and dropout > 0:
             raise ValueError(f"[rank {gpc.rank}] ring attention (mode='sequence') computes the "
@@ -39,7 +60,7 @@ class Attention(nn.Module):
                              f"over {parts} tensor ranks; use a number of heads divisible by "
                              f"{parts} that divides {dim}")
         self.head_dim, self.scale = dim // heads, (dim // heads) ** -0.5
-        self.causal = causal
+        self.causal, self.attention = causal, attention
         self.qkv = Linear(dim, 3 * dim, parallel="column")  # 1d: heads split over ranks
         self.attn_drop = Dropout(dropout)
         self.proj = Linear(dim, dim, parallel="row")        # 1d: sum over the heads' ranks
@@ -58,6 +79,14 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v on the whole sequence, [B, heads, N, head_dim]."""
+        drop = self.attn_drop.p if self.training else 0.0
+        if self.attention == "explicit" or drop and self.attn_drop.sharded:
+            return self.attend_explicit(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=self.causal,
+                                              scale=self.scale)
+
+    def attend_explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The same, as the formula reads: the scores are a [B, heads, N, N] tensor."""
         scores = q @ k.transpose(-2, -1) * self.scale
         if self.causal:  # no looking ahead: mask the scores of later tokens
             N = q.shape[-2]
@@ -93,13 +122,15 @@ def moe_mlp(dim: int, hidden: int, moe: dict) -> nn.Module:
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x)); `moe`
-    (MoeLayer's arguments) puts a mixture of experts in the MLP's place."""
+    (MoeLayer's arguments) puts a mixture of experts in the MLP's place; `attention`: 'fused' or
+    'explicit' (the module docstring)."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0,
-                 causal: bool = False, moe: Optional[dict] = None) -> None:
+                 causal: bool = False, moe: Optional[dict] = None,
+                 attention: str = "fused") -> None:
         super().__init__()
         self.norm1 = LayerNorm(dim)
-        self.attn = Attention(dim, heads, dropout, causal)
+        self.attn = Attention(dim, heads, dropout, causal, attention)
         self.norm2 = LayerNorm(dim)
         self.mlp = moe_mlp(dim, mlp_ratio * dim, moe) if moe else \
             MLP(dim, mlp_ratio * dim, dropout)
