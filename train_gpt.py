@@ -121,7 +121,9 @@ def main():
     val_dataloader = nc.get_dataloader(val_set, batch_size=cfg.BATCH_SIZE, drop_last=True)
 
     # 4. initialize: tensor layers are already split; DDP, AMP and the schedule come from the config
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # one fused kernel for the whole update on a GPU, a few foreach ones on a CPU
+    kernel = {"fused": True} if gpc.device.type == "cuda" else {"foreach": True}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, **kernel)
     engine, train_dataloader, val_dataloader, _ = nc.initialize(
         model, optimizer, col_nn.VocabParallelCrossEntropyLoss(), train_dataloader,
         val_dataloader)

@@ -108,9 +108,10 @@ class MixedPrecisionOptimizer:
                         self._copies.append((p, master))
                         masters.append(master)
                 group["params"] = masters
-        self._unscaled, self._found_inf = False, False
-        self.last_step_skipped = False
-        self.skipped_steps = 0
+        self._flag: Optional[torch.Tensor] = None  # this step's overflow flag, once unscaled
+        # bools and ints, or tensors on the device where the optimizer skips on its own (step)
+        self._last_skipped: Union[bool, torch.Tensor] = False
+        self._skipped: Union[int, torch.Tensor] = 0
         self.loss_ranks = 1  # G where the engine weighs a counted loss: see backward_scale
 
     @property
@@ -120,6 +121,15 @@ class MixedPrecisionOptimizer:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on a non-finite gradient (read from the device when asked)."""
+        return int(self._skipped)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return bool(self._last_skipped)
 
     @property
     def backward_scale(self) -> float:
@@ -146,34 +156,40 @@ class MixedPrecisionOptimizer:
             loss = loss * self.backward_scale
         loss.backward()
 
-    def unscale_(self) -> bool:
-        """Turn scaled gradients into true fp32-master gradients (once per step).
+    def overflow_flag(self) -> torch.Tensor:
+        """Turn scaled gradients into true fp32-master gradients (once per step) and return a
+        one-element tensor on the device: 1 if any rank of the job found an inf/nan gradient.
 
-        Returns True if any rank of the job found an inf/nan gradient. The check runs with or
-        without a scaler (apex's loss_scale="dynamic": bf16 never scales, but a non-finite
-        gradient must still never reach the weights)."""
-        if self._unscaled:
-            return self._found_inf
+        The check runs with or without a scaler (apex's loss_scale="dynamic": bf16 never scales,
+        but a non-finite gradient must still never reach the weights). Nothing here waits for
+        the device: the flag is read (step) only where the host must decide."""
+        if self._flag is not None:
+            return self._flag
         for model_param, master in self._copies:  # O2: the half model's grads feed the fp32 masters
             master.grad = None if model_param.grad is None else model_param.grad.float()
+        grads = [p.grad for p in self.params() if p.grad is not None]
+        found = torch.zeros(1, device=grads[0].device if grads else gpc.device)
         if self.check_finite:  # amp_scaler.py: the plain loop, then the fused kernel it uses
-            grads = [p.grad for p in self.params() if p.grad is not None]
             found = unscale_grads(grads, self.backward_scale)
             if gpc.is_initialized and gpc.world_size > 1:  # every rank skips together
                 found = found.to(gpc.device)
                 dist.all_reduce(found, op=dist.ReduceOp.MAX)
-            self._found_inf = bool(found.item())
-        self._unscaled = True
-        return self._found_inf
+        self._flag = found
+        return found
+
+    def unscale_(self) -> bool:
+        """overflow_flag, read: True if any rank found an inf/nan gradient."""
+        return bool(self.overflow_flag().item())
 
     def copies(self, param: nn.Parameter) -> int:
         """Ranks of the model group holding this exact parameter: the tensor ranks that replicate
         it, times the pipeline stages that share it (a tied weight)."""
         return replicas(param) * getattr(param, "pipeline_copies", 1)
 
-    def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
-                       spread: Optional[tuple[dict[int, float], Any]] = None) -> float:
-        """Clip unscaled gradients to the global norm of the whole model.
+    def clip_grad_norm_(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
+                        spread: Optional[tuple[dict[int, float], Any]] = None) -> torch.Tensor:
+        """Clip unscaled gradients to the global norm of the whole model; returns the norm as a
+        0-d tensor (inf where a gradient overflowed: then nothing is clipped).
 
         `group`: the ranks holding the *other* parts of the model (pipeline stages, tensor
         slices). A parameter held identically by k tensor ranks (or k pipeline stages: a tied
@@ -182,8 +198,7 @@ class MixedPrecisionOptimizer:
         ranks, MoE experts over the expert-parallel ranks (moe/grads.py) -- add their squares x
         weight (1 / their copies there), summed over that group, then with the rest over
         `group`."""
-        if self.unscale_():
-            return math.inf
+        found = self.overflow_flag()[0] > 0
         # float32 sums (half gradients overflow), float64 for a float64 model (a float32
         # coefficient would round its clipped gradients)
         acc = torch.float64 if any(p.dtype == torch.float64 for p in self.params()) else \
@@ -191,14 +206,9 @@ class MixedPrecisionOptimizer:
         params = [p for p in self.params() if p.grad is not None]
         device = params[0].grad.device if params else gpc.device
         weight_of, spread_group = spread or ({}, None)
-        sq = [torch.zeros((), device=device, dtype=acc) for _ in range(2)]  # model's, spread
-        if params:
-            norms = torch._foreach_norm([p.grad for p in params])
-            weights = torch.tensor([weight_of.get(id(p), 1.0) / self.copies(p) for p in params],
-                                   device=device, dtype=acc)
-            which = torch.tensor([id(p) in weight_of for p in params], device=device)
-            each = torch.stack(norms).to(acc) ** 2 * weights
-            sq = [each[~which].sum(), each[which].sum()]
+        # the model's own squares, and those of the spread parameters
+        sq = [self._squares([p for p in params if id(p) not in weight_of], {}, acc, device),
+              self._squares([p for p in params if id(p) in weight_of], weight_of, acc, device)]
         # the spread parameters first over their group (a pipeline stage's experts), then the
         # whole over `group`: each stage's experts count once, in their stage's part
         if spread_group is not None and dist.get_world_size(spread_group) > 1:
@@ -209,28 +219,63 @@ class MixedPrecisionOptimizer:
         total = total.sqrt()
         # same formula as torch.nn.utils.clip_grad_norm_
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        if params:
+        if params:  # a step that will be skipped keeps its gradients as they are
+            coef = torch.where(found, torch.ones_like(coef), coef)
             torch._foreach_mul_([p.grad for p in params], coef.to(device))
-        return total.item()
+        return torch.where(found, torch.full_like(total, math.inf), total)
 
-    def step(self) -> bool:
-        """Unscale, then step unless some rank overflowed; returns whether a step was taken."""
-        found_inf = self.unscale_()
-        if found_inf:
-            self.skipped_steps += 1
-            if self.scaler is None:  # a scaler's back-off says it all; here, say it
-                get_dist_logger().warning(f"non-finite gradient on some rank: step "
-                                          f"{self.skipped_steps} skipped on every rank")
+    def _squares(self, params: list[nn.Parameter], weight_of: dict[int, float],
+                 acc: torch.dtype, device: torch.device) -> torch.Tensor:
+        """sum_p |grad_p|^2 x weight_p / copies_p, in `acc` on `device` (0 without any)."""
+        if not params:
+            return torch.zeros((), device=device, dtype=acc)
+        norms = torch._foreach_norm([p.grad for p in params])
+        # built on the host, sent without waiting (a blocking copy would wait for the device)
+        weights = torch.tensor([weight_of.get(id(p), 1.0) / self.copies(p) for p in params],
+                               dtype=acc).to(device, non_blocking=True)
+        return (torch.stack(norms).to(acc) ** 2 * weights).sum()
+
+    def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
+                       **kwargs: Any) -> float:
+        """clip_grad_norm_, its norm read as a float (the host waits for the device)."""
+        return self.clip_grad_norm_(max_norm, group, **kwargs).item()
+
+    def step(self) -> Union[bool, torch.Tensor]:
+        """Unscale, then step unless some rank found an inf/nan; returns whether a step was
+        taken. A scaler (or a plain optimizer) needs the host to decide: one read of the flag
+        per step. Without a scaler, an optimizer that skips on its own -- torch's fused ones take
+        the flag as their `found_inf` -- steps with nothing read: step returns a 0-d bool tensor,
+        the skip is counted on the device (skipped_steps reads it when asked) and not logged."""
+        flag = self.overflow_flag()
+        if not self.check_finite:  # fp32, or the check turned off: nothing to decide
+            skipped: Union[bool, torch.Tensor] = False
+            self._step()
+        elif self.scaler is None and getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            skipped = flag[0] > 0
+            self.optimizer.found_inf = flag.reshape(())
+            try:
+                self._step()
+            finally:
+                del self.optimizer.found_inf
         else:
-            self.optimizer.step()
+            skipped = bool(flag.item())
+            if not skipped:
+                self._step()
+            elif self.scaler is None:  # a scaler's back-off says it all; here, say it
+                get_dist_logger().warning(f"non-finite gradient on some rank: step "
+                                          f"{self.skipped_steps + 1} skipped on every rank")
+            if self.scaler is not None:
+                self.scaler.update(skipped)
+        self._flag = None
+        self._last_skipped, self._skipped = skipped, self._skipped + skipped
+        return not skipped if isinstance(skipped, bool) else skipped.logical_not()
+
+    def _step(self) -> None:
+        """The optimizer's step; O2: the updated masters copied into the half model."""
+        self.optimizer.step()
+        if self._copies:
             with torch.no_grad():
-                for model_param, master in self._copies:
-                    model_param.copy_(master)
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
-        self._unscaled, self._found_inf = False, False
-        self.last_step_skipped = found_inf
-        return not found_inf
+                torch._foreach_copy_([p for p, _ in self._copies], [m for _, m in self._copies])
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(),

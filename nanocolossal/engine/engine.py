@@ -33,7 +33,7 @@ through its schedule (`execute_schedule`), one optimizer step per batch.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -62,7 +62,7 @@ class Engine:
         self.gradient_accumulation = gradient_accumulation
         self.clip_grad_norm = clip_grad_norm
         self.extensions = list(extensions)  # the features' parts, in initialize's order
-        self.last_grad_norm: Optional[float] = None
+        self._grad_norm: Optional[torch.Tensor] = None  # the last clip's, on the device
         self._micro = 0  # backward calls since the last real step
         self._closing = False  # close_group(): the current group ends at the next backward
 
@@ -129,9 +129,9 @@ class Engine:
         with synchronising(self.extensions, 0, last=self._group_ends()):
             self.optimizer.backward(loss)
 
-    def step(self) -> bool:
+    def step(self) -> Union[bool, torch.Tensor]:
         """Take the optimizer step at the end of each accumulation group; True if a step was
-        taken."""
+        taken (a 0-d bool tensor where the optimizer decided on the device: amp.py)."""
         if not self._group_ends():
             return False
         self._micro, self._closing = 0, False
@@ -143,9 +143,15 @@ class Engine:
             options = {}
             for extension in self.extensions:  # extensions: MoE experts' copies (moe/grads.py)
                 options.update(extension.clip_options())
-            self.last_grad_norm = self.optimizer.clip_grad_norm(self.clip_grad_norm, others,
-                                                                **options)
+            self._grad_norm = self.optimizer.clip_grad_norm_(self.clip_grad_norm, others,
+                                                             **options)
         return self.optimizer.step()
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The gradients' global norm at the last clipped step (read from the device now, not
+        at the step: a step never waits for it); None before clipping."""
+        return None if self._grad_norm is None else self._grad_norm.item()
 
     def _output_labels(self, label: Any) -> Any:
         for extension in self.extensions:  # extensions: a 2d grid row's share (layers_2d.py)

@@ -105,8 +105,8 @@ class MixedShardedOptimizer(ShardedOptimizer):
     def home(self, s: Any) -> nn.Parameter:  # half pieces onto the half segments
         return s.param if s.half is None else s.half
 
-    def unscale_(self) -> bool:
-        found = super().unscale_()  # (level 1 collects first) half -> fp32 master gradients
+    def overflow_flag(self) -> torch.Tensor:
+        found = super().overflow_flag()  # (level 1 collects first) half -> fp32 master gradients
         for half, _ in self._copies:  # the fp32 shard replaces the half one
             half.grad = None
         return found

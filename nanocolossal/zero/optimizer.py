@@ -211,10 +211,10 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
             for s in segments:
                 self.home(s).grad = None if p.grad is None else p.grad.reshape(-1)[s.lo:s.hi]
 
-    def unscale_(self) -> bool:
-        if self.level == 1 and not self._unscaled:
+    def overflow_flag(self) -> torch.Tensor:
+        if self.level == 1 and self._flag is None:
             self._collect_grads()
-        return super().unscale_()
+        return super().overflow_flag()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.model_params:  # the full gradients too (level 1: DDP's averages)
@@ -224,12 +224,13 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     def copies(self, param: nn.Parameter) -> int:
         return super().copies(self.model_params[self.index_of[id(param)]])  # a segment's origin
 
-    def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None) -> float:
+    def clip_grad_norm_(self, max_norm: float,
+                        group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
         """The norm of all gradients: each rank adds the squares of its shard (each element
         is in exactly one shard; padding has no gradient), summed over the data group; then
         with the other pipeline stages' and tensor ranks' sums over `group`."""
         mine = {id(p): 1.0 for p in self.params()}  # every segment is spread over the data group
-        return super().clip_grad_norm(max_norm, group, spread=(mine, self.group))
+        return super().clip_grad_norm_(max_norm, group, spread=(mine, self.group))
 
     # -- the step ---------------------------------------------------------------------------
     @property

@@ -72,8 +72,8 @@ MUTATIONS: list[dict] = [
          tests=["tests/test_amp.py", "-k", "clip and not gloo"]),
     dict(id="clip-replicas-counted-twice", idea="clip x tensor parallel",
          file="nanocolossal/amp.py",
-         old="weights = torch.tensor([spread.get(id(p), 1.0) / self.copies(p) for p in params],",
-         new="weights = torch.tensor([spread.get(id(p), 1.0) for p in params],",
+         old="weights = torch.tensor([weight_of.get(id(p), 1.0) / self.copies(p) for p in params],",
+         new="weights = torch.tensor([weight_of.get(id(p), 1.0) for p in params],",
          bug="a parameter every tensor rank holds alike (a LayerNorm, a row-parallel bias) adds "
              "its squares once per copy to the global gradient norm",
          tests=["tests/test_tensor_model_gloo.py", "-k", "training_equals_one_process"]),
@@ -216,8 +216,8 @@ MUTATIONS: list[dict] = [
              "sees only its own shard move",
          tests=["tests/test_zero_gloo.py", "-k", "adamw_equals_one_process"]),
     dict(id="zero-clip-local-norm", idea="ZeRO x clip", file="nanocolossal/zero/optimizer.py",
-         old="return super().clip_grad_norm(max_norm, group, spread=(mine, self.group))",
-         new="return super().clip_grad_norm(max_norm, group, spread=(mine, None))",
+         old="return super().clip_grad_norm_(max_norm, group, spread=(mine, self.group))",
+         new="return super().clip_grad_norm_(max_norm, group, spread=(mine, None))",
          bug="ZeRO's gradient norm adds only this rank's shard: the squares are not summed over "
              "the data group",
          tests=["tests/test_zero_gloo.py", "-k", "clipping_really_clips"]),
