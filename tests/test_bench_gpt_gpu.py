@@ -1,7 +1,7 @@
 """bench/bench_gpt_gpu.py runs where CI runs: on the CPU with its tiny shape (no timing asserted).
 
-Its figures mean something on a GPU only (bench/gpu_check.sh); here the three sides train the
-same shape, the Engine and the bare loop start from the same weights (so their losses agree),
+Its figures mean something on a GPU only (bench/gpu_check.sh); here the four sides train the
+same shape, the Engine and the bare loops start from the same weights (so their losses agree),
 and the JSON holds every field the table and the goals are read from.
 """
 import json
@@ -23,18 +23,20 @@ def test_the_gpu_bench_runs_on_the_cpu_and_writes_its_json(tmp_path):
     assert data["benchmark"] == "gpt_gpu" and data["compile"] is False
     assert data["shape"] == {"dim": 64, "layers": 2, "heads": 4, "seq": 64, "batch": 2,
                              "vocab": 512}
-    assert set(data["sides"]) == {"engine", "bare", "reference"}
+    assert set(data["sides"]) == {"engine", "bare", "bare_fp32_loss", "reference"}
     for name, side in data["sides"].items():
         assert set(side) == SIDE_FIELDS, name
         assert side["ms"] > 0 and side["tokens_per_s"] > 0, name
         assert side["params"] == data["params"], "the three models have the same size"
     N, shape = data["params"], data["shape"]
     assert data["flops_per_token"] == 6 * N + 12 * shape["layers"] * shape["dim"] * shape["seq"]
-    engine, bare = data["sides"]["engine"], data["sides"]["bare"]
-    assert engine["last_loss"] == pytest.approx(bare["last_loss"], rel=1e-2), "the same module"
-    assert set(data["ratios"]) == {"engine_over_reference_time", "engine_over_bare_time",
-                                   "engine_over_reference_memory"}
+    engine = data["sides"]["engine"]
+    for bare in ("bare", "bare_fp32_loss"):  # the same module from the same weights
+        assert engine["last_loss"] == pytest.approx(data["sides"][bare]["last_loss"], rel=1e-2)
+    assert set(data["ratios"]) == {
+        "engine_over_reference_time", "engine_over_reference_memory", "engine_over_bare_time",
+        "engine_over_bare_fp32_loss_time", "engine_over_bare_fp32_loss_memory"}
     assert [g["goal"] for g in data["goals"]] == [
         "engine / reference time <= 1.05", "engine / reference memory <= 1.1",
-        "engine / bare time <= 1.03"]
+        "engine / bare time <= 1.03", "engine / bare_fp32_loss time <= 1.03"]
     assert "goal engine / bare time <= 1.03" in result.stdout
