@@ -1,5 +1,5 @@
 """Count the elements a piece of code hands to collectives: the traffic formulas of ddp.py and
-zero/ checked by code (tests/test_zero_traffic_gloo.py) and measured (bench/bench_zero.py).
+zero/ checked by code (tests/test_zero_traffic.py) and measured (bench/bench_zero.py).
 
     with count_collectives() as counted:
         engine.backward(loss)

@@ -626,7 +626,7 @@ def _scaler_reference(model_name, mode, extra, steps, inject):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", SCALER_CASES)
-def test_gloo_fp16_scaler_growth_and_one_rank_overflow_match_one_process(case):
+def test_deep_fp16_scaler_growth_and_one_rank_overflow_match_one_process(case):
     model_name, world, mode, parallel, extra, steps, inject = SCALER_CASES[case]
     ref = _scaler_reference(model_name, mode, extra, steps, inject)
     # the test means something: one process skipped the injected step, and the scale grew
@@ -670,7 +670,7 @@ EDGE_CASES = {
 # the handler divides before its all-reduce, as DDP does (summing first would overflow here)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", EDGE_CASES)
-def test_gloo_fp16_data_parallel_reduction_does_not_overflow_where_one_process_does_not(case):
+def test_deep_fp16_data_parallel_reduction_does_not_overflow_where_one_process_does_not(case):
     extra, mode = EDGE_CASES[case]
     fp16 = {k: v for k, v in SCALER_MODES[mode].items() if k not in SCALER} | EDGE
     ref = run_ranks(_edge_train, 1, dict(fp16=fp16), timeout=60)[0]
@@ -728,7 +728,7 @@ RESUME_CASES = {
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", RESUME_CASES)
-def test_gloo_fp16_scaler_state_survives_checkpoint_resume_exactly(case, tmp_path):
+def test_deep_fp16_scaler_state_survives_checkpoint_resume_exactly(case, tmp_path):
     model_name, mode, parallel, extra = RESUME_CASES[case]
     config = dict(fp16=SCALER_MODES[mode], clip_grad_norm=CLIP, parallel=parallel, **extra)
     runs = run_ranks(_resume_train, 2, model_name, config, str(tmp_path / "ckpt.pt"), timeout=90)
@@ -828,7 +828,7 @@ TRAINER_LAYOUTS = {"ddp": {}, "zero2": dict(zero=dict(level=2)), "zero3": dict(z
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("accumulation,layout", [(1, "ddp"), (2, "ddp"), (2, "zero2"),
                                                  (1, "zero3"), (1, "pipe2")])
-def test_gloo_fp16_trainer_skips_lr_hook_and_resume_match_one_process(accumulation, layout,
+def test_deep_fp16_trainer_skips_lr_hook_and_resume_match_one_process(accumulation, layout,
                                                                      tmp_path):
     """8 batches; an overflow on the last rank at backward 3 (with accumulation 2: the second
     micro-step of step 1). One process vs DDP x2 SyncBN O2 (or ZeRO) vs the same stopped by
@@ -904,7 +904,7 @@ XRESUME = {  # name: (model, mode, (world, extra) that saves, (world, extra) tha
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", XRESUME)
-def test_gloo_fp16_scaler_state_crosses_layouts_in_a_checkpoint(case, tmp_path):
+def test_deep_fp16_scaler_state_crosses_layouts_in_a_checkpoint(case, tmp_path):
     """Overflows at steps 1 and 3 with hysteresis=2, saved after step 2 (growth tracker 1,
     hysteresis credit 1): the loading layout must back off at step 3 and grow where one process
     does."""
@@ -976,7 +976,7 @@ def test_gloo_fp16_backend_options_do_what_they_say(name):
 # Tolerance for (c): the layouts sum partial products in another order (split matmuls, ring
 # attention blocks, all-reduced gradients), so each rounding may differ by one half-ulp of the
 # half type. After 3 SGD steps at lr 0.1 with weights of size ~0.1-1, existing measurements
-# (test_sequence_composition_gloo.py) put layout-vs-one-process at ~1e-3 (bf16) and ~2e-4 (fp16);
+# (test_sequence_composition.py) put layout-vs-one-process at ~1e-3 (bf16) and ~2e-4 (fp16);
 # we allow 1e-2 (bf16: 8-bit mantissa, ulp(1)=7.8e-3) and 2e-3 (fp16: ulp(1)=9.8e-4). A dtype
 # mismatch of a whole layer (e.g. fp32 vs bf16 LayerNorm) shows up exactly in (a)/(b).
 #
@@ -1243,7 +1243,7 @@ def _ref_extra(extra):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout,mode", CASES, ids=[f"{a}-{b}" for a, b in CASES])
-def test_gloo_amp_layout_dtypes_and_steps_match_one_process(layout, mode):
+def test_deep_amp_layout_dtypes_and_steps_match_one_process(layout, mode):
     model_name, world, parallel, extra = LAYOUTS[layout]
     ref = _reference(model_name, mode, _ref_extra(extra))
     if layout.startswith("sequence"):
@@ -1272,7 +1272,7 @@ OVERFLOW = {  # layout: fp16 mode
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", OVERFLOW)
-def test_gloo_fp16_overflow_on_one_rank_gives_one_process_scaler_state(layout):
+def test_deep_fp16_overflow_on_one_rank_gives_one_process_scaler_state(layout):
     """An inf in the 2nd step's gradient on the LAST rank only (one process: its only rank):
     every rank skips that step, the scale halves and regrows as one process's does."""
     mode = OVERFLOW[layout]

@@ -46,7 +46,7 @@ def _rank_of_a_job(rank, world_size, port):
 
 
 @pytest.mark.timeout(60)
-def test_gloo_a_port_taken_before_the_ranks_bind_it_is_retried_on_another(monkeypatch):
+def test_deep_a_port_taken_before_the_ranks_bind_it_is_retried_on_another(monkeypatch):
     """free_port() only finds a port nobody listens on *now*: another process may bind it before
     rank 0's store does (EADDRINUSE). run_ranks then runs the job again on a new port."""
     import socket
@@ -58,6 +58,6 @@ def test_gloo_a_port_taken_before_the_ranks_bind_it_is_retried_on_another(monkey
     ports = iter([taken.getsockname()[1]])
     monkeypatch.setattr(dist_helpers, "free_port", lambda: next(ports, None) or free_port())
     try:
-        assert dist_helpers.run_ranks(_rank_of_a_job, 2, timeout=30) == [0, 1]
+        assert dist_helpers.run_ranks(_rank_of_a_job, 2, timeout=30, grace=1.0) == [0, 1]
     finally:
         taken.close()

@@ -59,7 +59,7 @@ unit's buffers padded to a multiple of N):
                     unit's full gradients until reduced
 
 Traffic per step, per rank: gathers in forward and backward, a reduce-scatter, Psi (N-1)/N each:
-3 Psi (N-1)/N, 1.5x DDP's (gloo: 4, zero/comm.py; tests/test_zero_traffic_gloo.py).
+3 Psi (N-1)/N, 1.5x DDP's (gloo: 4, zero/comm.py; tests/test_zero_traffic.py).
 Accumulation: each backward adds into my gradient shard. Overlap: a unit's reduction runs while
 autograd computes the next unit's; at most one in flight (overlap_communication=False: each waits
 at once, nothing is prefetched).

@@ -16,7 +16,7 @@ MUTATIONS: list[dict] = [
          new="            slot.copy_(param.grad)",
          bug="a gradient is written into its bucket without dividing by the world size: the "
              "all-reduce sums instead of averaging (a wrong scale)",
-         tests=["tests/test_ddp_gloo.py::test_gloo_ddp_equals_torch_ddp_and_one_process"]),
+         tests=["tests/test_ddp.py::test_gloo_ddp_equals_torch_ddp_and_one_process"]),
     dict(id="ddp-drop-accumulated-grad", idea="DDP x accumulation", file="nanocolossal/ddp.py",
          old="            bucket.view(i).zero_()\n        else:\n"
              "            self._write_slot(bucket, i)",
@@ -24,14 +24,14 @@ MUTATIONS: list[dict] = [
              "            bucket.view(i).zero_()",
          bug="a parameter the last micro-step did not use sends zeros, dropping the gradient it "
              "accumulated under no_sync in earlier micro-steps",
-         tests=["tests/test_ddp_gloo.py", "-k", "last_micro_step_skips"]),
+         tests=["tests/test_ddp.py", "-k", "last_micro_step_skips"]),
     dict(id="grad-handler-sum-not-mean", idea="gradient handler",
          file="nanocolossal/gradient_handler.py",
          old="flat = torch.cat([_flatten_dense_tensors(grads) / divisor, had])",
          new="flat = torch.cat([_flatten_dense_tensors(grads), had])",
          bug="the after-backward gradient handler all-reduces gradients without dividing by the "
              "group size (a sum, not the mean)",
-         tests=["tests/test_engine_gloo.py::test_gloo_gradient_handler_equals_one_process_with_"
+         tests=["tests/test_engine.py::test_gloo_gradient_handler_equals_one_process_with_"
                 "accumulation_and_clipping"]),
     # -- SyncBN ----------------------------------------------------------------------------------
     dict(id="syncbn-backward-local-sums", idea="SyncBN", file="nanocolossal/syncbn.py",
@@ -39,12 +39,12 @@ MUTATIONS: list[dict] = [
          new="            pass  # (the all-reduce of the backward's sums, dropped)",
          bug="backward forgets the all-reduce of sum_dy and sum_dy_xmu: each rank's input "
              "gradient uses its own samples' sums over the global count",
-         tests=["tests/test_syncbn_gloo.py"]),
+         tests=["tests/test_syncbn.py"]),
     dict(id="syncbn-biased-running-var", idea="SyncBN", file="nanocolossal/syncbn.py",
          old="unbiased = var * total / (total - 1).clamp(min=1)",
          new="unbiased = var",
          bug="running_var is updated with the biased batch variance (no N / (N - 1))",
-         tests=["tests/test_syncbn_gloo.py"]),
+         tests=["tests/test_syncbn.py"]),
     # -- AMP -------------------------------------------------------------------------------------
     dict(id="amp-skipped-unscale", idea="AMP", file="nanocolossal/amp.py",
          old="found = unscale_grads(grads, self.backward_scale)",
@@ -57,7 +57,7 @@ MUTATIONS: list[dict] = [
          new="                pass  # (the all-reduce of the overflow flag, dropped)",
          bug="an inf/NaN found on one rank is not all-reduced: that rank skips the step, the "
              "others take it, and the replicas diverge",
-         tests=["tests/test_engine_gloo.py::test_gloo_engine_overflow_on_one_rank_skips_on_all"]),
+         tests=["tests/test_engine.py::test_gloo_engine_overflow_on_one_rank_skips_on_all"]),
     dict(id="scaler-hysteresis-off-by-one", idea="AMP loss scaler",
          file="nanocolossal/amp_scaler.py",
          old="            if self.hysteresis_tracker <= 0:",
@@ -76,21 +76,21 @@ MUTATIONS: list[dict] = [
          new="weights = torch.tensor([weight_of.get(id(p), 1.0) for p in params],",
          bug="a parameter every tensor rank holds alike (a LayerNorm, a row-parallel bias) adds "
              "its squares once per copy to the global gradient norm",
-         tests=["tests/test_tensor_model_gloo.py", "-k", "training_equals_one_process"]),
+         tests=["tests/test_tensor_model.py", "-k", "training_equals_one_process"]),
     # -- metrics, data, loss weights --------------------------------------------------------------
     dict(id="metrics-weight-dropped", idea="metrics", file="nanocolossal/metrics.py",
          old="packed = torch.tensor([float(v) * w for v in scalars] + [w], dtype=torch.float64)",
          new="packed = torch.tensor([float(v) for v in scalars] + [w], dtype=torch.float64)",
          bug="all_reduce_mean(weight=) divides the plain sum of the ranks' means by the summed "
              "weights (the weights are forgotten in the numerator)",
-         tests=["tests/test_metrics_gloo.py", "-k", "all_reduce_mean or accuracy_is_exact or "
+         tests=["tests/test_metrics.py", "-k", "all_reduce_mean or accuracy_is_exact or "
                 "metrics_work or shape_mismatch"]),
     dict(id="metrics-2d-reduces-over-data", idea="metrics x 2d", file="nanocolossal/metrics.py",
          old="split_model = gpc.pipeline_size > 1 or gpc.tensor_size > 1",
          new="split_model = gpc.pipeline_size > 1",
          bug="with tensor parallelism Accuracy reduces over the data group only: under 2d a grid "
              "row's block of the batch is all that is counted",
-         tests=["tests/test_composition_gloo.py", "-k", "tensor_x_data_parallel"]),
+         tests=["tests/test_composition.py", "-k", "tensor_x_data_parallel"]),
     dict(id="sampler-ignores-epoch", idea="sampler", file="nanocolossal/data.py",
          old="g.manual_seed(self.seed + self.epoch)",
          new="g.manual_seed(self.seed)",
@@ -107,14 +107,14 @@ MUTATIONS: list[dict] = [
          new="return _piece_counts(counts, spans_sequence) / total",
          bug="a piece's loss weight W_p / W forgets the factor G that the average over G ranks "
              "divides by again",
-         tests=["tests/test_loss_weights_gloo.py", "-k", "padding_spread_unevenly_trains"]),
+         tests=["tests/test_loss_weights.py", "-k", "padding_spread_unevenly_trains"]),
     dict(id="loss-weights-class-weights", idea="loss weights", file="nanocolossal/loss_weights.py",
          old="    return (weight.to(target.device)[target.masked_fill(~counted, 0)] * counted)"
              ".sum()",
          new="    return counted.sum()",
          bug="the counted targets ignore the class weights: a piece weighs its targets, not "
              "their weights, in the mean",
-         tests=["tests/test_loss_weights_gloo.py", "-k",
+         tests=["tests/test_loss_weights.py", "-k",
                 "class_weights and not in_more_layouts"]),
     # -- pipeline ----------------------------------------------------------------------------
     dict(id="pipe-1f1b-warmup-off-by-one", idea="pipeline schedule",
@@ -138,7 +138,7 @@ MUTATIONS: list[dict] = [
          new="self.share = [1 / len(y_mb) for y in y_mb]",
          bug="each micro-batch's loss weighs 1/M, not its share of the samples: wrong when a "
              "batch does not split evenly (13 samples in 4 micro-batches)",
-         tests=["tests/test_pipeline_gloo.py", "-k", "any_batch"]),
+         tests=["tests/test_pipeline.py", "-k", "any_batch"]),
     dict(id="p2p-grad-buffer-shape", idea="pipeline p2p", file="nanocolossal/pipeline/p2p.py",
          old="        for t in sorted(recvs, key=_key):\n"
              "            shape, dtype = self._meta_of(t.src if t.what == \"act\" else t.dst, "
@@ -147,92 +147,92 @@ MUTATIONS: list[dict] = [
              "            shape, dtype = self._meta_of(t.src, t.mb)",
          bug="a gradient coming back is received into the shape of the boundary after its "
              "source, not the boundary it crosses",
-         tests=["tests/test_pipeline_gloo.py::test_gloo_pipeline_schedules_equal_one_process"]),
+         tests=["tests/test_pipeline.py::test_gloo_pipeline_schedules_equal_one_process"]),
     dict(id="tied-weight-not-summed", idea="pipeline tied weights",
          file="nanocolossal/pipeline/tied.py",
          old="        dist.all_reduce(param.grad, group=group)",
          new="        pass  # (the all-reduce over the stages holding the weight, dropped)",
          bug="a weight two stages share (the embedding tied to the classifier) steps with each "
              "stage's own gradient: the copies drift apart",
-         tests=["tests/test_train_gpt_gloo.py", "-k", "tied_embedding_stays_one_table"]),
+         tests=["tests/test_train_gpt.py", "-k", "tied_embedding_stays_one_table"]),
     # -- tensor parallelism ---------------------------------------------------------------------
     dict(id="tensor-1d-copy-to-no-reduce", idea="tensor 1d", file="nanocolossal/tensor/comm.py",
          old="        return _all_reduce(grad, ctx.group), None\n\n\nclass _ReduceFrom",
          new="        return grad, None\n\n\nclass _ReduceFrom",
          bug="Megatron's f (copy_to) backward skips its all-reduce: the input gradient holds "
              "only this rank's slice's part",
-         tests=["tests/test_tensor_layers_gloo.py", "-k", "layers_equal_the_plain_layers"]),
+         tests=["tests/test_tensor_layers.py", "-k", "layers_equal_the_plain_layers"]),
     dict(id="tensor-2d-swapped-axis", idea="tensor 2d", file="nanocolossal/tensor/base.py",
          old="return gpc.tensor_row_rank, gpc.summa_dim   # position in my row group = my column",
          new="return gpc.tensor_col_rank, gpc.summa_dim   # position in my row group = my column",
          bug="a block split along the grid's row takes the row index for the column index: "
              "swapped grid axes",
-         tests=["tests/test_tensor_layers_gloo.py", "-k", "layers_equal_the_plain_layers"]),
+         tests=["tests/test_tensor_layers.py", "-k", "layers_equal_the_plain_layers"]),
     dict(id="summa-backward-wrong-owner", idea="tensor 2d (SUMMA)",
          file="nanocolossal/tensor/summa.py",
          old="            if gpc.tensor_row_rank == k:\n                dx = total",
          new="            if gpc.tensor_col_rank == k:\n                dx = total",
          bug="SUMMA's backward keeps dX_ik on the rank whose grid row is k instead of its "
              "column: the reduced block lands on the wrong rank",
-         tests=["tests/test_tensor_layers_gloo.py", "-k", "summa or layers_equal_the_plain"]),
+         tests=["tests/test_tensor_layers.py", "-k", "summa or layers_equal_the_plain"]),
     dict(id="layernorm-2d-wrong-group", idea="tensor 2d", file="nanocolossal/tensor/layers_2d.py",
          old="    return copy_to(p, gpc.tensor_col_group)  # replicated down the column",
          new="    return copy_to(p, gpc.tensor_row_group)  # replicated down the column",
          bug="a hidden-dimension vector (bias, LayerNorm) replicated down the column sums its "
              "gradient over the row group instead",
-         tests=["tests/test_tensor_layers_gloo.py", "-k", "layers_equal_the_plain_layers"]),
+         tests=["tests/test_tensor_layers.py", "-k", "layers_equal_the_plain_layers"]),
     dict(id="vocab-range-off-by-one", idea="vocab parallel",
          file="nanocolossal/tensor/vocab_parallel.py",
          old="    return gpc.tensor_rank * per_rank, (gpc.tensor_rank + 1) * per_rank",
          new="    return gpc.tensor_rank * per_rank, (gpc.tensor_rank + 1) * per_rank - 1",
          bug="a rank's vocabulary range ends one id early: the last token of each block is "
              "found on no rank and embeds as zeros",
-         tests=["tests/test_vocab_parallel_gloo.py", "-k", "layers_equal_the_plain"]),
+         tests=["tests/test_vocab_parallel.py", "-k", "layers_equal_the_plain"]),
     dict(id="vocab-loss-local-max", idea="vocab parallel",
          file="nanocolossal/tensor/vocab_parallel.py",
          old="        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)",
          new="        pass  # (the all-reduce of the running max, dropped)",
          bug="the vocab-parallel cross entropy subtracts each rank's own max, not the global "
              "one, before summing exp() over the ranks",
-         tests=["tests/test_vocab_parallel_gloo.py", "-k", "layers_equal_the_plain"]),
+         tests=["tests/test_vocab_parallel.py", "-k", "layers_equal_the_plain"]),
     dict(id="vocab-argmax-offset", idea="vocab parallel",
          file="nanocolossal/tensor/vocab_parallel.py",
          old="ids = torch.where(value == best, index + rank * logits.shape[-1],",
          new="ids = torch.where(value == best, index,",
          bug="the vocab-parallel argmax forgets the rank's offset: predictions are indices "
              "into the rank's block, not token ids (a wrong shard offset)",
-         tests=["tests/test_vocab_parallel_gloo.py", "-k", "layers_equal_the_plain"]),
+         tests=["tests/test_vocab_parallel.py", "-k", "layers_equal_the_plain"]),
     # -- ZeRO ---------------------------------------------------------------------------------
     dict(id="zero-piece-offset", idea="ZeRO 1/2", file="nanocolossal/zero/optimizer.py",
          old="                pieces.append((index, lo - at, hi - at))",
          new="                pieces.append((index, lo, hi))",
          bug="a shard's pieces are kept at their offsets in the flat buffer, not within their "
              "parameter (a wrong shard offset)",
-         tests=["tests/test_zero_gloo.py", "-k", "adamw_equals_one_process"]),
+         tests=["tests/test_zero.py", "-k", "adamw_equals_one_process"]),
     dict(id="zero2-no-param-gather", idea="ZeRO 1/2", file="nanocolossal/zero/optimizer.py",
          old="if stepped and self.size > 1 and self.level < 3:",
          new="if stepped and self.size > 1 and self.level < 2:",
          bug="level 2 skips the all-gather of the updated parameters after the step: each rank "
              "sees only its own shard move",
-         tests=["tests/test_zero_gloo.py", "-k", "adamw_equals_one_process"]),
+         tests=["tests/test_zero.py", "-k", "adamw_equals_one_process"]),
     dict(id="zero-clip-local-norm", idea="ZeRO x clip", file="nanocolossal/zero/optimizer.py",
          old="return super().clip_grad_norm_(max_norm, group, spread=(mine, self.group))",
          new="return super().clip_grad_norm_(max_norm, group, spread=(mine, None))",
          bug="ZeRO's gradient norm adds only this rank's shard: the squares are not summed over "
              "the data group",
-         tests=["tests/test_zero_gloo.py", "-k", "clipping_really_clips"]),
+         tests=["tests/test_zero.py", "-k", "clipping_really_clips"]),
     dict(id="zero3-shard-offset", idea="ZeRO 3", file="nanocolossal/zero/sharded_model.py",
          old="at = b.offsets[i] + s.lo - b.rank * b.shard",
          new="at = b.offsets[i] + s.lo",
          bug="level 3 reads a segment's reduced gradient at its offset in the whole unit, not in "
              "my shard of it (a wrong shard offset)",
-         tests=["tests/test_zero3_gloo.py", "-k", "adamw_equals_one_process"]),
+         tests=["tests/test_zero3.py", "-k", "adamw_equals_one_process"]),
     dict(id="zero3-sum-not-mean", idea="ZeRO 3", file="nanocolossal/zero/sharded_model.py",
          old="grads[offset: offset + p.numel()].copy_(p.grad.reshape(-1)).div_(self.size)",
          new="grads[offset: offset + p.numel()].copy_(p.grad.reshape(-1))",
          bug="level 3 reduce-scatters gradients without dividing by the data size",
          # (AdamW alone does not see it: Adam's step is nearly blind to the gradient's scale)
-         tests=["tests/test_zero3_gloo.py", "-k", "adamw_equals_one_process or clipping"]),
+         tests=["tests/test_zero3.py", "-k", "adamw_equals_one_process or clipping"]),
     dict(id="zero3-accumulation-overwrites", idea="ZeRO 3 x accumulation",
          file="nanocolossal/zero/sharded_model.py",
          old="                    home = self.optimizer.home(s)  # (O2: the half view; unscale "
@@ -244,7 +244,7 @@ MUTATIONS: list[dict] = [
              "                    home.grad = piece.clone()",
          bug="each reduction overwrites my gradient shard instead of adding to it: only the "
              "last backward before a step counts",
-         tests=["tests/test_zero3_gloo.py", "-k", "gradient_accumulation"]),
+         tests=["tests/test_zero3.py", "-k", "gradient_accumulation"]),
     # -- sequence parallelism -----------------------------------------------------------------
     dict(id="ring-causal-wrong-half", idea="ring attention",
          file="nanocolossal/tensor/ring_attention.py",
@@ -252,18 +252,18 @@ MUTATIONS: list[dict] = [
          new="return (ALL, SECOND, False) if s < r else (SECOND, ALL, False)",
          bug="causal ring attention lets my queries meet the later zig-zag chunk of an earlier "
              "rank's block instead of its earlier one",
-         tests=["tests/test_ring_attention_gloo.py", "-k", "equals_full_attention"]),
+         tests=["tests/test_ring_attention.py", "-k", "equals_full_attention"]),
     dict(id="ring-no-rescale", idea="ring attention",
          file="nanocolossal/tensor/ring_attention.py",
          old="lr.mul_(alpha).add_(p.sum(-1, keepdim=True))",
          new="lr.add_(p.sum(-1, keepdim=True))",
          bug="the online softmax's running sum is not rescaled when the running max grows",
-         tests=["tests/test_ring_attention_gloo.py", "-k", "equals_full_attention"]),
+         tests=["tests/test_ring_attention.py", "-k", "equals_full_attention"]),
     dict(id="sequence-local-positions", idea="sequence parallel", file="nanocolossal/sequence.py",
          old="return zigzag_split(whole, 0, n, r).expand_as(ids)",
          new="return whole[: ids.shape[1]].expand_as(ids)",
          bug="a token's position is its index in this rank's share, not in the whole sequence",
-         tests=["tests/test_sequence_gloo.py", "-k", "equals_one_process"]),
+         tests=["tests/test_sequence.py", "-k", "equals_one_process"]),
     # -- experts (MoE) ------------------------------------------------------------------------
     dict(id="moe-capacity-off-by-one", idea="MoE routing", file="nanocolossal/moe/router.py",
          old="    kept = position < capacity",
@@ -287,38 +287,38 @@ MUTATIONS: list[dict] = [
          new="    stats = stats",
          bug="the load-balancing loss takes its means over this rank's tokens, not the global "
              "batch's (a missed all-reduce)",
-         tests=["tests/test_moe_gloo.py", "-k", "training_equals_one_process"]),
+         tests=["tests/test_expert_parallel.py", "-k", "training_equals_one_process"]),
     dict(id="moe-expert-grad-divisor", idea="MoE gradients", file="nanocolossal/moe/grads.py",
          old="            sum_gradients(params, self._holders(g)[0], self.data_size)",
          new="            sum_gradients(params, self._holders(g)[0], len(self._holders(g)[1]))",
          bug="an expert's gradient is divided by the ranks holding it, not by the data-parallel "
              "size: G times too large (what DDP on the expert-data group would do)",
-         tests=["tests/test_moe_train_gloo.py", "-k", "engine_training_equals_one_process"]),
+         tests=["tests/test_moe_train.py", "-k", "engine_training_equals_one_process"]),
     # -- checkpoints, trainer -------------------------------------------------------------------
     dict(id="ckpt-merge-2d-swapped", idea="checkpoint", file="nanocolossal/checkpoint_merge.py",
          old='position = {"tensor": lambda t: t, "col": lambda t: t % q, "row": lambda t: t // q}',
          new='position = {"tensor": lambda t: t, "col": lambda t: t // q, "row": lambda t: t % q}',
          bug="merging 2d files reads a tensor rank's grid column as its row: the blocks are put "
              "back transposed (swapped grid axes)",
-         tests=["tests/test_checkpoint_gloo.py", "-k", "2d_tensor_parallel_checkpoint"]),
+         tests=["tests/test_checkpoint.py", "-k", "2d_tensor_parallel_checkpoint"]),
     dict(id="ckpt-rng-of-rank0", idea="checkpoint", file="nanocolossal/checkpoint.py",
          old="mine = rng[gpc.gradient_rank] if gpc.gradient_rank < len(rng) else None",
          new="mine = rng[0] if gpc.gradient_rank < len(rng) else None",
          bug="every data rank resumes with rank 0's RNG state: dropout and augmentation masks "
              "repeat across ranks after a resume",
-         tests=["tests/test_checkpoint_gloo.py", "-k", "rng_state"]),
+         tests=["tests/test_checkpoint.py", "-k", "rng_state"]),
     dict(id="resume-skip-off-by-one", idea="trainer resume", file="nanocolossal/progress.py",
          old="    for _ in range(skip):",
          new="    for _ in range(skip - 1):",
          bug="resuming mid-epoch skips one batch too few: the last batch before the save is "
              "trained on twice",
-         tests=["tests/test_trainer_gloo.py", "-k", "resumes_bit_identically"]),
+         tests=["tests/test_trainer.py", "-k", "resumes_bit_identically"]),
     dict(id="trainer-epoch-end-group", idea="trainer x accumulation",
          file="nanocolossal/progress.py",
          old='return hasattr(loader, "__len__") and self.batch_in_epoch == len(loader) - 1',
          new='return hasattr(loader, "__len__") and self.batch_in_epoch == len(loader)',
          bug="the epoch's last batch is not recognised (off by one), so an accumulation group "
              "that the epoch cuts short carries over into the next epoch",
-         tests=["tests/test_trainer_gloo.py", "tests/test_composition_gloo.py", "-k",
+         tests=["tests/test_trainer.py", "tests/test_composition.py", "-k",
                 "trainer_x_accumulation_x_syncbn or resumes_bit_identically"]),
 ]

@@ -1,5 +1,5 @@
 # The Engine/Trainer tutorial, step 1 (config.py), with colossalai -> nanocolossal. The tutorial trains 200 epochs of
-# batch 128; the test writes its own copy with 1 epoch and a smaller batch (see test_tutorials_gloo.py).
+# batch 128; the test writes its own copy with 1 epoch and a smaller batch (see test_tutorials.py).
 from nanocolossal.amp import AMP_TYPE
 
 BATCH_SIZE = 128

@@ -1,0 +1,195 @@
+"""Ring attention equals plain softmax attention on the whole sequence: output and dq, dk, dv.
+
+The loss is a weighted sum with random weights (not a mean), so a gradient scaled by any
+factor (Colossal-AI's /N) fails; the queries are scaled up so that every block has a different
+row maximum, so a missing online-softmax rescale fails; causal runs check the mask across
+blocks (a rank that saw a future chunk, or missed a past one, fails).
+"""
+import pytest
+import torch
+from dist_helpers import run_ranks
+from torch.testing import assert_close
+
+import nanocolossal as nc
+from nanocolossal.tensor.ring_attention import (
+    COUNTS,
+    allgather_attention,
+    gather_sequence,
+    plan,
+    reset_counts,
+    ring_attention,
+    split_sequence,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _reference(q, k, v, causal):
+    s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ v
+
+
+def _compare(rank, causal, dtype, tol, group=None):
+    torch.manual_seed(0)  # the same whole sequence on every rank
+    n = torch.distributed.get_world_size(group)
+    B, H, S, D = 2, 3, 8 * n, 4
+    q, k, v = (torch.randn(B, H, S, D, dtype=dtype) for _ in range(3))
+    q = q * 4  # sharp softmax: block maxima differ, so the rescale matters
+    w = torch.randn(B, H, S, D, dtype=dtype)  # loss weights: a wrong gradient scale shows
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _reference(*full, causal)
+    (ref * w).sum().backward()
+
+    kw = dict(rtol=tol, atol=tol) if tol else {}
+    for attention in (allgather_attention, ring_attention):
+        local = [split_sequence(t, 2, group).requires_grad_() for t in (q, k, v)]
+        out = attention(*local, group=group, causal=causal)
+        (out * split_sequence(w, 2, group)).sum().backward()
+        assert_close(out, split_sequence(ref.detach(), 2, group), **kw)
+        assert_close(gather_sequence(out.detach(), 2, group), ref.detach(), **kw)
+        for name, mine, theirs in zip("qkv", local, full):
+            assert_close(mine.grad, split_sequence(theirs.grad, 2, group), **kw,
+                         msg=lambda m, a=attention, n=name: f"{a.__name__} d{n}, rank {rank}: {m}")
+    return True
+
+
+def _both_precisions(rank, world_size, port, causal):
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    _compare(rank, causal, torch.float32, None)  # assert_close's fp32 default
+    return _compare(rank, causal, torch.float64, 1e-10)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gloo_ring_attention_equals_full_attention(world_size, causal):
+    assert all(run_ranks(_both_precisions, world_size, causal, timeout=90))
+
+
+def _in_subgroups(rank, world_size, port):
+    """Two rings, {0, 2} and {1, 3}: group ranks are not global ranks."""
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    groups = [torch.distributed.new_group([0, 2]), torch.distributed.new_group([1, 3])]
+    return _compare(rank, True, torch.float64, 1e-10, group=groups[rank % 2])
+
+
+def test_gloo_ring_attention_in_subgroups():
+    assert all(run_ranks(_in_subgroups, 4, timeout=90))
+
+
+def _split_layout(rank, world_size, port):
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    x = torch.arange(4 * world_size).view(1, -1)
+    mine = split_sequence(x, 1, None)
+    c = 2
+    want = torch.cat([x[:, rank * c:(rank + 1) * c],
+                      x[:, (2 * world_size - 1 - rank) * c:(2 * world_size - rank) * c]], 1)
+    assert torch.equal(mine, want), (mine, want)
+    assert torch.equal(gather_sequence(mine, 1, None), x)
+    with pytest.raises(ValueError, match=rf"\[rank {rank}\].*length 10.*multiple of "
+                                         rf"{2 * world_size}"):
+        split_sequence(torch.zeros(1, 10), 1, None)
+    with pytest.raises(ValueError, match=rf"\[rank {rank}\].*odd length 3"):
+        ring_attention(*(torch.zeros(1, 1, 3, 2) for _ in range(3)))
+    return True
+
+
+def test_gloo_zigzag_layout_and_bad_lengths():
+    assert all(run_ranks(_split_layout, 4))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_causal_work_is_balanced(n):
+    """Score elements each rank computes over the N ring steps: equal on every rank."""
+    c = 16  # chunk length; a rank holds 2c tokens
+    rows = {"all": 2 * c, "first": c, "second": c}
+    work = []
+    for r in range(n):
+        steps = [plan(r, (r - t) % n, n, causal=True) for t in range(n)]
+        work.append(sum(rows[qp] * rows[kp] // (2 if masked else 1) for qp, kp, masked in steps))
+    assert work == [(2 * c) ** 2 // 2 + (n - 1) * 2 * c * c] * n
+
+
+B, H, D = 2, 3, 4
+
+
+def _run_counted(s):
+    """Forward and backward of one call on a sequence of s tokens, from transposed
+    (non-contiguous) views as a model makes them; returns what the ring counted."""
+    torch.manual_seed(0)
+    q, k, v = (split_sequence(torch.randn(B, s, H, D), 1, None).requires_grad_() for _ in "qkv")
+    reset_counts()
+    ring_attention(*(t.transpose(1, 2) for t in (q, k, v))).sum().backward()
+    return dict(COUNTS)
+
+
+def _counts(rank, world_size, port):
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    return _run_counted(8 * world_size)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_deep_ring_sends_n_minus_1_blocks_and_holds_one_block_of_scores(n):
+    s = 8 * n
+    one = _run_counted(s)  # one process: the whole s x s scores at once
+    assert one == dict(kv_forward=0, kv_backward=0, dkv_backward=0,
+                       peak_score_elements=B * H * s * s)
+    for counted in run_ranks(_counts, n, timeout=60):
+        # forward: N-1 K/V pairs; backward: N-1 again, and N dK/dV pairs (the last one home)
+        assert counted == dict(kv_forward=n - 1, kv_backward=n - 1, dkv_backward=n,
+                               peak_score_elements=B * H * (s // n) ** 2), counted
+
+
+def _half(rank, world_size, port):
+    """bf16 inputs, under autocast as a model runs them: ring attention's error against float64
+    is no larger than one process's softmax attention in the same autocast."""
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, 16 * world_size, D, dtype=torch.float64) for _ in "qkv")
+    exact = split_sequence(_reference(q, k, v, True), 2, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = [t.to(torch.bfloat16) for t in (q, k, v)]
+        plain = split_sequence(_reference(*half, True), 2, None)
+        ring = ring_attention(*(split_sequence(t, 2, None) for t in half))
+    assert ring.dtype == torch.bfloat16
+    return (ring.double() - exact).abs().max().item(), (plain.double() - exact).abs().max().item()
+
+
+def test_gloo_ring_attention_in_bf16_is_as_accurate_as_one_process():
+    for ring_err, plain_err in run_ranks(_half, 2, timeout=60):
+        assert ring_err <= plain_err * 1.01, (ring_err, plain_err)
+
+
+def _padded(rank, world_size, port, causal):
+    """Right padding of a different length per sequence (the last sequence all padding): equal
+    to one process's masked softmax in float64, output and dq/dk/dv; all-padding rows give 0."""
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    S = 8 * world_size
+    q, k, v = (torch.randn(3, H, S, D, dtype=torch.float64) for _ in "qkv")
+    w = torch.randn(3, H, S, D, dtype=torch.float64)
+    pad = torch.arange(S)[None, :] >= torch.tensor([S, S - 5, 0])[:, None]  # True: padding
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    s = full[0] @ full[1].transpose(-2, -1) * D ** -0.5
+    s = s.masked_fill(pad[:, None, None, :], float("-inf"))
+    if causal:
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    ref = (s.softmax(-1) @ full[2]).nan_to_num(0.0)  # torch: NaN where a row saw only padding
+    (ref * w).sum().backward()
+    local = [split_sequence(t, 2, None).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, causal=causal, key_padding_mask=split_sequence(pad, 1, None))
+    (out * split_sequence(w, 2, None)).sum().backward()
+    assert_close(out, split_sequence(ref.detach(), 2, None), rtol=1e-10, atol=1e-10)
+    assert torch.equal(out[2], torch.zeros_like(out[2])), "an all-padding sequence gives 0"
+    for name, mine, theirs in zip("qkv", local, full):
+        assert_close(mine.grad, split_sequence(theirs.grad.nan_to_num(0.0), 2, None), rtol=1e-10,
+                     atol=1e-10, msg=lambda m, n=name: f"d{n}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_deep_ring_attention_with_a_padding_mask_equals_masked_attention(world_size, causal):
+    assert all(run_ranks(_padded, world_size, causal, timeout=60))

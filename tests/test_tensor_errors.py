@@ -1,0 +1,87 @@
+"""Bad tensor-parallel inputs end in an error that names the rank and says what to change."""
+import sys
+
+import pytest
+import torch
+from dist_helpers import ROOT, free_port, run_ranks
+from torch import nn
+
+import nanocolossal as nc
+import nanocolossal.nn as col_nn
+from nanocolossal.config import ConfigError
+
+sys.path.insert(0, str(ROOT))
+from train_tensor import vit  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _error(fn):
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    return "no error"
+
+
+def _errors_worker(rank, world_size, port, mode):
+    nc.launch({"parallel": {"tensor": {"size": world_size, "mode": mode}}}, rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    out = {
+        "hidden": _error(lambda: col_nn.Linear(8, 7)),
+        "layernorm": _error(lambda: col_nn.LayerNorm(5)),
+        "heads": _error(lambda: vit(img_size=8, patch_size=4, dim=8, heads=1, depth=1)),
+        "plain model": _error(lambda: nc.initialize(plain,
+                                                    torch.optim.SGD(plain.parameters(), lr=0.1))),
+    }
+    if mode == "2d":
+        model = col_nn.PatchEmbedding(8, 4, 3, 8)
+        out["batch"] = _error(lambda: model(torch.randn(3, 3, 8, 8)))
+        normed = nn.Sequential(col_nn.Linear(4, 4), nn.BatchNorm1d(4))  # one block's statistics
+        out["batchnorm"] = _error(lambda: nc.initialize(
+            normed, torch.optim.SGD(normed.parameters(), lr=0.1)))
+    return out
+
+
+def test_gloo_1d_bad_inputs_are_clear_errors():
+    for rank, out in enumerate(run_ranks(_errors_worker, 2, "1d", timeout=60)):
+        assert out["hidden"] == (f"[rank {rank}] Linear out_features 7 is not divisible by 2 "
+                                 f"(tensor parallel 1d, "
+                                 f"size 2); choose a multiple of 2")
+        assert out["layernorm"] == "no error"  # 1d LayerNorm is replicated: any size
+        assert out["heads"].startswith(f"[rank {rank}] 1 heads of a 8-wide model do not split over "
+                                       f"2 tensor ranks")
+        assert out["plain model"].startswith(f"[rank {rank}] parallel.tensor=2 (1d) but the model "
+                                             f"has plain torch layers (0, 2), which cannot split")
+        assert "build it with nanocolossal.nn layers" in out["plain model"]
+
+
+def test_deep_2d_bad_inputs_are_clear_errors():
+    for rank, out in enumerate(run_ranks(_errors_worker, 4, "2d", timeout=60)):
+        assert out["hidden"] == (f"[rank {rank}] Linear out_features 7 is not divisible by 2 "
+                                 f"(tensor parallel 2d, "
+                                 f"size 4); choose a multiple of 2")
+        assert out["layernorm"].startswith(f"[rank {rank}] LayerNorm size 5 is not divisible by 2")
+        assert out["heads"].startswith(f"[rank {rank}] 1 heads of a 8-wide model do not split over "
+                                       f"2 tensor ranks")
+        assert out["batchnorm"].startswith(f"[rank {rank}] parallel.tensor=4 (2d) but the model "
+                                           f"has plain torch layers (1), which cannot split")
+        assert out["batch"] == (f"[rank {rank}] a batch of 3 cannot be split over the 2 rows of "
+                                "the 2d grid (tensor size 4); use a batch size that is a "
+                                "multiple of 2")
+
+
+@pytest.mark.parametrize("world, parallel, message", [
+    (3, {"tensor": {"size": 2, "mode": "1d"}},
+     r"\[rank 0\] world size 3 is not divisible by pipeline x tensor = "
+     r"1 x 2 = 2; launch a multiple of 2 processes"),
+    (8, {"tensor": {"size": 8, "mode": "2d"}},
+     r"\[rank 0\] parallel.tensor size 8 is not a perfect square.*use size 4 or 9"),
+    (4, {"tensor": {"size": 4, "mode": "3d"}},
+     r"\[rank 0\] parallel.tensor mode '3d' is not implemented yet"),
+])
+def test_launch_refuses_a_tensor_layout_that_cannot_work(world, parallel, message):
+    with pytest.raises(ConfigError, match=message):
+        nc.launch({"parallel": parallel}, rank=0, world_size=world, host="127.0.0.1",
+                  port=free_port(), timeout=5)

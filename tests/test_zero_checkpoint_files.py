@@ -1,0 +1,461 @@
+"""Independent tests: ZeRO checkpoints as one file of pieces per data rank (ckpt-zero{r}.pt beside
+the stage's skeleton), attacked where they meet other features: a weight tied between two
+children, buffers (BatchNorm running stats), a frozen parameter, AMP O2 (half pieces), tensor 1d
+(load_plain_state_dict into another layout), sequence parallelism, the Trainer's resume, a
+second save with fewer data ranks over the same path (stale zero files), loading into a job
+without ZeRO or at level 1, a save without an optimizer, and weights-only reading of the zero
+files. Each is compared with one process, or with the same job's in-memory (gathered) state.
+"""
+import pytest
+import torch
+from dist_helpers import run_ranks
+from test_composition import _tensor_model
+from test_sequence_composition import SEQ2, _five_calls
+from test_zero import B, Net, _train_engine, _train_single
+from test_zero import _adamw as _net_adamw
+from torch import nn
+from torch.testing import assert_close
+from torch.utils.data import TensorDataset
+
+import nanocolossal as nc
+import nanocolossal.nn as col_nn
+from nanocolossal.amp import AMP_TYPE
+from nanocolossal.checkpoint import (
+    UnsafeCheckpointError,
+    load_checkpoint,
+    load_optimizer_state,
+    load_plain_state_dict,
+    merge_checkpoint,
+    read_file,
+    save_checkpoint,
+)
+from nanocolossal.tensor.base import shard
+from nanocolossal.trainer import Trainer, hooks
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 6  # samples per step: every rank computes on the whole batch (BatchNorm stats as one process)
+
+
+class Tied(nn.Module):
+    """A weight shared by two children (two state_dict keys, one parameter), BatchNorm buffers,
+    a frozen parameter (requires_grad=False, not in the optimizer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.mid = nn.Linear(5, 5), nn.Linear(5, 5)
+        self.dec = nn.Linear(5, 5, bias=False)
+        self.dec.weight = self.enc.weight
+        self.bn = nn.BatchNorm1d(5)
+        self.frozen = nn.Parameter(torch.randn(5), requires_grad=False)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.enc(x))
+        h = self.bn(self.mid(h)) + self.frozen
+        return self.head(torch.tanh(self.dec(h)))
+
+
+def _adamw(model):
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.02,
+                             weight_decay=0.05)
+
+
+def _data(step):
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(N, 5, generator=g), torch.randint(0, 3, (N,), generator=g)
+
+
+def _single(steps):
+    model = Tied()
+    opt = _adamw(model)
+    for step in range(steps):
+        x, y = _data(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+def _tied_worker(rank, world_size, port, config, path, load, first, last, save):
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    model = Tied()
+    engine, *_ = nc.initialize(model, _adamw(model), nn.CrossEntropyLoss(), verbose=False)
+    if load:
+        assert load_checkpoint(path, engine.model, engine.optimizer)["epoch"] == first
+    for step in range(first, last):
+        x, y = _data(step)
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        assert engine.step()
+    if save:
+        save_checkpoint(path, last, engine.model, engine.optimizer)
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+def _save_tied(path, world_size=2, level=3, steps=3):
+    return run_ranks(_tied_worker, world_size, {"zero": {"level": level}}, str(path), False, 0,
+                     steps, True, timeout=60)
+
+
+def test_gloo_zero3_tied_weight_buffers_and_frozen_param_checkpoint_is_one_process(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    states = _save_tied(path)
+    single, opt = _single(3)
+    for state in states:
+        assert_close(state, single.state_dict())
+    on_disk = read_file(path, "cpu")
+    assert list(on_disk["model"]) == list(single.state_dict())
+    for key in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        assert_close(on_disk["model"][key], single.state_dict()[key])  # buffers: in the file
+    merged = merge_checkpoint(path)
+    assert list(merged) == list(single.state_dict())
+    assert_close(merged, single.state_dict())
+    assert merged["enc.weight"] is merged["dec.weight"] or torch.equal(merged["enc.weight"],
+                                                                        merged["dec.weight"])
+    plain = _adamw(Tied())
+    plain.load_state_dict(load_optimizer_state(path)["optimizer"])
+    assert_close(plain.state_dict(), opt.state_dict())
+
+
+@pytest.mark.parametrize("world_size, config", [
+    (2, {"zero": {"level": 3}}), (1, {"zero": {"level": 3}}), (2, {"zero": {"level": 1}}),
+    (1, {}), (2, {})], ids=["zero3-data2", "zero3-data1", "zero1-data2", "plain-1", "plain-ddp2"])
+def test_deep_zero3_tied_checkpoint_resumes_anywhere_as_one_process(tmp_path, world_size, config):
+    path = tmp_path / "ckpt.pt"
+    _save_tied(path)
+    expected, _ = _single(5)
+    for state in run_ranks(_tied_worker, world_size, config, str(path), True, 3, 5, False,
+                           timeout=60):
+        assert_close(state, expected.state_dict())
+
+
+# -- AMP O2 x ZeRO 3: half pieces, fp32 masters; the file is the job's gathered state ------------
+
+def _o2_worker(rank, world_size, port, path, load, first, last, save, level=3, dtype="bfloat16"):
+    config = {"fp16": dict(mode=AMP_TYPE.NAIVE, dtype=dtype)}
+    if level:
+        config["zero"] = {"level": level}
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    model = Net()
+    engine, *_ = nc.initialize(model, _net_adamw(model), nn.CrossEntropyLoss(), verbose=False)
+    if load:
+        load_checkpoint(path, engine.model, engine.optimizer)
+    g = torch.Generator().manual_seed(1)
+    for step in range(last):  # every rank: the whole batch
+        x, y = torch.randn(4, 6, generator=g), torch.randint(0, 5, (4,), generator=g)
+        if step < first:
+            continue
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        engine.step()
+    if save:
+        save_checkpoint(path, last, engine.model, engine.optimizer)
+    model_state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    scaler = getattr(engine.optimizer, "scaler", None)
+    return model_state, engine.optimizer.state_dict(), scaler and scaler.state_dict()
+
+
+def test_deep_zero3_o2_checkpoint_is_the_gathered_state_and_resumes_exactly(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    (model_state, opt_state, _), _ = run_ranks(_o2_worker, 2, str(path), False, 0, 2, True,
+                                               timeout=60)
+    assert all(v.dtype == torch.bfloat16 for v in model_state.values())
+    merged = merge_checkpoint(path)
+    assert all(v.dtype == torch.bfloat16 for v in merged.values()), {
+        k: v.dtype for k, v in merged.items()}
+    assert_close(merged, model_state, rtol=0, atol=0)
+    saved = load_optimizer_state(path)
+    assert_close(saved["optimizer"], opt_state["optimizer"], rtol=0, atol=0)
+    assert_close(saved["masters"], opt_state["masters"], rtol=0, atol=0)
+    straight = run_ranks(_o2_worker, 2, None, False, 0, 3, False, timeout=60)[0][0]
+    for world_size in (2, 1):
+        resumed = run_ranks(_o2_worker, world_size, str(path), True, 2, 3, False, timeout=60)
+        assert_close(resumed[0][0], straight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world_size, level", [(1, None), (2, 1)], ids=["plain-o2", "zero1-o2"])
+def test_deep_zero3_fp16_o2_checkpoint_loads_into_plain_o2_and_level1(tmp_path, world_size,
+                                                                      level):
+    """fp16 O2 (a loss scaler) at level 3 on 2 ranks, 2 steps, saved; resumed for step 3 in a
+    job without ZeRO / at level 1: the straight level-3 run's parameters and loss scale."""
+    path = str(tmp_path / "ckpt.pt")
+    run_ranks(_o2_worker, 2, path, False, 0, 2, True, 3, "float16", timeout=60)
+    straight, _, scale = run_ranks(_o2_worker, 2, None, False, 0, 3, False, 3, "float16",
+                                   timeout=60)[0]
+    ours, _, our_scale = run_ranks(_o2_worker, world_size, path, True, 2, 3, False, level,
+                                   "float16", timeout=60)[0]
+    assert_close(ours, straight, rtol=0, atol=1e-3)
+    assert our_scale == scale
+
+
+# -- stale zero files: a second save with fewer data ranks over the same path ---------------------
+
+def test_deep_zero3_second_save_with_fewer_data_ranks_ignores_stale_zero_files(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    _save_tied(path, world_size=4, steps=2)
+    assert (tmp_path / "ckpt-zero3.pt").is_file()
+    _save_tied(path, world_size=2, steps=3)
+    single, opt = _single(3)
+    assert_close(merge_checkpoint(path), single.state_dict())
+    plain = _adamw(Tied())
+    plain.load_state_dict(load_optimizer_state(path)["optimizer"])
+    assert_close(plain.state_dict(), opt.state_dict())
+    expected, _ = _single(5)
+    for state in run_ranks(_tied_worker, 4, {"zero": {"level": 3}}, str(path), True, 3, 5,
+                           False, timeout=60):
+        assert_close(state, expected.state_dict())
+
+
+def test_deep_zero2_save_over_a_zero3_save_with_more_ranks(tmp_path):
+    """Level 3 on 4 ranks, then level 2 on 2 ranks (no param pieces) over the same path."""
+    path = tmp_path / "ckpt.pt"
+    _save_tied(path, world_size=4, steps=2)
+    _save_tied(path, world_size=2, level=2, steps=3)
+    single, opt = _single(3)
+    assert_close(merge_checkpoint(path), single.state_dict())
+    expected, _ = _single(5)
+    for state in run_ranks(_tied_worker, 2, {"zero": {"level": 3}}, str(path), True, 3, 5,
+                           False, timeout=60):
+        assert_close(state, expected.state_dict())
+
+
+# -- no optimizer under level 3: the model must still be whole -----------------------------------
+
+def _model_only_worker(rank, world_size, port, path, load):
+    nc.launch({"zero": {"level": 3}}, rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
+    model = Tied()
+    engine, *_ = nc.initialize(model, _adamw(model), nn.CrossEntropyLoss(), verbose=False)
+    if load:
+        load_checkpoint(path, engine.model)
+    else:
+        x, y = _data(0)
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        engine.step()
+        save_checkpoint(path, 1, engine.model)
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+def test_gloo_zero3_save_without_optimizer_keeps_the_whole_model(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    saved = run_ranks(_model_only_worker, 2, str(path), False, timeout=60)[0]
+    single, _ = _single(1)
+    assert_close(saved, single.state_dict())
+    on_disk = read_file(path, "cpu")
+    assert all(v is not None for v in on_disk["model"].values())
+    assert_close(merge_checkpoint(path), single.state_dict())
+    for state in run_ranks(_model_only_worker, 2, str(path), True, timeout=60):
+        assert_close(state, single.state_dict())
+
+
+# -- weights-only reading holds for the zero files ------------------------------------------------
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("a zero file ran code",))
+
+
+def test_deep_zero3_zero_files_are_read_weights_only(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    _save_tied(path)
+    zero1 = tmp_path / "ckpt-zero1.pt"
+    piece = torch.load(zero1, weights_only=True)
+    piece["evil"] = Evil()
+    torch.save(piece, zero1)
+    with pytest.raises(UnsafeCheckpointError):
+        load_optimizer_state(path)
+    with pytest.raises(UnsafeCheckpointError):
+        merge_checkpoint(path)
+    single, _ = _single(3)
+    assert_close(merge_checkpoint(path, trusted=True), single.state_dict())
+
+
+# -- tensor 1d x ZeRO 3: merged, then load_plain_state_dict into other layouts -----------------
+
+def _tensor_worker(rank, world_size, port, parallel, path, plain):
+    config = {"zero": {"level": 3}}
+    if parallel:
+        config["parallel"] = {"tensor": parallel}
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    model = _tensor_model()
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               col_nn.CrossEntropyLoss(), verbose=False)
+    if plain is None:
+        g = torch.Generator().manual_seed(3)
+        x, y = torch.randn(8, 1, 4, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        engine.step()
+        save_checkpoint(path, 1, engine.model, engine.optimizer)
+    else:
+        load_plain_state_dict(engine.model, plain)
+    splits = {k: getattr(p, "tensor_splits", []) for k, p in
+              nc.checkpoint.strip_prefixes(engine.model.state_dict(keep_vars=True)).items()}
+    state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    if plain is not None:  # my slice of the plain model, whole (gathered) in memory
+        for key, value in state.items():
+            assert_close(value, shard(plain[key], splits[key]),
+                         msg=lambda m: f"[rank {rank}] {key}: {m}")
+    return state
+
+
+@pytest.mark.parametrize("target", [{"size": 2, "mode": "1d"}, None, {"size": 4, "mode": "2d"}],
+                         ids=["same-1d-x2", "data4", "2d-x4"])
+def test_deep_zero3_tensor1d_merged_loads_plain_into_another_zero3_layout(tmp_path, target):
+    """1d x2 x data 2 at level 3: saved, merged; load_plain_state_dict of the merged state into
+    a level-3 job of the same layout (each rank's state as it was saved), of data 4, of 2d x4."""
+    path = tmp_path / "ckpt.pt"
+    saved = run_ranks(_tensor_worker, 4, {"size": 2, "mode": "1d"}, str(path), None, timeout=60)
+    merged = merge_checkpoint(path)
+    loaded = run_ranks(_tensor_worker, 4, target, str(path), merged, timeout=60)
+    if target == {"size": 2, "mode": "1d"}:
+        for rank in range(4):
+            assert_close(loaded[rank], saved[rank])
+
+
+# -- sequence parallelism x ZeRO 3 ----------------------------------------------------------------
+
+def test_deep_zero3_x_sequence_checkpoint_merges_and_resumes_as_one_process(tmp_path):
+    one, seq = str(tmp_path / "one.pt"), str(tmp_path / "seq.pt")
+    config = {"parallel": SEQ2, "zero": {"level": 3}}
+    after2 = run_ranks(_five_calls, 1, {}, 0, 2, None, one, timeout=60)[0]
+    run_ranks(_five_calls, 4, config, 0, 2, None, seq, timeout=90)
+    merged = merge_checkpoint(seq)
+    assert merged.keys() == after2.keys()
+    assert_close(merged, after2, rtol=1e-9, atol=1e-11)
+    mom_one = load_optimizer_state(one)["optimizer"]["state"]  # the engine wrapper's
+    mom_seq = load_optimizer_state(seq)["optimizer"]["state"]
+    assert sorted(mom_one) == sorted(int(k) for k in mom_seq)
+    for i, entry in mom_one.items():
+        assert_close(mom_seq[i]["momentum_buffer"], entry["momentum_buffer"], rtol=1e-9,
+                     atol=1e-11)
+    straight = run_ranks(_five_calls, 1, {}, 0, 3, timeout=60)[0]
+    for state in run_ranks(_five_calls, 4, config, 2, 3, seq, timeout=90):
+        assert_close(state, straight, rtol=1e-9, atol=1e-11)
+
+
+# -- the Trainer's SaveCheckpointHook + resume under ZeRO 3 ------------------------------------
+
+def _trainer_worker(rank, world_size, port, path, max_steps, resume):
+    nc.launch({"zero": {"level": 3}}, rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
+    model = Net()
+    engine, *_ = nc.initialize(model, _net_adamw(model), nn.CrossEntropyLoss(), verbose=False)
+    g = torch.Generator().manual_seed(9)
+    data = TensorDataset(torch.randn(24, 6, generator=g), torch.randint(0, 5, (24,), generator=g))
+    train = nc.get_dataloader(data, shuffle=True, seed=7, batch_size=4)
+    trainer = Trainer(engine)
+    if resume:
+        assert trainer.resume(path)
+    trainer.fit(train, epochs=2, max_steps=max_steps, hooks=[hooks.SaveCheckpointHook(path)])
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+def test_deep_zero3_trainer_stopped_and_resumed_equals_uninterrupted(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    straight = run_ranks(_trainer_worker, 2, str(tmp_path / "straight.pt"), None, False,
+                         timeout=60)[0]
+    run_ranks(_trainer_worker, 2, path, 4, False, timeout=60)  # 3 steps an epoch: stops mid-epoch 2
+    for state in run_ranks(_trainer_worker, 2, path, None, True, timeout=60):
+        assert_close(state, straight)
+    # the uninterrupted run's final save merges to its model
+    assert_close(merge_checkpoint(tmp_path / "straight.pt"), straight)
+
+
+# -- every allowed optimizer's states (RMSprop centered + momentum, Adagrad, Adam amsgrad) --------
+
+OPTIMIZERS = {
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.9, centered=True),
+    # Adagrad fills its state in its constructor (it was refused as "already stepped" before)
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05, lr_decay=0.01),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.02, amsgrad=True),
+}
+
+
+def _opt_worker(rank, world_size, port, name, path, load, first, last):
+    nc.launch({"zero": {"level": 3}}, rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
+    model = Net()
+    engine, *_ = nc.initialize(model, OPTIMIZERS[name](model.parameters()),
+                               nn.CrossEntropyLoss(), verbose=False)
+    if load:
+        load_checkpoint(path, engine.model, engine.optimizer)
+    _train_engine(engine, last - first, rank, world_size, 1, first=first)
+    if not load:
+        save_checkpoint(path, last, engine.model, engine.optimizer)
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_deep_zero3_optimizer_states_round_trip_as_one_process(tmp_path, name):
+    path = str(tmp_path / "ckpt.pt")
+    run_ranks(_opt_worker, 2, name, path, False, 0, 2, timeout=60)
+    single = Net()
+    opt = OPTIMIZERS[name](single.parameters())
+    _train_single(single, opt, 2, n=2 * B)
+    plain = OPTIMIZERS[name](Net().parameters())
+    plain.load_state_dict(load_optimizer_state(path)["optimizer"])
+    assert_close(plain.state_dict(), opt.state_dict())
+    _train_single(single, opt, 1, first=2, n=4 * B)
+    for state in run_ranks(_opt_worker, 4, name, path, True, 2, 3, timeout=60):
+        assert_close(state, single.state_dict())
+
+
+# -- ZeRO 1/2 under a pipeline: files per stage x data rank; each stage's optimizer state ---------
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_deep_zero_x_pipeline_stage_files_hold_each_stages_optimizer_state(tmp_path, level):
+    """pipeline 2 x data 2 at ZeRO `level` vs pipeline 2 x data 1 without ZeRO (the same global
+    batch): per stage, the merged optimizer state (momentum) and merge_checkpoint agree."""
+    from test_zero_parallel_composition import F64
+    from test_zero_parallel_composition import _save_worker as _pipeline_save
+    zero, plain = str(tmp_path / "zero.pt"), str(tmp_path / "plain.pt")
+    run_ranks(_pipeline_save, 4, {"zero": {"level": level}}, zero, 2, timeout=60)
+    run_ranks(_pipeline_save, 2, {}, plain, 2, timeout=60)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    expected = [f"zero-stage{p}{z}.pt" for p in (0, 1) for z in ("", "-zero0", "-zero1")]
+    assert names == sorted(expected + ["plain-stage0.pt", "plain-stage1.pt"]), names
+    assert_close(merge_checkpoint(zero), merge_checkpoint(plain), **F64)
+    for stage in (0, 1):
+        ours = load_optimizer_state(tmp_path / f"zero-stage{stage}.pt")["optimizer"]
+        theirs = load_optimizer_state(tmp_path / f"plain-stage{stage}.pt")["optimizer"]
+        assert sorted(ours["state"]) == sorted(theirs["state"])
+        for i, entry in theirs["state"].items():
+            assert_close(ours["state"][i]["momentum_buffer"], entry["momentum_buffer"], **F64)
+
+
+# -- a zero-size parameter under level 3: no rank holds a piece of it ------------------------------
+
+class WithEmpty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(5, 3)
+        self.empty = nn.Parameter(torch.zeros(0, 5))  # e.g. a table sized by a config of 0
+
+    def forward(self, x):
+        return self.a(x) + self.empty.sum()
+
+
+def _empty_worker(rank, world_size, port, path, load):
+    nc.launch({"zero": {"level": 3}}, rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
+    model = WithEmpty()
+    engine, *_ = nc.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.1),
+                               nn.CrossEntropyLoss(), verbose=False)
+    if load:
+        load_checkpoint(path, engine.model, engine.optimizer)
+    else:
+        save_checkpoint(path, 0, engine.model, engine.optimizer)
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+def test_gloo_zero3_zero_size_parameter_checkpoint_reads_back(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    saved = run_ranks(_empty_worker, 2, path, False, timeout=60)[0]
+    assert_close(merge_checkpoint(path), saved)
+    for state in run_ranks(_empty_worker, 2, path, True, timeout=60):
+        assert_close(state, saved)

@@ -1,0 +1,247 @@
+"""ZeRO levels 1-2 under AMP O2 (half parameters, fp32 masters of this rank's shard only) on gloo
+ranks track one process running the same O2 on the whole batch: steps taken and skipped, the
+loss scale, parameters and masters; memory per rank is zero/mixed.py's formula; checkpoints are
+one process's O2 state and load into any data size.
+
+Exact on purpose: parallel Linear layers under a linear loss have gradients x^T c that do not
+depend on the weights; with inputs on a 1/8 grid, c on a 1/4 grid and powers of two for the
+batch and the loss scale, every half-precision gradient is exact however the batch is split,
+so any difference is ZeRO's, not rounding's."""
+import pytest
+import torch
+from dist_helpers import run_ranks
+from torch import nn
+from torch.testing import assert_close
+
+import nanocolossal as nc
+from nanocolossal.amp import AMP_TYPE
+from nanocolossal.checkpoint import (
+    load_checkpoint,
+    load_optimizer_state,
+    save_checkpoint,
+)
+from nanocolossal.config import ConfigError, load_config
+
+pytestmark = pytest.mark.timeout(120)
+B = 2  # samples per rank
+STEPS, INF_STEP = 5, 2
+
+
+class Net(nn.Module):
+    """121 parameters (odd: padding, parameters straddling shards), a branch used on even steps
+    only and a layer never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(6, 7), nn.Linear(4, 5)
+        self.side, self.never = nn.Linear(6, 5), nn.Linear(3, 3)
+        self.use_side = True
+
+    def forward(self, x):
+        h = self.b(x[:, 6:]) + self.side(x[:, :6]) if self.use_side else self.b(x[:, 6:])
+        return torch.cat([self.a(x[:, :6]), h], dim=1)
+
+
+class LinearLoss(nn.Module):
+    def forward(self, out, c):
+        return (out * c).sum() / out.shape[0]
+
+
+def _batch(step, n):
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randint(-8, 9, (n, 10), generator=g) / 8,
+            torch.randint(-2, 3, (n, 12), generator=g) / 4)
+
+
+def _config(dtype, level, mode="naive"):
+    fp16 = (dict(mode=AMP_TYPE.NAIVE) if mode == "naive"
+            else dict(mode=AMP_TYPE.APEX, opt_level="O2"))
+    fp16.update(dtype=dtype, init_scale=2.0**14, growth_interval=2, max_scale=2.0**16)
+    config = {"fp16": fp16}
+    if level:
+        config["zero"] = dict(level=level, reduce_bucket_size_mb=2e-4)
+    return config
+
+
+def _adamw(model):
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return torch.optim.AdamW([{"params": weights, "weight_decay": 0.1},
+                              {"params": biases, "lr": 0.03, "weight_decay": 0.01}], lr=0.02)
+
+
+def _launch(rank, world_size, port, config):
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    model = Net()
+    engine, *_ = nc.initialize(model, _adamw(model), LinearLoss(), verbose=False)
+    return engine
+
+
+def _train(engine, rank, world_size, steps, n, first=0, inf_step=INF_STEP):
+    """Each step a global batch of n samples, this rank's slice; at `inf_step` the last
+    sample overflows (on the last rank only)."""
+    log, per = [], n // world_size
+    for step in range(first, first + steps):
+        engine.model.use_side = step % 2 == 0
+        xs, cs = _batch(step, n)
+        if step == inf_step and next(engine.model.parameters()).dtype == torch.float16:
+            # one gradient element overflows (b.weight[0, 3]: in one rank's shard only)
+            xs[-1, 9], cs[-1] = 60000.0, 0.0
+            cs[-1, 7] = 0.25
+        elif step == inf_step:  # bf16's range: an inf input (a column of inf/nan gradients)
+            xs[-1, 0] = float("inf")
+        lo = rank * per
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(xs[lo:lo + per]), cs[lo:lo + per]))
+        stepped = engine.step()
+        log.append((stepped, engine.optimizer.loss_scale, engine.last_grad_norm
+                    if engine.clip_grad_norm else None))
+    return log
+
+
+def _result(engine, log):
+    state = engine.optimizer.state_dict()  # a collective under ZeRO
+    return log, {k: v.clone() for k, v in engine.model.state_dict().items()}, state
+
+
+def _worker(rank, world_size, port, config, n):
+    engine = _launch(rank, world_size, port, config)
+    log = _train(engine, rank, world_size, STEPS, n)
+    if "zero" in config:
+        assert type(engine.optimizer).__name__ == ("MixedParamShardedOptimizer"
+                                                   if config["zero"]["level"] == 3
+                                                   else "MixedShardedOptimizer")
+        assert all(p.dtype != torch.float32 for p in engine.model.parameters())
+    return _result(engine, log)
+
+
+def _assert_same(got, want, clip=False):
+    (log, params, state), (wlog, wparams, wstate) = got, want
+    assert [s for s, _, _ in log] == [s for s, _, _ in wlog]  # the same steps skipped
+    assert [s for _, s, _ in log] == [s for _, s, _ in wlog]  # the same loss scales
+    if clip:
+        assert [n for *_, n in log if n != float("inf")] == pytest.approx(
+            [n for *_, n in wlog if n != float("inf")], rel=1e-5)
+    tol = dict(rtol=1e-5, atol=1e-6) if clip else dict(rtol=0, atol=0)
+    assert_close(state["masters"], wstate["masters"], **tol)
+    assert_close(state["optimizer"], wstate["optimizer"], **tol)
+    assert state["scaler"] == wstate["scaler"]
+    assert_close(params, wparams, **(dict(rtol=1e-3, atol=1e-6) if clip else tol))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_gloo_zero_o2_equals_one_process_o2(level, dtype):
+    for world_size in (2, 4):
+        want = run_ranks(_worker, 1, _config(dtype, 0), world_size * B, timeout=60)[0]
+        log = want[0]
+        assert [s for s, _, _ in log].count(False) == 1 and not log[INF_STEP][0]
+        if dtype == "float16":  # grows after 2 clean steps, backs off at the overflow
+            assert [s for _, s, _ in log] == [2.0**14, 2.0**15, 2.0**14, 2.0**14, 2.0**15]
+        for got in run_ranks(_worker, world_size, _config(dtype, level), world_size * B,
+                             timeout=60):
+            _assert_same(got, want)
+
+
+def test_deep_zero_o2_apex_spelling_and_clipping_that_clips():
+    for level in (1, 2, 3):
+        config = {**_config("float16", level, "apex"), "clip_grad_norm": 0.05}
+        single = {**_config("float16", 0, "apex"), "clip_grad_norm": 0.05}
+        want = run_ranks(_worker, 1, single, 2 * B, timeout=60)[0]
+        norms = [n for _, _, n in want[0] if n != float("inf")]
+        assert len(norms) == STEPS - 1 and all(n > 0.05 for n in norms)  # it really clips
+        for got in run_ranks(_worker, 2, config, 2 * B, timeout=60):
+            _assert_same(got, want, clip=True)
+
+
+def _memory_worker(rank, world_size, port, level):
+    nc.launch(_config("float16", level), rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 9), nn.Tanh(), nn.Linear(9, 5))  # Psi = 149
+    engine, *_ = nc.initialize(model, torch.optim.AdamW(model.parameters()), LinearLoss(),
+                               verbose=False)
+    xs, cs = _batch(0, world_size * B)  # (no overflow: both steps are taken)
+    xs, cs = xs[rank * B:(rank + 1) * B], cs[rank * B:(rank + 1) * B, :5]
+    for step in range(2):  # after the second backward: states exist, gradients are fresh
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(xs), cs))
+        if step == 0:
+            assert engine.step()
+    opt, nbytes = engine.optimizer, lambda t: t.numel() * t.element_size()
+    params = list(engine.model.parameters())
+    grads = sum(nbytes(p.grad) for p in params if p.grad is not None)  # level 1: all
+    grads += sum(nbytes(h.grad) for h, _ in opt.master_pairs() if h.grad is not None)  # level 2
+    # the masters' storages (a view of a whole-model fp32 copy would count whole)
+    masters = {q.untyped_storage().data_ptr(): q.untyped_storage().nbytes()
+               for g in opt.optimizer.param_groups for q in g["params"]
+               if q.dtype == torch.float32}
+    # level 3 keeps only its half shard of each unit (the parameters point at a placeholder)
+    held = opt.shard_bytes() if level == 3 else sum(nbytes(p) for p in params)
+    return held, grads, sum(masters.values()), opt.state_bytes()
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_deep_zero_o2_bytes_per_rank_equal_the_formula(level):
+    """Level 1: 2 Psi + 2 Psi + 12 Psi/N; level 2: 2 Psi + 2 Psi/N + 12 Psi/N, with Psi/N the
+    elements of the rank's shard: ceil(Psi/N), the last ones less; level 3: (2 + 2 + 12) Psi/N,
+    each unit (the two Linear layers) cut into N padded shards."""
+    units = (10 * 9 + 9, 9 * 5 + 5)
+    psi = sum(units)
+    for n in (1, 2, 4):
+        measured = run_ranks(_memory_worker, n, level, timeout=60)
+        if level == 3:
+            shards = [-(-u // n) for u in units]
+            mine = [sum(min(s, max(0, u - r * s)) for u, s in zip(units, shards))
+                    for r in range(n)]
+            expected = [(2 * sum(shards), 2 * m, 4 * m, 8 * m) for m in mine]
+        else:
+            shard = -(-psi // n)
+            mine = [min(shard, psi - r * shard) for r in range(n)]
+            expected = [(2 * psi, 2 * psi if level == 1 else 2 * m, 4 * m, 8 * m) for m in mine]
+        assert measured == expected, (n, measured, expected)
+
+
+def _save_worker(rank, world_size, port, path, level):
+    engine = _launch(rank, world_size, port, _config("float16", level))
+    log = _train(engine, rank, world_size, 3, 2 * B)
+    save_checkpoint(path, 3, engine.model, engine.optimizer)
+    return _result(engine, log)
+
+
+def _resume_worker(rank, world_size, port, path, level, n):
+    """Steps 3-4 on n samples each (step 3 overflows), after the checkpoint or (path None, one
+    process) after the same 3 steps of 2 x B samples."""
+    engine = _launch(rank, world_size, port, _config("float16", level))
+    if path is not None:
+        assert load_checkpoint(path, engine.model, engine.optimizer)["epoch"] == 3
+    else:
+        _train(engine, rank, 1, 3, 2 * B)
+    return _result(engine, _train(engine, rank, world_size, 2, n, first=3, inf_step=3))
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_deep_zero_o2_checkpoint_is_one_process_o2_and_loads_into_any_size(level, tmp_path):
+    path = tmp_path / "ckpt.pt"
+    saved = run_ranks(_save_worker, 2, path, level, timeout=60)[0]
+    single = run_ranks(_save_worker, 1, tmp_path / "single.pt", 0, timeout=60)[0]
+    _assert_same(saved, single)  # the file holds one process's O2 state
+    on_disk = load_optimizer_state(path)
+    assert_close(on_disk["masters"], single[2]["masters"], rtol=0, atol=0)
+    for world_size in (1, 2, 4):  # the straight run, then from the file on 1 (no zero), 2, 4
+        want = run_ranks(_resume_worker, 1, None, 0, world_size * B, timeout=60)[0]
+        assert [s for s, _, _ in want[0]] == [False, True]  # step 3's overflow, then a step
+        for got in run_ranks(_resume_worker, world_size, path, level if world_size > 1 else 0,
+                             world_size * B, timeout=60):
+            _assert_same(got, want)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"zero": dict(level=1), "fp16": dict(mode=AMP_TYPE.APEX, opt_level="O3")},
+     "O3 (half parameters, no fp32 master weights) is not supported; use O2"),
+])
+def test_zero_o2_refusals_say_what_to_use(config, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(config)
+    assert message in str(e.value)
