@@ -40,6 +40,25 @@ def describe_parameters(model: nn.Module) -> list[tuple]:
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 
 
+def check_same_model(model: nn.Module, group: Optional[dist.ProcessGroup], who: str) -> None:
+    """Different models on different ranks would reduce garbage or hang: refuse early, naming
+    the first parameter that differs."""
+    mine = describe_parameters(model)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for rank, theirs in zip(dist.get_process_group_ranks(group or dist.group.WORLD), everyone):
+        if theirs == mine:
+            continue
+        diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
+        if diff:
+            detail = f"first difference: {diff[0]} here vs {diff[1]} on rank {rank}"
+        else:
+            detail = f"{len(mine)} parameters here vs {len(theirs)} on rank {rank}"
+        raise RuntimeError(f"[rank {gpc.rank}] {who}: the model on rank {gpc.rank} differs from "
+                           f"the model on rank {rank} ({detail}); build the same model on every "
+                           f"rank")
+
+
 def comparable(value: Any) -> Any:
     """A form of a config value that means the same on every rank.
 

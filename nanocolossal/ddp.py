@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checks import check_still_frozen, describe_parameters, peer_failed, ready_twice
+from .checks import check_same_model, check_still_frozen, peer_failed, ready_twice
 from .collectives import broadcast_buffers, broadcast_coalesced
 from .context import gpc
 from .extensions import Extension
@@ -101,7 +101,7 @@ class DistributedDataParallel(nn.Module):
         self.wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compress)
         self.require_sync = True
 
-        self._check_same_structure()
+        check_same_model(self.module, self.process_group, "DistributedDataParallel")
         broadcast_coalesced(list(module.parameters()) + list(module.buffers()), self.src_rank,
                              self.process_group)
 
@@ -114,24 +114,6 @@ class DistributedDataParallel(nn.Module):
         self._callback_queued = False
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-
-    # -- construction ---------------------------------------------------------------------
-    def _check_same_structure(self) -> None:
-        """Different models on different ranks would reduce garbage or hang: refuse early."""
-        mine = describe_parameters(self.module)
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.process_group)
-        ranks = dist.get_process_group_ranks(self.process_group)
-        for rank, theirs in zip(ranks, everyone):
-            if theirs != mine:
-                diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
-                if diff:
-                    detail = f"first difference: {diff[0]} here vs {diff[1]} on rank {rank}"
-                else:
-                    detail = f"{len(mine)} parameters here vs {len(theirs)} on rank {rank}"
-                raise RuntimeError(f"[rank {gpc.rank}] DistributedDataParallel: the model on rank "
-                                   f"{gpc.rank} differs from the model on rank {rank} ({detail}); "
-                                   f"build the same model on every rank")
 
     bucket_class = _Bucket  # ZeRO level 2 (zero/gradients.py) uses buckets that come and go
 
