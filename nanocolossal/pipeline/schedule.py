@@ -27,7 +27,7 @@ loss of its own, backpropagated with its output (MoE's load balancing: moe_aux.p
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,49 +87,58 @@ class _Schedule:
                              f"drop_last=True in the dataloader)")
         inputs = inputs.to(gpc.device, non_blocking=True)
         labels = labels.to(gpc.device, non_blocking=True)
-        return list(inputs.tensor_split(M)), list(labels.tensor_split(M)), labels
+        x_mb, y_mb = list(inputs.tensor_split(M)), list(labels.tensor_split(M))
+        self._comm.sizes = [len(x) for x in x_mb]  # a new micro-batch size: new activation shapes
+        return x_mb, y_mb, labels
 
     def forward_backward_step(self, model: Any, batch: Any, criterion: Optional[Callable] = None,
                               forward_only: bool = False, return_loss: bool = True,
                               loss_scale: float = 1.0, extensions: Sequence[Extension] = ()):
         """Run one batch through the pipeline -> (output, label, loss); see the module docstring."""
+        chunks = list(model) if isinstance(model, (nn.ModuleList, list, tuple)) else [model]
+        self._check_call(chunks)
+        x_mb, y_mb, labels = self._split(batch)
+        run = _Run(self, chunks, criterion, not forward_only, loss_scale, x_mb, y_mb, extensions)
+        self._check_criterion(run, criterion, forward_only, return_loss)
+        for i, step in self._steps(run.plan):
+            if isinstance(step, Comm):
+                run.exchange(self._comm, step, f"{self.name} step {i} of {len(run.plan)}")
+            elif step.kind == "F":
+                run.forward(step)
+            else:
+                run.backward(step, i)
+        assert not run.held and not run.outbox and not run.inbox, "plan left work undone"
+        self._comm.flush(f"the end of a {self.name} batch")
+        self.max_in_flight = run.max_in_flight
+        loss = run.reported_loss()
+        if not any(run.is_last):
+            return None, None, loss
+        return torch.cat(run.outputs), labels, loss
+
+    def _steps(self, plan: list) -> Iterator[tuple[int, Any]]:
+        """The plan's steps in order; each one's wall time to the recorder (Engine.trace)."""
+        for i, step in enumerate(plan):
+            started = time.time()
+            yield i, step
+            if self.recorder:
+                self.recorder(_label(step, self.num_chunks), started, time.time())
+
+    # -- misuse, said before anything is sent --------------------------------------------------
+    def _check_call(self, chunks: list) -> None:
         M, V = self.num_microbatches, self.num_chunks
         _check(self.name, M, V)
-        chunks = list(model) if isinstance(model, (nn.ModuleList, list, tuple)) else [model]
         if len(chunks) != V:
             raise ValueError(f"[rank {gpc.rank}] {self.name} schedule expects {V} model chunk(s), "
                              f"got {len(chunks)}; build the model with build_pipeline_model(..., "
                              f"num_chunks={V})")
         if self._comm is None:
             self._comm = StageComm(self.tensor_shape)
-        x_mb, y_mb, labels = self._split(batch)
-        # a new micro-batch size means new activation shapes
-        self._comm.sizes = [len(x) for x in x_mb]
-        run = _Run(self, chunks, criterion, not forward_only, loss_scale, x_mb, y_mb, extensions)
+
+    def _check_criterion(self, run: "_Run", criterion: Optional[Callable], forward_only: bool,
+                         return_loss: bool) -> None:
         if any(run.is_last) and criterion is None and (return_loss or not forward_only):
             raise ValueError(f"[rank {gpc.rank}] the last pipeline stage needs a criterion to "
                              f"compute the loss")
-        for i, step in enumerate(run.plan):
-            started = time.time() if self.recorder else 0.0
-            if isinstance(step, Comm):
-                sends = {t: run.outbox.pop(t) for t in step.sends if t not in run.no_grad}
-                recvs = [t for t in step.recvs if t not in run.no_grad]
-                run.inbox.update(self._comm.exchange(sends, recvs,
-                                                     f"{self.name} step {i} of {len(run.plan)}"))
-            elif step.kind == "F":
-                run.forward(step)
-            else:
-                run.backward(step, i)
-            if self.recorder:
-                self.recorder(_label(step, V), started, time.time())
-        assert not run.held and not run.outbox and not run.inbox, "plan left work undone"
-        self._comm.flush(f"the end of a {self.name} batch")
-        self.max_in_flight = run.max_in_flight
-
-        loss = run.reported_loss()
-        if not any(run.is_last):
-            return None, None, loss
-        return torch.cat(run.outputs), labels, loss
 
 
 def _label(step, V: int) -> str:
@@ -173,6 +182,13 @@ class _Run:
         self.total_loss = torch.zeros((), device=gpc.device, dtype=torch.float64)
         self.loss_dtype: Optional[torch.dtype] = None  # known on the last stage only
         self.max_in_flight = 0
+
+    def exchange(self, comm: StageComm, step: Comm, where: str) -> None:
+        """Post this step's sends and receives together (p2p.py); integer activations' gradients
+        are never sent."""
+        sends = {t: self.outbox.pop(t) for t in step.sends if t not in self.no_grad}
+        recvs = [t for t in step.recvs if t not in self.no_grad]
+        self.inbox.update(comm.exchange(sends, recvs, where))
 
     def forward(self, step: Compute) -> None:
         c, m, v = step.chunk, step.mb, virtual_stage(step.chunk, gpc.pipeline_rank, self.P)
