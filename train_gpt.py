@@ -13,7 +13,9 @@ pre-LayerNorm blocks of causal self-attention (heads split over tensor ranks) an
 weights), whose logits stay split by vocabulary into the vocab-parallel cross-entropy. With
 parallel.pipeline > 1 the embedding and the classifier sit on the first and last stages and
 their gradients are summed between the two (pipeline/tied.py). With NUM_EXPERTS in the config
-every other block's MLP is a mixture of experts, spread over parallel.moe ranks (moe/).
+every other block's MLP is a mixture of experts, spread over parallel.moe ranks (moe/). With
+ACTIVATION_CHECKPOINT = 'full' each block recomputes its activations in backward instead of
+keeping them (activation_checkpoint.py; 'selective': attention's core only).
 
 Tokens are bytes (vocabulary 256): `--data FILE` (`--download`: tiny Shakespeare), else Python's
 standard library source. The log shows the train and validation loss, a greedy sample continuing
@@ -78,7 +80,7 @@ def gpt(vocab: int = VOCAB_SIZE, seq_len: int = 64, dim: int = 128, depth: int =
     col_nn.reset_1d_alternation()
     embeddings = Embeddings(vocab, seq_len, dim)
     blocks = [Block(dim, heads, mlp_ratio, dropout, causal=True, moe=moe if i % 2 else None,
-                    attention=attention) for i in range(depth)]
+                    attention=attention, index=i) for i in range(depth)]
     return nn.Sequential(embeddings, *blocks, LMHead(dim, vocab, embeddings.tok.weight))
 
 

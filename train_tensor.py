@@ -48,7 +48,7 @@ def vit(img_size: int = 32, patch_size: int = 4, dim: int = 64, depth: int = 4, 
     """ViT as a flat Sequential: patch embedding, `depth` blocks, head (pipeline-ready)."""
     col_nn.reset_1d_alternation()
     return nn.Sequential(col_nn.PatchEmbedding(img_size, patch_size, 3, dim),
-                         *[Block(dim, heads, mlp_ratio, dropout) for _ in range(depth)],
+                         *[Block(dim, heads, mlp_ratio, dropout, index=i) for i in range(depth)],
                          Head(dim, num_classes))
 
 

@@ -27,7 +27,6 @@ import os
 import platform
 import statistics
 import time
-import weakref
 from pathlib import Path
 
 import torch
@@ -36,52 +35,11 @@ from common import run_on_ranks, write_result  # also puts the repository on sys
 from torch import nn
 
 import nanocolossal as nc  # noqa: E402
+from nanocolossal.activation_checkpoint import SavedBytes  # noqa: E402
 from nanocolossal.context import gpc  # noqa: E402
 from nanocolossal.pipeline import build_pipeline_model, make_schedule  # noqa: E402
 
 M = 8
-
-
-class SavedBytes:
-    """Live bytes of tensors autograd keeps for backward (activations), and their peak."""
-
-    def __init__(self, params) -> None:
-        self.skip = {p.data_ptr() for p in params}
-        self.live, self.now, self.peak = {}, 0, 0
-
-    def _pack(self, t):
-        ptr = t.data_ptr()  # the tensor itself: micro-batches are views of one batch storage
-        if ptr in self.skip:
-            return t
-        if ptr not in self.live:
-            self.live[ptr] = [t.numel() * t.element_size(), 0]
-            self.now += self.live[ptr][0]
-            self.peak = max(self.peak, self.now)
-        self.live[ptr][1] += 1
-        holder = _Holder(t)
-        weakref.finalize(holder, self._release, ptr)
-        return holder
-
-    def _release(self, ptr) -> None:
-        entry = self.live[ptr]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.now -= entry[0]
-            del self.live[ptr]
-
-    def __enter__(self):
-        unpack = lambda h: h.t if isinstance(h, _Holder) else h  # noqa: E731
-        self.ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
-        self.ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.ctx.__exit__(*exc)
-
-
-class _Holder:
-    def __init__(self, t):
-        self.t = t
 
 
 def mlp(width=1024, depth=8):

@@ -1,6 +1,7 @@
-"""`colossalai.utils`: the tutorials' `get_dataloader` (data.py) and `MultiTimer` (timer.py), by
-that path."""
+"""`colossalai.utils`: the tutorials' `get_dataloader` (data.py), `MultiTimer` (timer.py) and
+`checkpoint` (activation_checkpoint.py), by that path."""
+from .activation_checkpoint import checkpoint
 from .data import get_dataloader
 from .timer import MultiTimer, Timer
 
-__all__ = ["MultiTimer", "Timer", "get_dataloader"]
+__all__ = ["MultiTimer", "Timer", "checkpoint", "get_dataloader"]

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..activation_checkpoint import block_mode, checkpoint
 from ..context import gpc
 from ..moe import MoeLayer
 from ..tensor.ring_attention import ring_attention
@@ -41,8 +42,10 @@ ATTENTION = ("fused", "explicit")  # how attention on the whole sequence is comp
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention; `causal`: a token attends only to itself and earlier ones."""
+    """Multi-head self-attention; `causal`: a token attends only to itself and earlier ones;
+    `recompute`: the core softmax(q k^T) v is recomputed in backward (Block's 'selective')."""
     splits_sequence = True  # knows when the sequence is split: sequence.check_sequence_model
+    recompute = False
 
     def __init__(self, dim: int, heads: int, dropout: float = 0.0, causal: bool = False,
                  attention: str = "fused") -> None:
@@ -73,6 +76,8 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if gpc.sequence_size > 1:  # my queries meet every rank's keys around the ring
             out = ring_attention(q, k, v, gpc.sequence_group, self.causal)
+        elif self.recompute:  # keep q, k, v; the s x s part is recomputed in backward
+            out = checkpoint(self.attend, q, k, v)
         else:
             out = self.attend(q, k, v)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, -1)))
@@ -123,18 +128,32 @@ def moe_mlp(dim: int, hidden: int, moe: dict) -> nn.Module:
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x)); `moe`
     (MoeLayer's arguments) puts a mixture of experts in the MLP's place; `attention`: 'fused' or
-    'explicit' (the module docstring)."""
+    'explicit' (the module docstring). The config's ACTIVATION_CHECKPOINT says what it
+    recomputes in backward (activation_checkpoint.py; `index`: its place in the stack, for
+    every N-th block)."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0,
                  causal: bool = False, moe: Optional[dict] = None,
-                 attention: str = "fused") -> None:
+                 attention: str = "fused", index: Optional[int] = None) -> None:
         super().__init__()
         self.norm1 = LayerNorm(dim)
         self.attn = Attention(dim, heads, dropout, causal, attention)
         self.norm2 = LayerNorm(dim)
         self.mlp = moe_mlp(dim, mlp_ratio * dim, moe) if moe else \
             MLP(dim, mlp_ratio * dim, dropout)
+        self.recompute = block_mode(index)  # 'full', 'selective' or None
+        self.attn.recompute = self.recompute == "selective"
+        if self.recompute == "full" and moe:
+            raise ValueError(f"[rank {gpc.rank}] ACTIVATION_CHECKPOINT would recompute an MoE "
+                             f"block whole, but its load-balancing loss is kept from the forward "
+                             f"(moe/layer.py aux_loss), which runs without autograd there; use "
+                             f"ACTIVATION_CHECKPOINT='selective' (attention only)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "full":  # keep x; the rest is recomputed in backward
+            return checkpoint(self.compute, x)
+        return self.compute(x)
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))

@@ -1,0 +1,228 @@
+"""Activation checkpointing: keep a block's input, not its activations; compute them again in
+backward (Chen et al. 2016, "Training deep nets with sublinear memory cost"; Colossal-AI's
+`colossalai.utils.checkpoint`, torchtitan's full / selective AC).
+
+From a forward to its backward, training holds every tensor an op saved for its gradient: the
+activations. nn/transformer.py's Block of width d with h heads on b sequences of s tokens
+(fp32, fused attention, no dropout) saves A = 4·(16·b·s·d + 4·b·s + b·h·s) bytes, counted from
+live saved tensors on the CPU: each LayerNorm's input and output (the next Linear's input), its
+mean and 1/std; q, k, v; the attention output and its log-sum-exp; GELU's input and output
+(4·b·s·d each). Explicit attention adds the b·h·s² softmax, dropout a mask per dropout. The
+block's input is only x = 4·b·s·d bytes. `checkpoint(fn, *args)` keeps the inputs, runs fn twice:
+
+    forward    fn(*args) without autograd: nothing saved; keep args, the RNG and autocast state
+    backward   fn(*args) again with autograd, under the forward's RNG and autocast state (the same
+               dropout masks, the same dtypes); backpropagate through this copy; hand the args'
+               gradients on. The RNG is then put back as backward found it (the next step's
+               masks must not depend on whether we recomputed)
+
+One micro-batch through L checkpointed blocks (F forward, R recompute, B backward):
+
+    forward    F1 F2 .. FL                           held: L inputs x
+    backward   RL BL  R(L-1) B(L-1) .. R1 B1         + one block's A while its R and B run
+
+Who holds what: a pipeline stage of L blocks with k micro-batches in flight (P - r under 1F1B,
+M under GPipe) holds at its peak, in saved tensors,
+
+    without checkpointing    k·L·A
+    'full'                   k·L·x + A - x        (the recomputation saves its input x again)
+    saved                    (k·L - 1)·(A - x)    ~ 94% of k·L·A for large k·L (A/x ~ 16)
+
+for one more forward per block (~1/3 more compute: a backward costs about two forwards).
+
+ACTIVATION_CHECKPOINT in the config, read by nn/transformer.py's Block (block_mode):
+
+    'full'       each block recomputed whole, as above
+    'selective'  only attention's core, softmax(q k^T / sqrt(d)) v, recomputed from q, k, v:
+                 Megatron's selective recomputation (Korthikanti et al. 2022) -- drop what is
+                 big and cheap to recompute, keep the matmuls' outputs, as torchtitan's
+                 'selective' does. With attention='explicit' that drops the b·h·s² tensors
+                 (the softmax; with dropout its mask and the product too: 4 to 12 bytes a
+                 score in fp32); the fused kernel never holds them, so there it drops only the
+                 log-sum-exp (the output stays: it is the projection's input). Ring attention
+                 (sequence parallelism) holds no s x s block either: not recomputed
+    N            every N-th block whole (blocks N-1, 2N-1, ...: torchtitan's per-layer option)
+
+Composes: tensor parallelism (1d/2d) and sequence parallelism run a block's forward collectives
+again in its recomputation -- every rank of the group recomputes the same block at the same
+point of backward, so they still pair up. AMP: the forward's autocast state is restored. ZeRO 3
+(zero/sharded_model.py): a Block checkpointed inside itself recomputes while its unit is
+gathered for its backward (the pre-backward hook on its output fires first): nothing is
+gathered again, unit_order.py sees nothing new. A unit checkpointed from outside,
+checkpoint(block, x), is gathered again by its forward pre-hook as backward reaches it -- at the
+same point on every rank, so unit_order's per-step fingerprint (and debug=True's per-gather
+check) agree -- and reduced after; such a unit may run once per forward. MoE: a block whose MLP
+is an MoE layer is not recomputed whole (its load-balancing loss is a by-product of the forward,
+which runs without autograd here): 'selective' only.
+
+Written on torch.autograd.Function, Colossal-AI's and Megatron's way: the recomputation is a
+backward of its own inside the outer one. torch's use_reentrant=False variant (saved-tensor
+hooks) also allows torch.autograd.grad; here that is refused (check_backward). A block whose
+inputs need no gradient (the first block reading data) still has parameters that do: an empty
+tensor that needs one (_ANCHOR) keeps the function in the graph, or its backward would never run.
+"""
+from __future__ import annotations
+
+import weakref
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+
+import torch
+
+from .config import ConfigError, is_positive_int, register_check
+from .context import gpc
+
+_ANCHOR = torch.empty(0, requires_grad=True)  # puts the function in the graph (docstring)
+
+
+class _Replay:
+    """What a forward ran under, to run it again alike: the CPU and CUDA generators, the
+    tensor-parallel dropout's own (tensor/base.py: sharded_dropout), autocast."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.gpus = sorted({t.device.index for t in tensors if t.is_cuda})
+        self.cpu = torch.get_rng_state()
+        self.cuda = [torch.cuda.get_rng_state(d) for d in self.gpus]
+        self.dropout = {d: g.get_state() for d, g in gpc.dropout_generators.items()}
+        kinds = {"cpu", *(t.device.type for t in tensors)}
+        self.autocast = {k: (torch.is_autocast_enabled(k), torch.get_autocast_dtype(k))
+                         for k in kinds}
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        live = dict(gpc.dropout_generators)
+        with torch.random.fork_rng(devices=self.gpus), ExitStack() as autocast:
+            torch.set_rng_state(self.cpu)
+            for device, state in zip(self.gpus, self.cuda):
+                torch.cuda.set_rng_state(state, device)
+            gpc.dropout_generators.clear()  # one first made after the forward: made again alike
+            for device, state in self.dropout.items():
+                gpc.dropout_generators[device] = torch.Generator(device).set_state(state)
+            for kind, (enabled, dtype) in self.autocast.items():
+                autocast.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+            try:
+                yield
+            finally:
+                gpc.dropout_generators.clear()
+                gpc.dropout_generators.update(live)
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """fn's forward without autograd; in backward, fn again with it (the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable, anchor: torch.Tensor, *args: Any) -> Any:
+        ctx.fn, ctx.replay = fn, _Replay([a for a in args if torch.is_tensor(a)])
+        ctx.others = [None if torch.is_tensor(a) else a for a in args]  # non-tensors as given
+        ctx.save_for_backward(*(a if torch.is_tensor(a) else None for a in args))
+        with torch.no_grad():
+            return fn(*args)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        check_backward()
+        args = [other if a is None else a.detach().requires_grad_(need)
+                for a, other, need in zip(ctx.saved_tensors, ctx.others, ctx.needs_input_grad[2:])]
+        with ctx.replay(), torch.enable_grad():
+            outputs = ctx.fn(*args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads)
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
+        if pairs:  # the parameters' gradients accumulate in .grad, as in any backward
+            torch.autograd.backward(*zip(*pairs))
+        return (None, None, *(a.grad if torch.is_tensor(a) else None for a in args))
+
+
+def checkpoint(fn: Callable, *args: Any) -> Any:
+    """fn(*args), its activations computed again in backward instead of kept."""
+    if not torch.is_grad_enabled():  # evaluation: nothing would be kept anyway
+        return fn(*args)
+    return CheckpointFunction.apply(fn, _ANCHOR, *args)
+
+
+# -- checks and the config key ------------------------------------------------------------------
+
+def check_backward() -> None:
+    """The recomputation's backward puts the parameters' gradients in .grad; only a plain
+    loss.backward() collects them there."""
+    if not torch.autograd._is_checkpoint_valid():
+        raise RuntimeError(f"[rank {gpc.rank}] activation checkpointing recomputes in a backward "
+                           f"of its own, whose parameter gradients land in .grad: "
+                           f"torch.autograd.grad(...) and backward(inputs=...) would miss them; "
+                           f"call loss.backward(), or use torch.utils.checkpoint(..., "
+                           f"use_reentrant=False)")
+
+
+MODES = ("full", "selective")
+
+
+def check_activation_checkpoint(cfg: Mapping) -> None:
+    """ACTIVATION_CHECKPOINT: 'full', 'selective', a positive integer N, or None (off)."""
+    mode = cfg.get("ACTIVATION_CHECKPOINT")
+    if not (mode is None or mode in MODES or is_positive_int(mode)):
+        raise ConfigError(f"ACTIVATION_CHECKPOINT={mode!r}: use 'full' (recompute each block), "
+                          f"'selective' (recompute attention's softmax(q k^T) v), an integer N "
+                          f"(every N-th block in full) or leave it out")
+
+
+register_check(check_activation_checkpoint)  # validate_config runs it when a config is loaded
+
+
+def block_mode(index: Optional[int]) -> Optional[str]:
+    """What transformer block number `index` recomputes under the job's config: 'full',
+    'selective' or None."""
+    mode = gpc.config.get("ACTIVATION_CHECKPOINT")
+    check_activation_checkpoint(gpc.config)  # (a gpc.config changed by hand too)
+    if not is_positive_int(mode):
+        return mode
+    if index is None:
+        raise ValueError(f"[rank {gpc.rank}] ACTIVATION_CHECKPOINT={mode} recomputes one block "
+                         f"in {mode}: build each Block with index=i, its place in the stack")
+    return "full" if index % mode == mode - 1 else None
+
+
+# -- instrumentation: what autograd holds ---------------------------------------------------------
+
+class SavedBytes:
+    """While entered: the bytes of the tensors autograd keeps for backward (activations), live
+    (`now`) and at most (`peak`). Parameters are not counted; a tensor saved twice counts once
+    (by its data pointer: the micro-batches of one batch are views of one storage, each its own)."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.skip = {p.data_ptr() for p in params}
+        self.live: dict[int, list[int]] = {}  # data pointer -> [bytes, times saved]
+        self.now = self.peak = 0
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        ptr = t.data_ptr()
+        if ptr in self.skip:
+            return t
+        if ptr not in self.live:
+            self.live[ptr] = [t.numel() * t.element_size(), 0]
+            self.now += self.live[ptr][0]
+            self.peak = max(self.peak, self.now)
+        self.live[ptr][1] += 1
+        holder = _Holder(t)
+        weakref.finalize(holder, self._release, ptr)  # autograd let go of this saved tensor
+        return holder
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[ptr]
+
+    def __enter__(self) -> "SavedBytes":
+        unpack = lambda h: h.t if isinstance(h, _Holder) else h  # noqa: E731
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
+        self.ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.ctx.__exit__(*exc)
+
+
+class _Holder:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
