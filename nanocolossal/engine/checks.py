@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader
 
 from ..config import ConfigError
 from ..context import gpc
+from ..pipeline import PipelineChunks, PipelineStage, make_schedule
 
 
 def check_tensor_parallel_model(model: nn.Module) -> None:
@@ -31,7 +32,6 @@ def check_tensor_parallel_model(model: nn.Module) -> None:
 
 def pipeline_schedule(model: nn.Module):
     """The schedule gpc.config asks for, after checking the model is a pipeline stage."""
-    from ..pipeline import PipelineChunks, PipelineStage, make_schedule
     cfg = gpc.config
     if not isinstance(model, (PipelineStage, PipelineChunks)):
         raise ConfigError(f"[rank {gpc.rank}] parallel.pipeline={gpc.pipeline_size} but the model "
