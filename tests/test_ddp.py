@@ -24,9 +24,9 @@ def _lesson_worker(rank, world_size, port, xs, ys):
     model = DDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for x, y in zip(xs, ys):
-        mine = slice(rank * len(x) // world_size, (rank + 1) * len(x) // world_size)
+        x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]  # my half of the batch
         optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x[mine]), y[mine]).backward()  # averaged over ranks
+        nn.functional.cross_entropy(model(x), y).backward()  # gradients averaged over ranks
         optimizer.step()
     return model.module.state_dict()
 
@@ -34,9 +34,9 @@ def _lesson_worker(rank, world_size, port, xs, ys):
 def test_gloo_ddp_on_two_ranks_equals_one_process():
     """Two ranks, each on half of every batch, averaging gradients in backward, take the steps
     one process takes on the whole batch: data parallelism changes where, not what, we compute."""
-    xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))  # 3 batches
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for x, y in zip(xs, ys):  # the whole batch of 8 in one process
         optimizer.zero_grad()
