@@ -22,6 +22,42 @@ from train_gpt import gpt  # noqa: E402
 PATTERN = [False] * 7 + [True] + [False] * 3 + [True, True] + [False] * 10 + [True] + [False] * 9
 
 
+def _lesson_worker(rank, world_size, port, xs, ys):
+    nc.launch(dict(fp16=dict(mode=AMP_TYPE.TORCH, dtype="bfloat16")), rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)  # every rank builds the model the reference builds
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))  # fp32 weights (O1)
+    computed_in = set()
+    model[0].register_forward_hook(lambda module, args, out: computed_in.add(out.dtype))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    engine, *_ = nc.initialize(model, optimizer, nn.CrossEntropyLoss(), verbose=False)
+    for x, y in zip(xs, ys):
+        x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]  # my half of the batch
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))  # forward under autocast, loss in fp32
+        engine.step()
+    return engine.model.state_dict(), computed_in
+
+
+def test_gloo_amp_bf16_on_two_data_ranks_tracks_one_process():
+    """Mixed precision (O1: autocast to bfloat16, fp32 weights) on 2 data ranks tracks one
+    process's autocast run on the whole batch, to bf16's rounding of the half-batch sums."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    xs, ys = torch.randn(3, 8, 4), torch.randint(0, 3, (3, 8))  # 3 batches
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for x, y in zip(xs, ys):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        nn.functional.cross_entropy(out.float(), y).backward()
+        optimizer.step()
+    for rank, (state, computed_in) in enumerate(run_ranks(_lesson_worker, 2, xs, ys)):
+        assert computed_in == {torch.bfloat16}
+        assert_close(state, model.state_dict(), rtol=0, atol=3e-3,
+                     msg=lambda m: f"rank {rank}: {m}")
+
+
 def _grad_scaler_sequence(pattern, **kwargs) -> list[float]:
     """Drive torch.amp.GradScaler through real steps whose gradient is inf where pattern says so."""
     p = nn.Parameter(torch.zeros(1))

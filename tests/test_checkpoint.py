@@ -36,6 +36,33 @@ except ImportError:  # numpy is optional: its RNG is saved only where it is inst
 pytestmark = pytest.mark.timeout(120)
 
 
+def _lesson_worker(rank, world_size, port, path, x, y, max_steps, resume):
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.2), nn.Linear(8, 3)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    engine, *_ = nc.initialize(model, optimizer, nn.CrossEntropyLoss(), verbose=False)
+    train = nc.get_dataloader(TensorDataset(x, y), shuffle=True, batch_size=4)  # shuffled per epoch
+    trainer = Trainer(engine)
+    if resume:  # the weights, the momenta, the epoch and batch reached, every rank's RNG
+        assert trainer.resume(path)
+    trainer.fit(train, epochs=2, max_steps=max_steps, hooks=[hooks.SaveCheckpointHook(path)])
+    return engine.model.state_dict()
+
+
+def test_gloo_resume_from_a_checkpoint_equals_training_without_a_stop(tmp_path):
+    """A 2-rank run stopped mid-epoch and resumed from its checkpoint by a new job ends
+    bit-identical to a run that never stopped: weights, momenta, data order and dropout masks."""
+    torch.manual_seed(0)
+    x, y = torch.randn(48, 4, dtype=torch.float64), torch.randint(0, 3, (48,))  # 6 steps an epoch
+    straight = run_ranks(_lesson_worker, 2, str(tmp_path / "a.pt"), x, y, None, False)
+    run_ranks(_lesson_worker, 2, str(tmp_path / "b.pt"), x, y, 9, False)  # stops after step 9
+    resumed = run_ranks(_lesson_worker, 2, str(tmp_path / "b.pt"), x, y, None, True)
+    for rank in range(2):
+        assert_close(resumed[rank], straight[rank], rtol=0, atol=0,
+                     msg=lambda m: f"rank {rank}: {m}")
+
+
 def _setup(rank, world_size, port):
     """DDP + fp16 loss scaling + dropout + shuffled sampler + momentum + LR schedule: all state that
     must resume."""

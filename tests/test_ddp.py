@@ -18,6 +18,34 @@ pytestmark = pytest.mark.timeout(120)
 MICRO = 4  # samples per rank per step
 
 
+def _lesson_worker(rank, world_size, port, xs, ys):
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)  # every rank builds the model the reference builds
+    model = DDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for x, y in zip(xs, ys):
+        x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]  # my half of the batch
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()  # gradients averaged over ranks
+        optimizer.step()
+    return model.module.state_dict()
+
+
+def test_gloo_ddp_on_two_ranks_equals_one_process():
+    """Two ranks, each on half of every batch, averaging gradients in backward, take the steps
+    one process takes on the whole batch: data parallelism changes where, not what, we compute."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))  # 3 batches
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for x, y in zip(xs, ys):  # the whole batch of 8 in one process
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    for rank, state in enumerate(run_ranks(_lesson_worker, 2, xs, ys)):
+        assert_close(state, model.state_dict(), msg=lambda m: f"rank {rank}: {m}")
+
+
 class Net(nn.Module):
     """An MLP with a branch only some inputs use and a branch nothing uses."""
 

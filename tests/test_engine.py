@@ -15,6 +15,39 @@ pytestmark = pytest.mark.timeout(120)
 B = 3  # samples per rank per micro-batch
 
 
+def _lesson_worker(rank, world_size, port, xs, ys):
+    nc.launch(dict(gradient_accumulation=2), rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port)
+    torch.manual_seed(0)  # every rank builds the model the reference builds
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    engine, *_ = nc.initialize(model, optimizer, nn.CrossEntropyLoss(), verbose=False)
+    stepped = []
+    for x, y in zip(xs, ys):
+        for micro_x, micro_y in zip(x.chunk(2), y.chunk(2)):  # 2 micro-batches of 4 samples
+            micro_x, micro_y = micro_x.chunk(world_size)[rank], micro_y.chunk(world_size)[rank]
+            engine.zero_grad()  # acts before the first micro-step only
+            engine.backward(engine.criterion(engine(micro_x), micro_y))  # adds loss / 2
+            stepped.append(engine.step())  # averages over the ranks and steps on the last only
+    return engine.model.state_dict(), stepped
+
+
+def test_gloo_engine_accumulation_on_two_ranks_equals_one_big_step():
+    """Each batch as 2 micro-steps on each of 2 ranks, gradients accumulated: one optimizer step
+    per batch, the step one process takes on the whole batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))  # 3 batches
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for x, y in zip(xs, ys):  # the whole batch of 8, one step
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    for rank, (state, stepped) in enumerate(run_ranks(_lesson_worker, 2, xs, ys)):
+        assert stepped == [False, True] * 3
+        assert_close(state, model.state_dict(), msg=lambda m: f"rank {rank}: {m}")
+
+
 def _model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))

@@ -23,6 +23,45 @@ AUX_WEIGHT = 0.1
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
 
+def _lesson_worker(rank, world_size, port, xs, ys):
+    nc.launch(dict(parallel=dict(moe=dict(size=2)), MOE_AUX_WEIGHT=0.1), rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)  # the reference's draws: this rank keeps 2 of the 4 experts
+    model = nn.Sequential(
+        nn.Linear(4, 6),
+        MoeLayer(6, 8, num_experts=4, top_k=2, capacity_factor_train=4.0,  # drops no token
+                 ep_group=nc.gpc.ep_group, data_group=nc.gpc.gradient_group),
+        nn.Linear(6, 3)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    engine, *_ = nc.initialize(model, optimizer, nn.CrossEntropyLoss(), verbose=False)
+    for x, y in zip(xs, ys):
+        x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]  # my half of the batch
+        engine.zero_grad()
+        loss = engine.criterion(engine(x), y)  # tokens to their experts' ranks and back
+        engine.backward(loss)  # + 0.1 x the load-balancing loss (over the whole batch)
+        engine.step()
+    return engine.model.state_dict()  # the shared layers and my experts
+
+
+def test_gloo_expert_parallel_on_two_ranks_equals_one_process_holding_every_expert():
+    """4 experts split over 2 ranks, each rank's tokens sent to the experts' ranks and back,
+    train as one process holding all 4 experts on the whole batch (load-balancing loss too)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6),
+                          MoeLayer(6, 8, num_experts=4, top_k=2, capacity_factor_train=4.0),
+                          nn.Linear(6, 3)).double()
+    xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))  # 3 batches
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for x, y in zip(xs, ys):
+        optimizer.zero_grad()
+        (nn.functional.cross_entropy(model(x), y) + 0.1 * moe_aux_loss(model)).backward()
+        optimizer.step()
+    expected, (first, second) = model.state_dict(), run_ranks(_lesson_worker, 2, xs, ys)
+    assert first.keys() != second.keys() and first.keys() | second.keys() == expected.keys()
+    for rank, state in enumerate((first, second)):  # the shared layers, and this rank's experts
+        assert_close(state, {k: expected[k] for k in state}, msg=lambda m: f"rank {rank}: {m}")
+
+
 class Net(nn.Module):
     """A dense layer (non-expert gradients beyond the router's), then a residual MoE layer."""
 

@@ -14,6 +14,7 @@ from dist_helpers import ROOT, run_ranks
 from run_records import record_steps
 from torch import nn
 from torch.nn import functional as F
+from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
@@ -33,6 +34,36 @@ pytestmark = pytest.mark.timeout(240)
 
 VOCAB, SEQ, GLOBAL, STEPS, CLIP, REL = 16, 8, 8, 2, 0.05, 1e-9
 WEIGHT = torch.linspace(0.5, 2.0, VOCAB, dtype=torch.float64)  # class weights, where asked
+
+
+def _lesson_worker(rank, world_size, port, xs, ys):
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)  # every rank builds the model the reference builds
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    engine, *_ = nc.initialize(model, optimizer, nn.CrossEntropyLoss(), verbose=False)
+    for x, y in zip(xs, ys):
+        x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]  # 1 or 4 counted targets
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))  # my mean x my share of the targets
+        engine.step()
+    return engine.model.state_dict()
+
+
+def test_gloo_a_mean_over_unevenly_padded_ranks_equals_one_process():
+    """Padding (ignore_index) falls unevenly on 2 ranks, 1 and 4 counted targets: each rank's
+    mean, weighed by its share of the counted targets, trains as one process's mean over all 5."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))  # 3 batches
+    ys[:, 1:4] = -100  # padding: samples 1-3 (on rank 0) count for nothing
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for x, y in zip(xs, ys):  # the whole batch in one process: the mean over 5 targets
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    for rank, state in enumerate(run_ranks(_lesson_worker, 2, xs, ys)):
+        assert_close(state, model.state_dict(), msg=lambda m: f"rank {rank}: {m}")
 
 
 def _gpt():

@@ -31,6 +31,8 @@ def _accuracy_worker(rank, world_size, port):
 
 
 def test_gloo_accuracy_is_exact_over_uneven_shards():
+    """Accuracy counts correct samples and samples over the ranks, not an average of per-rank
+    ratios: over uneven pad=False shards it equals one process's on the whole set."""
     single = Accuracy()
     single.update(LOGITS, TARGETS)
     expected = single.compute()

@@ -28,6 +28,39 @@ pytestmark = pytest.mark.timeout(150)
 BATCH, M = 16, 4
 
 
+def _lesson_worker(rank, world_size, port, xs, ys):
+    nc.launch(dict(parallel=dict(pipeline=2), NUM_MICRO_BATCHES=4), rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)  # every rank builds the whole model the reference builds
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 3)).double()
+    stage = build_pipeline_model(model)  # and keeps its stage: the first layers or the last
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.5, momentum=0.9)
+    engine, *_ = nc.initialize(stage, optimizer, nn.CrossEntropyLoss(), verbose=False)
+    for x, y in zip(xs, ys):
+        engine.zero_grad()
+        engine.execute_schedule((x, y))  # 1F1B: 4 micro-batches of 2, activations sent on
+        engine.step()
+    return engine.model.state_dict()  # this stage's layers, under the whole model's keys
+
+
+def test_gloo_pipeline_1f1b_on_two_stages_equals_one_process():
+    """A model cut into 2 stages, each batch run as 4 micro-batches through the 1F1B schedule,
+    trains as the whole model does in one process on the whole batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 3)).double()
+    xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))  # 3 batches
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for x, y in zip(xs, ys):  # the whole batch of 8 in one process
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    first, last = run_ranks(_lesson_worker, 2, xs, ys)
+    assert first.keys().isdisjoint(last.keys())  # each layer on one stage only
+    assert_close({**first, **last}, model.state_dict())
+
+
 def _model(n_linear=8):
     """BatchNorm-free, so micro-batching changes nothing mathematically."""
     torch.manual_seed(0)

@@ -24,6 +24,34 @@ from nanocolossal.tensor.ring_attention import (
 pytestmark = pytest.mark.timeout(120)
 
 
+def _lesson_worker(rank, world_size, port, q, k, v, w):
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    # my tokens of the sequence (dim 2): chunks r and 2N-1-r of 2N, so causal work is equal
+    mine = [split_sequence(t, 2).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*mine, causal=True)  # my queries meet each rank's K/V block in turn
+    (out * split_sequence(w, 2)).sum().backward()
+    return [gather_sequence(t, 2) for t in (out.detach(), *(t.grad for t in mine))]
+
+
+def test_gloo_ring_attention_on_two_ranks_equals_full_attention():
+    """Causal attention with each rank's queries at home and K/V blocks passed around the ring,
+    merged by an online softmax, gives full attention's output and dq, dk, dv (float64)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 4, dtype=torch.float64) for _ in range(3))  # [B, H, S, D]
+    q = q * 4  # a sharp softmax: the blocks' row maxima differ, so the rescale matters
+    w = torch.randn_like(q)  # a weighted sum as the loss: a wrong gradient scale shows
+    q_all, k_all, v_all = (t.clone().requires_grad_() for t in (q, k, v))  # one process
+    scores = q_all @ k_all.transpose(-2, -1) * 4 ** -0.5  # all 16 x 16 at once
+    scores = scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    out = scores.softmax(-1) @ v_all
+    (out * w).sum().backward()
+    expected = {"out": out.detach(), "dq": q_all.grad, "dk": k_all.grad, "dv": v_all.grad}
+    for rank, got in enumerate(run_ranks(_lesson_worker, 2, q, k, v, w)):
+        for (name, want), mine in zip(expected.items(), got):
+            assert_close(mine, want, rtol=1e-10, atol=1e-10,
+                         msg=lambda m: f"rank {rank} {name}: {m}")
+
+
 def _reference(q, k, v, causal):
     s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
     if causal:

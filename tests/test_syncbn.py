@@ -15,6 +15,35 @@ pytestmark = pytest.mark.timeout(120)
 BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 
 
+def _lesson_worker(rank, world_size, port, xs, ys):
+    nc.launch(dict(sync_bn=True), rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)  # every rank builds the model the reference builds
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    engine, *_ = nc.initialize(model, optimizer, nn.CrossEntropyLoss(), verbose=False)
+    for x, y in zip(xs, ys):
+        x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]  # my half of the batch
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))  # mean and var over both halves
+        engine.step()
+    return engine.model.state_dict()  # weights, and BatchNorm's running statistics
+
+
+def test_gloo_syncbn_on_two_ranks_equals_batchnorm_on_the_whole_batch():
+    """With sync_bn=True, BatchNorm on 2 ranks, each holding half of every batch, normalises by
+    the whole batch's statistics: training and running statistics equal one process's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
+    xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))  # 3 batches
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for x, y in zip(xs, ys):  # the whole batch of 8 in one process
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    for rank, state in enumerate(run_ranks(_lesson_worker, 2, xs, ys)):
+        assert_close(state, model.state_dict(), msg=lambda m: f"rank {rank}: {m}")
+
+
 def _inputs(sizes, spatial):
     g = torch.Generator().manual_seed(7)
     x = torch.randn(sum(sizes), 3, *spatial, generator=g) * 2 + 0.5

@@ -25,6 +25,44 @@ GRID = [(0, "row"), (-1, "col")]           # 2d activation: batch by grid row, h
 HIDDEN_1D = [(-1, "tensor")]
 
 
+def _lesson_worker(rank, world_size, port, xs, ys):
+    nc.launch(dict(parallel=dict(tensor=dict(size=2, mode="1d"))), rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)  # each layer draws the plain layer's weights, then keeps its slice
+    model = nn.Sequential(nn.LayerNorm(4), layers_1d.ColumnLinear1D(4, 8), nn.Tanh(),
+                          layers_1d.RowLinear1D(8, 3)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    engine, *_ = nc.initialize(model, optimizer, nn.CrossEntropyLoss(), verbose=False)
+    for x, y in zip(xs, ys):  # every rank the whole batch: the features are split, not the samples
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        engine.step()
+    return engine.model.state_dict()  # my slices
+
+
+def test_gloo_1d_linear_pair_on_two_ranks_equals_plain_linears():
+    """A column-parallel Linear then a row-parallel one, each rank holding half of each weight
+    (and a replicated LayerNorm before them), train as the plain layers do in one process:
+    act(X A) B = sum_j act(X A_j) B_j."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))  # 3 batches
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for x, y in zip(xs, ys):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    first, second = run_ranks(_lesson_worker, 2, xs, ys)
+    split = {"1.weight": 0, "1.bias": 0, "3.weight": 1}  # column: by output, row: by input
+    for key, value in model.state_dict().items():
+        if key in split:
+            assert_close(torch.cat([first[key], second[key]], split[key]), value,
+                         msg=lambda m: f"{key}: {m}")
+        else:  # replicated (the LayerNorm, the row-parallel bias): whole and equal on each rank
+            for rank, state in enumerate((first, second)):
+                assert_close(state[key], value, msg=lambda m: f"rank {rank} {key}: {m}")
+
+
 def _inputs(kind):
     g = torch.Generator().manual_seed(7)
     if kind == "ids":

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, run_ranks
+from torch import nn
 from torch.testing import assert_close
 
 import nanocolossal as nc
@@ -14,13 +15,46 @@ from nanocolossal.amp import AMP_TYPE
 from nanocolossal.checkpoint import load_plain_state_dict, merge_checkpoint, save_checkpoint
 from nanocolossal.context import gpc
 from nanocolossal.pipeline import build_pipeline_model
-from nanocolossal.tensor.base import shard
+from nanocolossal.tensor.base import shard, unshard
 
 sys.path.insert(0, str(ROOT))
 from train_tensor import vit  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 BATCH, STEPS, CLIP = 8, 3, 0.05
+
+
+def _lesson_worker(rank, world_size, port, xs, ys):
+    nc.launch(dict(parallel=dict(tensor=dict(size=4, mode="2d"))), rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)  # the reference's definition: nc.nn picks the 2d layers after launch
+    model = nn.Sequential(col_nn.Embedding(10, 8), col_nn.Linear(8, 8), nn.Tanh(),
+                          col_nn.LayerNorm(8), col_nn.Classifier(8, 3)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    engine, *_ = nc.initialize(model, optimizer, col_nn.CrossEntropyLoss(), verbose=False)
+    for x, y in zip(xs, ys):  # every rank the whole batch: a grid row keeps its block of it
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        engine.step()
+    # each rank holds a block of every weight on the 2 x 2 grid: gather the whole tensors
+    return {name: unshard(p.detach(), getattr(p, "tensor_splits", []))
+            for name, p in engine.model.named_parameters()}
+
+
+def test_gloo_a_model_of_nc_nn_layers_on_a_2d_grid_equals_one_process():
+    """One model definition of nc.nn layers: plain torch layers in one process, SUMMA's 2d
+    layers on a 2 x 2 grid of ranks (activations and weights in blocks); both train alike."""
+    torch.manual_seed(0)
+    model = nn.Sequential(col_nn.Embedding(10, 8), col_nn.Linear(8, 8), nn.Tanh(),
+                          col_nn.LayerNorm(8), col_nn.Classifier(8, 3)).double()
+    xs, ys = torch.randint(0, 10, (3, 8)), torch.randint(0, 3, (3, 8))  # 3 batches of 8 ids
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for x, y in zip(xs, ys):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    for rank, params in enumerate(run_ranks(_lesson_worker, 4, xs, ys)):
+        assert_close(params, model.state_dict(), msg=lambda m: f"rank {rank}: {m}")
 
 
 def _model(seed=0):

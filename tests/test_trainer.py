@@ -7,6 +7,7 @@ from run_records import record_steps
 from test_loss_weights import half_update_mismatches
 from torch import nn
 from torch.nn import functional as F
+from torch.testing import assert_close
 from torch.utils.data import TensorDataset
 
 import nanocolossal as nc
@@ -24,6 +25,34 @@ sys.path.insert(0, str(ROOT))
 from train_gpt import gpt  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def _lesson_worker(rank, world_size, port, x, y):
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)  # every rank builds the model the reference builds
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    engine, *_ = nc.initialize(model, optimizer, nn.CrossEntropyLoss(), verbose=False)
+    # my shard, samples rank, rank + 2, ...: batch k of both ranks is samples 8k to 8k + 7
+    train = nc.get_dataloader(TensorDataset(x, y), shuffle=False, batch_size=4)
+    Trainer(engine).fit(train, epochs=2)  # each batch: zero_grad, forward, backward, step
+    return engine.model.state_dict()
+
+
+def test_gloo_trainer_on_two_ranks_equals_one_process():
+    """Trainer.fit on 2 ranks, each loading its shard of the data set in batches of 4, trains as
+    one process stepping through the data set in batches of 8."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(24, 4, dtype=torch.float64), torch.randint(0, 3, (24,))  # the data set
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for epoch in range(2):
+        for i in range(0, 24, 8):  # 3 global batches of 8 an epoch
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x[i:i + 8]), y[i:i + 8]).backward()
+            optimizer.step()
+    for rank, state in enumerate(run_ranks(_lesson_worker, 2, x, y)):
+        assert_close(state, model.state_dict(), msg=lambda m: f"rank {rank}: {m}")
 
 
 def _data(n, seed=0):

@@ -10,7 +10,7 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
-from nanocolossal.tensor.base import shard
+from nanocolossal.tensor.base import shard, unshard
 from nanocolossal.tensor.vocab_parallel import (
     VocabParallelClassifier1D,
     VocabParallelCrossEntropyLoss1D,
@@ -34,6 +34,42 @@ LAYOUTS = {
 
 pytestmark = pytest.mark.timeout(120)
 V, D, B, S = 16, 8, 4, 5
+
+
+def _lesson_worker(rank, world_size, port, xs, ys):
+    nc.launch(dict(parallel=dict(tensor=dict(size=2, mode="1d"))), rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)  # the reference's definition: each rank keeps 8 of the 16 table rows
+    table = col_nn.Embedding(16, 8, vocab_parallel=True)
+    model = nn.Sequential(table, col_nn.LayerNorm(8),
+                          col_nn.Classifier(8, 16, bias=False, weight=table.weight)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    engine, *_ = nc.initialize(model, optimizer, col_nn.VocabParallelCrossEntropyLoss(),
+                               verbose=False)
+    for x, y in zip(xs, ys):  # the loss from the split logits, never gathered
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        engine.step()
+    return {name: unshard(p.detach(), getattr(p, "tensor_splits", []))  # gather my rows
+            for name, p in engine.model.named_parameters()}
+
+
+def test_gloo_a_vocab_parallel_tied_table_on_two_ranks_equals_one_process():
+    """An embedding table split by vocabulary, tied to the classifier, with the loss computed on
+    split logits: 2 tensor ranks train as one process with the whole table."""
+    torch.manual_seed(0)
+    table = col_nn.Embedding(16, 8, vocab_parallel=True)
+    model = nn.Sequential(table, col_nn.LayerNorm(8),
+                          col_nn.Classifier(8, 16, bias=False, weight=table.weight)).double()
+    xs, ys = torch.randint(0, 16, (3, 2, 5)), torch.randint(0, 16, (3, 2, 5))  # 3 batches of ids
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for x, y in zip(xs, ys):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        optimizer.step()
+    expected = {name: p.detach() for name, p in model.named_parameters()}
+    for rank, params in enumerate(run_ranks(_lesson_worker, 2, xs, ys)):
+        assert_close(params, expected, msg=lambda m: f"rank {rank}: {m}")
 
 LOSSES = [  # keyword arguments of F.cross_entropy / the vocab-parallel loss
     {}, {"reduction": "sum"}, {"reduction": "none"}, {"ignore_index": 3},

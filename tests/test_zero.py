@@ -24,6 +24,37 @@ pytestmark = pytest.mark.timeout(120)
 B = 3  # samples per rank per micro-batch
 
 
+def _lesson_worker(rank, world_size, port, level, xs, ys):
+    nc.launch(dict(zero=dict(level=level)), rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
+    torch.manual_seed(0)  # every rank builds the model the reference builds
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()  # 67: padded
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    engine, *_ = nc.initialize(model, optimizer, nn.CrossEntropyLoss(), verbose=False)
+    for x, y in zip(xs, ys):
+        x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]  # my half of the batch
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        engine.step()  # my shard of the momentum steps my shard; then all-gathered
+    return engine.model.state_dict()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_gloo_zero_on_two_ranks_equals_one_process(level):
+    """Sharding the optimizer state (level 1) and the gradients (level 2) over 2 data ranks
+    changes what each rank holds, not the training: it equals one process on the whole batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))  # 3 batches
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for x, y in zip(xs, ys):  # the whole batch of 8 in one process
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    for rank, state in enumerate(run_ranks(_lesson_worker, 2, level, xs, ys)):
+        assert_close(state, model.state_dict(), msg=lambda m: f"rank {rank}: {m}")
+
+
 class Net(nn.Module):
     """141 parameters (odd: padding; parameters straddle shards), a branch used on even steps
     only and a layer never used."""

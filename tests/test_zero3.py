@@ -42,6 +42,38 @@ from nanocolossal.zero import ParamShardedOptimizer, plan_units, zero_settings
 pytestmark = pytest.mark.timeout(120)
 
 
+def _lesson_worker(rank, world_size, port, xs, ys):
+    nc.launch(dict(zero=dict(level=3)), rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
+    torch.manual_seed(0)  # every rank builds the model the reference builds
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()  # 2 units
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    engine, *_ = nc.initialize(model, optimizer, nn.CrossEntropyLoss(), verbose=False)
+    for x, y in zip(xs, ys):
+        x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]  # my half of the batch
+        engine.zero_grad()
+        # each Linear is gathered just before its forward and its backward, freed after;
+        # its gradient is reduce-scattered: I keep (and step) my shard only
+        engine.backward(engine.criterion(engine(x), y))
+        engine.step()
+    return engine.model.state_dict()  # gathered: the plain model's full tensors
+
+
+def test_gloo_zero3_on_two_ranks_equals_one_process():
+    """Parameters held as shards between uses, gathered per layer: each rank holds half of
+    everything, and training still equals one process on the whole batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))  # 3 batches
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for x, y in zip(xs, ys):  # the whole batch of 8 in one process
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    for rank, state in enumerate(run_ranks(_lesson_worker, 2, xs, ys)):
+        assert_close(state, model.state_dict(), msg=lambda m: f"rank {rank}: {m}")
+
+
 def _freed(model):
     """Between uses every parameter points at the one shared NaN element."""
     return all(p.untyped_storage().nbytes() <= p.element_size() for p in model.parameters())
