@@ -227,9 +227,10 @@ def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[i
     P = _parallel_size(parallel.get("pipeline", 1), "pipeline")
     tensor = parallel.get("tensor", 1)
     mode = tensor.get("mode") if isinstance(tensor, Mapping) else None
-    # (depth: 2.5d's, refused below as not implemented yet, not as an unknown key)
-    T = _parallel_size(tensor, "tensor", ("size", "mode", "depth") if mode == "2.5d" else
-                       ("size", "mode"))
+    # (depth: 2.5d's, refused below as not implemented yet, not as an unknown key; attention:
+    # sequence.py checks it)
+    extra = {"2.5d": ("depth",), "sequence": ("attention",)}.get(mode, ())
+    T = _parallel_size(tensor, "tensor", ("size", "mode", *extra))
     if T == 1:
         mode = None
     elif mode in _NOT_YET:

@@ -8,7 +8,8 @@ own seeded alike everywhere, so the training RNG does not move) and broadcasts i
 continues from the same text. A pipeline runs the window as a forward-only batch of `batch`
 copies (one per micro-batch), and its last stage picks. Under sequence parallelism each rank
 runs its zig-zag share of the window; the last token is the end of chunk 2N-1, which sequence
-rank 0 holds, last (sequence.py): the rank that picks is the same one.
+rank 0 holds, last, whatever the window's length (sequence.py, tensor/zigzag.py): the rank that
+picks is the same one.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from .context import gpc
 from .engine import Engine, PipelineEngine
-from .sequence import split_batch
+from .sequence import even_shares, split_batch
 from .tensor.comm import gather
 
 
@@ -43,7 +44,7 @@ def pick(logits: torch.Tensor, generator: torch.Generator, top_k: int = 10,
 def next_token(engine: Engine, window: torch.Tensor, batch: int,
                generator: torch.Generator) -> int:
     ids = window.unsqueeze(0).repeat(batch * gpc.summa_dim, 1)  # 2d: one copy per grid row
-    ids = split_batch(ids, gpc.sequence_size, gpc.sequence_rank)  # sequence: my tokens
+    ids = split_batch(ids, gpc.sequence_size, gpc.sequence_rank, even_shares())  # my tokens
     if isinstance(engine, PipelineEngine):
         output, _, _ = engine.execute_schedule((ids, torch.zeros_like(ids)), forward_only=True,
                                                return_loss=False)

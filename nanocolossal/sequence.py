@@ -17,6 +17,8 @@ Who does what, layer by layer:
     LayerNorm,  per token: the local tokens alone, unchanged
     MLP, head
     attention   every query needs every key: ring attention, K/V blocks going round the ring
+                (attention='ring', the default), or all-to-all attention (attention='all_to_all',
+                tensor/ulysses.py): all tokens meet for h/N heads per rank
     loss        N x this rank's share of the sequences' loss: its tokens' sum divided by the
                 targets counted on all N ranks (nn/layers.py), so the N ranks' mean is the loss
     gradients   averaged over the gradient group: data x sequence ranks (gpc.gradient_group)
@@ -30,19 +32,37 @@ is one more data-parallel rank with fewer tokens, which is why DDP, SyncBN, metr
 pipeline need nothing new.
 
 Memory per rank: activations of s/N tokens in every layer, and ring attention's one block of
-scores at a time, (s/N) x (s/N)-shaped where one process holds s x s.
+scores at a time, (s/N) x (s/N)-shaped where one process holds s x s (all-to-all attention: the
+model's own attention for h/N heads, s x s scores if it is the explicit formula).
+
+A length that 2N does not divide: ring attention refuses it (its blocks must be equal);
+all-to-all attention takes shares a token apart (tensor/zigzag.py).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
 
-from .config import ConfigError
+from .config import Config, ConfigError, register_check
 from .context import gpc
 from .nest import map_tensors
-from .tensor.zigzag import zigzag_split
+from .tensor.zigzag import share_lengths, zigzag_split
+
+ATTENTION = ("ring", "all_to_all")  # parallel.tensor's attention=: how a rank meets the others
+
+
+def sequence_attention(cfg: Optional[Mapping] = None) -> str:
+    """'ring' (the default) or 'all_to_all' (Ulysses): parallel.tensor's attention= (gpc's)."""
+    tensor = ((gpc.config if cfg is None else cfg).get("parallel") or {}).get("tensor")
+    return tensor.get("attention", "ring") if isinstance(tensor, Mapping) else "ring"
+
+
+def even_shares() -> bool:
+    """Must every sequence rank hold as many tokens (2N divides the length)? Ring attention's
+    blocks must be equal; all-to-all attention takes any length."""
+    return gpc.sequence_size == 1 or sequence_attention() == "ring"
 
 
 def token_positions(ids: torch.Tensor, max_positions: Optional[int] = None) -> torch.Tensor:
@@ -50,20 +70,23 @@ def token_positions(ids: torch.Tensor, max_positions: Optional[int] = None) -> t
     ([batch, local length]): 0..s-1 without sequence parallelism, the zig-zag share with it.
     `max_positions`: the table's size; a longer sequence is refused on every rank alike (only
     some ranks' chunks would reach past it, and the others would wait in ring attention)."""
-    n, r = gpc.sequence_size, gpc.sequence_rank
-    if max_positions is not None and ids.shape[1] * n > max_positions:
-        raise ValueError(f"[rank {gpc.rank}] a sequence of {ids.shape[1] * n} tokens"
-                         f"{f' ({n} x {ids.shape[1]})' if n > 1 else ''} is longer than the "
-                         f"model's {max_positions} positions; use sequences of at most "
+    n, r, even = gpc.sequence_size, gpc.sequence_rank, even_shares()
+    lengths = [ids.shape[1]] * n if even else share_lengths(ids.shape[1], gpc.sequence_group,
+                                                            ids.device)
+    if max_positions is not None and sum(lengths) > max_positions:
+        raise ValueError(f"[rank {gpc.rank}] a sequence of {sum(lengths)} tokens"
+                         f"{f' ({n} x {ids.shape[1]})' if n > 1 and even else ''} is longer "
+                         f"than the model's {max_positions} positions; use sequences of at most "
                          f"{max_positions} tokens (SEQ_LEN) or a model with more positions")
-    whole = torch.arange(ids.shape[1] * n, device=ids.device)
-    return zigzag_split(whole, 0, n, r).expand_as(ids)
+    whole = torch.arange(sum(lengths), device=ids.device)
+    return zigzag_split(whole, 0, n, r, even).expand_as(ids)
 
 
-def split_batch(batch: Any, n: int, r: int) -> Any:
+def split_batch(batch: Any, n: int, r: int, even: bool = True) -> Any:
     """Rank r's tokens of every tensor of a batch: its zig-zag share of dim 1 (the sequence).
-    n and r are plain numbers, so this also runs in a DataLoader worker, which has no groups."""
-    return map_tensors(lambda t: zigzag_split(t, 1, n, r) if t.dim() >= 2 else t, batch)
+    n and r are plain numbers, so this also runs in a DataLoader worker, which has no groups.
+    `even`: refuse a length 2n does not divide (ring attention; even_shares())."""
+    return map_tensors(lambda t: zigzag_split(t, 1, n, r, even) if t.dim() >= 2 else t, batch)
 
 
 class SequenceSplitLoader:
@@ -72,9 +95,10 @@ class SequenceSplitLoader:
 
     def __init__(self, loader: Any) -> None:
         self.loader, self.n, self.r = loader, gpc.sequence_size, gpc.sequence_rank
+        self.even = even_shares()
 
     def __iter__(self) -> Iterator[Any]:
-        return (split_batch(batch, self.n, self.r) for batch in self.loader)
+        return (split_batch(batch, self.n, self.r, self.even) for batch in self.loader)
 
     def __getattr__(self, name: str) -> Any:
         if name == "loader":  # not set yet (unpickling): no recursion
@@ -95,7 +119,27 @@ def split_loader(loader: Any) -> Any:
     return (SizedSequenceSplitLoader if sized else SequenceSplitLoader)(loader)
 
 
-# -- hardening: what initialize refuses ----------------------------------------------------------
+# -- hardening: what the config and initialize refuse -------------------------------------------
+
+def check_sequence_config(cfg: Config) -> None:
+    """parallel.tensor's attention= names a kind we have; all-to-all gives every sequence rank
+    whole heads, so the config's HEADS (train_gpt.py's) must divide by N."""
+    tensor = (cfg.get("parallel") or {}).get("tensor")
+    if not isinstance(tensor, Mapping) or "attention" not in tensor:
+        return
+    kind, n, heads = sequence_attention(cfg), tensor.get("size", 1), cfg.get("HEADS")
+    if kind not in ATTENTION:
+        raise ConfigError(f"parallel.tensor attention={kind!r} is not a kind of sequence-parallel "
+                          f"attention; use 'ring' (the default) or 'all_to_all' (Ulysses)")
+    if kind == "all_to_all" and isinstance(heads, int) and heads % n:
+        raise ConfigError(f"parallel.tensor attention='all_to_all' gives each of {n} sequence "
+                          f"ranks whole heads, but HEADS = {heads} does not divide by {n}; use "
+                          f"HEADS a multiple of {n}, a size dividing {heads}, or "
+                          f"attention='ring'")
+
+
+register_check(check_sequence_config)  # validate_config runs it when a config is loaded
+
 
 def check_sequence_model(model: nn.Module) -> None:
     """Sequence parallelism is right only if every layer but attention works per token, and

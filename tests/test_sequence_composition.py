@@ -28,9 +28,10 @@ BATCH, SEQ, VOCAB, DIM, CLIP = 4, 16, 32, 16, 0.5
 SEQ2 = {"tensor": {"size": 2, "mode": "sequence"}}
 
 
-def _model(dtype=torch.float64, depth=2, causal=True, seq=SEQ):
+def _model(dtype=torch.float64, depth=2, causal=True, seq=SEQ, heads=2, attention="fused"):
     torch.manual_seed(0)
-    model = gpt(vocab=VOCAB, seq_len=seq, dim=DIM, depth=depth, heads=2, mlp_ratio=2)
+    model = gpt(vocab=VOCAB, seq_len=seq, dim=DIM, depth=depth, heads=heads, mlp_ratio=2,
+                attention=attention)
     if not causal:
         for block in model[1:-1]:
             block.attn.causal = False
@@ -56,7 +57,8 @@ def _launch(rank, world, port, config):
 
 
 def _build(config, dtype=torch.float64):
-    model = _model(dtype, causal=config.get("CAUSAL", True))
+    model = _model(dtype, causal=config.get("CAUSAL", True), heads=config.get("HEADS", 2),
+                   attention=config.get("ATTENTION", "fused"))
     if gpc.pipeline_size > 1:
         model = build_pipeline_model(model, num_chunks=config.get("NUM_CHUNKS", 1),
                                      partition="uniform")
@@ -73,7 +75,8 @@ def _train(rank, world, port, config, steps=3, dtype=torch.float64, inject=None)
     engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5,
                                                               momentum=0.9),
                                        col_nn.VocabParallelCrossEntropyLoss(),
-                                       _shard(_padded(_batches(steps), config)), verbose=False)
+                                       _shard(_padded(_batches(steps, seq=config.get("SEQ", SEQ)),
+                                                      config)), verbose=False)
     out = record_steps(engine, loader, inject)  # inject: an overflow in the first parameter
     out["state"] = {k: v.detach().double().clone()
                     for k, v in nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()}
@@ -84,7 +87,8 @@ def _padded(batches, config):
     """config PAD=k: the last k targets of every sequence are padding (ignore_index -100)."""
     if not config.get("PAD"):
         return batches
-    return [(x, y.index_fill(1, torch.arange(SEQ - config["PAD"], SEQ), -100)) for x, y in batches]
+    s = batches[0][1].shape[1]
+    return [(x, y.index_fill(1, torch.arange(s - config["PAD"], s), -100)) for x, y in batches]
 
 
 def _compare(ref, runs, **tolerances):

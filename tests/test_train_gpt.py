@@ -24,6 +24,8 @@ LAYOUTS = {  # name: (processes, BATCH_SIZE per data replica (global 8), paralle
     "sequence x2": (2, 8, "parallel = dict(tensor=dict(size=2, mode='sequence'))"),
     "pipeline 2 x sequence 2":
         (4, 8, "parallel = dict(pipeline=2, tensor=dict(size=2, mode='sequence'))"),
+    "sequence x2, all-to-all": (2, 8, "parallel = dict(tensor=dict(size=2, mode='sequence', "
+                                      "attention='all_to_all'))"),
 }
 
 

@@ -57,7 +57,7 @@ from ..moe.settings import moe_aux_weight
 from ..pipeline.moe_aux import MoeAuxLoss
 from ..pipeline.tied import TiedGradients
 from ..replicas import broadcast_replicas
-from ..sequence import check_sequence_model, split_loader
+from ..sequence import check_sequence_model, sequence_attention, split_loader
 from ..syncbn import convert_sync_batchnorm
 from ..tensor.layers_2d import SplitLabels
 from ..zero import MixedShardedOptimizer, ReduceScatterDDP, ShardedOptimizer
@@ -264,7 +264,8 @@ def describe_layout(schedule: Any) -> Did:
     """The parallel layout, first in the log line."""
     parts = []
     if gpc.sequence_size > 1:
-        parts.append(f"sequence parallel x{gpc.sequence_size} (ring attention)")
+        kind = {"ring": "ring attention", "all_to_all": "all-to-all attention, Ulysses"}
+        parts.append(f"sequence parallel x{gpc.sequence_size} ({kind[sequence_attention()]})")
     elif gpc.tensor_size > 1:
         parts.append(f"tensor parallel {gpc.tensor_mode} x{gpc.tensor_size}")
     if schedule is not None:

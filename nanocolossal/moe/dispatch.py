@@ -28,8 +28,8 @@ the split sizes give C*d elements to each rank of the block and none to the othe
 
 Backward. An all-to-all is a permutation of blocks: slice j of rank r <-> slice r of rank j.
 It is its own inverse, so the gradient of its output goes back by the same all-to-all
-(`_AllToAll.backward`), and autograd flows through both exchanges into the experts, the
-tokens and (through the combine weights) the router.
+(tensor/comm.py's `exchange`, which Ulysses attention shares), and autograd flows through both
+exchanges into the experts, the tokens and (through the combine weights) the router.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from ..tensor.comm import exchange
 from .placement import Group, Placement, group_size
 
 
@@ -55,26 +55,6 @@ class CommCounter:
             self.calls + 1, self.elements + elements, self.remote_elements + remote)
 
 
-def _exchange(x: torch.Tensor, group: Group, splits: Optional[list[int]]) -> torch.Tensor:
-    flat = x.contiguous().view(-1)  # split sizes count elements of this flat view
-    out = torch.empty_like(flat)     # in and out splits are equal, so the sizes are too
-    dist.all_to_all_single(out, flat, splits, splits, group=group)
-    return out.view_as(x)
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single whose backward is the same all-to-all (it is its own inverse)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, splits: Optional[list[int]]) -> torch.Tensor:
-        ctx.group, ctx.splits = group, splits
-        return _exchange(x, group, splits)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad, ctx.group, ctx.splits), None, None
-
-
 def all_to_all(x: torch.Tensor, placement: Placement, group: Group,
                counter: Optional[CommCounter] = None) -> torch.Tensor:
     """Exchange the [G, L, C, d] slices of `x` within this rank's block (G = placement.block
@@ -85,7 +65,8 @@ def all_to_all(x: torch.Tensor, placement: Placement, group: Group,
         counter.add(x.numel(), x.numel() - per_rank)
     if group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, group, placement.split_sizes(per_rank))
+    splits = placement.split_sizes(per_rank)  # in and out alike: slice j <-> slice r
+    return exchange(x, group, splits, splits).view_as(x)
 
 
 def to_buffer(x: torch.Tensor, token: torch.Tensor, slot: torch.Tensor,

@@ -7,7 +7,9 @@ ranks, because the qkv projection's output is laid out head by head (a contiguou
 whole heads). In 2d every Linear is a SUMMA product and LayerNorm sums its statistics along the
 grid row; the same code runs on the local blocks. Under mode='sequence' every layer sees this
 rank's share of the tokens and only attention changes: ring attention over the sequence group
-(tensor/ring_attention.py, sequence.py), which applies the causal mask by global position.
+(tensor/ring_attention.py, sequence.py), which applies the causal mask by global position, or
+with attention='all_to_all' (tensor/ulysses.py) this very attention on whole sequences for the
+rank's h/N heads, between two all-to-alls.
 A Block built with `moe=...` holds a mixture of experts (moe/) instead of its MLP.
 
 Attention on the whole sequence is written twice, chosen by `attention=`:
@@ -35,7 +37,9 @@ from torch.nn import functional as F
 from ..activation_checkpoint import block_mode, checkpoint
 from ..context import gpc
 from ..moe import MoeLayer
+from ..sequence import sequence_attention
 from ..tensor.ring_attention import ring_attention
+from ..tensor.ulysses import ulysses_attention
 from .layers import Dropout, LayerNorm, Linear
 
 ATTENTION = ("fused", "explicit")  # how attention on the whole sequence is computed
@@ -53,15 +57,18 @@ class Attention(nn.Module):
         if attention not in ATTENTION:
             raise ValueError(f"[rank {gpc.rank}] attention={attention!r}: use one of "
                              f"{', '.join(map(repr, ATTENTION))}")
-        parts = {"2d": gpc.summa_dim, "1d": gpc.tensor_size}.get(gpc.tensor_mode, 1)
-        if gpc.sequence_size > 1 and dropout > 0:
+        # Ulysses: each sequence rank attends for whole heads of its own
+        self.all_to_all = gpc.sequence_size > 1 and sequence_attention() == "all_to_all"
+        parts = {"2d": gpc.summa_dim, "1d": gpc.tensor_size,
+                 "sequence": gpc.tensor_size if self.all_to_all else 1}.get(gpc.tensor_mode, 1)
+        if gpc.sequence_size > 1 and dropout > 0 and not self.all_to_all:
             raise ValueError(f"[rank {gpc.rank}] ring attention (mode='sequence') computes the "
                              f"softmax block by block and has no attention dropout; build the "
-                             f"model with dropout=0 (got {dropout})")
+                             f"model with dropout=0 (got {dropout}), or use attention='all_to_all'")
         if heads % parts or dim % heads:
             raise ValueError(f"[rank {gpc.rank}] {heads} heads of a {dim}-wide model do not split "
-                             f"over {parts} tensor ranks; use a number of heads divisible by "
-                             f"{parts} that divides {dim}")
+                             f"over {parts} {'sequence' if self.all_to_all else 'tensor'} ranks; "
+                             f"use a number of heads divisible by {parts} that divides {dim}")
         self.head_dim, self.scale = dim // heads, (dim // heads) ** -0.5
         self.causal, self.attention = causal, attention
         self.qkv = Linear(dim, 3 * dim, parallel="column")  # 1d: heads split over ranks
@@ -74,7 +81,9 @@ class Attention(nn.Module):
         # [B, N, local heads, (q, k, v), head_dim]: a slice of the output is whole heads
         q, k, v = self.qkv(x).view(B, N, -1, 3, self.head_dim).unbind(3)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if gpc.sequence_size > 1:  # my queries meet every rank's keys around the ring
+        if self.all_to_all:  # every rank's tokens, for my heads, by this module's attention
+            out = ulysses_attention(q, k, v, gpc.sequence_group, attend=self.attend)
+        elif gpc.sequence_size > 1:  # my queries meet every rank's keys around the ring
             out = ring_attention(q, k, v, gpc.sequence_group, self.causal)
         elif self.recompute:  # keep q, k, v; the s x s part is recomputed in backward
             out = checkpoint(self.attend, q, k, v)

@@ -11,11 +11,16 @@ every rank ends with the gradient one process would compute for its slice.
     split        keep my slice      all-gather (dim)   replicated -> sharded (input)
     group_sum    all-reduce (sum)   all-reduce (sum)   a replicated statistic of sharded values
                                                        feeds sharded math (LayerNorm2D)
+    exchange     all-to-all         the reverse        blocks change owners: tokens to their
+                                    all-to-all         experts (moe/dispatch.py), heads to
+                                                       their ranks (tensor/ulysses.py)
 
 copy_to / reduce_from are Megatron's `f` and `g`. Why the backwards: after `copy_to`, each
 rank's sharded math yields only its part of dL/dx, so the parts are summed. After
 `reduce_from` every rank computes the same thing from the replicated sum, so each already
 holds the whole dL/dy. `group_sum` feeds *sharded* math again, hence sums in both directions.
+`exchange` moves each block to one new owner and nothing is summed: the gradient of a block
+goes back to where the block came from, the same all-to-all with the split sizes swapped.
 
 Every op is a no-op in a group of one, so the same layer code runs unsplit.
 """
@@ -57,6 +62,14 @@ def _my_slice(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         raise ValueError(f"[rank {dist.get_rank()}] dimension {dim} of size {x.shape[dim]} does "
                          f"not split over {n} tensor-parallel ranks; make it a multiple of {n}")
     return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _exchange(x: torch.Tensor, group: Group, send: Optional[list[int]],
+              receive: Optional[list[int]]) -> torch.Tensor:
+    flat = x.contiguous().view(-1)  # split sizes count elements of this flat view
+    out = flat.new_empty(flat.numel() if receive is None else sum(receive))
+    dist.all_to_all_single(out, flat, receive, send, group=group)
+    return out
 
 
 class _CopyTo(torch.autograd.Function):
@@ -113,6 +126,17 @@ class _Split(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, send, receive):
+        ctx.shape, ctx.group, ctx.send, ctx.receive = x.shape, group, send, receive
+        return _exchange(x, group, send, receive)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.group, ctx.receive, ctx.send).view(ctx.shape), None, None, None
+
+
 def copy_to(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward, all-reduce backward (Megatron's f)."""
     return _CopyTo.apply(x, group) if _size(group) > 1 else x
@@ -136,3 +160,10 @@ def gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 def split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Keep this rank's slice along `dim` forward; backward all-gathers the gradient."""
     return _Split.apply(x, dim, group) if _size(group) > 1 else x
+
+
+def exchange(x: torch.Tensor, group: Group, send: Optional[list[int]] = None,
+             receive: Optional[list[int]] = None) -> torch.Tensor:
+    """All-to-all of `x`'s elements, flattened: send[j] of them (in order) to rank j, receive[i]
+    from rank i, returned flat in rank order (None: equal blocks). Backward: the reverse."""
+    return _Exchange.apply(x, group, send, receive) if _size(group) > 1 else x.reshape(-1)

@@ -9,6 +9,11 @@ The sequence is cut into 2N chunks and rank r holds chunks r and 2N-1-r, in that
 Causal attention then costs every rank the same. zigzag_split is the pure cut (no
 communication, so a DataLoader worker can run it); split_sequence and gather_sequence are the
 same over a process group.
+
+A length 2N does not divide is cut into chunks one token apart, the longer ones last (so chunk
+2N-1, rank 0's, always holds the last token): 10 tokens on N = 2 are chunks of 2, 2, 3, 3, and
+both ranks hold 5. Ring attention refuses such a split (its blocks must be equal: `even`);
+all-to-all attention takes it, and learns the other ranks' lengths with `share_lengths`.
 """
 from __future__ import annotations
 
@@ -40,14 +45,46 @@ def _check_length(length: int, n: int) -> None:
                          f"{', '.join(str(x) for x in (lo, hi) if x > 0)})")
 
 
-def zigzag_split(x: torch.Tensor, dim: int, n: int, r: int) -> torch.Tensor:
-    """Rank r's share of n: chunks r and 2n-1-r of 2n along `dim` (no communication)."""
+def zigzag_sizes(length: int, n: int) -> list[int]:
+    """The 2n chunk lengths: equal, or the last `length % 2n` chunks one token longer."""
+    q, extra = divmod(length, 2 * n)
+    return [q + (i >= 2 * n - extra) for i in range(2 * n)]
+
+
+def zigzag_split(x: torch.Tensor, dim: int, n: int, r: int, even: bool = True) -> torch.Tensor:
+    """Rank r's share of n: chunks r and 2n-1-r of 2n along `dim` (no communication). `even`:
+    refuse a length that 2n does not divide (ring attention's blocks must be equal)."""
     if n == 1:
         return x
-    _check_length(x.shape[dim], n)
-    chunks = x.chunk(2 * n, dim=dim)
+    if even:
+        _check_length(x.shape[dim], n)
+    chunks = x.split(zigzag_sizes(x.shape[dim], n), dim=dim)
     a, b = _zigzag_chunks(n, r)
     return torch.cat([chunks[a], chunks[b]], dim=dim)
+
+
+def zigzag_positions(length: int, n: int, r: int) -> torch.Tensor:
+    """Where rank r's tokens sit in a sequence of `length` (any length)."""
+    return zigzag_split(torch.arange(length), 0, n, r, even=False)
+
+
+def share_lengths(mine: int, group: Group, device: torch.device) -> list[int]:
+    """Every rank's number of tokens, in group order: an all-gather of N integers. Where 2N
+    need not divide the length, no rank can tell the others' shares from its own."""
+    n, _ = _world(group)
+    if n == 1:
+        return [mine]
+    lengths = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(n)]
+    dist.all_gather(lengths, torch.tensor([mine], device=device), group=group)
+    lengths = [int(t) for t in lengths]
+    whole, sizes = sum(lengths), zigzag_sizes(sum(lengths), n)
+    want = [sizes[a] + sizes[b] for a, b in (_zigzag_chunks(n, j) for j in range(n))]
+    if lengths != want:
+        raise ValueError(f"[rank {dist.get_rank()}] the {n} sequence-parallel ranks hold "
+                         f"{lengths} tokens, which is not the zig-zag split of {whole} tokens "
+                         f"({want}); give rank r zigzag_split(x, 1, {n}, r, even=False) (the "
+                         f"loader initialize returns does)")
+    return lengths
 
 
 def split_sequence(x: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:

@@ -260,7 +260,7 @@ MUTATIONS: list[dict] = [
          bug="the online softmax's running sum is not rescaled when the running max grows",
          tests=["tests/test_ring_attention.py", "-k", "equals_full_attention"]),
     dict(id="sequence-local-positions", idea="sequence parallel", file="nanocolossal/sequence.py",
-         old="return zigzag_split(whole, 0, n, r).expand_as(ids)",
+         old="return zigzag_split(whole, 0, n, r, even).expand_as(ids)",
          new="return whole[: ids.shape[1]].expand_as(ids)",
          bug="a token's position is its index in this rank's share, not in the whole sequence",
          tests=["tests/test_sequence.py", "-k", "equals_one_process"]),
