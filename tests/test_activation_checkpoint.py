@@ -126,7 +126,7 @@ def _equals_one_process(ac, world, config, model=None, **tolerance):
         compare_runs({**ref, "state": run["reference"]}, [run], **tolerance)
 
 
-def test_gloo_pipeline_with_full_checkpointing_equals_one_process_without():
+def test_deep_pipeline_with_full_checkpointing_equals_one_process_without():
     _equals_one_process("full", 2, dict(parallel=dict(pipeline=2), NUM_MICRO_BATCHES=2))
 
 

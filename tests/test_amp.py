@@ -893,7 +893,7 @@ def test_deep_fp16_trainer_skips_lr_hook_and_resume_match_one_process(accumulati
 
 
 @pytest.mark.timeout(240)
-def test_gloo_fp16_zero_v01_optimizer_config_scaler_keys_match_one_process_fp16_keys():
+def test_deep_fp16_zero_v01_optimizer_config_scaler_keys_match_one_process_fp16_keys():
     """Colossal-AI v0.1's spelling puts the scaler in zero.optimizer_config (zero/settings.py):
     it must act exactly as the same keys in fp16=dict(...) act on one process (here with
     hysteresis=2 and an overflow at step 1, then a second one at step 3)."""

@@ -93,7 +93,7 @@ def _train_worker(rank, world_size, port, path, epochs, resume, max_steps=None, 
     return {k: v.clone() for k, v in engine.model.state_dict().items()}, engine.optimizer.loss_scale
 
 
-def test_gloo_resume_from_checkpoint_equals_uninterrupted_training(tmp_path):
+def test_deep_resume_from_checkpoint_equals_uninterrupted_training(tmp_path):
     straight = run_ranks(_train_worker, 2, str(tmp_path / "a.pt"), 2, False)
     run_ranks(_train_worker, 2, str(tmp_path / "b.pt"), 1, False)
     resumed = run_ranks(_train_worker, 2, str(tmp_path / "b.pt"), 2, True)  # new processes
@@ -149,7 +149,7 @@ def _killed_saver(rank, world_size, port, path):
     save_checkpoint(path, 2, model)
 
 
-def test_gloo_process_killed_between_write_and_rename_leaves_the_old_checkpoint(tmp_path):
+def test_deep_process_killed_between_write_and_rename_leaves_the_old_checkpoint(tmp_path):
     path = tmp_path / "ckpt.pt"
     with pytest.raises(AssertionError, match="died with exit code -9"):
         run_ranks(_killed_saver, 1, str(path), timeout=60)
@@ -208,7 +208,7 @@ def _mixed_set_worker(rank, world_size, port, path):
     return "loaded"
 
 
-def test_gloo_pipeline_stages_from_different_saves_are_refused(tmp_path):
+def test_deep_pipeline_stages_from_different_saves_are_refused(tmp_path):
     path = tmp_path / "ckpt.pt"
     for rank, message in enumerate(run_ranks(_mixed_set_worker, 2, str(path), timeout=60)):
         assert message.startswith(f"[rank {rank}] the checkpoint's files come from different "
@@ -451,7 +451,7 @@ def _cpu_half_worker(rank, world_size, port, path, other):
     return saved, warnings
 
 
-def test_gloo_a_checkpoint_records_the_cpu_half_type_and_a_resume_on_another_warns(tmp_path):
+def test_deep_a_checkpoint_records_the_cpu_half_type_and_a_resume_on_another_warns(tmp_path):
     """fp16 on a CPU computes in bf16 or float32 by the CPU's instructions (cpu_half.py): the
     checkpoint stores which, and loading it where the choice differs says so and how to pin it."""
     native = nc.cpu_half.has_bf16_instructions()

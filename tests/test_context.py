@@ -68,7 +68,7 @@ def _destroy_worker(rank, world_size, port):
     return (gpc.rank, gpc.world_size, dist.is_initialized())
 
 
-def test_gloo_destroy_returns_to_single_process_defaults():
+def test_deep_destroy_returns_to_single_process_defaults():
     assert run_ranks(_destroy_worker, 2) == [(0, 1, False), (0, 1, False)]
 
 

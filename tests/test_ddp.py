@@ -126,7 +126,7 @@ def _equivalence_worker(rank, world_size, port, bucket_cap_mb, extra_ranks, as_v
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_gloo_ddp_equals_torch_ddp_and_one_process(world_size):
+def test_deep_ddp_equals_torch_ddp_and_one_process(world_size):
     buckets = run_ranks(_equivalence_worker, world_size, 25, (), timeout=90)
     assert buckets == [1] * world_size
 
@@ -165,7 +165,7 @@ def _no_sync_worker(rank, world_size, port, k, as_view=False):
 
 
 @pytest.mark.parametrize("as_view", [False, True], ids=["copy", "gradient_as_bucket_view"])
-def test_gloo_ddp_no_sync_accumulation_equals_one_big_step(as_view):
+def test_deep_ddp_no_sync_accumulation_equals_one_big_step(as_view):
     run_ranks(_no_sync_worker, 2, 3, as_view)
 
 
@@ -250,7 +250,7 @@ def _uneven_eval_worker(rank, world_size, port, grad_enabled=False):
 
 
 @pytest.mark.parametrize("grad_enabled", [False, True], ids=["no_grad", "grad"])
-def test_gloo_ddp_evaluation_on_uneven_shards_finishes_and_is_exact(grad_enabled):
+def test_deep_ddp_evaluation_on_uneven_shards_finishes_and_is_exact(grad_enabled):
     results = run_ranks(_uneven_eval_worker, 2, grad_enabled, timeout=30)
     assert [r[1] for r in results] == [2, 1]
     (acc0, _, state0, (x, y)), (acc1, _, state1, _) = results
@@ -663,7 +663,7 @@ def test_gloo_ddp_a_parameter_unfrozen_after_wrapping_is_a_clear_error():
 
 
 @pytest.mark.timeout(90)
-def test_gloo_ddp_namedtuple_output():
+def test_deep_ddp_namedtuple_output():
     """torchvision's GoogLeNet / Inception v3 return namedtuples in training mode (DDP's output
     hook rebuilds one field by field in nest.map_tensors: type(obj)(generator) is a TypeError)."""
     for rank, result in enumerate(run_ranks(_cases_worker, WORLD, ["namedtuple_output"],
@@ -708,7 +708,7 @@ def _checkpoint_worker(rank, world_size, port, bucket_cap_mb):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("bucket_cap_mb", [0.0005, 25])
-def test_gloo_ddp_reentrant_checkpoint_of_a_shared_layer_equals_one_process_or_refuses(
+def test_deep_ddp_reentrant_checkpoint_of_a_shared_layer_equals_one_process_or_refuses(
         bucket_cap_mb):
     """A parameter whose gradient hook fires twice in one backward (reentrant checkpointing of
     a shared layer) was counted twice towards its bucket: launched after the first (partial)

@@ -94,7 +94,7 @@ def _accumulation_worker(rank, world_size, port, n_accum, clip, extra=None):
     return norms, list(engine.model.state_dict())
 
 
-def test_gloo_engine_gradient_accumulation_equals_one_big_step():
+def test_deep_engine_gradient_accumulation_equals_one_big_step():
     (_, keys), _ = run_ranks(_accumulation_worker, 2, 4, 0.0)
     assert keys == list(_model().state_dict()), "engine.model.state_dict() has no wrapper prefixes"
 
@@ -178,7 +178,7 @@ def test_deep_ddp_options_from_the_config_reach_ddp_and_keep_training_exact():
               {"ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0002}})
 
 
-def test_gloo_ddp_compress_from_the_config_all_reduces_in_bf16():
+def test_deep_ddp_compress_from_the_config_all_reduces_in_bf16():
     exact = run_ranks(_grads_worker, 2, {})[0][0]
     compressed = run_ranks(_grads_worker, 2, {"compress": "bf16"})[0][0]
     for e, c in zip(exact, compressed):
@@ -216,7 +216,7 @@ def test_gloo_engine_overflow_on_one_rank_skips_on_all():
 
 
 @pytest.mark.parametrize("mode", [AMP_TYPE.TORCH, AMP_TYPE.NAIVE])
-def test_gloo_engine_bf16_non_finite_on_one_rank_skips_on_all(mode):
+def test_deep_engine_bf16_non_finite_on_one_rank_skips_on_all(mode):
     """bf16 has no scaler, but an inf on one rank must still keep every rank's weights."""
     fp16 = {"mode": mode, "dtype": "bfloat16"}
     assert run_ranks(_overflow_worker, 2, fp16,
@@ -336,7 +336,7 @@ def _handler_buffers_worker(rank, world_size, port, config):
 @pytest.mark.parametrize("config", [
     {"gradient_handler": [dict(type="DataParallelGradientHandler")]}, {"zero": dict(level=3)}],
     ids=["gradient_handler", "zero-3"])
-def test_gloo_without_ddp_every_replica_evaluates_with_rank0s_buffers(config):
+def test_deep_without_ddp_every_replica_evaluates_with_rank0s_buffers(config):
     (moved0, eval0), (moved1, eval1) = run_ranks(_handler_buffers_worker, 2, config)
     assert not torch.equal(moved0, moved1), "each replica's statistics moved with its own batch"
     assert torch.equal(eval0, moved0) and torch.equal(eval1, moved0)

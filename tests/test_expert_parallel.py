@@ -139,7 +139,7 @@ def _train_equal(rank, world_size, port, ep_size, num_experts, top_k):
     (4, 4, 2),  # EP > E: each expert on 2 ranks, exchange blocks {0, 1} {2, 3}
 ], ids=["ep2-e4", "ep4-e4", "dp2xep2-e4", "ep4-e2-replicated"])
 @pytest.mark.parametrize("top_k", [1, 2], ids=["top1", "top2"])
-def test_gloo_moe_training_equals_one_process(world_size, ep_size, num_experts, top_k):
+def test_deep_moe_training_equals_one_process(world_size, ep_size, num_experts, top_k):
     held = run_ranks(_train_equal, world_size, ep_size, num_experts, top_k, timeout=45)
     block = min(ep_size, num_experts)
     want = [[str(e) for e in range(r % block * num_experts // block,
@@ -184,7 +184,7 @@ def _drops(rank, world_size, port, top_k):
 
 
 @pytest.mark.parametrize("top_k", [1, 2], ids=["top1", "top2"])
-def test_gloo_moe_drops_equal_one_process_per_rank(top_k):
+def test_deep_moe_drops_equal_one_process_per_rank(top_k):
     drops = run_ranks(_drops, 2, top_k, timeout=30)
     # (dropped tokens, dropped choices) per rank: this data drops on rank 1 (and on rank 0 with
     # top-2 only second choices, which keep their token)
@@ -220,7 +220,7 @@ def _empty_expert(rank, world_size, port, nobody):
 
 
 @pytest.mark.parametrize("nobody", [False, True], ids=["from-rank0-only", "no-token-at-all"])
-def test_gloo_moe_expert_without_tokens(nobody):
+def test_deep_moe_expert_without_tokens(nobody):
     (sent0, _), (sent1, zero_grads) = run_ranks(_empty_expert, 2, nobody, timeout=30)
     assert sent1 == 0 and (sent0 == 0) == nobody
     assert len(zero_grads) == 4 and all(zero_grads) == nobody  # zeros, not None, when unused

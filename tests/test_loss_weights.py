@@ -178,7 +178,7 @@ WORLD = {"data2": 2, "data2-handler": 2, "data2-zero2": 2, "data2-zero3": 2, "pi
 
 
 @pytest.mark.parametrize("case", LAYOUTS, ids=LAYOUTS)
-def test_gloo_padding_spread_unevenly_trains_as_one_process(case):
+def test_deep_padding_spread_unevenly_trains_as_one_process(case):
     _check(case, "uneven", weighted=False)
 
 
@@ -282,7 +282,7 @@ def test_deep_accumulation_with_padding_spread_unevenly_over_micro_steps_as_one_
 
 
 @pytest.mark.parametrize("how", ["mid-group", "too-many"])
-def test_gloo_count_targets_inside_a_group_or_for_more_than_one_is_a_clear_error(how):
+def test_deep_count_targets_inside_a_group_or_for_more_than_one_is_a_clear_error(how):
     for message in run_ranks(_accum_worker, 2, {"gradient_accumulation": 2}, how, None,
                              timeout=60):
         assert "[rank " in message and "one whole group" in message and \
@@ -650,7 +650,7 @@ def test_deep_class_weights_in_more_layouts(case):
 
 
 @pytest.mark.timeout(120)
-def test_gloo_a_micro_batch_of_only_padding_under_interleaving():
+def test_deep_a_micro_batch_of_only_padding_under_interleaving():
     _check("interleaved-pipe2-data2-zero1", "empty", weighted=False)
 
 
@@ -732,7 +732,7 @@ def _mix_eval_worker(rank, world, port, how):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["engine.eval", "no_grad"])
-def test_gloo_evaluation_on_uneven_batch_counts_all_reduces_nothing(how):
+def test_deep_evaluation_on_uneven_batch_counts_all_reduces_nothing(how):
     """Rank 0 evaluates 3 batches, rank 1 one, under a 5 s collective timeout: no rank waits for
     a count, and each loss is its own batch's plain mean."""
     for got, want in run_ranks(_mix_eval_worker, 2, how, timeout=30):

@@ -278,7 +278,7 @@ def _untrained_worker(rank, world, port, n_test, batch):
 # -- bugs ------------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(60)
-def test_gloo_zero3_evaluation_with_uneven_batch_counts_is_exact_or_refused_clearly():
+def test_deep_zero3_evaluation_with_uneven_batch_counts_is_exact_or_refused_clearly():
     """Trainer.evaluate checks the batch counts first: otherwise rank 0's parameter all-gather
     for its extra batch would meet rank 1's metric all-reduce in a raw gloo timeout."""
     with pytest.raises(AssertionError, match=r"ranks disagree on the number of evaluation batches "
@@ -296,7 +296,7 @@ def test_deep_accuracy_of_vocab_parallel_logits_equals_one_process():
 
 
 @pytest.mark.timeout(150)
-def test_gloo_vocab_parallel_loss_of_a_float64_model_is_float64():
+def test_deep_vocab_parallel_loss_of_a_float64_model_is_float64():
     ref = run_ranks(_eval_worker, 1, {}, "vocab-parallel", 10, 4, timeout=60)[0]
     results = run_ranks(_eval_worker, 2, {"parallel": {"tensor": {"size": 2, "mode": "1d"}}},
                         "vocab-parallel", 10, 4, timeout=60)
@@ -306,7 +306,7 @@ def test_gloo_vocab_parallel_loss_of_a_float64_model_is_float64():
 
 
 @pytest.mark.timeout(150)
-def test_gloo_pipeline_reported_loss_of_a_float64_model_is_float64():
+def test_deep_pipeline_reported_loss_of_a_float64_model_is_float64():
     config = {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2}
     ref = run_ranks(_eval_worker, 1, {}, "plain", 10, 4, timeout=60)[0]
     results = run_ranks(_eval_worker, 2, config, "plain", 10, 4, timeout=60)

@@ -332,7 +332,7 @@ def _uneven_eval(rank, world, port, n_test):
 
 
 @pytest.mark.timeout(30)
-def test_gloo_moe_uneven_last_eval_batch_is_refused_on_every_rank():
+def test_deep_moe_uneven_last_eval_batch_is_refused_on_every_rank():
     """pad=False, 7 test samples on 2 ranks, 2 per batch: shards 4 / 3, the last batches 2 / 1
     sample: every rank says so at once (balance.py's token-count check), no hang."""
     for rank, (text, seconds) in enumerate(run_ranks(_uneven_eval, 2, 7, timeout=20)):
@@ -387,7 +387,7 @@ def _five_calls(rank, world, port, config, start, stop, load=None, save=None, pl
 
 
 @pytest.mark.timeout(60)
-def test_gloo_moe_five_calls_eval_mode_adds_no_aux_and_train_mode_does():
+def test_deep_moe_five_calls_eval_mode_adds_no_aux_and_train_mode_does():
     """engine.eval(): engine.criterion is the cross-entropy alone (the aux loss is a training
     loss); engine.train(): CE + AUX x aux; both the global batch's, as one process."""
     ref = run_ranks(_five_calls, 1, {}, 0, 3, timeout=30)[0]

@@ -203,7 +203,7 @@ def _amp_worker(rank, world_size, port):
     return results
 
 
-def test_gloo_pipeline_amp_overflow_on_one_stage_skips_on_both():
+def test_deep_pipeline_amp_overflow_on_one_stage_skips_on_both():
     for result in run_ranks(_amp_worker, 2, timeout=90):
         assert result == [(False, 128.0), True, (True, 128.0)], result
 
@@ -413,7 +413,7 @@ def _bn_broadcast_worker(rank, world_size, port):
     return len(data_group_broadcasts)
 
 
-def test_gloo_pipeline_syncs_batchnorm_buffers_once_per_batch():
+def test_deep_pipeline_syncs_batchnorm_buffers_once_per_batch():
     # stage 0 holds the BatchNorm: per batch one float message (running
     # mean and var) and one int64 (batches tracked), so 4 over 2
     # batches -- on every micro-batch it would be 16; stage 1 has none
@@ -444,7 +444,7 @@ def _tied_seeded_worker(rank, world_size, port):
     return copies
 
 
-def test_gloo_a_weight_two_stages_share_starts_and_stays_one_weight():
+def test_deep_a_weight_two_stages_share_starts_and_stays_one_weight():
     """The embedding (stage 0) and the classifier (stage 1) share one table: built under a
     per-rank seed, the last stage's copy starts as the first stage's (replicas.py) and both take
     the same step, so the two copies are one weight."""
@@ -769,7 +769,7 @@ def test_deep_pipeline_amp_eval_outputs_fp32_and_match_one_process(mode, paralle
 # -- odd stage outputs --------------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
-def test_gloo_pipeline_amp_integer_stage_output_trains_as_one_process():
+def test_deep_pipeline_amp_integer_stage_output_trains_as_one_process():
     """Stage 0 ends in a non-differentiable bucketing (int64 ids); stage 1 embeds them. One
     process trains this (stage 0's Linear gets no gradient); the pipeline must too: an integer
     activation has no gradient to send back."""
@@ -783,7 +783,7 @@ def test_gloo_pipeline_amp_integer_stage_output_trains_as_one_process():
 
 
 @pytest.mark.timeout(120)
-def test_gloo_pipeline_amp_tuple_stage_output_is_a_clear_error():
+def test_deep_pipeline_amp_tuple_stage_output_is_a_clear_error():
     """A stage returning a tuple cannot cross a boundary: under AMP too the error names it."""
     config = dict(fp16=MODES["O1 bf16"], parallel={"pipeline": 2}, NUM_MICRO_BATCHES=2)
     with pytest.raises(Exception, match="stages must return one tensor"):

@@ -92,7 +92,7 @@ def _both_precisions(rank, world_size, port, causal):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_gloo_ring_attention_equals_full_attention(world_size, causal):
+def test_deep_ring_attention_equals_full_attention(world_size, causal):
     assert all(run_ranks(_both_precisions, world_size, causal, timeout=90))
 
 
@@ -103,7 +103,7 @@ def _in_subgroups(rank, world_size, port):
     return _compare(rank, True, torch.float64, 1e-10, group=groups[rank % 2])
 
 
-def test_gloo_ring_attention_in_subgroups():
+def test_deep_ring_attention_in_subgroups():
     assert all(run_ranks(_in_subgroups, 4, timeout=90))
 
 
@@ -124,7 +124,7 @@ def _split_layout(rank, world_size, port):
     return True
 
 
-def test_gloo_zigzag_layout_and_bad_lengths():
+def test_deep_zigzag_layout_and_bad_lengths():
     assert all(run_ranks(_split_layout, 4))
 
 

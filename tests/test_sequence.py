@@ -136,7 +136,7 @@ def reference():
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_gloo_sequence_parallel_training_equals_one_process(reference, name):
+def test_deep_sequence_parallel_training_equals_one_process(reference, name):
     expected, norms = reference
     assert norms[0] > CLIP, "the clip really clips"
     world, parallel = LAYOUTS[name]

@@ -384,7 +384,7 @@ def test_deep_sequence_loaders_with_workers_or_without_len(workers):
 
 
 @pytest.mark.timeout(60)
-def test_gloo_sequence_with_trailing_padding_equals_one_process():
+def test_deep_sequence_with_trailing_padding_equals_one_process():
     """Targets of the last 6 of 16 positions are ignore_index: sequence rank 0 (chunks 0, 3)
     counts 4 tokens per sequence, rank 1 (chunks 1, 2) counts 6. One process's loss is the mean
     over all 10; each rank divides by the count of all ranks (TokenCrossEntropyLoss), not by its

@@ -83,11 +83,11 @@ def _bn_worker(rank, world_size, port, sizes, spatial, momentum):
 
 @pytest.mark.parametrize("spatial", [(), (5,), (4, 4), (2, 3, 3)],
                          ids=["1d-NC", "1d-NCL", "2d", "3d"])
-def test_gloo_syncbn_halves_equal_batchnorm_on_full_batch(spatial):
+def test_deep_syncbn_halves_equal_batchnorm_on_full_batch(spatial):
     run_ranks(_bn_worker, 2, (4, 4), spatial, 0.1)
 
 
-def test_gloo_syncbn_uneven_batches_and_cumulative_momentum():
+def test_deep_syncbn_uneven_batches_and_cumulative_momentum():
     run_ranks(_bn_worker, 2, (3, 5), (4, 4), None)
 
 

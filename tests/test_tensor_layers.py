@@ -157,7 +157,7 @@ def _layers_worker(rank, world_size, port, mode):
 
 
 @pytest.mark.parametrize("mode, world", [("1d", 2), ("1d", 4), ("2d", 4)])
-def test_gloo_tensor_parallel_layers_equal_the_plain_layers(mode, world):
+def test_deep_tensor_parallel_layers_equal_the_plain_layers(mode, world):
     expected = [c[0] for c in (CASES_2D if mode == "2d" else CASES_1D)] + (
         ["loss"] if mode == "2d" else []
     )
@@ -266,7 +266,7 @@ def _loss_2d_worker(rank, world_size, port):
     return wrong
 
 
-def test_gloo_2d_cross_entropy_equals_the_whole_batchs_for_every_reduction():
+def test_deep_2d_cross_entropy_equals_the_whole_batchs_for_every_reduction():
     assert run_ranks(_loss_2d_worker, 4, timeout=90) == [{}] * 4
 
 
@@ -294,7 +294,7 @@ def _summa_worker(rank, world_size, port):
     return True
 
 
-def test_gloo_summa_of_transposed_views_equals_the_plain_product():
+def test_deep_summa_of_transposed_views_equals_the_plain_product():
     assert run_ranks(_summa_worker, 4, timeout=60) == [True] * 4
 
 

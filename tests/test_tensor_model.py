@@ -147,7 +147,7 @@ def reference():
 
 
 @pytest.mark.parametrize("name, world, parallel", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_gloo_tensor_parallel_training_equals_one_process(reference, name, world, parallel,
+def test_deep_tensor_parallel_training_equals_one_process(reference, name, world, parallel,
                                                           tmp_path):
     expected, norms, initial = reference
     assert norms[0] > CLIP, "the clip really clips"

@@ -433,7 +433,7 @@ FP16 = {"mode": AMP_TYPE.NAIVE, "dtype": "float16", "initial_scale": 2.0 ** 8}
 
 
 @pytest.mark.timeout(120)
-def test_gloo_fp16_skipped_step_consumes_a_scheduler_step_as_torchs_gradscaler_recipe():
+def test_deep_fp16_skipped_step_consumes_a_scheduler_step_as_torchs_gradscaler_recipe():
     """An overflow (an inf on rank 1 only, step 1) skips the step on both ranks; the loop calls
     scheduler.step() anyway, as torch's GradScaler recipe does. So step 1 steps nothing and the
     later steps use lrs 2 and 3 of the schedule -- the same as one process whose step 1 is skipped

@@ -200,7 +200,7 @@ def _fit_worker(rank, world_size, port):
     return trainer.states["metrics"], single_accuracy, single_loss
 
 
-def test_gloo_trainer_metrics_are_exact_over_ranks():
+def test_deep_trainer_metrics_are_exact_over_ranks():
     # Test shards are uneven (4 and 3 samples, one batch of 1): summed counts and sample-weighted
     # losses still give exactly what one process computes on all 7.
     for metrics, single_accuracy, single_loss in run_ranks(_fit_worker, 2):

@@ -97,7 +97,7 @@ ATTENTION_CASES = {  # name: (ranks, length, causal, padding)
 
 
 @pytest.mark.parametrize("name", ATTENTION_CASES)
-def test_gloo_ulysses_attention_any_length_and_padding_equals_one_process(name):
+def test_deep_ulysses_attention_any_length_and_padding_equals_one_process(name):
     world, length, causal, pad = ATTENTION_CASES[name]
     shares = run_ranks(_attention, world, length, causal, pad, timeout=60)
     assert sum(shares) == length and (max(shares) > min(shares)) == bool(length % (2 * world))
@@ -125,7 +125,7 @@ TRAIN_CASES = {  # name: (config, processes, parallel); float64, SGD with moment
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", TRAIN_CASES)
-def test_gloo_ulysses_training_equals_one_process(name):
+def test_deep_ulysses_training_equals_one_process(name):
     ref, runs = _one_and_layout(*TRAIN_CASES[name])
     assert "clip" not in name or max(ref["norms"]) > CLIP, "it really clips"
     _compare(ref, runs)
@@ -194,7 +194,7 @@ def _layer_traffic(rank, world_size, port):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_gloo_ulysses_layer_traffic_equals_the_formula(n):
+def test_deep_ulysses_layer_traffic_equals_the_formula(n):
     """Forward: q, k, v and the output, 4 s w / N elements per rank (B sequences), and the
     shares' lengths (N integers); backward: the mirror, 4 s w / N."""
     for forward, backward in run_ranks(_layer_traffic, n, timeout=60):

@@ -53,7 +53,7 @@ def test_gloo_user_error_ends_in_one_line_without_traceback(tmp_path, body, mess
         result.stderr
 
 
-def test_gloo_a_bug_after_launch_keeps_its_traceback(tmp_path):
+def test_deep_a_bug_after_launch_keeps_its_traceback(tmp_path):
     result = _run(tmp_path, LAUNCH.format(config="'x.py'", port=free_port()) + "\n1 / 0\n")
     assert result.returncode == 1
     # torch's own hook prefixes each line with the rank

@@ -140,7 +140,7 @@ def _all_upstreams(upstream):
 
 
 @pytest.mark.parametrize("mode, world_size", [("1d", 2), ("1d", 4), ("2d", 4)])
-def test_gloo_vocab_parallel_layers_equal_the_plain_layers(mode, world_size):
+def test_deep_vocab_parallel_layers_equal_the_plain_layers(mode, world_size):
     for mine, whole in run_ranks(_worker, world_size, mode):
         assert mine * world_size == whole, "each rank holds 1/T of the logits"
 
@@ -160,7 +160,7 @@ def _errors_worker(rank, world_size, port):
     return errors
 
 
-def test_gloo_vocab_parallel_bad_inputs_are_clear_errors():
+def test_deep_vocab_parallel_bad_inputs_are_clear_errors():
     for rank, (size, smoothing, tie) in enumerate(run_ranks(_errors_worker, 2)):
         assert size.startswith(f"[rank {rank}] vocabulary size 15 is not divisible by 2")
         assert "label_smoothing is not supported" in smoothing
@@ -238,7 +238,7 @@ def _edges_worker(rank, world_size, port, mode):
 
 
 @pytest.mark.parametrize("mode, world_size", [("1d", 2), ("2d", 4)])
-def test_gloo_vocab_parallel_edges_behave_as_torch(mode, world_size):
+def test_deep_vocab_parallel_edges_behave_as_torch(mode, world_size):
     for rank, (ids, targets, tied) in enumerate(run_ranks(_edges_worker, world_size, mode)):
         assert ids.startswith(f"IndexError: [rank {rank}] token ids must be in [0, {V})"), ids
         assert targets.startswith(f"IndexError: [rank {rank}] targets must be in [0, {V})")

@@ -152,7 +152,7 @@ def _worker(rank, world_size, port, level, accum=1, clip=0.0, bf16=False, overla
 
 @pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_gloo_zero_adamw_equals_one_process(level, world_size):
+def test_deep_zero_adamw_equals_one_process(level, world_size):
     run_ranks(_worker, world_size, level, timeout=90)
 
 
@@ -326,7 +326,7 @@ def _bad_optimizer_worker(rank, world_size, port, kind):
     return str(e.value)
 
 
-def test_gloo_zero_refuses_whole_parameter_optimizers_and_missing_parameters():
+def test_deep_zero_refuses_whole_parameter_optimizers_and_missing_parameters():
     lars, missing = (run_ranks(_bad_optimizer_worker, 2, kind, timeout=60)[0]
                      for kind in ("lars", "missing"))
     assert "LARS is not an element-wise optimizer" in lars and "AdamW" in lars

@@ -96,7 +96,7 @@ def _worker(rank, world_size, port, accum=1, clip=0.0, bf16=False, overlap=True)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_gloo_zero3_adamw_equals_one_process(world_size):
+def test_deep_zero3_adamw_equals_one_process(world_size):
     """Net: 141 elements in 4 units x 2 param groups, none a multiple of 4 (padding); `side` used
     on even steps only, `never` never (grad=None kept, no weight decay)."""
     run_ranks(_worker, world_size, timeout=90)
@@ -116,7 +116,7 @@ def test_deep_zero3_clipping_really_clips():
         assert norms == pytest.approx(single_norms, rel=1e-5)
 
 
-def test_gloo_zero3_bf16_autocast():
+def test_deep_zero3_bf16_autocast():
     run_ranks(_worker, 2, 1, 0.0, True, timeout=90)
 
 
@@ -160,7 +160,7 @@ def _memory_worker(rank, world_size, port):
     return during, _parameter_bytes(engine), grads, shard_grads, engine.optimizer.state_bytes()
 
 
-def test_gloo_zero3_parameter_bytes_equal_the_formula():
+def test_deep_zero3_parameter_bytes_equal_the_formula():
     """Between steps a rank holds its shards: sum over units of ceil(numel/N) x 4 bytes (= 4 Psi/N
     up to padding), + 4 bytes for the NaN element freed parameters share. While a unit computes,
     that unit is whole too; from the second step on, so is the next unit, prefetched: the peak
@@ -312,7 +312,7 @@ def _branch_on_one_rank_worker(rank, world_size, port):
     return str(e.value)
 
 
-def test_gloo_zero3_debug_names_a_unit_only_some_ranks_run():
+def test_deep_zero3_debug_names_a_unit_only_some_ranks_run():
     """Level 3 needs every data rank to gather the same units; with debug=True each gather first
     checks it (one small all-reduce), so a branch taken on one rank is an error on every rank
     naming the unit, not mis-paired gathers."""
@@ -357,7 +357,7 @@ def _twins_worker(rank, world_size, port, left_on):
     return {k: v.clone() for k, v in engine.model.state_dict().items()}
 
 
-def test_gloo_zero3_same_sized_units_run_on_different_ranks_are_refused_at_the_step():
+def test_deep_zero3_same_sized_units_run_on_different_ranks_are_refused_at_the_step():
     """Without debug: rank 0 runs `left`, rank 1 the same-sized `right`, so each gather pairs
     one rank's shard of `left` with the other's of `right` -- no size mismatch to abort on. The
     step's order check refuses it on every rank before anything wrong is applied; the same

@@ -239,7 +239,7 @@ def _model_only_worker(rank, world_size, port, path, load):
     return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
 
 
-def test_gloo_zero3_save_without_optimizer_keeps_the_whole_model(tmp_path):
+def test_deep_zero3_save_without_optimizer_keeps_the_whole_model(tmp_path):
     path = tmp_path / "ckpt.pt"
     saved = run_ranks(_model_only_worker, 2, str(path), False, timeout=60)[0]
     single, _ = _single(1)
@@ -453,7 +453,7 @@ def _empty_worker(rank, world_size, port, path, load):
     return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
 
 
-def test_gloo_zero3_zero_size_parameter_checkpoint_reads_back(tmp_path):
+def test_deep_zero3_zero_size_parameter_checkpoint_reads_back(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     saved = run_ranks(_empty_worker, 2, path, False, timeout=60)[0]
     assert_close(merge_checkpoint(path), saved)

@@ -895,7 +895,7 @@ def _scheduler_warning_worker(rank, world_size, port, level):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("level", [1, 3], ids=["zero1", "zero3"])
-def test_gloo_zero_x_lr_scheduler_gives_no_step_order_warning(level):
+def test_deep_zero_x_lr_scheduler_gives_no_step_order_warning(level):
     """torch's schedulers warn when they step before the optimizer did, watching the user's
     optimizer.step(); ZeRO steps its own inner optimizer, and says so to them."""
     for said in run_ranks(_scheduler_warning_worker, 2, level, timeout=60):

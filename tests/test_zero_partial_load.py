@@ -565,7 +565,7 @@ def test_gloo_zero3_unit_order_mismatch_in_a_no_grad_eval_raises_at_the_next_ste
         assert error is not None and "gathered different units" in error, (rank, error)
 
 
-def test_gloo_zero3_unit_order_debug_names_a_training_mismatch_on_every_rank():
+def test_deep_zero3_unit_order_debug_names_a_training_mismatch_on_every_rank():
     """debug=True: rank 0 runs c-b where the other runs b-c in training: the first gather that
     differs raises on every rank (without debug the backward's gathers and reductions pair
     crosswise and gloo times out: a hang, not a silent miss)."""
