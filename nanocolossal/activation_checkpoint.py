@@ -57,9 +57,13 @@ which runs without autograd here): 'selective' only.
 
 Written on torch.autograd.Function, Colossal-AI's and Megatron's way: the recomputation is a
 backward of its own inside the outer one. torch's use_reentrant=False variant (saved-tensor
-hooks) also allows torch.autograd.grad; here that is refused (check_backward). A block whose
-inputs need no gradient (the first block reading data) still has parameters that do: an empty
-tensor that needs one (_ANCHOR) keeps the function in the graph, or its backward would never run.
+hooks) also allows torch.autograd.grad; here that is refused (check_backward). Being a backward
+of its own, each call accumulates its parameters' gradients once: a layer used by two calls gets
+two gradients in one outer backward, which DDP and ZeRO 1/2 (reducing a gradient the moment it
+is complete) refuse, naming the remedy -- checkpoint the two uses together in one call. A block
+whose inputs need no gradient (the first block reading data) still has parameters that do: an
+empty tensor that needs one (_ANCHOR) keeps the function in the graph, or its backward would never
+run.
 """
 from __future__ import annotations
 

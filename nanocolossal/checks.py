@@ -181,9 +181,11 @@ def ready_twice(model: nn.Module, param: nn.Parameter) -> RuntimeError:
     who, other = ("zero", "") if "zero" in gpc.config else \
         ("DistributedDataParallel", ", or the gradient_handler, which averages after backward")
     return RuntimeError(f"[rank {gpc.rank}] {who}: {_name(model, param)} got a second gradient "
-                        f"in one backward after its first was handed to the reduction "
-                        f"(torch.utils.checkpoint with use_reentrant=True around a layer used "
-                        f"twice?): use use_reentrant=False{other}")
+                        f"in one backward after its first was handed to the reduction (a layer "
+                        f"used twice, each use checkpointed by nc.utils.checkpoint or by "
+                        f"torch.utils.checkpoint with use_reentrant=True?): checkpoint the uses "
+                        f"together in one call, or use torch.utils.checkpoint with "
+                        f"use_reentrant=False{other}")
 
 
 def debug_barrier(where: str) -> None:

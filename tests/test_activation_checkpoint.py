@@ -262,3 +262,57 @@ def test_gloo_blocks_refuse_what_they_cannot_recompute():
     assert "build each Block with index=i" in said["no index"]
     assert said["moe"].startswith("[rank 0] ACTIVATION_CHECKPOINT would recompute an MoE block")
     assert "use ACTIVATION_CHECKPOINT='selective'" in said["moe"]
+
+
+class Twice(nn.Module):
+    """One block applied twice in a forward (shared weights): `ckpt` 'each' checkpoints each use,
+    'together' both uses in one call."""
+
+    def __init__(self, ckpt=None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.block = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.ckpt = ckpt
+
+    def twice(self, x):
+        for _ in range(2):
+            x = x + (checkpoint(self.block, x) if self.ckpt == "each" else self.block(x))
+        return x
+
+    def forward(self, x):
+        x = self.inp(x)
+        return self.out(checkpoint(self.twice, x) if self.ckpt == "together" else self.twice(x))
+
+
+def _twice(rank, world, port, config, ckpt):
+    nc.launch(dict(config), rank=rank, world_size=world, host="127.0.0.1", port=port)
+    model = Twice(ckpt).double()
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(4, 8, generator=g, dtype=torch.float64),
+                torch.randint(0, 4, (4,), generator=g)) for _ in range(3)]
+    mine = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
+    engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5,
+                                                              momentum=0.9),
+                                       nn.CrossEntropyLoss(), mine, verbose=False)
+    try:
+        out = record_steps(engine, loader)
+    except RuntimeError as e:
+        return str(e)
+    out["state"] = {k: v.detach().clone() for k, v in strip_prefixes(
+        engine.model.state_dict()).items()}
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_deep_a_layer_used_twice_checkpoints_its_uses_together_under_data_parallel():
+    """DDP and ZeRO 1/2 reduce a gradient the moment it is complete, so a parameter used by two
+    checkpoint calls (two backwards of their own, two gradients) is refused, naming the remedy;
+    the two uses checkpointed in one call train as one process without checkpointing."""
+    ref = run_ranks(_twice, 1, {}, None)[0]
+    compare_runs(ref, run_ranks(_twice, 1, {}, "each"))  # one process: no reduction to race
+    for config, who in (({}, "DistributedDataParallel"), ({"zero": {"level": 2}}, "zero")):
+        for rank, message in enumerate(run_ranks(_twice, 2, config, "each")):
+            assert message.startswith(f"[rank {rank}] {who}: block.") and \
+                "nc.utils.checkpoint" in message and "together in one call" in message, message
+        compare_runs(ref, run_ranks(_twice, 2, config, "together"))

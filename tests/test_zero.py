@@ -450,4 +450,5 @@ def test_deep_zero_a_gradient_arriving_twice_names_the_fix_zero_takes(level):
     ZeRO (not the gradient handler, which zero refuses)."""
     for rank, message in enumerate(run_ranks(_twice_worker, 2, level, timeout=60)):
         assert message.startswith(f"[rank {rank}] zero: a.") and \
-            message.endswith("use use_reentrant=False"), message
+            message.endswith("use_reentrant=False"), message
+        assert "checkpoint the uses together in one call" in message, message
