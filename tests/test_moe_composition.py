@@ -534,3 +534,23 @@ def test_deep_moe_fp16_gradient_sum_does_not_overflow_where_one_process_does_not
     runs = run_ranks(_train, 2, {**config, "parallel": parallel}, 2, torch.float32, timeout=30)
     assert [run["took"] for run in runs] == [ref["took"]] * 2
     _compare(ref, runs, rtol=5e-4, atol=5e-4, norms=False)
+
+
+def _build_under(rank, world, port, tensor):
+    nc.launch({"parallel": {"tensor": tensor}}, rank=rank, world_size=world, host="127.0.0.1",
+              port=port)
+    try:
+        gpt(vocab=VOCAB, seq_len=SEQ, dim=DIM, depth=2, heads=2, mlp_ratio=2, moe=_moe({}))
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("tensor, says", [
+    (dict(size=2, mode="1d"), "use parallel.moe instead of parallel.tensor"),
+    (dict(size=2, mode="sequence"), "not combined with sequence parallelism"),
+], ids=["1d", "sequence"])
+def test_gloo_an_moe_gpt_under_tensor_or_sequence_ranks_is_refused_saying_what_to_do(tensor, says):
+    for rank, message in enumerate(run_ranks(_build_under, 2, tensor)):
+        assert message.startswith(f"[rank {rank}]") and says in message, message

@@ -127,6 +127,11 @@ def moe_mlp(dim: int, hidden: int, moe: dict) -> nn.Module:
     (parallel.moe), the load-balancing loss's means over the data ranks. `moe`: MoeLayer's
     arguments (num_experts, top_k, capacity_factor_train, ...; moe/settings.py reads them from
     the config). Without parallel.moe every data rank holds all the experts (replicas)."""
+    if gpc.tensor_size > 1 and gpc.tensor_mode == "sequence":
+        raise ValueError(f"[rank {gpc.rank}] an MoE layer is not combined with sequence "
+                         f"parallelism (parallel.tensor mode='sequence'): build the model without "
+                         f"moe, or drop the sequence split and spread the experts with "
+                         f"parallel.moe")
     if gpc.tensor_size > 1:
         raise ValueError(f"[rank {gpc.rank}] an MoE layer holds whole expert MLPs: it does not "
                          f"split over {gpc.tensor_mode} tensor ranks; use parallel.moe instead "
