@@ -8,6 +8,12 @@ reach, so the matrix asks for each *pair* at least once; docs/testing.md has the
 for every pair, the test that covers it (many live in the features' own files) or why the pair
 cannot be configured. This file fills the cells nothing else covered.
 
+First the table (TABLE): one row per pair (or triple) of layout and feature -- data, ZeRO 1-3,
+accumulation, the gradient handler, GPipe / 1F1B / interleaved, tensor 1d / 2d, ring and
+all-to-all sequence parallelism, activation checkpointing -- each run by one worker on one GPT
+and compared with one process; a row that cannot be configured checks its refusal. Below it, the
+cells a GPT does not reach: unused branches, frozen parameters, evaluation, resumes.
+
 Each test turns its features on as users do -- a config dict through nc.launch and nc.initialize
 -- and trains a tiny model for a few optimizer steps with SGD, momentum and weight decay (so a
 zero gradient where one process has none still moves the weights). The final parameters (and
@@ -58,6 +64,80 @@ AMP_MODES = {  # opt level -> the fp16 config that selects it (bf16: CPUs have n
     "O2": {"mode": AMP_TYPE.NAIVE, "dtype": "bfloat16"},
     "O3": {"mode": AMP_TYPE.APEX, "opt_level": "O3", "dtype": "bfloat16"},
 }
+
+
+# -- the table: each pair of features on one GPT, every row against one process ----------------
+
+def _zero(level):
+    return {"zero": {"level": level}}
+
+
+PIPE2 = {"pipeline": 2}
+PIPE = {"NUM_MICRO_BATCHES": 2}
+SEQ_RING = {"tensor": {"size": 2, "mode": "sequence"}}
+SEQ_A2A = {"tensor": {"size": 2, "mode": "sequence", "attention": "all_to_all"}}
+T1D = {"tensor": {"size": 2, "mode": "1d"}}
+T2D = {"tensor": {"size": 4, "mode": "2d"}}
+HANDLER_CFG = {"gradient_handler": [{"type": "DataParallelGradientHandler"}]}
+ACCUM2 = {"gradient_accumulation": 2}
+TABLE = {  # row: (ranks, config, what a refused row's error says); every row clips
+    "data2 x zero1": (2, _zero(1), None),
+    "data2 x zero2 x accum2": (2, {**_zero(2), **ACCUM2}, None),
+    "data2 x zero3": (2, _zero(3), None),
+    "data2 x handler x accum2": (2, {**HANDLER_CFG, **ACCUM2}, None),
+    "1f1b x data2 x zero1": (4, {"parallel": PIPE2, **PIPE, **_zero(1)}, None),
+    "gpipe x zero2": (2, {"parallel": PIPE2, **PIPE, "PIPELINE_SCHEDULE": "gpipe", **_zero(2)},
+                      None),
+    "interleaved x data2 x zero2": (4, {"parallel": PIPE2, **PIPE, "NUM_CHUNKS": 2, **_zero(2)},
+                                    None),
+    "1d x data2 x zero2": (4, {"parallel": T1D, **_zero(2)}, None),
+    "1d x 1f1b": (4, {"parallel": {**PIPE2, **T1D}, **PIPE}, None),
+    "2d x zero1": (4, {"parallel": T2D, **_zero(1)}, None),
+    "ring x data2 x zero3": (4, {"parallel": SEQ_RING, **_zero(3)}, None),
+    "ring x 1f1b": (4, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE}, None),
+    "all-to-all x data2 x zero2 x accum2": (4, {"parallel": SEQ_A2A, **_zero(2), **ACCUM2},
+                                            None),
+    "all-to-all x 1f1b": (4, {"parallel": {**PIPE2, **SEQ_A2A}, **PIPE}, None),
+    "checkpointing x 1f1b x data2": (4, {"parallel": PIPE2, **PIPE,
+                                         "ACTIVATION_CHECKPOINT": "full"}, None),
+    "checkpointing x 1d x zero3": (4, {"parallel": T1D, **_zero(3),
+                                       "ACTIVATION_CHECKPOINT": "full"}, None),
+    "selective x all-to-all": (2, {"parallel": SEQ_A2A, "ACTIVATION_CHECKPOINT": "selective"},
+                               None),
+    "every block x 2d": (4, {"parallel": T2D, "ACTIVATION_CHECKPOINT": 1}, None),
+    "1f1b x accum2": (2, {"parallel": PIPE2, **PIPE, **ACCUM2},
+                      "micro-batches already accumulate"),
+    "zero3 x 1f1b": (4, {"parallel": PIPE2, **PIPE, **_zero(3)}, "level 3"),
+}
+_REFERENCE: list = []  # one process's (states, norms, losses), computed once
+
+
+def _refused_worker(rank, world_size, port, config):
+    try:
+        _gpt_worker(rank, world_size, port, config, 0, 1, None, None, None, None)
+    except Exception as e:  # noqa: BLE001 (the message is what the row checks)
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("row", TABLE)
+def test_gloo_composition_table_row_trains_as_one_process(row):
+    """The GPT (tied embedding, float64, SGD with momentum, clipped) under the row's features
+    takes one process's steps on the whole batch: parameters, clipped norms and losses after
+    each of 3 steps. A row that cannot be configured is refused on every rank, saying why."""
+    world, config, refused = TABLE[row]
+    config = {**config, "clip_grad_norm": CLIP}
+    if refused:
+        for rank, message in enumerate(run_ranks(_refused_worker, world, config)):
+            assert message.startswith(f"[rank {rank}]") and refused in message, message
+        return
+    if not _REFERENCE:
+        states, norms = _layout_one_process(_gpt, _tokens)
+        _REFERENCE.append((states[-1], norms, list(LOSSES)))
+    final, norms, losses = _REFERENCE[0]
+    results = run_ranks(_gpt_worker, world, config, 0, STEPS, None, None, None, final)
+    _check(results, final, norms, row, rel=GPT_REL, losses=losses)
 
 
 # -- models, data and the one-process reference ------------------------------------------------
