@@ -10,9 +10,10 @@ on N = 2, 4 ranks of parallel.tensor=dict(size=N, mode='sequence', attention=kin
 kinds (the script starts itself on N ranks, gloo, one thread each). `--attention` is the model's
 attention on whole sequences -- one process's, and what Ulysses runs for its h/N heads:
 'explicit' (softmax(q k^T) v of torch ops, the s x s weights kept for backward) or 'fused'
-(F.scaled_dot_product_attention: no s x s tensor kept). Ring attention is its own blockwise
-kernel either way. torch's own `context_parallel` only handles CUDA's SDPA kernels (flash /
-efficient / cudnn), so it cannot run here on CPU.
+(F.scaled_dot_product_attention: no s x s tensor kept) -- and how the ring computes each block
+(explicit scores, or the fused kernel with its lse: tensor/ring_attention.py). torch's own
+`context_parallel` only handles CUDA's SDPA kernels (flash / efficient / cudnn), so it cannot
+run here on CPU.
 
 Memory, counted from live tensors: the bytes autograd keeps between forward and backward (every
 tensor saved for backward, each storage once) plus, for the ring, the largest block of scores
@@ -20,8 +21,8 @@ held at once (the ring counts it). Per layer and rank, with s tokens, h heads, w
 
     one process, explicit   h s^2 (the softmax, saved for backward)  + O(s w)
     Ulysses, explicit       (h/N) s^2: whole sequences, h/N heads    + O(s w / N)
-    ring (either)           h (s/N)^2 (one block, transient)        + O(s w / N)
-    fused (one process, Ulysses): no s^2 term; O(s w), O(s w / N)
+    ring, explicit          h (s/N)^2 (one block, transient)        + O(s w / N)
+    fused (one process, Ulysses, ring): no s^2 term; O(s w), O(s w / N), O(s w / N)
 
 The longest sequence within `budget-mib` per rank is found by running one step at each length
 of a doubling grid and counting -- not extrapolated.

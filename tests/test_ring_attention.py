@@ -5,16 +5,24 @@ factor (Colossal-AI's /N) fails; the queries are scaled up so that every block h
 row maximum, so a missing online-softmax rescale fails; causal runs check the mask across
 blocks (a rank that saw a future chunk, or missed a past one, fails).
 """
+from functools import partial
+
 import pytest
 import torch
 from dist_helpers import run_ranks
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import nanocolossal as nc
+from nanocolossal.activation_checkpoint import SavedBytes
+from nanocolossal.nn.transformer import Attention
+from nanocolossal.tensor import ring_attention as ring
 from nanocolossal.tensor.ring_attention import (
     COUNTS,
     allgather_attention,
     gather_sequence,
+    has_fused_kernel,
     plan,
     reset_counts,
     ring_attention,
@@ -60,6 +68,10 @@ def _reference(q, k, v, causal):
     return s.softmax(-1) @ v
 
 
+KINDS = {"all-gather": allgather_attention, "ring": ring_attention,
+         "fused ring": partial(ring_attention, attention="fused")}
+
+
 def _compare(rank, causal, dtype, tol, group=None):
     torch.manual_seed(0)  # the same whole sequence on every rank
     n = torch.distributed.get_world_size(group)
@@ -72,7 +84,7 @@ def _compare(rank, causal, dtype, tol, group=None):
     (ref * w).sum().backward()
 
     kw = dict(rtol=tol, atol=tol) if tol else {}
-    for attention in (allgather_attention, ring_attention):
+    for label, attention in KINDS.items():
         local = [split_sequence(t, 2, group).requires_grad_() for t in (q, k, v)]
         out = attention(*local, group=group, causal=causal)
         (out * split_sequence(w, 2, group)).sum().backward()
@@ -80,7 +92,7 @@ def _compare(rank, causal, dtype, tol, group=None):
         assert_close(gather_sequence(out.detach(), 2, group), ref.detach(), **kw)
         for name, mine, theirs in zip("qkv", local, full):
             assert_close(mine.grad, split_sequence(theirs.grad, 2, group), **kw,
-                         msg=lambda m, a=attention, n=name: f"{a.__name__} d{n}, rank {rank}: {m}")
+                         msg=lambda m, a=label, n=name: f"{a} d{n}, rank {rank}: {m}")
     return True
 
 
@@ -170,54 +182,128 @@ def test_deep_ring_sends_n_minus_1_blocks_and_holds_one_block_of_scores(n):
                                peak_score_elements=B * H * (s // n) ** 2), counted
 
 
+def test_fused_blocks_run_where_a_kernel_exists(monkeypatch):
+    """attention='fused' takes the CPU kernel in float32 and float64 (bf16 computes in float32)
+    and the explicit blocks where there is none; the explicit blocks count their scores, the
+    kernel's are never a tensor. One process: the ring's one block is the whole sequence."""
+    assert has_fused_kernel("cpu", torch.float64) and has_fused_kernel("cpu", torch.float32)
+    assert not has_fused_kernel("cuda", torch.float32)
+    s = 8
+    for dtype, attention, kernel, scores in [(torch.float64, "fused", True, 0),
+                                             (torch.bfloat16, "fused", True, 0),
+                                             (torch.float64, "explicit", True, B * H * s * s),
+                                             (torch.float64, "fused", False, B * H * s * s)]:
+        monkeypatch.setattr(ring, "has_fused_kernel", lambda *_, k=kernel: k)  # CUDA's answer
+        q = torch.randn(B, H, s, D, dtype=dtype)
+        reset_counts()
+        ring_attention(q, q, q, attention=attention)
+        assert COUNTS["peak_score_elements"] == scores, (dtype, attention, kernel)
+    with pytest.raises(ValueError, match="attention='flash'"):
+        ring_attention(q, q, q, attention="flash")
+
+
+class _LargestMade(TorchDispatchMode):
+    """While entered: the most elements of any tensor an op returns (a fused kernel's tiles
+    are its own memory, not tensors)."""
+    most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.most = max([self.most, *sizes])
+        return out
+
+
+def _memory(rank, world_size, port, c):
+    nc.launch(dict(parallel=dict(tensor=dict(size=world_size, mode="sequence"))), rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    qkv = [split_sequence(torch.randn(B, H, c * world_size, D, dtype=torch.float64), 2, None)
+           for _ in "qkv"]
+    got = {}
+    for attention in ("explicit", "fused"):
+        local = [t.clone().requires_grad_() for t in qkv]
+        with SavedBytes([]) as saved, _LargestMade() as made:
+            ring_attention(*local, attention=attention).sum().backward()
+        # a model's Attention hands its choice to the ring: only explicit blocks count scores
+        model = Attention(2 * D, heads=2, causal=True, attention=attention).double()
+        reset_counts()
+        model(torch.randn(B, c, 2 * D, dtype=torch.float64)).sum().backward()
+        got[attention] = saved.peak, made.most, COUNTS["peak_score_elements"]
+    return got
+
+
+def test_deep_fused_ring_makes_no_block_of_scores():
+    """Saved for backward by either kind: q, k, v, out and lse (the explicit ring recomputes
+    its blocks in backward too). Made while running forward and backward: the explicit ring's
+    largest tensor is one (s/N)^2 block of scores per head, the fused ring's no larger than q."""
+    c = 32  # tokens per rank, > D: a block of scores is larger than q
+    saved = (4 * D + 1) * B * H * c * 8  # bytes: q, k, v, out (float64) and lse
+    for got in run_ranks(_memory, 2, c, timeout=60):
+        assert got["explicit"][:2] == (saved, B * H * c * c), got
+        assert got["fused"][:2] == (saved, B * H * c * D), got
+        assert got["explicit"][2] == B * 2 * c * c and got["fused"][2] == 0, got
+
+
 def _half(rank, world_size, port):
-    """bf16 inputs, under autocast as a model runs them: ring attention's error against float64
-    is no larger than one process's softmax attention in the same autocast."""
+    """bf16 inputs, under autocast as a model runs them: ring attention's error against float64,
+    explicit or fused blocks, is no larger than one process's softmax attention in the same
+    autocast."""
     nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, 16 * world_size, D, dtype=torch.float64) for _ in "qkv")
     exact = split_sequence(_reference(q, k, v, True), 2, None)
+    errors = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
         half = [t.to(torch.bfloat16) for t in (q, k, v)]
         plain = split_sequence(_reference(*half, True), 2, None)
-        ring = ring_attention(*(split_sequence(t, 2, None) for t in half))
-    assert ring.dtype == torch.bfloat16
-    return (ring.double() - exact).abs().max().item(), (plain.double() - exact).abs().max().item()
+        for attention in ("explicit", "fused"):
+            ring = ring_attention(*(split_sequence(t, 2, None) for t in half), attention=attention)
+            assert ring.dtype == torch.bfloat16
+            errors.append((ring.double() - exact).abs().max().item())
+    return errors, (plain.double() - exact).abs().max().item()
 
 
 def test_gloo_ring_attention_in_bf16_is_as_accurate_as_one_process():
-    for ring_err, plain_err in run_ranks(_half, 2, timeout=60):
-        assert ring_err <= plain_err * 1.01, (ring_err, plain_err)
+    for ring_errors, plain_err in run_ranks(_half, 2, timeout=60):
+        assert max(ring_errors) <= plain_err * 1.01, (ring_errors, plain_err)
 
 
-def _padded(rank, world_size, port, causal):
-    """Right padding of a different length per sequence (the last sequence all padding): equal
-    to one process's masked softmax in float64, output and dq/dk/dv; all-padding rows give 0."""
+def _padded(rank, world_size, port, causal, attention):
+    """Right padding of a different length per sequence (the third all padding, the fourth all
+    but 3 tokens: whole blocks of padding) and every other key padded (a row can see nothing in
+    one block and something in another): equal to one process's masked softmax in float64,
+    output and dq/dk/dv; all-padding rows give 0."""
     nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     torch.manual_seed(0)
     S = 8 * world_size
-    q, k, v = (torch.randn(3, H, S, D, dtype=torch.float64) for _ in "qkv")
-    w = torch.randn(3, H, S, D, dtype=torch.float64)
-    pad = torch.arange(S)[None, :] >= torch.tensor([S, S - 5, 0])[:, None]  # True: padding
+    q, k, v = (torch.randn(5, H, S, D, dtype=torch.float64) for _ in "qkv")
+    w = torch.randn(5, H, S, D, dtype=torch.float64)
+    pad = torch.arange(S)[None, :] >= torch.tensor([S, S - 5, 0, 3, S])[:, None]  # True: padding
+    pad[4] = torch.arange(S) % 2 == 0
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     s = full[0] @ full[1].transpose(-2, -1) * D ** -0.5
     s = s.masked_fill(pad[:, None, None, :], float("-inf"))
     if causal:
         s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
-    ref = (s.softmax(-1) @ full[2]).nan_to_num(0.0)  # torch: NaN where a row saw only padding
+    blind = s.isneginf().all(-1, keepdim=True)  # sees only padding: softmax is NaN, use 0
+    ref = s.masked_fill(blind, 0).softmax(-1).masked_fill(blind, 0) @ full[2]
     (ref * w).sum().backward()
     local = [split_sequence(t, 2, None).requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*local, causal=causal, key_padding_mask=split_sequence(pad, 1, None))
+    out = ring_attention(*local, causal=causal, key_padding_mask=split_sequence(pad, 1, None),
+                         attention=attention)
     (out * split_sequence(w, 2, None)).sum().backward()
     assert_close(out, split_sequence(ref.detach(), 2, None), rtol=1e-10, atol=1e-10)
     assert torch.equal(out[2], torch.zeros_like(out[2])), "an all-padding sequence gives 0"
     for name, mine, theirs in zip("qkv", local, full):
-        assert_close(mine.grad, split_sequence(theirs.grad.nan_to_num(0.0), 2, None), rtol=1e-10,
+        assert_close(mine.grad, split_sequence(theirs.grad, 2, None), rtol=1e-10,
                      atol=1e-10, msg=lambda m, n=name: f"d{n}: {m}")
     return True
 
 
+@pytest.mark.parametrize("attention", ["explicit", "fused"])
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_deep_ring_attention_with_a_padding_mask_equals_masked_attention(world_size, causal):
-    assert all(run_ranks(_padded, world_size, causal, timeout=60))
+def test_deep_ring_attention_with_a_padding_mask_equals_masked_attention(world_size, causal,
+                                                                         attention):
+    assert all(run_ranks(_padded, world_size, causal, attention, timeout=60))

@@ -20,6 +20,8 @@ Attention on the whole sequence is written twice, chosen by `attention=`:
                 memory-efficient on CUDA, a blocked online softmax on CPU): no s x s tensor,
                 the default
 
+The ring's blocks follow the same choice (ring_attention's table says where a fused kernel runs).
+
 They agree to rounding (tests/test_attention.py: equal in float64, forward and gradients).
 Dropout on the attention weights: the fused kernel draws its mask from torch's default
 generator. Where the heads are split over tensor ranks (1d, 2d) each rank's mask must differ
@@ -84,7 +86,8 @@ class Attention(nn.Module):
         if self.all_to_all:  # every rank's tokens, for my heads, by this module's attention
             out = ulysses_attention(q, k, v, gpc.sequence_group, attend=self.attend)
         elif gpc.sequence_size > 1:  # my queries meet every rank's keys around the ring
-            out = ring_attention(q, k, v, gpc.sequence_group, self.causal)
+            out = ring_attention(q, k, v, gpc.sequence_group, self.causal,
+                                 attention=self.attention)
         elif self.recompute:  # keep q, k, v; the s x s part is recomputed in backward
             out = checkpoint(self.attend, q, k, v)
         else:

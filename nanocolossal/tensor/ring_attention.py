@@ -30,7 +30,8 @@ and an unnormalised output acc = sum exp(s - m) v. A new block of scores s_b upd
 
 and after the last block out = acc / l. The rescale by exp(m - m') makes the result exactly
 softmax(s) @ v (up to rounding) whatever order the blocks come in. lse = m + log l is kept
-for backward.
+for backward. (The code takes a block's sums relative to its own row max mb and rescales them
+by exp(mb - m'): the same numbers, and the form the fused blocks below need.)
 
 Backward (this is a custom autograd.Function, FlashAttention-2's recomputation, not autograd
 through the ring): with D = rowsum(dO * O) and P = exp(s - lse) recomputed per block,
@@ -57,6 +58,25 @@ Every off-diagonal step is half a block on every rank and blocks entirely in the
 never computed: each rank does the same work, (2c)^2 / 2 + (N - 1) * 2c^2 score elements.
 Non-causal attention works on any split; split_sequence uses the zig-zag one always, so a
 model has one layout.
+
+Fused blocks (attention='fused'). A fused attention kernel computes a block's softmax(s_b) v_b
+tile by tile, never holding s_b, and returns lse_b = log rowsum exp(s_b) with it. That is all
+the online softmax needs: rowsum exp(s_b - m') = exp(lse_b - m') and exp(s_b - m') v_b =
+exp(lse_b - m') out_b, so a block enters the same update with max lse_b, sum 1, output out_b.
+Backward calls the kernel's backward op per block with the *whole* row's out and lse, not the
+block's: it recomputes D = rowsum(dO * O) and P = exp(s - lse) tile by tile, which makes its
+dq, dK_b, dV_b exactly the block's share of the sums above. No (s/N)^2 tensor exists, forward or
+backward; the ring around the blocks (transfers, plan, dK/dV going home) is the same code.
+torch's context parallelism (torch.distributed.tensor.experimental) does this on CUDA's kernels.
+
+Which path runs (half inputs compute in float32 either way, see ring_attention):
+
+    attention=   device   computed in        each block by
+    'explicit'   any      float32, float64   the formulas above, scores as a tensor
+    'fused'      cpu      float32, float64   aten._scaled_dot_product_flash_attention_for_cpu;
+                                             padding as its attn_mask, the diagonal is_causal
+    'fused'      other    any                the explicit blocks (CUDA's flash / efficient
+                                             kernels are not wired in here)
 """
 from __future__ import annotations
 
@@ -68,7 +88,7 @@ import torch.distributed as dist
 from .zigzag import Group, _world, _zigzag_chunks, gather_sequence, split_sequence, zigzag_split
 
 __all__ = ["ring_attention", "allgather_attention", "split_sequence", "gather_sequence",
-           "zigzag_split", "plan", "COUNTS", "reset_counts"]
+           "zigzag_split", "plan", "has_fused_kernel", "COUNTS", "reset_counts"]
 ALL, FIRST, SECOND = "all", "first", "second"
 
 # Counted as the ring runs, for tests and bench/bench_sequence.py: K/V block pairs sent forward
@@ -173,79 +193,141 @@ def _scores(q, k, scale: float, masked: bool, bias=None) -> torch.Tensor:
     return s
 
 
+def _ring(kv: list, group: Group, counter: str):
+    """Yield (t, kv): at step t the K/V block of rank (r - t) mod N, the next one travelling
+    while the caller computes with this one."""
+    n, _ = _world(group)
+    for t in range(n):
+        if t < n - 1:
+            nxt, works = _ring_shift(kv, group, tag=0, counter=counter)
+        yield t, kv
+        if t < n - 1:
+            _wait(works)
+            kv = nxt
+
+
+def _explicit_block(q, k, v, bias, masked: bool, scale: float):
+    """One block as the formula reads: (row max mb, rowsum exp(s - mb), exp(s - mb) @ v)."""
+    s = _scores(q, k, scale, masked, bias)
+    mb = s.amax(-1, keepdim=True)
+    p = torch.exp(s - mb.nan_to_num(neginf=0.0))  # a row that sees only padding: all 0
+    return mb, p.sum(-1, keepdim=True), p @ v
+
+
+def _explicit_grads(q, k, v, bias, masked: bool, scale: float, out, dout, lse):
+    """dq, dk, dv of one block from the whole row's out and lse (the formulas above)."""
+    p = torch.exp(_scores(q, k, scale, masked, bias) - lse)
+    ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True)) * scale
+    return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout
+
+
+def _merge(m, l, acc, mb, lb, accb) -> None:  # noqa: E741 -- the paper's names
+    """The online softmax: fold a block's (mb, lb, accb) into the running (m, l, acc), in place.
+    The block's sums are relative to its own max mb; both are rescaled to the new max."""
+    m_new = torch.maximum(m, mb)
+    m_safe = m_new.nan_to_num(neginf=0.0)  # a row that saw only padding stays at 0
+    alpha, beta = torch.exp(m - m_safe), torch.exp(mb - m_safe)
+    l.mul_(alpha).add_(lb * beta)
+    acc.mul_(alpha).add_(accb * beta)
+    m.copy_(m_new)
+
+
 class _RingAttention(torch.autograd.Function):
+    """The ring, forward and backward, around either kind of block (`fused`: a fused kernel's
+    (out, lse) and its backward op; else _explicit_block and _explicit_grads)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, bias, group, causal):
+    def forward(ctx, q, k, v, bias, group, causal, fused):
         n, r = _world(group)
         scale = q.shape[-1] ** -0.5
+        block = _fused_block if fused else _explicit_block
         m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)  # noqa: E741 -- the paper's name
         acc = torch.zeros_like(q)
         kv = [k, v] + ([bias] if bias is not None else [])  # a padding mask travels with keys
-        for t in range(n):
-            if t < n - 1:  # the next block travels while this one is computed
-                nxt, works = _ring_shift(kv, group, tag=0, counter="kv_forward")
+        for t, kv in _ring(kv, group, "kv_forward"):
             qp, kp, masked = plan(r, (r - t) % n, n, causal)
-            s = _scores(_rows(q, qp), _rows(kv[0], kp), scale, masked, _mask(kv, kp))
-            mr, lr, ar = _rows(m, qp), _rows(l, qp), _rows(acc, qp)  # views: updated in place
-            m_new = torch.maximum(mr, s.amax(-1, keepdim=True))
-            m_safe = m_new.nan_to_num(neginf=0.0)  # a row that saw only padding stays at 0
-            alpha, p = torch.exp(mr - m_safe), torch.exp(s - m_safe)
-            lr.mul_(alpha).add_(p.sum(-1, keepdim=True))
-            ar.mul_(alpha).add_(p @ _rows(kv[1], kp))
-            mr.copy_(m_new)
-            if t < n - 1:
-                _wait(works)
-                kv = nxt
+            got = block(_rows(q, qp), _rows(kv[0], kp), _rows(kv[1], kp), _mask(kv, kp),
+                        masked, scale)
+            _merge(_rows(m, qp), _rows(l, qp), _rows(acc, qp), *got)  # views: in place
         out = acc / l.clamp_min(torch.finfo(l.dtype).tiny)  # an all-padding row: 0, not 0/0
         ctx.save_for_backward(q, k, v, bias, out, (m + torch.log(l)).nan_to_num(neginf=torch.inf))
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.group, ctx.causal, ctx.scale, ctx.fused = group, causal, scale, fused
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, bias, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        group = ctx.group
         n, r = _world(group)
+        grads = _fused_grads if ctx.fused else _explicit_grads
         dout = dout.contiguous()
-        delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(q)
-        kv, dkv, dworks = [k, v] + ([bias] if bias is not None else []), None, []
-        for t in range(n):
-            if t < n - 1:
-                nxt, works = _ring_shift(kv, group, tag=0, counter="kv_backward")
+        dkv, dworks = None, []
+        for t, kv in _ring([k, v] + ([bias] if bias is not None else []), group, "kv_backward"):
             qp, kp, masked = plan(r, (r - t) % n, n, causal=ctx.causal)
-            kb, vb = _rows(kv[0], kp), _rows(kv[1], kp)
-            qb, dob = _rows(q, qp), _rows(dout, qp)
-            p = torch.exp(_scores(qb, kb, scale, masked, _mask(kv, kp)) - _rows(lse, qp))
-            ds = p * (dob @ vb.transpose(-2, -1) - _rows(delta, qp)) * scale
-            _rows(dq, qp).add_(ds @ kb)
+            dqb, dkb, dvb = grads(_rows(q, qp), _rows(kv[0], kp), _rows(kv[1], kp),
+                                  _mask(kv, kp), masked, ctx.scale, _rows(out, qp),
+                                  _rows(dout, qp), _rows(lse, qp))
+            _rows(dq, qp).add_(dqb)
             dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-            _rows(dk, kp).copy_(ds.transpose(-2, -1) @ qb)
-            _rows(dv, kp).copy_(p.transpose(-2, -1) @ dob)
+            _rows(dk, kp).copy_(dkb)
+            _rows(dv, kp).copy_(dvb)
             if dkv is not None:  # the block's gradient so far, from the rank before me
                 _wait(dworks)
                 dk, dv = dk + dkv[0], dv + dkv[1]
             if n > 1:  # pass it on; after step N-1 this hop delivers it to its owner
                 dkv, dworks = _ring_shift([dk, dv], group, tag=2, counter="dkv_backward")
-            if t < n - 1:
-                _wait(works)
-                kv = nxt
         if n > 1:
             _wait(dworks)
             dk, dv = dkv
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
+
+
+# ---- the optimised version: fused blocks ---------------------------------------------------
+
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def has_fused_kernel(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether attention='fused' has a kernel for these blocks (the table above)."""
+    return device_type == "cpu" and dtype in (torch.float32, torch.float64)
+
+
+def _fused_block(q, k, v, bias, masked: bool, scale: float):
+    """One block by the fused kernel: out = softmax(s) @ v and lse = log rowsum exp(s), which
+    is (mb, lb, accb) = (lse, 1, out) for _merge. No score tensor leaves the kernel."""
+    mask = None if bias is None else bias.transpose(-2, -1)  # [B, 1, 1, keys]
+    out, lse = _CPU_FLASH(q, k, v, 0.0, masked, attn_mask=mask, scale=scale)
+    lse = lse.unsqueeze(-1)
+    if mask is not None:  # the kernel gives a row that sees only padding lse 0, not -inf
+        sees = ~mask.isinf()  # diagonal: row i sees keys 0..i; else all of them
+        sees = sees.cumsum(-1) > 0 if masked else sees.any(-1, keepdim=True)
+        lse = lse.masked_fill(~sees.transpose(-2, -1), float("-inf"))
+    return lse, 1.0, out
+
+
+def _fused_grads(q, k, v, bias, masked: bool, scale: float, out, dout, lse):
+    """dq, dk, dv of one block by the kernel's backward. Given the whole row's out and lse (not
+    the block's) it recomputes P = exp(s - lse) tile by tile: exactly the block's share."""
+    mask = None if bias is None else bias.transpose(-2, -1)
+    return _CPU_FLASH_BACKWARD(dout, q, k, v, out, lse.squeeze(-1).contiguous(), 0.0, masked,
+                               attn_mask=mask, scale=scale)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None,
-                   causal: bool = True, key_padding_mask: Optional[torch.Tensor] = None
-                   ) -> torch.Tensor:
+                   causal: bool = True, key_padding_mask: Optional[torch.Tensor] = None,
+                   attention: str = "explicit") -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v over the whole sequence, each rank holding its share.
 
     q, k, v: [batch, heads, seq/N, head_dim], this rank's tokens in split_sequence's zig-zag
     layout (causal needs it; non-causal accepts any split). key_padding_mask: [batch, seq/N],
     True where a key is padding (split like the tokens); a query that sees only padding gets 0.
-    Returns this rank's output rows."""
+    attention: how each block is computed, 'explicit' or 'fused' (the table in the module
+    docstring; a model's Attention passes its own). Returns this rank's output rows."""
+    if attention not in ("fused", "explicit"):
+        raise ValueError(f"attention={attention!r}: use 'fused' or 'explicit'")
     if not (q.shape == k.shape == v.shape):
         raise ValueError(f"q, k, v must have one shape; got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -264,5 +346,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
         bias = torch.zeros(q.shape[0], 1, q.shape[-2], 1, dtype=dtype, device=q.device)
         bias.masked_fill_(key_padding_mask[:, None, :, None].to(q.device), float("-inf"))
     with torch.autocast(q.device.type, enabled=False):
-        out = _RingAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), bias, group, causal)
+        fused = attention == "fused" and has_fused_kernel(q.device.type, dtype)
+        out = _RingAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), bias, group, causal,
+                                   fused)
     return out.to(q.dtype)
