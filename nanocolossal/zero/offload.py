@@ -6,15 +6,19 @@ touch, the CPU what only the step touches.
 
 Who holds what, per rank (Psi parameters, N data ranks, AdamW; mixed.py's table without offload):
 
-                      model's device (gpc.device)          offload_device (CPU)
-    parameters        as the level keeps them              -
-    gradients         as the level keeps them, until       4 Psi/N  fp32 copy of my shard,
-                      copied out at the step               from copy-out to the next zero_grad
-    fp32 masters      -                                    4 Psi/N  (pinned on CUDA)
-    optimizer state   -                                    8 Psi/N  (AdamW's two states)
+                      model's device (gpc.device)     offload_device (CPU)
+    parameters        as the level keeps them         -
+    gradients         as the level keeps them; my     4 Psi/N  fp32 copy of my shard,
+                      shard freed by the copy-out     from copy-out to the next zero_grad
+    fp32 masters      -                               4 Psi/N  (pinned on CUDA)
+    optimizer state   -                               8 Psi/N  (AdamW's two states)
 
-So the device keeps 4 Psi + grads (fp32; level 2: 4 Psi + 4 Psi/N) or, under O2, 2 Psi + grads:
-the 12 Psi/N of masters and state have moved to the CPU, which holds 16 Psi/N during the step.
+In the step, after the copy-out (bytes; fp32 -- under O2 the device's are half, 2 per element):
+    level 1   device 4 Psi + 4 Psi (DDP's averages, kept to zero_grad)   CPU 16 Psi/N
+    level 2   device 4 Psi                                               CPU 16 Psi/N
+    level 3   device 4 Psi/N (my parameter shard)                        CPU 16 Psi/N
+against 8 Psi + 8 Psi/N, 4 Psi + 12 Psi/N and 16 Psi/N on the device without offload
+(optimizer.py; DDP's buckets apart): the 12 Psi/N of masters and state have left the device.
 Every segment (optimizer.py: my piece of a parameter) gets a master here, an fp32 one too: the
 step writes the master, and the model's piece (`view`, on the device) is a copy of it.
 
@@ -22,7 +26,7 @@ One step, on CUDA (one stream; "H2D" / "D2H" the copies over PCIe):
 
     backward   gradients reduced into my shard on the device, as without offload
     copy-out   D2H every segment's gradient into a pinned fp32 buffer (non_blocking, queued in
-               one go), then the host waits for the stream once; the device gradients are freed
+               one go), then the host waits for the stream once; my device shard is freed
     step       on the CPU: unscale and the inf/nan check, clipping's squares, the user's
                optimizer (its type and settings: foreach=True for foreach kernels, torch's
                default on the CPU being a loop over tensors) on the masters and their state
