@@ -193,6 +193,26 @@ def test_deep_v01_tensor_placement_policy_cpu_is_offload():
     _assert_equal(got, run_ranks(_train_worker, 2, dict(zero=dict(level=3))))
 
 
+def _load_worker(rank, world_size, port, level, offload):
+    engine = _launch(rank, world_size, port, _config(level, offload))
+    torch.manual_seed(1)  # a pretrained model, loaded after initialize
+    engine.model.load_state_dict({k: torch.randn(v.shape) for k, v in
+                                  engine.model.state_dict().items()})
+    x, c = _batch(0, 2 * world_size)
+    engine.zero_grad()
+    engine.backward(engine.criterion(engine(x[rank::world_size]), c[rank::world_size]))
+    assert engine.step()
+    return engine.model.state_dict(), None
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_deep_zero_offload_masters_follow_a_model_loaded_after_initialize(level):
+    """The step updates the weights just loaded into the model, not the CPU's older copies:
+    the fp32 masters follow a model load as the model's own pieces do without offload."""
+    _assert_equal(run_ranks(_load_worker, 2, level, "cpu"),
+                  run_ranks(_load_worker, 2, level, None))
+
+
 @pytest.mark.parametrize("zero, message", [
     (dict(level=2, offload="nvme"), "zero.offload='nvme': only 'cpu' is built here"),
     (dict(level=1, offload=True), "zero.offload=True: only 'cpu' is built here"),

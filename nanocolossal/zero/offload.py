@@ -20,7 +20,9 @@ In the step, after the copy-out (bytes; fp32 -- under O2 the device's are half, 
 against 8 Psi + 8 Psi/N, 4 Psi + 12 Psi/N and 16 Psi/N on the device without offload
 (optimizer.py; DDP's buckets apart): the 12 Psi/N of masters and state have left the device.
 Every segment (optimizer.py: my piece of a parameter) gets a master here, an fp32 one too: the
-step writes the master, and the model's piece (`view`, on the device) is a copy of it.
+step writes the master, and the model's piece (`view`, on the device) is a copy of it. A model
+loaded after initialize (a pretrained one) reaches the fp32 masters at the next step (mixed.py),
+as without offload, where the model's pieces are what the optimizer steps.
 
 One step, on CUDA (one stream; "H2D" / "D2H" the copies over PCIe):
 
