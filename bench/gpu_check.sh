@@ -4,8 +4,8 @@
 #     bash bench/gpu_check.sh     # from the repository root: .venv/bin/python if there, else python
 #
 # 1. the CUDA tests: tests/test_cuda.py, and the CUDA cases of test_attention.py (flash against
-#    the explicit formula in bf16), test_lean_step.py (the Engine's step never synchronises) and
-#    test_amp.py
+#    the explicit formula in bf16), test_lean_step.py (the Engine's step never synchronises),
+#    test_amp.py and test_zero_offload.py (masters pinned on the CPU, the model on the GPU)
 # 2. bench/bench_gpt_gpu.py (GPT-2 small, bf16): without torch.compile, then with it
 #    (bench/results/gpt_gpu.json and gpt_gpu_compile.json)
 # 3. each goal with its measured figure and PASS or MISS; the exit status is 1 if one missed.
@@ -22,7 +22,7 @@ start=$SECONDS
 
 echo "== 1. CUDA tests"
 "$PY" -m pytest -q -p no:cacheprovider -k cuda tests/test_cuda.py tests/test_attention.py \
-    tests/test_lean_step.py tests/test_amp.py
+    tests/test_lean_step.py tests/test_amp.py tests/test_zero_offload.py
 tests=$?
 echo "== 2. bench_gpt_gpu.py"
 "$PY" bench/bench_gpt_gpu.py --out bench/results/gpt_gpu.json

@@ -87,6 +87,14 @@ class _Autocast:
         return _cast_floats(output, torch.float32) if self.output_fp32 else output
 
 
+def _all_reduced(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """t summed over `group`, reduced on gpc.device (NCCL reduces no CPU tensor: ZeRO offload's
+    squares are on the CPU), back on t's device."""
+    on = t.to(gpc.device)
+    dist.all_reduce(on, group=group)
+    return on.to(t.device)
+
+
 class MixedPrecisionOptimizer:
     """Wraps a torch optimizer with loss scaling, overflow skipping and (O2) fp32 master weights."""
 
@@ -165,8 +173,7 @@ class MixedPrecisionOptimizer:
         the device: the flag is read (step) only where the host must decide."""
         if self._flag is not None:
             return self._flag
-        for model_param, master in self._copies:  # O2: the half model's grads feed the fp32 masters
-            master.grad = None if model_param.grad is None else model_param.grad.float()
+        self._grads_to_masters()
         grads = [p.grad for p in self.params() if p.grad is not None]
         found = torch.zeros(1, device=grads[0].device if grads else gpc.device)
         if self.check_finite:  # amp_scaler.py: the plain loop, then the fused kernel it uses
@@ -176,6 +183,11 @@ class MixedPrecisionOptimizer:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX)
         self._flag = found
         return found
+
+    def _grads_to_masters(self) -> None:
+        """O2: the half model's gradients feed the fp32 masters (zero/offload.py: on the CPU)."""
+        for model_param, master in self._copies:
+            master.grad = None if model_param.grad is None else model_param.grad.float()
 
     def unscale_(self) -> bool:
         """overflow_flag, read: True if any rank found an inf/nan gradient."""
@@ -212,10 +224,10 @@ class MixedPrecisionOptimizer:
         # the spread parameters first over their group (a pipeline stage's experts), then the
         # whole over `group`: each stage's experts count once, in their stage's part
         if spread_group is not None and dist.get_world_size(spread_group) > 1:
-            dist.all_reduce(sq[1], group=spread_group)
+            sq[1] = _all_reduced(sq[1], spread_group)
         total = sq[0] + sq[1]
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(total, group=group)
+            total = _all_reduced(total, group)
         total = total.sqrt()
         # same formula as torch.nn.utils.clip_grad_norm_
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
@@ -274,8 +286,12 @@ class MixedPrecisionOptimizer:
         """The optimizer's step; O2: the updated masters copied into the half model."""
         self.optimizer.step()
         if self._copies:
-            with torch.no_grad():
-                torch._foreach_copy_([p for p, _ in self._copies], [m for _, m in self._copies])
+            self._masters_to_model()
+
+    def _masters_to_model(self) -> None:
+        """O2: the updated masters rounded into the half model (zero/offload.py: from the CPU)."""
+        with torch.no_grad():
+            torch._foreach_copy_([p for p, _ in self._copies], [m for _, m in self._copies])
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(),

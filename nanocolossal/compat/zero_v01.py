@@ -3,7 +3,8 @@
     zero = dict(model_config=dict(tensor_placement_policy='cuda', shard_strategy=...),
                 optimizer_config=dict(initial_scale=2**5, ...))
 
-is level 3 here (zero/settings.py). Of its keys, the loss-scaler ones map onto our scaler (they
+is level 3 here (zero/settings.py); tensor_placement_policy='cpu' is offload='cpu'
+(zero/offload.py). Of its other keys, the loss-scaler ones map onto our scaler (they
 apply with fp16=dict(mode=AMP_TYPE.TORCH, dtype='float16')); the others name machinery we do not
 have and are logged as such; an unknown key is an error naming the known ones.
 """
@@ -25,10 +26,10 @@ V01_NO_MEANING = {
     "fp32_reduce_scatter": "gradients are reduced in the parameters' dtype",
     "gradient_predivide_factor": "gradients are divided by N before they are summed",
     "reuse_fp16_shard": "gradient shards are kept apart from the parameter shards",
-    "offload_config": "no CPU offload here",
+    "offload_config": "CPU offload is tensor_placement_policy='cpu'",
     "use_memory_tracer": "no memory tracer here",
     "warmup_non_model_data_ratio": "no memory tracer here",
-    "gpu_margin_mem_ratio": "no CPU offload of optimizer states here",
+    "gpu_margin_mem_ratio": "offloaded optimizer states stay on the CPU",
 }
 PLACEMENTS = ("cuda", "cpu", "auto")
 
@@ -53,13 +54,13 @@ def v01_settings(zero: Mapping[str, Any], has_fp16: bool) -> tuple[dict, dict, l
     if placement not in PLACEMENTS:
         raise ConfigError(f"zero.model_config.tensor_placement_policy must be one of "
                           f"{', '.join(PLACEMENTS)}, got {placement!r}")
-    if placement != "cuda":
-        notes.append(f"zero: tensor_placement_policy={placement!r} ignored: shards stay on the "
-                     f"model's device (no CPU offload here)")
+    if placement == "auto":
+        notes.append("zero: tensor_placement_policy='auto' ignored: shards stay on the model's "
+                     "device ('cpu' offloads the masters and optimizer state)")
     scaler = {V01_SCALER[k]: v for k, v in opt.items() if k in V01_SCALER}
     if scaler and not has_fp16:
         notes.append(f"zero: optimizer_config's {', '.join(k for k in opt if k in V01_SCALER)} "
                      f"ignored: they set the loss scaler of fp16=dict(mode=AMP_TYPE.TORCH, "
                      f"dtype='float16'), and this config has no fp16")
         scaler = {}
-    return dict(level=3), scaler, notes
+    return dict(level=3, offload="cpu" if placement == "cpu" else None), scaler, notes

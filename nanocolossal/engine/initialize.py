@@ -60,7 +60,7 @@ from ..replicas import broadcast_replicas
 from ..sequence import check_sequence_model, sequence_attention, split_loader
 from ..syncbn import convert_sync_batchnorm
 from ..tensor.layers_2d import SplitLabels
-from ..zero import MixedShardedOptimizer, ReduceScatterDDP, ShardedOptimizer
+from ..zero import MixedShardedOptimizer, Offload, ReduceScatterDDP, ShardedOptimizer
 from ..zero.mixed import MixedParamShardedOptimizer
 from ..zero.settings import zero_settings
 from ..zero.sharded_model import ShardedModel, plan_units
@@ -130,16 +130,20 @@ def apply_zero(model: nn.Module, optimizer: MixedPrecisionOptimizer
     zero, _, notes = zero_settings(gpc.config)
     for note in notes:
         get_dist_logger().info(note)
+    # offload: every shard has a master, on the CPU (zero/offload.py), as O2's half ones have
+    offload = zero.get("offload")
+    mastered = bool(optimizer.master_pairs()) or offload is not None
+    options = dict(offload=Offload(offload)) if offload is not None else {}
     if zero["level"] == 3:
         # O2: the optimizer steps fp32 masters of the half parameters, which are what is sharded
         half_of = {id(master): p for p, master in optimizer.master_pairs()}
         children, unit_of = plan_units(model, [half_of.get(id(p), p) for p in optimizer.params()])
-        kind = MixedParamShardedOptimizer if optimizer.master_pairs() else ParamShardedOptimizer
-        sharded = kind(optimizer, model, 3, gpc.gradient_group, unit_of)
+        kind = MixedParamShardedOptimizer if mastered else ParamShardedOptimizer
+        sharded = kind(optimizer, model, 3, gpc.gradient_group, unit_of, **options)
         ShardedModel(model, sharded, children, zero.get("overlap_communication", True))
     else:  # O2: the fp32 masters are sharded too (zero/mixed.py)
-        kind = MixedShardedOptimizer if optimizer.master_pairs() else ShardedOptimizer
-        sharded = kind(optimizer, model, zero["level"], gpc.gradient_group)
+        kind = MixedShardedOptimizer if mastered else ShardedOptimizer
+        sharded = kind(optimizer, model, zero["level"], gpc.gradient_group, **options)
     return sharded, describe_zero(sharded)
 
 
@@ -150,9 +154,12 @@ def describe_zero(sharded: ShardedOptimizer) -> str:
     whole = sum(p.numel() * p.element_size() for p in sharded.model_params) / 2**20
     kept = {1: "optimizer state", 2: "optimizer state and gradients",
             3: "optimizer state, gradients and parameters"}[sharded.level]
+    offload = getattr(sharded, "offload", None)
     return (f"ZeRO level {sharded.level} x{sharded.size}: this rank keeps the {kept} of {mine} of "
             f"{total} elements: {whole * mine / total:.2f} MiB instead of {whole:.2f} MiB for "
-            f"each (at the parameters' precision)")
+            f"each (at the parameters' precision)"
+            + (f"; masters and optimizer state on {offload.device}, the step there"
+               if offload is not None else ""))
 
 
 def apply_moe(model: nn.Module, optimizer: MixedPrecisionOptimizer

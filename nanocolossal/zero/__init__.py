@@ -7,7 +7,8 @@ under AMP O2), level 3 also the parameters
 unit_order.py: which modules are units, and every rank gathers the same; state_dict.py: the
 model's state_dict made whole). state.py: checkpoints, the plain optimizer's state put together
 from every rank's pieces; load.py: a rank reads only the files with its own. comm.py: the
-collectives ZeRO adds; settings.py: the zero=dict(...) config.
+collectives ZeRO adds; settings.py: the zero=dict(...) config; offload.py: masters and optimizer
+state in CPU memory, the step on the CPU (offload='cpu').
 Turned on by the config:
 
     zero = dict(level=2, reduce_bucket_size_mb=25, overlap_communication=True)
@@ -17,13 +18,14 @@ unchanged. Colossal-AI v0.1's zero=dict(model_config=..., optimizer_config=...) 
 (settings.py says which of its keys mean something here).
 """
 from .gradients import ReduceScatterDDP
-from .mixed import MasterFlatBuffer, MixedShardedOptimizer
+from .mixed import MixedShardedOptimizer
+from .offload import Offload
 from .optimizer import FlatBuffer, Segment, ShardedOptimizer
 from .settings import ELEMENTWISE, ZERO_KEYS, check_zero, zero_settings
 from .sharded_model import ShardedModel, plan_units
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
 
-__all__ = ["ELEMENTWISE", "ZERO_KEYS", "FlatBuffer", "MasterFlatBuffer",
-           "MixedShardedOptimizer", "ParamShardedOptimizer", "ReduceScatterDDP",
+__all__ = ["ELEMENTWISE", "ZERO_KEYS", "FlatBuffer", "MixedShardedOptimizer", "Offload",
+           "ParamShardedOptimizer", "ReduceScatterDDP",
            "Segment", "ShardedFlatBuffer", "ShardedModel", "ShardedOptimizer", "check_zero",
            "plan_units", "zero_settings"]

@@ -46,50 +46,36 @@ import torch.distributed as dist
 from torch import nn
 
 from ..amp import MixedPrecisionOptimizer
+from .offload import Offload
 from .optimizer import FlatBuffer, ShardedOptimizer
-from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
+from .sharded_params import ParamShardedOptimizer
 from .state import saved_master
 
 
-def attach_masters(buffer: FlatBuffer) -> None:
+def attach_masters(buffer: FlatBuffer, offload: Optional[Offload] = None) -> None:
     """Half segments are stepped through fp32 masters: segment.param becomes the master the inner
-    optimizer updates, segment.half the half view it rounds to."""
+    optimizer updates, segment.view the model's piece it is copied into. With offload every
+    segment has one, on the CPU (offload.py)."""
     half = buffer.data.dtype in (torch.float16, torch.bfloat16)
     for s in buffer.segments:
-        s.half = s.param if half else None  # fp32 parameters (norm layers) are their master
-        if half:
-            s.param = nn.Parameter(s.half.detach().float())
-
-
-class MasterFlatBuffer(FlatBuffer):
-    """Levels 1-2: a FlatBuffer whose half segments have fp32 masters."""
-
-    def __init__(self, params: list[nn.Parameter], indices: list[int], size: int,
-                 rank: int) -> None:
-        super().__init__(params, indices, size, rank)
-        attach_masters(self)
-
-
-class MasterShardedFlatBuffer(ShardedFlatBuffer):
-    """Level 3: my half shard (`local`) is all I keep of the parameters; its segments have fp32
-    masters, rounded back into `local` after each step (the next gather sends the new values)."""
-
-    def __init__(self, params: list[nn.Parameter], indices: list[int], size: int,
-                 rank: int) -> None:
-        super().__init__(params, indices, size, rank)
-        attach_masters(self)
+        s.view = s.param if half or offload else None  # an fp32 piece is its own master
+        if offload is not None:
+            s.param = offload.master(s.view)
+        elif half:
+            s.param = nn.Parameter(s.view.detach().float())
 
 
 class MixedShardedOptimizer(ShardedOptimizer):
-    """ZeRO level 1/2 around an O2 MixedPrecisionOptimizer: masters for my shard only."""
-
-    buffer_class = MasterFlatBuffer
+    """ZeRO level 1/2 around an O2 MixedPrecisionOptimizer: masters for my shard only. With
+    `offload` (any precision) every segment has a master, on the CPU (offload.py)."""
 
     def __init__(self, mixed: MixedPrecisionOptimizer, model: nn.Module, level: int,
                  group: Optional[dist.ProcessGroup] = None,
-                 unit_of: Optional[dict[int, int]] = None) -> None:
+                 unit_of: Optional[dict[int, int]] = None,
+                 offload: Optional[Offload] = None) -> None:
+        self.offload = offload
         # the optimizer steps the half model parameters again; their whole-model masters are
-        # dropped (each rank makes its shard's, MasterFlatBuffer)
+        # dropped (each rank makes its shard's, attach_masters)
         half_of = {id(master): p for p, master in mixed.master_pairs()}
         for g in mixed.optimizer.param_groups:
             g["params"] = [half_of.get(id(q), q) for q in g["params"]]
@@ -97,24 +83,54 @@ class MixedShardedOptimizer(ShardedOptimizer):
         super().__init__(mixed, model, level, group, unit_of)
         # MixedPrecisionOptimizer's (model, master) pairs become (half segment, fp32 segment):
         # its unscale_ reads the half gradients, its step copies the masters back
-        self._copies = [(s.half, s.param) for s in self._mastered()]
+        self._copies = [(s.view, s.param) for s in self._mastered()]
+        self._loaded = False  # the model loaded since the last step: fp32 masters follow it
+        if offload is not None:
+            model.register_load_state_dict_post_hook(self._model_loaded)
+
+    def make_buffer(self, params: list[nn.Parameter], indices: list[int]) -> FlatBuffer:
+        buffer = super().make_buffer(params, indices)
+        attach_masters(buffer, self.offload)
+        return buffer
 
     def _mastered(self) -> list:
-        return [s for b in self.buffers for s in b.segments if s.half is not None]
+        return [s for b in self.buffers for s in b.segments if s.view is not None]
 
-    def home(self, s: Any) -> nn.Parameter:  # half pieces onto the half segments
-        return s.param if s.half is None else s.half
+    def _halves(self) -> list:
+        """The segments one process's O2 keeps masters of (offload also masters fp32 ones)."""
+        return [s for s in self._mastered() if s.view.dtype != s.param.dtype]
+
+    def home(self, s: Any) -> nn.Parameter:  # gradients onto the model's pieces
+        return s.param if s.view is None else s.view
+
+    def _model_loaded(self, module: nn.Module, incompatible: Any) -> None:
+        self._loaded = True  # (read at the step: level 3 keeps its slice after this hook)
+
+    def _grads_to_masters(self) -> None:
+        if self.offload is None:
+            return super()._grads_to_masters()
+        if self._loaded:  # an fp32 piece's master is a copy of it: a loaded model wins, as
+            for view, master in self._copies:  # it does without offload
+                if view.dtype == master.dtype:
+                    master.data.copy_(view.detach())
+            self._loaded = False
+        self.offload.copy_out(self._copies)
+
+    def _masters_to_model(self) -> None:
+        if self.offload is None:
+            return super()._masters_to_model()
+        self.offload.copy_in(self._copies)
 
     def overflow_flag(self) -> torch.Tensor:
         found = super().overflow_flag()  # (level 1 collects first) half -> fp32 master gradients
-        for half, _ in self._copies:  # the fp32 shard replaces the half one
-            half.grad = None
+        for view, _ in self._copies:  # the fp32 shard replaces the model's
+            view.grad = None
         return found
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        for half, _ in self._copies:
-            half.grad = None
+        for view, _ in self._copies:
+            view.grad = None
 
     def master_bytes(self) -> int:
         """Bytes of fp32 masters this rank holds (live tensors)."""
@@ -123,10 +139,11 @@ class MixedShardedOptimizer(ShardedOptimizer):
     # -- checkpoints: one process's O2 layout (state.py) --------------------------------------
     def half_indices(self) -> list[int]:
         """Indices of the parameters one process's O2 keeps masters for, in its order."""
-        return [i for i, p in enumerate(self.model_params) if p.dtype != torch.float32]
+        return [i for i, p in enumerate(self.model_params)
+                if p.dtype in (torch.float16, torch.bfloat16)]
 
     def master_pieces(self) -> list:
-        return [(s.index, s.lo, s.hi, s.param.detach().cpu()) for s in self._mastered()]
+        return [(s.index, s.lo, s.hi, s.param.detach().cpu()) for s in self._halves()]
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
@@ -135,13 +152,12 @@ class MixedShardedOptimizer(ShardedOptimizer):
                 master = saved_master(state, self, s)
                 if master is not None:
                     s.param.copy_(master)
-                    s.half.copy_(s.param)
-                else:  # saved without O2 (an fp32 run): masters of the loaded half model
-                    s.param.copy_(s.half)
+                    s.view.copy_(s.param)
+                else:  # saved without O2, or an fp32 piece: masters of the loaded model
+                    s.param.copy_(s.view)
 
 
 class MixedParamShardedOptimizer(MixedShardedOptimizer, ParamShardedOptimizer):
     """ZeRO level 3 around an O2 MixedPrecisionOptimizer: half parameters sharded by unit, fp32
-    masters for my shard only -- the paper's (2 + 2 + 12) Psi / N."""
-
-    buffer_class = MasterShardedFlatBuffer
+    masters for my shard only -- the paper's (2 + 2 + 12) Psi / N. (Its buffers keep only my
+    shard, sharded_params.py; the masters are of pieces of that shard.)"""

@@ -153,8 +153,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
             for i, p in enumerate(g["params"]):
                 kinds.setdefault(self._kind(p), []).append(start + i)
             for indices in kinds.values():
-                buffer = self.buffer_class([self.model_params[i] for i in indices], indices,
-                                           self.size, self.rank)
+                buffer = self.make_buffer([self.model_params[i] for i in indices], indices)
                 self.buffers.append(buffer)
                 segments += buffer.segments
             groups.append({**{k: v for k, v in g.items() if k != "params"},
@@ -168,6 +167,10 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                 self.index_of[id(s.param)] = s.index
         super().__init__(_same_optimizer(optimizer, groups), mixed.scaler,
                          check_finite=mixed.check_finite)
+
+    def make_buffer(self, params: list[nn.Parameter], indices: list[int]) -> FlatBuffer:
+        """One flat buffer and my segments of it (mixed.py gives them masters)."""
+        return self.buffer_class(params, indices, self.size, self.rank)
 
     def _kind(self, p: nn.Parameter) -> tuple:
         """Parameters of one param group with the same kind share a flat buffer."""

@@ -1,8 +1,9 @@
 """The zero=dict(...) config, checked when the config is loaded (registered with config).
 
 Two spellings. Colossal-AI's first: zero=dict(level=1|2|3, reduce_bucket_size_mb=25,
-overlap_communication=True). Colossal-AI v0.1's zero=dict(model_config=dict(...),
-optimizer_config=dict(...)) is level 3 here, read by compat/zero_v01.py.
+overlap_communication=True, offload=None|'cpu'). Colossal-AI v0.1's
+zero=dict(model_config=dict(...), optimizer_config=dict(...)) is level 3 here, read by
+compat/zero_v01.py.
 
 check_optimizer: what initialize refuses -- an optimizer that cannot step pieces of parameters.
 """
@@ -20,7 +21,9 @@ from ..compat.zero_v01 import v01_settings
 from ..config import AMP_TYPE, Config, ConfigError, parallel_settings, register_check
 from ..context import gpc
 
-ZERO_KEYS = ("level", "reduce_bucket_size_mb", "overlap_communication")
+ZERO_KEYS = ("level", "reduce_bucket_size_mb", "overlap_communication", "offload")
+OFFLOAD = ("cpu",)  # where zero.offload may put the masters and the optimizer state (offload.py)
+
 def zero_settings(cfg: Config) -> tuple[dict, dict, list[str]]:
     """(zero=dict(level, ...) settings, loss-scaler arguments, notes for the log) of either
     spelling; the v0.1 one is checked here."""
@@ -52,6 +55,11 @@ def check_zero(cfg: Config) -> None:
         raise ConfigError(f"zero.reduce_bucket_size_mb must be a positive number, got {size!r}")
     if not isinstance(zero.get("overlap_communication", True), bool):
         raise ConfigError("zero.overlap_communication must be True or False")
+    offload = zero.get("offload")
+    if offload is not None and offload not in OFFLOAD:
+        raise ConfigError(f"zero.offload={offload!r}: only 'cpu' is built here (fp32 masters and "
+                          f"optimizer state in CPU memory, the step on the CPU); use "
+                          f"offload='cpu', or remove offload to keep them on the model's device")
     if level == 1 and zero.get("overlap_communication") is False:
         raise ConfigError("zero.overlap_communication=False applies to levels 2 and 3; level 1 "
                           "reduces gradients with DDP, which always overlaps: remove it")

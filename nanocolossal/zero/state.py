@@ -164,5 +164,5 @@ def saved_master(state: dict, opt: ShardedOptimizer, s: Segment) -> Any:
         return None
     if "mine" in state["optimizer"]:
         return state["masters"].get((s.index, s.lo, s.hi)) if state["masters"] else None
-    masters = dict(zip(opt.half_indices(), state.get("masters") or []))
-    return masters[s.index].reshape(-1)[s.lo:s.hi] if masters else None
+    master = dict(zip(opt.half_indices(), state.get("masters") or [])).get(s.index)
+    return None if master is None else master.reshape(-1)[s.lo:s.hi]
