@@ -117,6 +117,7 @@ class MixedPrecisionOptimizer:
                         masters.append(master)
                 group["params"] = masters
         self._flag: Optional[torch.Tensor] = None  # this step's overflow flag, once unscaled
+        self._loaded = False  # the model was loaded since the last step: the masters follow it
         # bools and ints, or tensors on the device where the optimizer skips on its own (step)
         self._last_skipped: Union[bool, torch.Tensor] = False
         self._skipped: Union[int, torch.Tensor] = 0
@@ -173,6 +174,11 @@ class MixedPrecisionOptimizer:
         the device: the flag is read (step) only where the host must decide."""
         if self._flag is not None:
             return self._flag
+        if self._loaded:  # else this step would write the old masters over the loaded weights
+            with torch.no_grad():
+                for model_param, master in self._copies:
+                    master.copy_(model_param.detach())
+            self._loaded = False
         self._grads_to_masters()
         grads = [p.grad for p in self.params() if p.grad is not None]
         found = torch.zeros(1, device=grads[0].device if grads else gpc.device)
@@ -183,6 +189,15 @@ class MixedPrecisionOptimizer:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX)
         self._flag = found
         return found
+
+    def follow_loads(self, model: nn.Module) -> None:
+        """model.load_state_dict after this: the fp32 masters take the loaded weights at the next
+        step (read then: ZeRO 3 keeps its slice after the load's hooks). An optimizer state loaded
+        after the model brings its own masters (load_state_dict)."""
+        model.register_load_state_dict_post_hook(self._model_loaded)
+
+    def _model_loaded(self, module: nn.Module, incompatible: Any) -> None:
+        self._loaded = True
 
     def _grads_to_masters(self) -> None:
         """O2: the half model's gradients feed the fp32 masters (zero/offload.py: on the CPU)."""
@@ -299,6 +314,7 @@ class MixedPrecisionOptimizer:
                 "masters": [master.detach().clone() for _, master in self._copies]}
 
     def load_state_dict(self, state: dict) -> None:
+        self._loaded = False  # the masters come from `state` (or stay), not from the model
         plain = "optimizer" not in state  # a plain torch optimizer's state
         self.optimizer.load_state_dict(state if plain else state["optimizer"])
         if not plain and self.scaler is not None and state.get("scaler"):
@@ -352,8 +368,10 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
     scaler = make_scaler(loss_scale, **scaler_kwargs) if needs_scaling else None
     # apex's loss_scale="dynamic" also means "skip non-finite steps": keep that in bf16 too
     check_finite = mixed and loss_scale == "dynamic"
-    return model, MixedPrecisionOptimizer(optimizer, scaler, master_weights=opt_level == "O2",
-                                          check_finite=check_finite)
+    mixed_optimizer = MixedPrecisionOptimizer(optimizer, scaler, master_weights=opt_level == "O2",
+                                              check_finite=check_finite)
+    mixed_optimizer.follow_loads(model)
+    return model, mixed_optimizer
 
 
 @contextmanager

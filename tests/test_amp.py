@@ -1324,3 +1324,36 @@ def test_deep_fp16_overflow_on_one_rank_gives_one_process_scaler_state(layout):
         assert run["skipped"] == ref["skipped"], f"rank {rank}"
         assert [n is None or n == float("inf") for n in run["norms"]] == \
             [n is None or n == float("inf") for n in ref["norms"]], (run["norms"], ref["norms"])
+
+
+# -- weights loaded into the model after initialize: the fp32 masters follow them ---------------
+
+def _load_after_initialize(rank, world, port, config, lr):
+    nc.launch(config, rank=rank, world_size=world, host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=lr),
+                               nn.MSELoss(), verbose=False)
+    loaded = {k: torch.full(v.shape, 0.5) for k, v in engine.model.state_dict().items()}
+    engine.model.load_state_dict(loaded)
+    x, y = torch.ones(2, 4), torch.zeros(2, 2)
+    engine.zero_grad()
+    engine.backward(engine.criterion(engine(x), y))
+    engine.step()
+    return {k: v.float() for k, v in nc.checkpoint.strip_prefixes(
+        engine.model.state_dict()).items()}
+
+
+@pytest.mark.parametrize("config", [
+    {"fp16": {"mode": AMP_TYPE.NAIVE, "dtype": "bfloat16"}},
+    {"fp16": {"mode": AMP_TYPE.APEX, "opt_level": "O2", "dtype": "float16"}},
+    {"fp16": {"mode": AMP_TYPE.NAIVE, "dtype": "bfloat16"}, "zero": {"level": 2}},
+    {"fp16": {"mode": AMP_TYPE.NAIVE, "dtype": "bfloat16"}, "zero": {"level": 3}},
+], ids=["O2 bf16", "apex O2 fp16", "O2 bf16 x zero2", "O2 bf16 x zero3"])
+def test_deep_weights_loaded_after_initialize_are_what_the_next_step_starts_from(config):
+    """O2 steps fp32 masters and copies them into the half model: a model.load_state_dict after
+    initialize must reach the masters, or the step writes the old weights back. With lr 0 the
+    weights stay the loaded ones."""
+    for rank, state in enumerate(run_ranks(_load_after_initialize, 2, config, 0.0)):
+        for key, value in state.items():
+            assert torch.equal(value, torch.full_like(value, 0.5)), (rank, key, value)

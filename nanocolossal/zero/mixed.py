@@ -84,9 +84,7 @@ class MixedShardedOptimizer(ShardedOptimizer):
         # MixedPrecisionOptimizer's (model, master) pairs become (half segment, fp32 segment):
         # its unscale_ reads the half gradients, its step copies the masters back
         self._copies = [(s.view, s.param) for s in self._mastered()]
-        self._loaded = False  # the model loaded since the last step: fp32 masters follow it
-        if offload is not None:
-            model.register_load_state_dict_post_hook(self._model_loaded)
+        self.follow_loads(model)
 
     def make_buffer(self, params: list[nn.Parameter], indices: list[int]) -> FlatBuffer:
         buffer = super().make_buffer(params, indices)
@@ -103,17 +101,9 @@ class MixedShardedOptimizer(ShardedOptimizer):
     def home(self, s: Any) -> nn.Parameter:  # gradients onto the model's pieces
         return s.param if s.view is None else s.view
 
-    def _model_loaded(self, module: nn.Module, incompatible: Any) -> None:
-        self._loaded = True  # (read at the step: level 3 keeps its slice after this hook)
-
     def _grads_to_masters(self) -> None:
         if self.offload is None:
             return super()._grads_to_masters()
-        if self._loaded:  # an fp32 piece's master is a copy of it: a loaded model wins, as
-            for view, master in self._copies:  # it does without offload
-                if view.dtype == master.dtype:
-                    master.data.copy_(view.detach())
-            self._loaded = False
         self.offload.copy_out(self._copies)
 
     def _masters_to_model(self) -> None:
@@ -147,6 +137,7 @@ class MixedShardedOptimizer(ShardedOptimizer):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
+        self._loaded = False  # the masters come from `state`, below
         with torch.no_grad():
             for s in self._mastered():
                 master = saved_master(state, self, s)
