@@ -3,11 +3,13 @@
 `simulate(plans, P, V)` executes every rank's plan symbolically with rendezvous semantics -- a
 transfer completes only when its sender and its receiver have both posted it -- so a plan that
 computes before its input arrives, or waits forever, is an error found on a laptop, not a hang
-on a cluster. It also counts the activations each rank holds (GPipe: M; 1F1B: P - rank).
+on a cluster. It also counts the activations each rank holds (GPipe: M; 1F1B: P - rank; ZB-H1,
+which holds them until W: P).
 
-`timeline` gives each compute step its earliest start under costs (forward 1, backward 2,
-communication free) and `render` draws it, as in plan.py's docstring; the bubble it measures is
-the formula's (P - 1) / (V * M + P - 1).
+`timeline` gives each compute step its earliest start under costs (forward f, input gradient b,
+weight gradient w, an unsplit backward b + w; communication free) and `render` draws it, as in
+plan.py's docstring; the bubble it measures is the formula's (`bubble_formula`): (P - 1) /
+(V * M + P - 1), and ZB-H1's (P - 1)(f + b - w) idle per rank.
 """
 from __future__ import annotations
 
