@@ -111,6 +111,8 @@ TABLE = {  # row: (ranks, config, what a refused row's error says); every row cl
     "1f1b x accum2": (2, {"parallel": PIPE2, **PIPE, **ACCUM2},
                       "micro-batches already accumulate"),
     "zero3 x 1f1b": (4, {"parallel": PIPE2, **PIPE, **_zero(3)}, "level 3"),
+    "checkpointing x zero_bubble": (2, {"parallel": PIPE2, **PIPE, **ZB,
+                                        "ACTIVATION_CHECKPOINT": "full"}, "cannot split"),
 }
 _REFERENCE: list = []  # one process's (states, norms, losses), computed once
 
