@@ -271,3 +271,47 @@ def test_the_textbook_1f1b_loop_is_the_plan_the_executor_runs(P):
     for M in range(P, 3 * P + 2):
         for rank in range(P):
             assert one_f_one_b(P, M, rank) == build_plan("1f1b", P, M, 1, rank), (P, M, rank)
+
+
+# ---- the split backward zero-bubble plans run ---------------------------------------------------
+
+def test_split_backward_is_one_backward_in_two_steps_computing_nothing_twice():
+    """B (the input's gradient) then W (the weights') give one backward's gradients, exactly,
+    for the same floating-point operations; two backwards (inputs=[x], then inputs=weights)
+    would compute the activations' gradients twice. A weight used twice is still summed (by a
+    backward from the output into it)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from nanocolossal.pipeline.split_backward import SplitBackward
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                        nn.Linear(8, 8)).double()
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    weights, grad = list(net.parameters()), torch.randn(4, 8, dtype=torch.float64)
+
+    def flops(run):
+        for w in weights + [x]:
+            w.grad = None
+        out = net(x)
+        with FlopCounterMode(display=False) as counter:
+            run(out)
+        return counter.get_total_flops(), [w.grad for w in weights + [x]]
+
+    def split(out):
+        step = SplitBackward([out], [grad], x, weights)
+        step.input_grad()
+        assert all(w.grad is None for w in weights) and x.grad is not None
+        step.weight_grads()
+
+    def twice(out):
+        torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
+        torch.autograd.backward(out, grad, inputs=weights)
+
+    one, expected = flops(lambda out: out.backward(grad))
+    ours, got = flops(split)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert ours == one < flops(twice)[0]
+    net[4].weight = net[0].weight  # used twice: first layer and last
+    weights = list(net.parameters())
+    _, expected = flops(lambda out: out.backward(grad))
+    assert all(torch.equal(a, b) for a, b in zip(flops(split)[1], expected))

@@ -13,8 +13,8 @@ rank's plan:
              gradient: both sides know its dtype, so both drop that transfer. A floating
              output that needs none (a frozen first stage) still gets one, unused.
              Where the plan splits the backward (zero_bubble), B computes the input's
-             gradient only and keeps the graph and the output's gradient for W.
-    W(c, m)  the weights' gradients, from the same output and gradient (split plans).
+             gradient only and keeps the graph for W (split_backward.py).
+    W(c, m)  the weights' gradients, from where B left off (split plans).
     Comm     sends and receives posted together (p2p.py).
 
 Activations are kept only from a micro-batch's forward to its backward (its W where split), so
@@ -52,6 +52,7 @@ from .plan import (
     step_label,
     virtual_stage,
 )
+from .split_backward import SplitBackward
 
 
 def _check(name: str, M: int, V: int) -> None:
@@ -177,9 +178,9 @@ class _Run:
         self.last_backward = {s.chunk: i for i, s in enumerate(self.plan)
                               if isinstance(s, Compute) and s.kind in ("B", "W")}
         self.split = any(isinstance(s, Compute) and s.kind == "W" for s in self.plan)
-        # (chunk, mb) -> (input, output or loss, the chunk's own loss if not in the loss)
+        # (chunk, mb) -> (input, output or loss, the chunk's own loss if not in the loss); from B
+        # to W where split, the SplitBackward
         self.held: dict[tuple, tuple] = {}
-        self.output_grads: dict[tuple, Optional[torch.Tensor]] = {}  # from B to W (split only)
         self.outbox: dict[Transfer, torch.Tensor] = {}
         self.inbox: dict[Transfer, torch.Tensor] = {}
         self.no_grad: set[Transfer] = set()  # gradients of integer activations: never sent
@@ -272,56 +273,52 @@ class _Run:
         return both[0].to(dtypes[int(both[1])] or torch.get_default_dtype())
 
     def backward(self, step: Compute, index: int) -> None:
-        """B: the whole backward, or where the plan splits it (zero_bubble) only the input's
-        gradient, keeping the graph; W: then the weights' gradients from the same output and
-        output gradient."""
+        """B: the whole backward, or where the plan splits it (zero_bubble) the input's gradient
+        only (split_backward.py), held for W; W: then the weights' gradients."""
         c, m, v = step.chunk, step.mb, virtual_stage(step.chunk, gpc.pipeline_rank, self.P)
-        x, backward_from, extra = self.held[(c, m)]
-        if step.kind == "B":
-            self.output_grads[(c, m)] = self._output_grad(backward_from, v, m, self.is_last[c])
-        grad = self.output_grads[(c, m)]
-        inputs = None  # everything: the unsplit backward
-        if self.split and step.kind == "B":  # the input's gradient: none on the first stage
-            inputs = [x] if x.requires_grad else []
-        elif self.split:
-            inputs = [p for p in self.chunks[c].parameters() if p.requires_grad]
         # extensions: a chunk's gradients are averaged once, during its last backward (DDP)
         with synchronising(self.extensions, c, last=index == self.last_backward[c]):
-            if inputs != []:
-                _backward(backward_from, grad, extra, self.loss_scale, inputs,
-                          keep=self.split and step.kind == "B")
-        if step.kind == "W" or not self.split:
-            del self.held[(c, m)], self.output_grads[(c, m)]
+            if step.kind == "W":
+                self.held.pop((c, m)).weight_grads()
+                return
+            x, backward_from, extra = self.held.pop((c, m))
+            roots, grads = _roots(backward_from, self._output_grad(backward_from, v, m, c),
+                                  extra, self.loss_scale)
+            if self.split:  # the graph stays held until W
+                weights = [p for p in self.chunks[c].parameters() if p.requires_grad]
+                self.held[(c, m)] = SplitBackward(roots, grads, x if x.requires_grad else None,
+                                                  weights)
+                self.held[(c, m)].input_grad()
+            elif roots:
+                torch.autograd.backward(roots, grads)
         sent = Transfer("grad", v, v - 1, m)
-        if step.kind == "B" and v > 0 and sent not in self.no_grad:
+        if v > 0 and sent not in self.no_grad:
             if x.grad is None:
                 raise_ignored_input(v, m)
             self.outbox[sent] = x.grad
 
     def _output_grad(self, backward_from: torch.Tensor, v: int, m: int,
-                     last: bool) -> Optional[torch.Tensor]:
+                     c: int) -> Optional[torch.Tensor]:
         """The last stage starts from its loss times the AMP loss scale; the others from the
         gradient the next stage sent back (none for an integer output)."""
-        if last:
+        if self.is_last[c]:
             return torch.full_like(backward_from, self.loss_scale)
         back = Transfer("grad", v + 1, v, m)
         return None if back in self.no_grad else self.inbox.pop(back)
 
 
-def _backward(output: torch.Tensor, grad: Optional[torch.Tensor], extra: Optional[torch.Tensor],
-              loss_scale: float, inputs: Optional[list] = None, keep: bool = False) -> None:
-    """One backward through the chunk's graph from its output (with `grad`) and its own loss
-    (scaled like the loss), into `inputs` (None: every leaf), keeping the graph if asked. An
-    integer output has no gradient (`grad` None), and the output of a frozen stage needs none:
-    only the chunk's own loss, if any, goes backward."""
+def _roots(output: torch.Tensor, grad: Optional[torch.Tensor], extra: Optional[torch.Tensor],
+           loss_scale: float) -> tuple[list, list]:
+    """Where a chunk's backward starts: its output with `grad`, and its own loss (scaled like the
+    loss) -- one backward through the shared graph. An integer output has no gradient (`grad`
+    None), and the output of a frozen stage needs none: only the chunk's own loss, if any."""
     roots, grads = [], []
     if grad is not None and output.requires_grad:
         roots, grads = [output], [grad]
     if extra is not None:
         scaled = extra * loss_scale
         roots, grads = roots + [scaled], grads + [torch.ones_like(scaled)]
-    if roots:
-        torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=keep)
+    return roots, grads
 
 
 def raise_ignored_input(v: int, m: int) -> None:
