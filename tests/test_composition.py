@@ -1301,6 +1301,8 @@ FROZEN_STAGE_CASES = {
     "pipe2-data2-zero2-stage0-frozen": (STAGE0, "before", {**PIPE2, "zero": {"level": 2}}),
     "pipe2-data2-zero1-stage0-and-table-frozen": (STAGE0 + TIED, "before",
                                                   {**PIPE2, "zero": {"level": 1}}),
+    "zero-bubble-pipe2-data2-stage0-frozen": (STAGE0, "before", {**PIPE2, **ZB}),
+    "zero-bubble-pipe2-data2-tied-frozen": (TIED, "before", {**PIPE2, **ZB}),
     "1d2-data2-zero3-tied-frozen": (TIED, "before", {"parallel": {"tensor": T1D2},
                                                      "zero": {"level": 3}}),
     "2d4-zero3-block1-frozen": (("1.",), "before", {"parallel": {"tensor": T2D4},

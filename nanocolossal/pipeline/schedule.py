@@ -286,9 +286,9 @@ class _Run:
                                   extra, self.loss_scale)
             if self.split:  # the graph stays held until W
                 weights = [p for p in self.chunks[c].parameters() if p.requires_grad]
-                self.held[(c, m)] = SplitBackward(roots, grads, x if x.requires_grad else None,
-                                                  weights)
-                self.held[(c, m)].input_grad()
+                split = SplitBackward(roots, grads, x if x.requires_grad else None, weights)
+                split.input_grad()
+                self.held[(c, m)] = split
             elif roots:
                 torch.autograd.backward(roots, grads)
         sent = Transfer("grad", v, v - 1, m)

@@ -59,7 +59,7 @@ class SplitBackward:
         hooks = [node.register_prehook(lambda grad, node=node: self._arrive(node, grad))
                  for node in self.off]
         try:
-            if self.x is not None:
+            if self.x is not None and self.roots:
                 torch.autograd.backward(self.roots, self.grads, inputs=[self.x],
                                         retain_graph=True)
         finally:
