@@ -33,6 +33,7 @@ from nanocolossal.context import gpc
 from nanocolossal.metrics import Accuracy
 from nanocolossal.nn.lr_scheduler import LinearWarmupLR
 from nanocolossal.pipeline import build_pipeline_model
+from nanocolossal.pipeline.plan import SCHEDULES
 from nanocolossal.trainer import Trainer, hooks
 from nanocolossal.utils import MultiTimer
 
@@ -95,7 +96,7 @@ def parse_args():
                         help="override parallel.pipeline (stages)")
     parser.add_argument("--chunks", type=int, default=None,
                         help="override NUM_CHUNKS (> 1: interleaved 1F1B)")
-    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default=None,
+    parser.add_argument("--schedule", choices=SCHEDULES, default=None,
                         help="override PIPELINE_SCHEDULE")
     parser.add_argument("--model", choices=sorted(RESNETS), default=None, help="override MODEL")
     parser.add_argument("--partition", default="profile",

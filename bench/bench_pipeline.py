@@ -7,8 +7,10 @@ cores and are skipped on smaller machines. For each workload -- an 8-layer Linea
 at batch 256 and 1024, and train_pipeline.py's ResNet-50 at batch 64 -- with M = 8:
 
   (a) throughput of our 1F1B vs torch's Schedule1F1B (A/B rounds, alternating who goes
-      first, after a warm-up; medians), as a ratio;
-  (b) peak bytes of activations held for backward per rank, 1F1B vs GPipe, measured with
+      first, after a warm-up; medians), as a ratio; our ZB-H1 (zero_bubble) and torch's
+      ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble (two chunks per rank) in the same
+      rounds;
+  (b) peak bytes of activations held for backward per rank, 1F1B (and ZB-H1) vs GPipe, measured with
       saved-tensor hooks (live saved tensors, parameters excluded, a tensor saved twice
       counted once);
       the bound is P/M of GPipe's peak plus one micro-batch;
@@ -37,7 +39,11 @@ from torch import nn
 import nanocolossal as nc  # noqa: E402
 from nanocolossal.activation_checkpoint import SavedBytes  # noqa: E402
 from nanocolossal.context import gpc  # noqa: E402
-from nanocolossal.pipeline import build_pipeline_model, make_schedule  # noqa: E402
+from nanocolossal.pipeline import (  # noqa: E402
+    balanced_split,
+    build_pipeline_model,
+    make_schedule,
+)
 
 M = 8
 
@@ -89,6 +95,37 @@ class Torch:
             self.pipe.step(x)
         else:
             self.pipe.step(target=y, losses=[])
+        self.opt.step()
+
+
+class TorchTwoChunks:
+    """torch's zero-bubble schedules with two chunks per rank: the model cut into 2P parts, rank r
+    holding parts r and r + P (ScheduleInterleavedZeroBubble) or r and 2P - 1 - r (the V of
+    ScheduleZBVZeroBubble)."""
+
+    def __init__(self, full, shape):
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            ScheduleInterleavedZeroBubble,
+            ScheduleZBVZeroBubble,
+        )
+        P, r = gpc.pipeline_size, gpc.pipeline_rank
+        costs = [sum(p.numel() for p in m.parameters()) + 1 for m in full]
+        parts, start = [], 0
+        for size in balanced_split(costs, 2 * P):
+            parts.append(nn.Sequential(*list(full)[start:start + size]))
+            start += size
+        self.ids = (r, r + P) if shape == "interleaved" else (r, 2 * P - 1 - r)
+        stages = [PipelineStage(parts[i], i, 2 * P, gpc.device) for i in self.ids]
+        cls = ScheduleInterleavedZeroBubble if shape == "interleaved" else ScheduleZBVZeroBubble
+        self.pipe = cls(stages, M, loss_fn=nn.CrossEntropyLoss())
+        self.opt = torch.optim.SGD([p for i in self.ids for p in parts[i].parameters()], lr=1e-3)
+
+    def step(self, x, y):
+        self.opt.zero_grad(set_to_none=True)
+        last = 2 * gpc.pipeline_size - 1 in self.ids
+        self.pipe.step(*((x,) if 0 in self.ids else ()),
+                       **(dict(target=y, losses=[]) if last else {}))
         self.opt.step()
 
 
@@ -146,18 +183,22 @@ def run_workload(kind, batch, args):
                                  partition="parameters" if kind == "mlp" else "profile",
                                  sample_input=data(kind, batch // M, 1,
                                                    9)[0][0] if kind != "mlp" else None)
-    impls = {"ours": Ours(copy.deepcopy(stage)), "torch": Torch(copy.deepcopy(stage))}
+    impls = {"ours": Ours(copy.deepcopy(stage)), "torch": Torch(copy.deepcopy(stage)),
+             "zero_bubble": Ours(copy.deepcopy(stage), "zero_bubble"),
+             "torch_interleaved_zb": TorchTwoChunks(copy.deepcopy(full), "interleaved"),
+             "torch_zbv": TorchTwoChunks(copy.deepcopy(full), "v")}
     for impl in impls.values():
         timed(impl, data(kind, batch, 2, 1))  # warm-up (and torch's shape inference)
     times = {k: [] for k in impls}
     for r in range(args.rounds):
         batches = data(kind, batch, args.steps, 100 + r)
-        for name in (["ours", "torch"] if r % 2 == 0 else ["torch", "ours"]):
+        order = list(impls)[r % len(impls):] + list(impls)[:r % len(impls)]  # who goes first
+        for name in order:
             times[name] += timed(impls[name], batches)
     med = {k: statistics.median(v) for k, v in times.items()}
 
     peaks = {}
-    for name in ("1f1b", "gpipe"):
+    for name in ("1f1b", "gpipe", "zero_bubble"):
         impl = Ours(copy.deepcopy(stage), name)
         x, y = data(kind, batch, 1, 7)[0]
         with SavedBytes(impl.stage.parameters()) as meter:
@@ -192,6 +233,12 @@ def run_workload(kind, batch, args):
                 peak_bytes_1f1b=[p["1f1b"] for p in all_peaks],
                 peak_bytes_gpipe=[p["gpipe"] for p in all_peaks],
                 peak_ratio_1f1b_over_gpipe=[round(p["1f1b"] / p["gpipe"], 3) for p in all_peaks],
+                zero_bubble_ms=round(med["zero_bubble"] * 1e3, 1),
+                torch_interleaved_zb_ms=round(med["torch_interleaved_zb"] * 1e3, 1),
+                torch_zbv_ms=round(med["torch_zbv"] * 1e3, 1),
+                zero_bubble_over_1f1b_throughput=round(ours_ms / (med["zero_bubble"] * 1e3), 3),
+                peak_ratio_zero_bubble_over_1f1b=[round(p["zero_bubble"] / p["1f1b"], 3)
+                                                  for p in all_peaks],
                 # GPipe holds M micro-batches: P/M of that, plus one
                 bound_ratio=round((P + 1) / M, 3),
                 single_process_ms=round(single_ms, 1) if single_ms else None,
@@ -222,13 +269,17 @@ def main():
               f"1F1B unless noted")
         print(f"  {'workload':<18}{'ours ms':>9}{'torch ms':>10}{'thrpt ours/torch':>18}"
               f"{'1F1B/GPipe act.':>18}{'bound':>7}{'speed-up':>10}{'ideal':>7}{'limit ms':>10}"
-              f"{'limit/ours':>12}{'busy limit/ours':>17}")
+              f"{'limit/ours':>12}{'busy limit/ours':>17}{'ZB ms':>8}{'thrpt ZB/1F1B':>15}"
+              f"{'ZB/1F1B act.':>14}{'torch IZB ms':>14}{'torch ZBV ms':>14}")
         for r in results:
             ratios = "/".join(f"{x:.2f}" for x in r["peak_ratio_1f1b_over_gpipe"])
             print(f"  {r['workload']:<18}{r['ours_ms']:>9.1f}{r['torch_ms']:>10.1f}"
                   f"{r['throughput_ratio']:>18.3f}{ratios:>18}{r['bound_ratio']:>7.3f}"
                   f"{r['speedup']:>10.2f}{r['ideal_speedup']:>7.2f}{r['limit_ms']:>10.1f}"
-                  f"{r['ours_over_limit']:>12.3f}{r['ours_over_busy_limit']:>17.3f}")
+                  f"{r['ours_over_limit']:>12.3f}{r['ours_over_busy_limit']:>17.3f}"
+                  f"{r['zero_bubble_ms']:>8.1f}{r['zero_bubble_over_1f1b_throughput']:>15.3f}"
+                  f"{'/'.join(f'{x:.2f}' for x in r['peak_ratio_zero_bubble_over_1f1b']):>14}"
+                  f"{r['torch_interleaved_zb_ms']:>14.1f}{r['torch_zbv_ms']:>14.1f}")
         for reason in skipped:
             print(f"  skipped: {reason}")
         out = dict(benchmark="pipeline", stages=gpc.pipeline_size, microbatches=M,

@@ -229,4 +229,6 @@ class SavedBytes:
 
 class _Holder:
     def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
+        # the data without the graph: a saved output holding its own grad_fn would be a cycle
+        # that only a backward breaks, not dropping the graph (zero-bubble's W runs part of it)
+        self.t = t.detach()

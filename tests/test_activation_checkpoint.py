@@ -193,9 +193,9 @@ def test_deep_dropout_masks_are_replayed_in_every_layout(name):
 M, B, S, D, H = 4, 2, 8, 16, 2  # micro-batches, their rows, tokens, width, heads
 
 
-def _held(rank, world, port, ac):
-    """Peak saved bytes of each stage of 4 Blocks on 2 stages (2 each), M micro-batches, 1F1B."""
-    nc.launch({"parallel": dict(pipeline=2), "NUM_MICRO_BATCHES": M,
+def _held(rank, world, port, ac, schedule="1f1b"):
+    """Peak saved bytes of each stage of 4 Blocks on 2 stages (2 each), M micro-batches."""
+    nc.launch({"parallel": dict(pipeline=2), "NUM_MICRO_BATCHES": M, "PIPELINE_SCHEDULE": schedule,
                **({"ACTIVATION_CHECKPOINT": ac} if ac else {})},
               rank=rank, world_size=world, host="127.0.0.1", port=port)
     torch.manual_seed(0)
@@ -212,13 +212,15 @@ def _held(rank, world, port, ac):
 def test_deep_a_pipeline_stage_holds_what_the_formula_says():
     """Stage r has k = P - r micro-batches in flight (1F1B) of L = 2 blocks. Without
     checkpointing it holds k·L·A, with 'full' k·L·x + A - x (A: a Block's saved tensors, the
-    docstring's 8·(16·b·s·d + 4·b·s + b·h·s) in float64; x: its input, 8·b·s·d)."""
+    docstring's 8·(16·b·s·d + 4·b·s + b·h·s) in float64; x: its input, 8·b·s·d). ZB-H1 holds
+    each until its deferred W: P = 2 on both stages, all released by the end of the batch."""
     A, x, L = 8 * (16 * B * S * D + 4 * B * S + B * H * S), 8 * B * S * D, 2
     without = run_ranks(_held, 2, None)
     full = run_ranks(_held, 2, "full")
     for r, k in enumerate((2, 1)):
         assert without[r] == (k * L * A, 0)
         assert full[r] == (k * L * x + A - x, 0)
+    assert run_ranks(_held, 2, None, "zero_bubble") == [(2 * L * A, 0)] * 2
 
 
 # -- what it refuses ------------------------------------------------------------------------------

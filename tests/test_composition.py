@@ -74,6 +74,7 @@ def _zero(level):
 
 PIPE2 = {"pipeline": 2}
 PIPE = {"NUM_MICRO_BATCHES": 2}
+ZB = {"PIPELINE_SCHEDULE": "zero_bubble"}
 SEQ_RING = {"tensor": {"size": 2, "mode": "sequence"}}
 SEQ_A2A = {"tensor": {"size": 2, "mode": "sequence", "attention": "all_to_all"}}
 T1D = {"tensor": {"size": 2, "mode": "1d"}}
@@ -90,8 +91,10 @@ TABLE = {  # row: (ranks, config, what a refused row's error says); every row cl
                       None),
     "interleaved x data2 x zero2": (4, {"parallel": PIPE2, **PIPE, "NUM_CHUNKS": 2, **_zero(2)},
                                     None),
+    "zero_bubble x data2 x zero2": (4, {"parallel": PIPE2, **PIPE, **ZB, **_zero(2)}, None),
     "1d x data2 x zero2": (4, {"parallel": T1D, **_zero(2)}, None),
     "1d x 1f1b": (4, {"parallel": {**PIPE2, **T1D}, **PIPE}, None),
+    "1d x zero_bubble": (4, {"parallel": {**PIPE2, **T1D}, **PIPE, **ZB}, None),
     "2d x zero1": (4, {"parallel": T2D, **_zero(1)}, None),
     "ring x data2 x zero3": (4, {"parallel": SEQ_RING, **_zero(3)}, None),
     "ring x 1f1b": (4, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE}, None),
@@ -108,6 +111,8 @@ TABLE = {  # row: (ranks, config, what a refused row's error says); every row cl
     "1f1b x accum2": (2, {"parallel": PIPE2, **PIPE, **ACCUM2},
                       "micro-batches already accumulate"),
     "zero3 x 1f1b": (4, {"parallel": PIPE2, **PIPE, **_zero(3)}, "level 3"),
+    "checkpointing x zero_bubble": (2, {"parallel": PIPE2, **PIPE, **ZB,
+                                        "ACTIVATION_CHECKPOINT": "full"}, "cannot split"),
 }
 _REFERENCE: list = []  # one process's (states, norms, losses), computed once
 
@@ -1034,6 +1039,8 @@ GPT4 = {  # 4 ranks: saved after step 2, merged, resumed in the same layout (mom
                                "gradient_accumulation": 2, "clip_grad_norm": CLIP,
                                "zero": {"level": 3}},
     "pipe4-1f1b": {"parallel": {"pipeline": 4}, "NUM_MICRO_BATCHES": 4, "clip_grad_norm": CLIP},
+    "pipe4-zero-bubble": {"parallel": {"pipeline": 4}, "NUM_MICRO_BATCHES": 4,
+                          "PIPELINE_SCHEDULE": "zero_bubble", "clip_grad_norm": CLIP},
     "2d4-zero3-accum2": {"parallel": {"tensor": {"size": 4, "mode": "2d"}},
                          "gradient_accumulation": 2, "clip_grad_norm": CLIP,
                          "zero": {"level": 3}},
@@ -1199,6 +1206,8 @@ MOE_LAYOUTS = {
                                       "NUM_CHUNKS": 2, "zero": {"level": 1}},
     "pipe2-data2-zero2": {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2,
                           "zero": {"level": 2}},
+    "zero-bubble-pipe2-data2-zero1": {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2,
+                                      "PIPELINE_SCHEDULE": "zero_bubble", "zero": {"level": 1}},
 }
 
 
@@ -1292,6 +1301,8 @@ FROZEN_STAGE_CASES = {
     "pipe2-data2-zero2-stage0-frozen": (STAGE0, "before", {**PIPE2, "zero": {"level": 2}}),
     "pipe2-data2-zero1-stage0-and-table-frozen": (STAGE0 + TIED, "before",
                                                   {**PIPE2, "zero": {"level": 1}}),
+    "zero-bubble-pipe2-data2-stage0-frozen": (STAGE0, "before", {**PIPE2, **ZB}),
+    "zero-bubble-pipe2-data2-tied-frozen": (TIED, "before", {**PIPE2, **ZB}),
     "1d2-data2-zero3-tied-frozen": (TIED, "before", {"parallel": {"tensor": T1D2},
                                                      "zero": {"level": 3}}),
     "2d4-zero3-block1-frozen": (("1.",), "before", {"parallel": {"tensor": T2D4},

@@ -21,16 +21,17 @@ from torch.utils.data import DataLoader, TensorDataset
 import nanocolossal as nc
 from nanocolossal.checkpoint import merge_pipeline_checkpoint, save_checkpoint
 from nanocolossal.context import gpc
-from nanocolossal.pipeline import build_pipeline_model, make_schedule, p2p
+from nanocolossal.pipeline import build_pipeline_model, compute_order, make_schedule, p2p
+from nanocolossal.pipeline.plan import step_label
 from nanocolossal.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(150)
 BATCH, M = 16, 4
 
 
-def _lesson_worker(rank, world_size, port, xs, ys):
-    nc.launch(dict(parallel=dict(pipeline=2), NUM_MICRO_BATCHES=4), rank=rank,
-              world_size=world_size, host="127.0.0.1", port=port)
+def _lesson_worker(rank, world_size, port, xs, ys, schedule="1f1b"):
+    nc.launch(dict(parallel=dict(pipeline=2), NUM_MICRO_BATCHES=4, PIPELINE_SCHEDULE=schedule),
+              rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     torch.manual_seed(0)  # every rank builds the whole model the reference builds
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
                           nn.Linear(8, 3)).double()
@@ -44,21 +45,39 @@ def _lesson_worker(rank, world_size, port, xs, ys):
     return engine.model.state_dict()  # this stage's layers, under the whole model's keys
 
 
-def test_gloo_pipeline_1f1b_on_two_stages_equals_one_process():
-    """A model cut into 2 stages, each batch run as 4 micro-batches through the 1F1B schedule,
-    trains as the whole model does in one process on the whole batch."""
+def _one_process():
+    """3 batches of 8, and the whole model trained on them in one process."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
                           nn.Linear(8, 3)).double()
-    xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))  # 3 batches
+    xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     for x, y in zip(xs, ys):  # the whole batch of 8 in one process
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
+    return xs, ys, model.state_dict()
+
+
+def test_gloo_pipeline_1f1b_on_two_stages_equals_one_process():
+    """A model cut into 2 stages, each batch run as 4 micro-batches through the 1F1B schedule,
+    trains as the whole model does in one process on the whole batch."""
+    xs, ys, whole = _one_process()
     first, last = run_ranks(_lesson_worker, 2, xs, ys)
     assert first.keys().isdisjoint(last.keys())  # each layer on one stage only
-    assert_close({**first, **last}, model.state_dict())
+    assert_close({**first, **last}, whole)
+
+
+def test_gloo_zero_bubble_splits_each_backward_and_still_equals_one_process():
+    """ZB-H1 (plan.py) runs each backward as two steps: B, the gradient of the stage's input,
+    which the previous stage waits for, and later W, the gradient of the weights, which nobody
+    waits for and so fills the idle time. Same sums in another order: the same training."""
+    stage1 = compute_order("zero_bubble", 2, 4, 1, rank=1)
+    assert [step_label(s, 1) for s in stage1] == ["F0", "B0", "F1", "B1", "W0", "F2", "B2",
+                                                  "W1", "F3", "B3", "W2", "W3"]
+    xs, ys, whole = _one_process()
+    first, last = run_ranks(_lesson_worker, 2, xs, ys, "zero_bubble")
+    assert_close({**first, **last}, whole)
 
 
 def _model(n_linear=8):
@@ -89,7 +108,7 @@ def _equivalence_worker(rank, world_size, port):
     ref_loss.backward()
     ref_grads = {k: p.grad for k, p in reference.named_parameters()}
     report = {}
-    for name, chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]:
+    for name, chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)]:
         stage = build_pipeline_model(_model(), num_chunks=chunks, partition="uniform")
         schedule = make_schedule(name, M, chunks)
         out, label, loss = schedule.forward_backward_step(stage, (x, y), nn.CrossEntropyLoss())
@@ -120,19 +139,19 @@ def _equivalence_worker(rank, world_size, port):
 def test_gloo_pipeline_schedules_equal_one_process(world_size):
     reports = run_ranks(_equivalence_worker, world_size, timeout=120)
     total = sum(p.numel() for p in _model().parameters())
-    for name in ("gpipe", "1f1b", "interleaved"):
+    for name in ("gpipe", "1f1b", "interleaved", "zero_bubble"):
         assert sum(r[name] for r in reports) == total, "the stages hold the whole model, once"
 
 
-def _pipe_data_worker(rank, world_size, port, path, ddp=None):
+def _pipe_data_worker(rank, world_size, port, path, ddp=None, schedule="gpipe"):
     nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": M, "clip_grad_norm": 0.5,
                "ddp": ddp or {}},
               rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     stage = build_pipeline_model(_model(), partition="parameters")
     opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
     engine, *_ = nc.initialize(stage, opt, nn.CrossEntropyLoss(), verbose=False)
-    Trainer(engine, schedule=make_schedule("gpipe", M))  # Colossal's way to pick another schedule
-    assert engine.schedule.name == "gpipe"
+    Trainer(engine, schedule=make_schedule(schedule, M))  # Colossal's way to pick a schedule
+    assert engine.schedule.name == schedule
     single = _model()
     single_opt = torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
     losses = []
@@ -166,10 +185,13 @@ def _pipe_data_worker(rank, world_size, port, path, ddp=None):
     return losses, storages, bf16_sums
 
 
-@pytest.mark.parametrize("ddp", [None, {"gradient_as_bucket_view": True}, {"compress": "bf16"}],
-                         ids=["ddp", "bucket-view", "bf16-compress"])
-def test_deep_pipeline_times_data_parallel_equals_one_process(tmp_path, ddp):
-    results = run_ranks(_pipe_data_worker, 4, str(tmp_path / "ckpt.pt"), ddp, timeout=120)
+@pytest.mark.parametrize("ddp, schedule", [
+    (None, "gpipe"), ({"gradient_as_bucket_view": True}, "gpipe"), ({"compress": "bf16"}, "gpipe"),
+    (None, "zero_bubble"),  # DDP averages during a chunk's last W, not its last B
+], ids=["ddp", "bucket-view", "bf16-compress", "ddp-zero-bubble"])
+def test_deep_pipeline_times_data_parallel_equals_one_process(tmp_path, ddp, schedule):
+    results = run_ranks(_pipe_data_worker, 4, str(tmp_path / "ckpt.pt"), ddp, schedule,
+                        timeout=120)
     losses = [r[0] for r in results]
     assert losses[0] == losses[1] and losses[2] == losses[3], (
         "the loss reaches every stage of a pipeline"
@@ -235,7 +257,7 @@ def _any_batch_worker(rank, world_size, port, criterion_name):
     nc.launch({"parallel": {"pipeline": world_size}}, rank=rank, world_size=world_size,
               host="127.0.0.1", port=port)
     checked = []
-    for name, chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]:
+    for name, chunks in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)]:
         stage = build_pipeline_model(_model(), num_chunks=chunks, partition="uniform")
         schedule = make_schedule(name, M, chunks)
         for n in (16, 8, 10, 13, 16):
@@ -267,7 +289,8 @@ def _any_batch_worker(rank, world_size, port, criterion_name):
 
 @pytest.mark.parametrize("criterion", list(CRITERIA))
 def test_deep_pipelines_take_any_batch_of_at_least_m_samples(criterion):
-    expected = [(name, n) for name in ("gpipe", "1f1b", "interleaved") for n in (16, 8, 10, 13, 16)]
+    expected = [(name, n) for name in ("gpipe", "1f1b", "interleaved", "zero_bubble")
+                for n in (16, 8, 10, 13, 16)]
     assert run_ranks(_any_batch_worker, 2, criterion, timeout=120) == [expected, expected]
 
 
@@ -636,6 +659,11 @@ def _boundaries(runs):
 # name: (model, world, parallel, extra config, mode)
 CASES = {
     "gpt 4 stages 1f1b O2 bf16": ("gpt", 4, {"pipeline": 4}, {"NUM_MICRO_BATCHES": 4}, "O2 bf16"),
+    "gpt 4 stages zero_bubble O2 bf16": ("gpt", 4, {"pipeline": 4}, {
+        "NUM_MICRO_BATCHES": 4, "PIPELINE_SCHEDULE": "zero_bubble"}, "O2 bf16"),
+    "gpt pipe2 x tensor 1d zero_bubble O1 bf16": ("gpt", 4, {"pipeline": 2, "tensor": {
+        "size": 2, "mode": "1d"}}, {"NUM_MICRO_BATCHES": 2, "PIPELINE_SCHEDULE": "zero_bubble"},
+        "O1 bf16"),
     "gpt 2 stages gpipe x dp2 O1 fp16": ("gpt", 4, {"pipeline": 2},
                                          {"NUM_MICRO_BATCHES": 2, "PIPELINE_SCHEDULE": "gpipe"},
                                          "O1 fp16"),

@@ -22,7 +22,7 @@ from nanocolossal.pipeline.simulate import timeline
 
 GRID = [
     (s, P, M, V)
-    for s in ("gpipe", "1f1b", "interleaved")
+    for s in ("gpipe", "1f1b", "interleaved", "zero_bubble")
     for P in (2, 3, 4)
     for V in (1, 2)
     for M in range(P, 3 * P + 1)
@@ -57,7 +57,7 @@ def test_plans_match_every_send_and_finish_without_deadlock(schedule, P, M, V, f
     assert result["transfers"] == sum(len(v) for v in sent.values())
     for r, plan in enumerate(plans):
         computes = Counter((s.kind, s.chunk, s.mb) for s in plan if isinstance(s, Compute))
-        kinds = ["F"] if forward_only else ["F", "B"]
+        kinds = ["F"] if forward_only else ["F", "B"] + ["W"] * (schedule == "zero_bubble")
         assert computes == Counter(itertools.product(kinds, range(V),
                                                      range(M))), "each step exactly once"
 
@@ -67,7 +67,7 @@ def test_warmup_counts_follow_the_formulas(schedule, P, M, V):
     for r in range(P):
         order = compute_order(schedule, P, M, V, r)
         forwards_before_first_backward = next(i for i, s in enumerate(order) if s.kind == "B")
-        if schedule == "1f1b":
+        if schedule in ("1f1b", "zero_bubble"):
             warmup = min(P - r - 1, M)
         else:  # Megatron's formula; with M == P everything is warm-up
             warmup = M * V if M == P else min((P - r - 1) * 2 + (V - 1) * P, M * V)
@@ -83,6 +83,12 @@ def test_in_flight_activations_stay_within_the_bound(schedule, P, M, V):
             assert held[r] == min(P - r, M)
         elif schedule == "gpipe":
             assert held[r] == M
+        elif schedule == "zero_bubble":
+            # until its B, a micro-batch is held as in 1F1B; until its deferred W, by P at most
+            order = compute_order(schedule, P, M, V, r)
+            waiting_for_b = [sum((s.kind == "F") - (s.kind == "B") for s in order[:i + 1])
+                             for i in range(len(order))]
+            assert max(waiting_for_b) == min(P - r, M) and held[r] == P
         else:  # warm-up forwards plus the one in flight in steady state (M == P: all warm-up)
             warmup = M * V if M == P else (P - r - 1) * 2 + (V - 1) * P
             assert held[r] <= min(warmup + 1, M * V)
@@ -93,6 +99,19 @@ def test_in_flight_activations_stay_within_the_bound(schedule, P, M, V):
                           ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 2)])
 def test_bubble_equals_the_formula(schedule, P, M, V):
     assert timeline(schedule, P, M, V)["bubble"] == pytest.approx((P - 1) / (V * M + P - 1))
+
+
+@pytest.mark.parametrize("P, M", [(2, 2), (2, 5), (4, 4), (4, 8), (5, 12)])
+@pytest.mark.parametrize("f, b, w", [(1, 1, 1), (2, 2, 1), (1, 2, 1), (3, 2, 2), (2, 3, 2)])
+def test_zero_bubble_bubble_equals_the_papers_formula(P, M, f, b, w):
+    """ZB-H1 idles (P - 1)(f + b - w) per rank (Qi et al. 2023), against 1F1B's (P - 1)(f + b + w):
+    a third of it when the three cost the same."""
+    zb = timeline("zero_bubble", P, M, 1, f, b, w)
+    idle = (P - 1) * (f + b - w)
+    assert zb["bubble"] == pytest.approx(idle / (idle + M * (f + b + w)))
+    assert zb["makespan"] - M * (f + b + w) == idle
+    one_f_one_b_idle = timeline("1f1b", P, M, 1, f, b, w)["makespan"] - M * (f + b + w)
+    assert one_f_one_b_idle == (P - 1) * (f + b + w)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -114,6 +133,10 @@ def test_show_prints_a_timeline(capsys):
     assert show_main(["--stages", "4", "--microbatches", "6", "--chunks", "2"]) == 2
     assert "use M=8" in capsys.readouterr().err
     assert "F0a" in render("interleaved", 2, 4, 2) and "F0b" in render("interleaved", 2, 4, 2)
+    assert show_main(["--schedule", "zero_bubble", "--stages", "2", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 |F0F1..B0W0F2B1W1F3B2W2B3W3|" in out and "bubble 7.7%" in out
+    assert "rank 0: 2, rank 1: 2" in out
 
 
 # ---- partitioning ----------------------------------------------------------------------------
@@ -248,3 +271,47 @@ def test_the_textbook_1f1b_loop_is_the_plan_the_executor_runs(P):
     for M in range(P, 3 * P + 2):
         for rank in range(P):
             assert one_f_one_b(P, M, rank) == build_plan("1f1b", P, M, 1, rank), (P, M, rank)
+
+
+# ---- the split backward zero-bubble plans run ---------------------------------------------------
+
+def test_split_backward_is_one_backward_in_two_steps_computing_nothing_twice():
+    """B (the input's gradient) then W (the weights') give one backward's gradients, exactly,
+    for the same floating-point operations; two backwards (inputs=[x], then inputs=weights)
+    would compute the activations' gradients twice. A weight used twice is still summed (by a
+    backward from the output into it)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from nanocolossal.pipeline.split_backward import SplitBackward
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                        nn.Linear(8, 8)).double()
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    weights, grad = list(net.parameters()), torch.randn(4, 8, dtype=torch.float64)
+
+    def flops(run):
+        for w in weights + [x]:
+            w.grad = None
+        out = net(x)
+        with FlopCounterMode(display=False) as counter:
+            run(out)
+        return counter.get_total_flops(), [w.grad for w in weights + [x]]
+
+    def split(out):
+        step = SplitBackward([out], [grad], x, weights)
+        step.input_grad()
+        assert all(w.grad is None for w in weights) and x.grad is not None
+        step.weight_grads()
+
+    def twice(out):
+        torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
+        torch.autograd.backward(out, grad, inputs=weights)
+
+    one, expected = flops(lambda out: out.backward(grad))
+    ours, got = flops(split)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert ours == one < flops(twice)[0]
+    net[4].weight = net[0].weight  # used twice: first layer and last
+    weights = list(net.parameters())
+    _, expected = flops(lambda out: out.backward(grad))
+    assert all(torch.equal(a, b) for a, b in zip(flops(split)[1], expected))

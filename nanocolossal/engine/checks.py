@@ -51,6 +51,11 @@ def pipeline_schedule(model: nn.Module):
                           f"has {chunks} chunk(s); pass num_chunks=NUM_CHUNKS to "
                           f"build_pipeline_model")
     name = cfg.get("PIPELINE_SCHEDULE", "interleaved" if chunks > 1 else "1f1b")
+    if name == "zero_bubble" and cfg.get("ACTIVATION_CHECKPOINT"):
+        raise ConfigError(f"[rank {gpc.rank}] ACTIVATION_CHECKPOINT recomputes a block in a "
+                          f"backward of its own, which cannot split into zero_bubble's input "
+                          f"gradient (B) and weight gradient (W); use PIPELINE_SCHEDULE='1f1b' "
+                          f"with it, or zero_bubble without it")
     try:
         return make_schedule(name, cfg.NUM_MICRO_BATCHES, chunks, cfg.get("TENSOR_SHAPE"))
     except ValueError as e:  # PlanError: already names the rank

@@ -1,19 +1,27 @@
 """Pipeline parallelism: cut an nn.Sequential into stages and stream micro-batches through them.
 
     partition.py  build_pipeline_model: which layers live on which rank
-    plan.py       GPipe / 1F1B / interleaved 1F1B as per-rank step lists (1F1B in one screen)
+    plan.py       GPipe / 1F1B / interleaved 1F1B / ZB-H1 as per-rank step lists
     simulate.py   run plans without processes (deadlocks, memory) and draw their timelines
     p2p.py        batched sends/receives between neighbouring stages, with a shape handshake
     schedule.py   the executor that runs a plan: forward_backward_step
+    split_backward.py  zero-bubble's backward in two: B (the input's gradient), W (the weights')
 
     python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--chunks 2] [--schedule S]
 """
 from .partition import PipelineChunks, PipelineStage, balanced_split, build_pipeline_model
 from .plan import PlanError, all_plans, build_plan, compute_order, one_f_one_b, warmup_count
-from .schedule import GPipeSchedule, InterleavedPipelineSchedule, PipelineSchedule, make_schedule
+from .schedule import (
+    GPipeSchedule,
+    InterleavedPipelineSchedule,
+    PipelineSchedule,
+    ZeroBubbleSchedule,
+    make_schedule,
+)
 from .simulate import render, simulate
 
 __all__ = ["GPipeSchedule", "InterleavedPipelineSchedule", "PipelineChunks", "PipelineSchedule",
            "PipelineStage",
            "PlanError", "all_plans", "balanced_split", "build_pipeline_model", "build_plan",
-           "compute_order", "make_schedule", "one_f_one_b", "render", "simulate", "warmup_count"]
+           "ZeroBubbleSchedule", "compute_order", "make_schedule", "one_f_one_b", "render",
+           "simulate", "warmup_count"]

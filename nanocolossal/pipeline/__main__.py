@@ -1,7 +1,7 @@
 """Show a pipeline schedule without starting processes:
 
     python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--chunks 2]
-                                    [--schedule 1f1b|gpipe|interleaved]
+                                    [--schedule 1f1b|gpipe|interleaved|zero_bubble]
 
 Prints a schedule's timeline (one row per rank) and its bubble, and checks the plan by
 simulating it. No processes are started.
@@ -9,7 +9,7 @@ simulating it. No processes are started.
 import argparse
 import sys
 
-from .plan import PlanError, all_plans
+from .plan import SCHEDULES, PlanError, all_plans
 from .simulate import render, simulate
 
 
@@ -21,7 +21,7 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--chunks", type=int, default=1)
-    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default=None,
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default=None,
                         help="default: interleaved when --chunks > 1, else 1f1b")
     args = parser.parse_args(argv)
     schedule = args.schedule or ("interleaved" if args.chunks > 1 else "1f1b")

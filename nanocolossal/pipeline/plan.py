@@ -30,10 +30,27 @@ The bubble: with forward cost f and backward cost b, every schedule here idles
 (P - 1) * (f + b) per rank (divided by V when interleaved), out of M * (f + b) of work:
 bubble fraction = (P - 1) / (V * M + P - 1).
 
+Zero bubble, ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): a backward is two
+computations. B, the gradient of the stage's input, is what the previous stage waits for; W, the
+gradient of the weights, nobody waits for. So B alone travels back (faster), and rank r runs each
+W `r` backwards late: the W's it kept back fill the cool-down's idle time. Same warm-up and
+order of F and B as 1F1B; a micro-batch's activations are held until its W, at most P per rank
+(1F1B's peak, on rank 0). (F, B and W each take one unit here:)
+
+    rank 0 |F0F1F2F3......B0W0F4B1W1F5B2W2F6B3W3F7B4W4B5W5B6W6B7W7|
+    rank 1 |..F0F1F2....B0F3B1W0F4B2W1F5B3W2F6B4W3F7B5W4B6W5B7W6W7|
+    rank 2 |....F0F1..B0F2B1F3B2W0F4B3W1F5B4W2F6B5W3F7B6W4B7W5W6W7|
+    rank 3 |......F0B0F1B1F2B2F3B3W0F4B4W1F5B5W2F6B6W3F7B7W4W5W6W7|
+
+Each rank idles (P - 1)(f + b - w) beside 1F1B's (P - 1)(f + b + w) (its backward is b + w): a
+third when the three cost the same (bubble 11% here against 27%). Integer activations have no
+gradient to send; on the first stage B computes nothing (the input is data), W everything.
+
 `one_f_one_b` below is 1F1B on one rank as the textbooks draw it, in one screen; `build_plan`
-is the same loop generalised to GPipe and interleaved chunks (a test proves the two equal), and
-is what the executor (schedule.py) runs. `simulate.py` executes plans symbolically and draws the
-timelines above: `python -m nanocolossal.pipeline --show --stages 4 --microbatches 8`.
+is the same loop generalised to GPipe and interleaved chunks (a test proves the two equal), with
+ZB-H1's order from `zero_bubble_order`, and is what the executor (schedule.py) runs.
+`simulate.py` executes plans symbolically and draws the timelines above:
+`python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--schedule zero_bubble]`.
 """
 from __future__ import annotations
 
@@ -41,12 +58,12 @@ import string
 from dataclasses import dataclass
 from typing import Union
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
 
 @dataclass(frozen=True)
 class Compute:
-    kind: str   # "F" or "B"
+    kind: str   # "F", "B" or "W" (zero-bubble plans: B is the input's gradient, W the weights')
     chunk: int
     mb: int
 
@@ -97,7 +114,7 @@ def warmup_count(schedule: str, P: int, M: int, V: int, rank: int) -> int:
     """Forwards a rank runs before its first backward."""
     if schedule == "gpipe":
         return M * V
-    if schedule == "1f1b":
+    if schedule in ("1f1b", "zero_bubble"):
         return min(P - rank - 1, M)
     # Megatron: with one group of micro-batches interleaving degenerates to all-forward-first
     if M == P:
@@ -149,6 +166,30 @@ def one_f_one_b(P: int, M: int, rank: int) -> list[Step]:
     return plan
 
 
+def zero_bubble_order(P: int, M: int, rank: int) -> list[Compute]:
+    """ZB-H1 on pipeline rank `rank`: 1F1B's forwards and input-gradient backwards B, each
+    weight gradient W run `rank` backwards after its B, and the W's left over at the end."""
+    warmup = min(P - rank - 1, M)
+    order = [Compute("F", 0, m) for m in range(warmup)]
+    done_b = done_w = 0
+
+    def backward() -> None:
+        nonlocal done_b, done_w
+        order.append(Compute("B", 0, done_b))
+        done_b += 1
+        if done_b - done_w > rank:  # rank r keeps r weight gradients back for the cool-down
+            order.append(Compute("W", 0, done_w))
+            done_w += 1
+
+    for m in range(warmup, M):                   # steady state: F, B (and a W once lagging)
+        order.append(Compute("F", 0, m))
+        backward()
+    while done_b < M:                            # cool-down: the B's still in flight
+        backward()
+    order += [Compute("W", 0, m) for m in range(done_w, M)]  # the deferred W's fill the bubble
+    return order
+
+
 def _interleaved_step(k: int, kind: str, P: int, V: int) -> Compute:
     """A rank's k-th forward (or backward) in interleaved 1F1B.
 
@@ -171,6 +212,9 @@ def _units(schedule: str, P: int, M: int, V: int, rank: int,
     """The compute steps of one rank, grouped into units that run with no communication between
     them: warm-up forwards alone, then (forward, backward) pairs, then the remaining backwards."""
     check_sizes(schedule, P, M, V)
+    if schedule == "zero_bubble":
+        order = zero_bubble_order(P, M, rank)
+        return [[s] for s in order if not forward_only or s.kind == "F"]
     if schedule == "interleaved":
         forwards = [_interleaved_step(k, "F", P, V) for k in range(M * V)]
         backwards = [_interleaved_step(k, "B", P, V) for k in range(M * V)]

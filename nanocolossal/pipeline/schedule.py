@@ -1,4 +1,4 @@
-"""Running a pipeline plan: one executor for GPipe, 1F1B and interleaved 1F1B.
+"""Running a pipeline plan: one executor for GPipe, 1F1B, interleaved 1F1B and ZB-H1.
 
 Each schedule only chooses the order of steps (plan.py); `forward_backward_step` walks this
 rank's plan:
@@ -12,17 +12,22 @@ rank's plan:
              An integer activation (token ids for the next stage's embedding) has no
              gradient: both sides know its dtype, so both drop that transfer. A floating
              output that needs none (a frozen first stage) still gets one, unused.
+             Where the plan splits the backward (zero_bubble), B computes the input's
+             gradient only and keeps the graph for W (split_backward.py).
+    W(c, m)  the weights' gradients, from where B left off (split plans).
     Comm     sends and receives posted together (p2p.py).
 
-Activations are kept only from a micro-batch's forward to its backward, so rank r holds at
-most as many as its plan has in flight (P - r for 1F1B, M for GPipe). The mean loss is summed
+Activations are kept only from a micro-batch's forward to its backward (its W where split), so
+rank r holds at most as many as its plan has in flight (P - r for 1F1B, M for GPipe, P for
+ZB-H1). The mean loss is summed
 over the stages, so every stage can log it; outputs and labels come back on the last.
 
 Features reach the executor through its extensions (extensions.py), at the places marked
 `# extensions:` -- with data parallelism each chunk's gradients are averaged during its last
-backward (ddp.py), overlapping the remaining pipeline steps; the last stage may weigh its
-micro-batches by counted targets instead of samples (loss_weights.py); and a chunk may add a
-loss of its own, backpropagated with its output (MoE's load balancing: moe_aux.py).
+backward, its last W where split (ddp.py), overlapping the remaining pipeline steps; the last
+stage may weigh its micro-batches by counted targets instead of samples (loss_weights.py); and a
+chunk may add a loss of its own, backpropagated with its output (MoE's load balancing:
+moe_aux.py).
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ from .plan import (
     step_label,
     virtual_stage,
 )
+from .split_backward import SplitBackward
 
 
 def _check(name: str, M: int, V: int) -> None:
@@ -168,10 +174,12 @@ class _Run:
                     self.weigh = weigh
                     break
         self.plan = schedule.plan(forward_only=not training)
-        self.last_backward = {
-            s.chunk: i for i, s in enumerate(self.plan) if isinstance(s, Compute) and s.kind == "B"
-        }
-        # (chunk, mb) -> (input, output or loss, the chunk's own loss if not in the loss)
+        # a chunk's gradients are complete after its last B, or last W where the backward is split
+        self.last_backward = {s.chunk: i for i, s in enumerate(self.plan)
+                              if isinstance(s, Compute) and s.kind in ("B", "W")}
+        self.split = any(isinstance(s, Compute) and s.kind == "W" for s in self.plan)
+        # (chunk, mb) -> (input, output or loss, the chunk's own loss if not in the loss); from B
+        # to W where split, the SplitBackward
         self.held: dict[tuple, tuple] = {}
         self.outbox: dict[Transfer, torch.Tensor] = {}
         self.inbox: dict[Transfer, torch.Tensor] = {}
@@ -265,38 +273,52 @@ class _Run:
         return both[0].to(dtypes[int(both[1])] or torch.get_default_dtype())
 
     def backward(self, step: Compute, index: int) -> None:
+        """B: the whole backward, or where the plan splits it (zero_bubble) the input's gradient
+        only (split_backward.py), held for W; W: then the weights' gradients."""
         c, m, v = step.chunk, step.mb, virtual_stage(step.chunk, gpc.pipeline_rank, self.P)
-        x, backward_from, extra = self.held.pop((c, m))
         # extensions: a chunk's gradients are averaged once, during its last backward (DDP)
         with synchronising(self.extensions, c, last=index == self.last_backward[c]):
-            if self.is_last[c]:  # the loss, scaled for AMP
-                (backward_from * self.loss_scale).backward()
-            else:  # the output, with the gradient the next stage sent back
-                back = Transfer("grad", v + 1, v, m)
-                grad = None if back in self.no_grad else self.inbox.pop(back)
-                _backward(backward_from, grad, extra, self.loss_scale)
+            if step.kind == "W":
+                self.held.pop((c, m)).weight_grads()
+                return
+            x, backward_from, extra = self.held.pop((c, m))
+            roots, grads = _roots(backward_from, self._output_grad(backward_from, v, m, c),
+                                  extra, self.loss_scale)
+            if self.split:  # the graph stays held until W
+                weights = [p for p in self.chunks[c].parameters() if p.requires_grad]
+                split = SplitBackward(roots, grads, x if x.requires_grad else None, weights)
+                split.input_grad()
+                self.held[(c, m)] = split
+            elif roots:
+                torch.autograd.backward(roots, grads)
         sent = Transfer("grad", v, v - 1, m)
         if v > 0 and sent not in self.no_grad:
             if x.grad is None:
                 raise_ignored_input(v, m)
             self.outbox[sent] = x.grad
 
+    def _output_grad(self, backward_from: torch.Tensor, v: int, m: int,
+                     c: int) -> Optional[torch.Tensor]:
+        """The last stage starts from its loss times the AMP loss scale; the others from the
+        gradient the next stage sent back (none for an integer output)."""
+        if self.is_last[c]:
+            return torch.full_like(backward_from, self.loss_scale)
+        back = Transfer("grad", v + 1, v, m)
+        return None if back in self.no_grad else self.inbox.pop(back)
 
-def _backward(output: torch.Tensor, grad: Optional[torch.Tensor], extra: Optional[torch.Tensor],
-              loss_scale: float) -> None:
-    """A non-last stage's backward: the output with the gradient the next stage sent, and the
-    chunk's own loss (scaled like the loss) -- one backward through the shared graph. An integer
-    output has no gradient (`grad` None), and the output of a frozen stage needs none: only the
-    chunk's own loss, if any, goes backward."""
-    if grad is None or not output.requires_grad:
-        if extra is not None:
-            (extra * loss_scale).backward()
-        return
-    if extra is None:
-        torch.autograd.backward(output, grad)
-        return
-    scaled = extra * loss_scale
-    torch.autograd.backward((output, scaled), (grad, torch.ones_like(scaled)))
+
+def _roots(output: torch.Tensor, grad: Optional[torch.Tensor], extra: Optional[torch.Tensor],
+           loss_scale: float) -> tuple[list, list]:
+    """Where a chunk's backward starts: its output with `grad`, and its own loss (scaled like the
+    loss) -- one backward through the shared graph. An integer output has no gradient (`grad`
+    None), and the output of a frozen stage needs none: only the chunk's own loss, if any."""
+    roots, grads = [], []
+    if grad is not None and output.requires_grad:
+        roots, grads = [output], [grad]
+    if extra is not None:
+        scaled = extra * loss_scale
+        roots, grads = roots + [scaled], grads + [torch.ones_like(scaled)]
+    return roots, grads
 
 
 def raise_ignored_input(v: int, m: int) -> None:
@@ -320,6 +342,12 @@ class PipelineSchedule(_Schedule):
     name = "1f1b"
 
 
+class ZeroBubbleSchedule(_Schedule):
+    """ZB-H1: 1F1B with each backward split into B (the input's gradient, sent on at once) and
+    W (the weights' gradient, deferred into the bubble); see plan.py."""
+    name = "zero_bubble"
+
+
 class InterleavedPipelineSchedule(_Schedule):
     """Interleaved 1F1B over `num_chunks` model chunks per rank (Megatron's virtual pipeline)."""
     name = "interleaved"
@@ -331,7 +359,7 @@ class InterleavedPipelineSchedule(_Schedule):
 
 def make_schedule(name: str, num_microbatches: int, num_chunks: int = 1,
                   tensor_shape: Optional[Sequence[int]] = None) -> _Schedule:
-    """A schedule by name: 'gpipe', '1f1b' or 'interleaved'."""
+    """A schedule by name: 'gpipe', '1f1b', 'interleaved' or 'zero_bubble'."""
     # launched: check against the real pipeline now, not at the first batch
     if gpc.pipeline_size > 1:
         _check(name, num_microbatches, num_chunks)
@@ -339,4 +367,6 @@ def make_schedule(name: str, num_microbatches: int, num_chunks: int = 1,
         raise PlanError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
     if name == "interleaved":
         return InterleavedPipelineSchedule(num_microbatches, num_chunks, tensor_shape)
-    return {"gpipe": GPipeSchedule, "1f1b": PipelineSchedule}[name](num_microbatches, tensor_shape)
+    schedules = {"gpipe": GPipeSchedule, "1f1b": PipelineSchedule,
+                 "zero_bubble": ZeroBubbleSchedule}
+    return schedules[name](num_microbatches, tensor_shape)

@@ -3,16 +3,19 @@
 `simulate(plans, P, V)` executes every rank's plan symbolically with rendezvous semantics -- a
 transfer completes only when its sender and its receiver have both posted it -- so a plan that
 computes before its input arrives, or waits forever, is an error found on a laptop, not a hang
-on a cluster. It also counts the activations each rank holds (GPipe: M; 1F1B: P - rank).
+on a cluster. It also counts the activations each rank holds (GPipe: M; 1F1B: P - rank; ZB-H1,
+which holds them until W: P).
 
-`timeline` gives each compute step its earliest start under costs (forward 1, backward 2,
-communication free) and `render` draws it, as in plan.py's docstring; the bubble it measures is
-the formula's (P - 1) / (V * M + P - 1).
+`timeline` gives each compute step its earliest start under costs (forward f, input gradient b,
+weight gradient w, an unsplit backward b + w; communication free) and `render` draws it, as in
+plan.py's docstring; the bubble it measures is the formula's (`bubble_formula`): (P - 1) /
+(V * M + P - 1), and ZB-H1's (P - 1)(f + b - w) idle per rank.
 """
 from __future__ import annotations
 
 from .plan import (
     Comm,
+    Compute,
     PlanError,
     Step,
     Transfer,
@@ -36,6 +39,9 @@ def simulate(plans: list[list[Step]], P: int, V: int = 1) -> dict:
     completed: set[Transfer] = set()
     received: list[set] = [set() for _ in plans]
     done_f: list[set] = [set() for _ in plans]
+    done_b: list[set] = [set() for _ in plans]
+    # activations are held until the weights' gradient: W where the backward is split, else B
+    split = [any(isinstance(s, Compute) and s.kind == "W" for s in plan) for plan in plans]
     in_flight, max_in_flight = [0] * len(plans), [0] * len(plans)
     rank_of = lambda v: v % P  # noqa: E731
     while any(pos[r] < len(plans[r]) for r in range(len(plans))):
@@ -66,12 +72,17 @@ def simulate(plans: list[list[Step]], P: int, V: int = 1) -> dict:
                         done_f[r].add((step.chunk, step.mb))
                         in_flight[r] += 1
                         max_in_flight[r] = max(max_in_flight[r], in_flight[r])
-                    else:
+                    elif step.kind == "B":
                         if (step.chunk, step.mb) not in done_f[r]:
                             raise PlanError(f"rank {r}: backward {step} before its forward")
                         if v < P * V - 1 and Transfer("grad", v + 1, v, step.mb) not in received[r]:
                             raise PlanError(f"rank {r}: backward {step} "
                                             "before receiving its gradient")
+                        done_b[r].add((step.chunk, step.mb))
+                        in_flight[r] -= not split[r]
+                    else:  # W: the weights' gradient, from the output gradient B received
+                        if (step.chunk, step.mb) not in done_b[r]:
+                            raise PlanError(f"rank {r}: weight gradient {step} before its B")
                         in_flight[r] -= 1
                 pos[r] += 1
                 progress = True
@@ -81,9 +92,14 @@ def simulate(plans: list[list[Step]], P: int, V: int = 1) -> dict:
     return {"max_in_flight": max_in_flight, "transfers": len(completed)}
 
 
-def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost: int = 2) -> dict:
-    """Earliest start times of each rank's compute steps given costs (communication free)."""
+def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost: int = 1,
+             w_cost: int = 1) -> dict:
+    """Earliest start times of each rank's compute steps given costs (communication free): a
+    forward f, the input's gradient b, the weights' w -- one backward step b + w where the
+    schedule does not split it."""
     orders = [compute_order(schedule, P, M, V, r) for r in range(P)]
+    split = any(s.kind == "W" for s in orders[0])
+    cost = {"F": f_cost, "B": b_cost if split else b_cost + w_cost, "W": w_cost}
     end: dict[tuple, int] = {}   # (kind, virtual stage, mb) -> finish time
     rows: list[list] = [[] for _ in range(P)]
     free, idx = [0] * P, [0] * P
@@ -95,17 +111,16 @@ def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost:
                 s = orders[r][idx[r]]
                 v = virtual_stage(s.chunk, r, P)
                 if s.kind == "F":  # a forward needs the previous virtual stage's forward
-                    dep = ("F", v - 1, s.mb)
-                else:  # a backward needs the next stage's backward, or its own forward on the last
+                    dep = ("F", v - 1, s.mb) if v > 0 else None
+                elif s.kind == "B":  # the next stage's B, or its own forward on the last
                     dep = ("B", v + 1, s.mb) if v < last else ("F", v, s.mb)
-                if s.kind == "F" and v == 0:
-                    dep = None
+                else:  # W needs the output's gradient, which its B received
+                    dep = ("B", v, s.mb)
                 if dep is not None and dep not in end:
                     break
                 start = max(free[r], end[dep] if dep else 0)
-                cost = f_cost if s.kind == "F" else b_cost
-                end[(s.kind, v, s.mb)] = free[r] = start + cost
-                rows[r].append((start, start + cost, s))
+                end[(s.kind, v, s.mb)] = free[r] = start + cost[s.kind]
+                rows[r].append((start, start + cost[s.kind], s))
                 idx[r] += 1
                 moved = True
         if not moved:
@@ -115,8 +130,19 @@ def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost:
     return {"rows": rows, "makespan": makespan, "bubble": 1 - busy / (P * makespan)}
 
 
+def bubble_formula(schedule: str, P: int, M: int, V: int = 1, f: float = 1, b: float = 1,
+                   w: float = 1) -> float:
+    """The papers' bubble fraction: (P - 1) / (V * M + P - 1) for GPipe and (interleaved) 1F1B;
+    ZB-H1 idles (P - 1) * (f + b - w) per rank beside M * (f + b + w) of work (Qi et al.)."""
+    if schedule != "zero_bubble":
+        return (P - 1) / (V * M + P - 1)
+    idle = (P - 1) * (f + b - w)
+    return idle / (idle + M * (f + b + w))
+
+
 def render(schedule: str, P: int, M: int, V: int = 1) -> str:
-    """An ASCII timeline, one row per rank, one column per unit of time (a backward costs 2)."""
+    """An ASCII timeline, one row per rank, one column per unit of time (F, B and W cost 1; an
+    unsplit backward 2)."""
     t = timeline(schedule, P, M, V)
     width = len(str(M - 1)) + 1 + len(chunk_name(V - 1, V))
     lines = []
@@ -127,8 +153,9 @@ def render(schedule: str, P: int, M: int, V: int = 1) -> str:
             for time in range(start, stop):
                 cells[time] = label
         lines.append(f"rank {r} |{''.join(cells)}|")
-    ideal = (P - 1) / (V * M + P - 1)
+    formula = ("(P-1)(F+B-W)/((P-1)(F+B-W)+M(F+B+W))" if schedule == "zero_bubble"
+               else "(P-1)/(V*M+P-1)")
     lines.append(f"{schedule}: P={P} stages, M={M} micro-batches, V={V} chunk(s); bubble "
-                 f"{t['bubble']:.1%} (formula (P-1)/(V*M+P-1) = {ideal:.1%}); chunks a, b, ... "
-                 f"when interleaved")
+                 f"{t['bubble']:.1%} (formula {formula} = {bubble_formula(schedule, P, M, V):.1%})"
+                 f"; chunks a, b, ... when interleaved")
     return "\n".join(lines)
