@@ -304,11 +304,6 @@ def validate_config(cfg: Config) -> None:
             raise ConfigError(f"{key} must be a positive integer, got {value!r}")
     if "debug" in cfg and not isinstance(cfg.debug, bool):
         raise ConfigError(f"debug must be True or False, got {cfg.debug!r}")
-    from .pipeline.plan import SCHEDULES  # here: the pipeline package imports this module
-    schedule = cfg.get("PIPELINE_SCHEDULE")
-    if schedule is not None and schedule not in SCHEDULES:
-        raise ConfigError(f"PIPELINE_SCHEDULE must be one of {', '.join(map(repr, SCHEDULES))}, "
-                          f"got {schedule!r}")
     shape = cfg.get("TENSOR_SHAPE")
     if shape is not None and not (isinstance(shape, (list, tuple))
                                   and all(map(is_positive_int, shape))):

@@ -9,8 +9,17 @@
 
     python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--chunks 2] [--schedule S]
 """
+from ..config import Config, ConfigError, register_check
 from .partition import PipelineChunks, PipelineStage, balanced_split, build_pipeline_model
-from .plan import PlanError, all_plans, build_plan, compute_order, one_f_one_b, warmup_count
+from .plan import (
+    SCHEDULES,
+    PlanError,
+    all_plans,
+    build_plan,
+    compute_order,
+    one_f_one_b,
+    warmup_count,
+)
 from .schedule import (
     GPipeSchedule,
     InterleavedPipelineSchedule,
@@ -25,3 +34,14 @@ __all__ = ["GPipeSchedule", "InterleavedPipelineSchedule", "PipelineChunks", "Pi
            "PlanError", "all_plans", "balanced_split", "build_pipeline_model", "build_plan",
            "ZeroBubbleSchedule", "compute_order", "make_schedule", "one_f_one_b", "render",
            "simulate", "warmup_count"]
+
+
+def check_pipeline_schedule(cfg: Config) -> None:
+    """PIPELINE_SCHEDULE names one of plan.py's schedules."""
+    schedule = cfg.get("PIPELINE_SCHEDULE")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ConfigError(f"PIPELINE_SCHEDULE must be one of {', '.join(map(repr, SCHEDULES))}, "
+                          f"got {schedule!r}")
+
+
+register_check(check_pipeline_schedule)  # validate_config runs it when a config is loaded
