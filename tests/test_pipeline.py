@@ -22,20 +22,21 @@ import nanocolossal as nc
 from nanocolossal.checkpoint import merge_pipeline_checkpoint, save_checkpoint
 from nanocolossal.context import gpc
 from nanocolossal.pipeline import build_pipeline_model, compute_order, make_schedule, p2p
-from nanocolossal.pipeline.plan import step_label
+from nanocolossal.pipeline.plan import Comm, build_plan, step_label
 from nanocolossal.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(150)
 BATCH, M = 16, 4
 
 
-def _lesson_worker(rank, world_size, port, xs, ys, schedule="1f1b"):
-    nc.launch(dict(parallel=dict(pipeline=2), NUM_MICRO_BATCHES=4, PIPELINE_SCHEDULE=schedule),
-              rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+def _lesson_worker(rank, world_size, port, xs, ys, schedule="1f1b", chunks=1):
+    nc.launch(dict(parallel=dict(pipeline=2), NUM_MICRO_BATCHES=4, PIPELINE_SCHEDULE=schedule,
+                   NUM_CHUNKS=chunks), rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
     torch.manual_seed(0)  # every rank builds the whole model the reference builds
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
                           nn.Linear(8, 3)).double()
-    stage = build_pipeline_model(model)  # and keeps its stage: the first layers or the last
+    stage = build_pipeline_model(model, chunks)  # and keeps its stage: the first layers or the last
     optimizer = torch.optim.SGD(stage.parameters(), lr=0.5, momentum=0.9)
     engine, *_ = nc.initialize(stage, optimizer, nn.CrossEntropyLoss(), verbose=False)
     for x, y in zip(xs, ys):
@@ -77,6 +78,19 @@ def test_gloo_zero_bubble_splits_each_backward_and_still_equals_one_process():
                                                   "W1", "F3", "B3", "W2", "W3"]
     xs, ys, whole = _one_process()
     first, last = run_ranks(_lesson_worker, 2, xs, ys, "zero_bubble")
+    assert_close({**first, **last}, whole)
+
+
+def test_gloo_zbv_places_two_chunks_in_a_v_and_still_equals_one_process():
+    """ZB-V (plan.py): each rank holds two chunks, in a V -- rank 0 the first and the last part,
+    rank 1 the two middle ones, which it hands over in memory, with no message. Each backward is
+    split into B and W, and the W's fill the time 1F1B would idle. The same training."""
+    plan1 = build_plan("zbv", 2, 4, 2, rank=1)
+    sent = [t for s in plan1 if isinstance(s, Comm) for t in s.sends + s.recvs]
+    assert sent and not [t for t in sent if {t.src, t.dst} == {1, 2}], "parts 1 -> 2: in memory"
+    xs, ys, whole = _one_process()
+    first, last = run_ranks(_lesson_worker, 2, xs, ys, "zbv", 2)
+    assert {k.split(".")[0] for k in first} == {"0", "4"}  # the input's layer and the loss's
     assert_close({**first, **last}, whole)
 
 

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader
 from ..config import ConfigError
 from ..context import gpc
 from ..pipeline import PipelineChunks, PipelineStage, make_schedule
+from ..pipeline.plan import v_shaped
 
 
 def check_tensor_parallel_model(model: nn.Module) -> None:
@@ -51,11 +52,16 @@ def pipeline_schedule(model: nn.Module):
                           f"has {chunks} chunk(s); pass num_chunks=NUM_CHUNKS to "
                           f"build_pipeline_model")
     name = cfg.get("PIPELINE_SCHEDULE", "interleaved" if chunks > 1 else "1f1b")
-    if name == "zero_bubble" and cfg.get("ACTIVATION_CHECKPOINT"):
+    if name in ("zero_bubble", "zbv") and cfg.get("ACTIVATION_CHECKPOINT"):
         raise ConfigError(f"[rank {gpc.rank}] ACTIVATION_CHECKPOINT recomputes a block in a "
-                          f"backward of its own, which cannot split into zero_bubble's input "
+                          f"backward of its own, which cannot split into {name}'s input "
                           f"gradient (B) and weight gradient (W); use PIPELINE_SCHEDULE='1f1b' "
-                          f"with it, or zero_bubble without it")
+                          f"with it, or {name} without it")
+    if getattr(model, "v_shape", False) != v_shaped(name):
+        built = "a V (zbv)" if getattr(model, "v_shape", False) else "a loop (c * P + r)"
+        raise ConfigError(f"[rank {gpc.rank}] PIPELINE_SCHEDULE={name!r} but the stage's chunks "
+                          f"were placed in {built}; build it with build_pipeline_model(..., "
+                          f"schedule={name!r}) (or after setting PIPELINE_SCHEDULE)")
     try:
         return make_schedule(name, cfg.NUM_MICRO_BATCHES, chunks, cfg.get("TENSOR_SHAPE"))
     except ValueError as e:  # PlanError: already names the rank

@@ -55,6 +55,7 @@ from ..loss_weights import CountedTargets, counts_targets, weighed_ranks
 from ..moe import MoeGradientHandler, moe_layers
 from ..moe.settings import moe_aux_weight
 from ..pipeline.moe_aux import MoeAuxLoss
+from ..pipeline.plan import virtual_stage
 from ..pipeline.tied import TiedGradients
 from ..replicas import broadcast_replicas
 from ..sequence import check_sequence_model, sequence_attention, split_loader
@@ -113,8 +114,10 @@ def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer
     # one process casts only the model's output to fp32: here the last stage's last chunk (a
     # TENSOR_SHAPE fixes every stage boundary at fp32, skipping the dtype handshake: keep all)
     chunks = len(model) if isinstance(model, nn.ModuleList) else 1
+    P, v_shape = gpc.pipeline_size, getattr(model, "v_shape", False)
     outputs = [gpc.config.get("TENSOR_SHAPE") is not None
-               or (gpc.is_last_stage() and c == chunks - 1) for c in range(chunks)]
+               or virtual_stage(c, gpc.pipeline_rank, P, v_shape) == P * chunks - 1
+               for c in range(chunks)]
     model, optimizer = amp.initialize(model, optimizer, opt_level, device_type=gpc.device.type,
                                       outputs=outputs, **kwargs)
     return model, optimizer, name

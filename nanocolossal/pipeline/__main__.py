@@ -1,7 +1,7 @@
 """Show a pipeline schedule without starting processes:
 
     python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--chunks 2]
-                                    [--schedule 1f1b|gpipe|interleaved|zero_bubble]
+                                    [--schedule 1f1b|gpipe|interleaved|zero_bubble|zbv]
 
 Prints a schedule's timeline (one row per rank) and its bubble, and checks the plan by
 simulating it. No processes are started.
@@ -9,7 +9,7 @@ simulating it. No processes are started.
 import argparse
 import sys
 
-from .plan import SCHEDULES, PlanError, all_plans
+from .plan import SCHEDULES, PlanError, all_plans, v_shaped
 from .simulate import render, simulate
 
 
@@ -20,15 +20,16 @@ def main(argv=None) -> int:
                         help="print the timeline (the default action)")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--chunks", type=int, default=1)
+    parser.add_argument("--chunks", type=int, default=None, help="default: 2 for zbv, else 1")
     parser.add_argument("--schedule", choices=list(SCHEDULES), default=None,
                         help="default: interleaved when --chunks > 1, else 1f1b")
     args = parser.parse_args(argv)
-    schedule = args.schedule or ("interleaved" if args.chunks > 1 else "1f1b")
+    chunks = args.chunks or (2 if args.schedule == "zbv" else 1)
+    schedule = args.schedule or ("interleaved" if chunks > 1 else "1f1b")
     try:
-        print(render(schedule, args.stages, args.microbatches, args.chunks))
-        held = simulate(all_plans(schedule, args.stages, args.microbatches, args.chunks),
-                        args.stages, args.chunks)["max_in_flight"]
+        print(render(schedule, args.stages, args.microbatches, chunks))
+        held = simulate(all_plans(schedule, args.stages, args.microbatches, chunks),
+                        args.stages, chunks, v_shaped(schedule))["max_in_flight"]
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..context import gpc
-from .plan import Transfer
+from .plan import Transfer, stage_rank
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.uint8, torch.bool]
@@ -49,8 +49,8 @@ class StageComm:
     """One rank's pipeline messaging: P stages, boundaries between virtual stages v -> v + 1."""
 
     def __init__(self, tensor_shape: Optional[Sequence[int]] = None,
-                 dtype: torch.dtype = torch.float32) -> None:
-        self.P = gpc.pipeline_size
+                 dtype: torch.dtype = torch.float32, v_shape: bool = False) -> None:
+        self.P, self.v_shape = gpc.pipeline_size, v_shape  # v_shape: zbv's parts in a V
         self.fixed = (tuple(tensor_shape), dtype) if tensor_shape is not None else None
         # (boundary = source virtual stage, mb size) -> (shape, dtype)
         self.shapes: dict[tuple, tuple] = {}
@@ -58,7 +58,7 @@ class StageComm:
         self._sending: list[tuple] = []     # (work, tensor) of sends not yet known to be complete
 
     def _rank(self, virtual_stage: int) -> int:
-        return gpc.pipeline_ranks[virtual_stage % self.P]
+        return gpc.pipeline_ranks[stage_rank(virtual_stage, self.P, self.v_shape)]
 
     def _meta_of(self, boundary: int, mb: int) -> Optional[tuple]:
         size = self.sizes[mb] if mb < len(self.sizes) else None

@@ -2,8 +2,9 @@
 
 With P stages and V chunks there are K = P * V contiguous parts; part k = c * P + r is chunk
 c of rank r (so with V = 2 and P = 2, rank 0 holds parts 0 and 2: layers 1-4 and 9-12 of a
-16-layer model, as the tutorial describes). How the layers are balanced decides the
-pipeline's speed -- the slowest part sets the pace:
+16-layer model, as the tutorial describes). For zbv the two chunks lie in a V: part k is on
+rank k for k < P and on rank 2P - 1 - k after (rank 0 holds parts 0 and 3, the first and last).
+How the layers are balanced decides the pipeline's speed -- the slowest part sets the pace:
 
     "uniform"     the same number of layers per part
     "parameters"  balanced parameter counts (good for stacks of similar blocks)
@@ -30,7 +31,7 @@ from torch import nn
 
 from ..context import gpc
 from ..logging import get_dist_logger
-from .plan import virtual_stage
+from .plan import stage_rank, v_shaped, virtual_stage
 from .tied import tie_across_stages
 
 
@@ -163,13 +164,16 @@ def partition_sizes(layers: nn.Sequential, parts: int, partition: Union[str, Seq
 
 def build_pipeline_model(layers: nn.Sequential, num_chunks: int = 1,
                          partition: Union[str, Sequence[int]] = "parameters", verbose: bool = False,
-                         sample_input: Optional[torch.Tensor] = None) -> nn.Module:
-    """This rank's part of `layers`: a PipelineStage, or PipelineChunks of num_chunks stages."""
+                         sample_input: Optional[torch.Tensor] = None,
+                         schedule: Optional[str] = None) -> nn.Module:
+    """This rank's part of `layers`: a PipelineStage, or PipelineChunks of num_chunks stages,
+    placed for `schedule` (default: the config's PIPELINE_SCHEDULE; 'zbv' places them in a V)."""
     if not isinstance(layers, nn.Sequential):
         raise TypeError(f"[rank {gpc.rank}] build_pipeline_model needs an "
                         f"nn.Sequential (got {type(layers).__name__}); write "
                         "the model as nn.Sequential(stem, block1, ..., head)")
     P, V = gpc.pipeline_size, num_chunks
+    v_shape = v_shaped(schedule or gpc.config.get("PIPELINE_SCHEDULE", ""))
     sizes, costs = partition_sizes(layers, P * V, partition, sample_input)
     starts = [sum(sizes[:k]) for k in range(P * V)]
     if verbose:
@@ -180,11 +184,12 @@ def build_pipeline_model(layers: nn.Sequential, num_chunks: int = 1,
         for k in range(P * V):
             a, b = starts[k], starts[k] + sizes[k]
             n_params = sum(p.numel() for layer in layers[a:b] for p in layer.parameters())
-            lines.append(f"  {k:>4}  {k % P:>4}  {k // P:>5}  {a:>3}-{b - 1:<5} {n_params:>10,}  "
-                         f"{sum(costs[a:b]):>8.3g}{unit}")
+            lines.append(f"  {k:>4}  {stage_rank(k, P, v_shape):>4}  {k // P:>5}  "
+                         f"{a:>3}-{b - 1:<5} {n_params:>10,}  {sum(costs[a:b]):>8.3g}{unit}")
         get_dist_logger().info("\n".join(lines))
-    parts = [virtual_stage(c, gpc.pipeline_rank, P) for c in range(V)]
+    parts = [virtual_stage(c, gpc.pipeline_rank, P, v_shape) for c in range(V)]
     mine = [PipelineStage(layers, starts[k], starts[k] + sizes[k]) for k in parts]
     stage = mine[0] if V == 1 else PipelineChunks(mine)
-    stage.tied = tie_across_stages(layers, starts, sizes)  # e.g. embedding = classifier
+    stage.v_shape = v_shape  # the schedule checks it runs the placement it was built for
+    stage.tied = tie_across_stages(layers, starts, sizes, v_shape)  # e.g. embedding = classifier
     return stage

@@ -1,4 +1,4 @@
-"""Running a pipeline plan: one executor for GPipe, 1F1B, interleaved 1F1B and ZB-H1.
+"""Running a pipeline plan: one executor for GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V.
 
 Each schedule only chooses the order of steps (plan.py); `forward_backward_step` walks this
 rank's plan:
@@ -12,10 +12,11 @@ rank's plan:
              An integer activation (token ids for the next stage's embedding) has no
              gradient: both sides know its dtype, so both drop that transfer. A floating
              output that needs none (a frozen first stage) still gets one, unused.
-             Where the plan splits the backward (zero_bubble), B computes the input's
+             Where the plan splits the backward (zero_bubble, zbv), B computes the input's
              gradient only and keeps the graph for W (split_backward.py).
     W(c, m)  the weights' gradients, from where B left off (split plans).
-    Comm     sends and receives posted together (p2p.py).
+    Comm     sends and receives posted together (p2p.py). Between two parts on one rank
+             (zbv's chunks at the bottom of the V) the tensor is handed over in memory.
 
 Activations are kept only from a micro-batch's forward to its backward (its W where split), so
 rank r holds at most as many as its plan has in flight (P - r for 1F1B, M for GPipe, P for
@@ -49,7 +50,9 @@ from .plan import (
     Transfer,
     build_plan,
     check_sizes,
+    handed_over,
     step_label,
+    v_shaped,
     virtual_stage,
 )
 from .split_backward import SplitBackward
@@ -138,7 +141,7 @@ class _Schedule:
                              f"got {len(chunks)}; build the model with build_pipeline_model(..., "
                              f"num_chunks={V})")
         if self._comm is None:
-            self._comm = StageComm(self.tensor_shape)
+            self._comm = StageComm(self.tensor_shape, v_shape=v_shaped(self.name))
 
     def _check_criterion(self, run: "_Run", criterion: Optional[Callable], forward_only: bool,
                          return_loss: bool) -> None:
@@ -161,11 +164,12 @@ class _Run:
                  extensions: Sequence[Extension]) -> None:
         P, V = gpc.pipeline_size, schedule.num_chunks
         self.M, self.P, self.chunks = schedule.num_microbatches, P, chunks
+        self.v_shape = v_shaped(schedule.name)  # zbv: chunk 1 of rank r is part 2P - 1 - r
         self.criterion, self.training, self.loss_scale = criterion, training, loss_scale
         self.x_mb, self.y_mb, self.extensions = x_mb, y_mb, extensions
         n = sum(len(y) for y in y_mb)
         self.share = [len(y) / n for y in y_mb]
-        self.is_last = [virtual_stage(c, gpc.pipeline_rank, P) == P * V - 1 for c in range(V)]
+        self.is_last = [self._part(c) == P * V - 1 for c in range(V)]
         self.weigh = self._by_samples
         if any(self.is_last) and criterion is not None:
             for extension in extensions:  # extensions: by counted targets (loss_weights.py)
@@ -191,6 +195,14 @@ class _Run:
         self.loss_dtype: Optional[torch.dtype] = None  # known on the last stage only
         self.max_in_flight = 0
 
+    def _part(self, chunk: int) -> int:
+        return virtual_stage(chunk, gpc.pipeline_rank, self.P, self.v_shape)
+
+    def _deliver(self, t: Transfer, x: torch.Tensor) -> None:
+        """To the outbox for the next communication step, or, where both parts are on this rank
+        (zbv's bottom of the V), straight to the inbox: a hand-over, no message."""
+        (self.inbox if handed_over(t, self.P, self.v_shape) else self.outbox)[t] = x
+
     def exchange(self, comm: StageComm, step: Comm, where: str) -> None:
         """Post this step's sends and receives together (p2p.py); integer activations' gradients
         are never sent."""
@@ -199,7 +211,7 @@ class _Run:
         self.inbox.update(comm.exchange(sends, recvs, where))
 
     def forward(self, step: Compute) -> None:
-        c, m, v = step.chunk, step.mb, virtual_stage(step.chunk, gpc.pipeline_rank, self.P)
+        c, m, v = step.chunk, step.mb, self._part(step.chunk)
         x = self.x_mb[m] if v == 0 else self._receive(v, m)
         with torch.set_grad_enabled(self.training):
             output = self.chunks[c](x)
@@ -231,7 +243,7 @@ class _Run:
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"[rank {gpc.rank}] pipeline part {v} returned "
                             f"{type(output).__name__}; stages must return one tensor")
-        self.outbox[Transfer("act", v, v + 1, m)] = output.detach()
+        self._deliver(Transfer("act", v, v + 1, m), output.detach())
         if not output.is_floating_point():
             self.no_grad.add(Transfer("grad", v + 1, v, m))
         return output
@@ -273,9 +285,9 @@ class _Run:
         return both[0].to(dtypes[int(both[1])] or torch.get_default_dtype())
 
     def backward(self, step: Compute, index: int) -> None:
-        """B: the whole backward, or where the plan splits it (zero_bubble) the input's gradient
-        only (split_backward.py), held for W; W: then the weights' gradients."""
-        c, m, v = step.chunk, step.mb, virtual_stage(step.chunk, gpc.pipeline_rank, self.P)
+        """B: the whole backward, or where the plan splits it (zero_bubble, zbv) the input's
+        gradient only (split_backward.py), held for W; W: then the weights' gradients."""
+        c, m, v = step.chunk, step.mb, self._part(step.chunk)
         # extensions: a chunk's gradients are averaged once, during its last backward (DDP)
         with synchronising(self.extensions, c, last=index == self.last_backward[c]):
             if step.kind == "W":
@@ -295,7 +307,7 @@ class _Run:
         if v > 0 and sent not in self.no_grad:
             if x.grad is None:
                 raise_ignored_input(v, m)
-            self.outbox[sent] = x.grad
+            self._deliver(sent, x.grad)
 
     def _output_grad(self, backward_from: torch.Tensor, v: int, m: int,
                      c: int) -> Optional[torch.Tensor]:
@@ -348,6 +360,16 @@ class ZeroBubbleSchedule(_Schedule):
     name = "zero_bubble"
 
 
+class ZBVSchedule(_Schedule):
+    """ZB-V: two chunks per rank placed in a V (chunk 0 down the ranks, chunk 1 back up), each
+    backward split into B and W; see plan.py."""
+    name = "zbv"
+
+    def __init__(self, num_microbatches: int, tensor_shape: Optional[Sequence[int]] = None,
+                 num_chunks: int = 2):
+        super().__init__(num_microbatches, tensor_shape, num_chunks)
+
+
 class InterleavedPipelineSchedule(_Schedule):
     """Interleaved 1F1B over `num_chunks` model chunks per rank (Megatron's virtual pipeline)."""
     name = "interleaved"
@@ -359,14 +381,15 @@ class InterleavedPipelineSchedule(_Schedule):
 
 def make_schedule(name: str, num_microbatches: int, num_chunks: int = 1,
                   tensor_shape: Optional[Sequence[int]] = None) -> _Schedule:
-    """A schedule by name: 'gpipe', '1f1b', 'interleaved' or 'zero_bubble'."""
+    """A schedule by name: 'gpipe', '1f1b', 'interleaved', 'zero_bubble' or 'zbv'."""
     # launched: check against the real pipeline now, not at the first batch
     if gpc.pipeline_size > 1:
         _check(name, num_microbatches, num_chunks)
     elif name not in SCHEDULES:
         raise PlanError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
-    if name == "interleaved":
-        return InterleavedPipelineSchedule(num_microbatches, num_chunks, tensor_shape)
+    if name in ("interleaved", "zbv"):
+        chunked = InterleavedPipelineSchedule if name == "interleaved" else ZBVSchedule
+        return chunked(num_microbatches, tensor_shape=tensor_shape, num_chunks=num_chunks)
     schedules = {"gpipe": GPipeSchedule, "1f1b": PipelineSchedule,
                  "zero_bubble": ZeroBubbleSchedule}
     return schedules[name](num_microbatches, tensor_shape)

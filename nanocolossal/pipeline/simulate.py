@@ -4,12 +4,12 @@
 transfer completes only when its sender and its receiver have both posted it -- so a plan that
 computes before its input arrives, or waits forever, is an error found on a laptop, not a hang
 on a cluster. It also counts the activations each rank holds (GPipe: M; 1F1B: P - rank; ZB-H1,
-which holds them until W: P).
+which holds them until W: P; ZB-V: 2P chunks', P micro-batches').
 
 `timeline` gives each compute step its earliest start under costs (forward f, input gradient b,
 weight gradient w, an unsplit backward b + w; communication free) and `render` draws it, as in
 plan.py's docstring; the bubble it measures is the formula's (`bubble_formula`): (P - 1) /
-(V * M + P - 1), and ZB-H1's (P - 1)(f + b - w) idle per rank.
+(V * M + P - 1), ZB-H1's (P - 1)(f + b - w) idle per rank and ZB-V's (P - 1) f.
 """
 from __future__ import annotations
 
@@ -21,7 +21,11 @@ from .plan import (
     Transfer,
     chunk_name,
     compute_order,
+    earliest_starts,
+    handed_over,
+    stage_rank,
     step_label,
+    v_shaped,
     virtual_stage,
 )
 
@@ -30,11 +34,12 @@ class DeadlockError(RuntimeError):
     pass
 
 
-def simulate(plans: list[list[Step]], P: int, V: int = 1) -> dict:
+def simulate(plans: list[list[Step]], P: int, V: int = 1, v_shape: bool = False) -> dict:
     """Run plans symbolically with rendezvous semantics: a transfer completes only when the sender
-    and the receiver have both posted it. Returns {"max_in_flight": [per rank], "transfers": n};
-    raises PlanError (or DeadlockError) where a plan computes before its input arrives or waits
-    forever."""
+    and the receiver have both posted it; one between two parts on the same rank (`v_shape`:
+    zbv's chunks in a V) is handed over as soon as it is computed. Returns {"max_in_flight": [per
+    rank], "transfers": n}; raises PlanError (or DeadlockError) where a plan computes before its
+    input arrives or waits forever."""
     pos = [0] * len(plans)
     completed: set[Transfer] = set()
     received: list[set] = [set() for _ in plans]
@@ -43,7 +48,6 @@ def simulate(plans: list[list[Step]], P: int, V: int = 1) -> dict:
     # activations are held until the weights' gradient: W where the backward is split, else B
     split = [any(isinstance(s, Compute) and s.kind == "W" for s in plan) for plan in plans]
     in_flight, max_in_flight = [0] * len(plans), [0] * len(plans)
-    rank_of = lambda v: v % P  # noqa: E731
     while any(pos[r] < len(plans[r]) for r in range(len(plans))):
         posted = {}
         for r, plan in enumerate(plans):  # what each rank waits on right now
@@ -56,7 +60,7 @@ def simulate(plans: list[list[Step]], P: int, V: int = 1) -> dict:
         for (side, t), r in posted.items():
             if side == "send" and ("recv", t) in posted and t not in completed:
                 completed.add(t)
-                received[rank_of(t.dst)].add(t)
+                received[stage_rank(t.dst, P, v_shape)].add(t)
                 progress = True
         for r, plan in enumerate(plans):
             while pos[r] < len(plan):
@@ -65,11 +69,13 @@ def simulate(plans: list[list[Step]], P: int, V: int = 1) -> dict:
                     if not all(t in completed for t in step.sends + step.recvs):
                         break
                 else:
-                    v = virtual_stage(step.chunk, r, P)
+                    v = virtual_stage(step.chunk, r, P, v_shape)
                     if step.kind == "F":
                         if v > 0 and Transfer("act", v - 1, v, step.mb) not in received[r]:
                             raise PlanError(f"rank {r}: forward {step} before receiving its input")
                         done_f[r].add((step.chunk, step.mb))
+                        received[r] |= _handed_over(Transfer("act", v, v + 1, step.mb), P, V,
+                                                    v_shape)
                         in_flight[r] += 1
                         max_in_flight[r] = max(max_in_flight[r], in_flight[r])
                     elif step.kind == "B":
@@ -79,6 +85,8 @@ def simulate(plans: list[list[Step]], P: int, V: int = 1) -> dict:
                             raise PlanError(f"rank {r}: backward {step} "
                                             "before receiving its gradient")
                         done_b[r].add((step.chunk, step.mb))
+                        received[r] |= _handed_over(Transfer("grad", v, v - 1, step.mb), P, V,
+                                                    v_shape)
                         in_flight[r] -= not split[r]
                     else:  # W: the weights' gradient, from the output gradient B received
                         if (step.chunk, step.mb) not in done_b[r]:
@@ -92,6 +100,12 @@ def simulate(plans: list[list[Step]], P: int, V: int = 1) -> dict:
     return {"max_in_flight": max_in_flight, "transfers": len(completed)}
 
 
+def _handed_over(t: Transfer, P: int, V: int, v_shape: bool) -> set[Transfer]:
+    """{t} if it stays on its rank (between two of the P * V parts), else nothing."""
+    inside = 0 <= min(t.src, t.dst) and max(t.src, t.dst) < P * V
+    return {t} if inside and handed_over(t, P, v_shape) else set()
+
+
 def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost: int = 1,
              w_cost: int = 1) -> dict:
     """Earliest start times of each rank's compute steps given costs (communication free): a
@@ -100,32 +114,8 @@ def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost:
     orders = [compute_order(schedule, P, M, V, r) for r in range(P)]
     split = any(s.kind == "W" for s in orders[0])
     cost = {"F": f_cost, "B": b_cost if split else b_cost + w_cost, "W": w_cost}
-    end: dict[tuple, int] = {}   # (kind, virtual stage, mb) -> finish time
-    rows: list[list] = [[] for _ in range(P)]
-    free, idx = [0] * P, [0] * P
-    last = P * V - 1
-    while any(idx[r] < len(orders[r]) for r in range(P)):
-        moved = False
-        for r in range(P):
-            while idx[r] < len(orders[r]):
-                s = orders[r][idx[r]]
-                v = virtual_stage(s.chunk, r, P)
-                if s.kind == "F":  # a forward needs the previous virtual stage's forward
-                    dep = ("F", v - 1, s.mb) if v > 0 else None
-                elif s.kind == "B":  # the next stage's B, or its own forward on the last
-                    dep = ("B", v + 1, s.mb) if v < last else ("F", v, s.mb)
-                else:  # W needs the output's gradient, which its B received
-                    dep = ("B", v, s.mb)
-                if dep is not None and dep not in end:
-                    break
-                start = max(free[r], end[dep] if dep else 0)
-                end[(s.kind, v, s.mb)] = free[r] = start + cost[s.kind]
-                rows[r].append((start, start + cost[s.kind], s))
-                idx[r] += 1
-                moved = True
-        if not moved:
-            raise DeadlockError("compute orders wait on each other")
-    makespan = max(free)
+    rows = earliest_starts(orders, P, V, v_shaped(schedule), cost)
+    makespan = max(row[-1][1] for row in rows if row)
     busy = sum(e - s for row in rows for s, e, _ in row)
     return {"rows": rows, "makespan": makespan, "bubble": 1 - busy / (P * makespan)}
 
@@ -133,11 +123,17 @@ def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost:
 def bubble_formula(schedule: str, P: int, M: int, V: int = 1, f: float = 1, b: float = 1,
                    w: float = 1) -> float:
     """The papers' bubble fraction: (P - 1) / (V * M + P - 1) for GPipe and (interleaved) 1F1B;
-    ZB-H1 idles (P - 1) * (f + b - w) per rank beside M * (f + b + w) of work (Qi et al.)."""
-    if schedule != "zero_bubble":
+    ZB-H1 idles (P - 1) * (f + b - w) per rank beside M * (f + b + w) of work (Qi et al.); ZB-V,
+    whose costs are a chunk's (half a stage), idles only while the first micro-batch comes down
+    to a rank and the last goes back, (P - 1) * f, beside 2M * (f + b + w) of work -- when
+    f = b = w, the paper's condition (otherwise its fixed order idles more)."""
+    if schedule == "zero_bubble":
+        idle, work = (P - 1) * (f + b - w), M * (f + b + w)
+    elif schedule == "zbv":
+        idle, work = (P - 1) * f, 2 * M * (f + b + w)
+    else:
         return (P - 1) / (V * M + P - 1)
-    idle = (P - 1) * (f + b - w)
-    return idle / (idle + M * (f + b + w))
+    return idle / (idle + work)
 
 
 def render(schedule: str, P: int, M: int, V: int = 1) -> str:
@@ -153,8 +149,8 @@ def render(schedule: str, P: int, M: int, V: int = 1) -> str:
             for time in range(start, stop):
                 cells[time] = label
         lines.append(f"rank {r} |{''.join(cells)}|")
-    formula = ("(P-1)(F+B-W)/((P-1)(F+B-W)+M(F+B+W))" if schedule == "zero_bubble"
-               else "(P-1)/(V*M+P-1)")
+    formula = {"zero_bubble": "(P-1)(F+B-W)/((P-1)(F+B-W)+M(F+B+W))",
+               "zbv": "(P-1)F/((P-1)F+2M(F+B+W))"}.get(schedule, "(P-1)/(V*M+P-1)")
     lines.append(f"{schedule}: P={P} stages, M={M} micro-batches, V={V} chunk(s); bubble "
                  f"{t['bubble']:.1%} (formula {formula} = {bubble_formula(schedule, P, M, V):.1%})"
                  f"; chunks a, b, ... when interleaved")

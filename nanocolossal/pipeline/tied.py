@@ -29,12 +29,15 @@ from torch import nn
 
 from ..context import gpc
 from ..extensions import Extension
+from .plan import stage_rank
 
 Tied = list[tuple[nn.Parameter, Optional[dist.ProcessGroup]]]
 
 
-def tie_across_stages(layers: nn.Sequential, starts: Sequence[int], sizes: Sequence[int]) -> Tied:
-    """The parameters this rank shares with other stages, each with the group to sum over.
+def tie_across_stages(layers: nn.Sequential, starts: Sequence[int], sizes: Sequence[int],
+                      v_shape: bool = False) -> Tied:
+    """The parameters this rank shares with other stages, each with the group to sum over. (In
+    zbv's V the first and last parts are both on rank 0: one tensor there, summed by autograd.)
 
     Collective: every rank creates every group, in the same order (the order parameters first
     appear in the model, which every rank built alike)."""
@@ -43,7 +46,7 @@ def tie_across_stages(layers: nn.Sequential, starts: Sequence[int], sizes: Seque
     for part, (start, size) in enumerate(zip(starts, sizes)):
         for layer in layers[start:start + size]:
             for p in layer.parameters():
-                holders.setdefault(id(p), (p, set()))[1].add(part % P)  # part k is on rank k % P
+                holders.setdefault(id(p), (p, set()))[1].add(stage_rank(part, P, v_shape))
     mine: Tied = []
     for param, stages in holders.values():
         if len(stages) < 2 or not param.requires_grad:
