@@ -17,31 +17,40 @@ from nanocolossal.pipeline import (
     simulate,
 )
 from nanocolossal.pipeline.__main__ import main as show_main
-from nanocolossal.pipeline.plan import Comm, Compute, build_plan, one_f_one_b
-from nanocolossal.pipeline.simulate import timeline
+from nanocolossal.pipeline.plan import (
+    Comm,
+    Compute,
+    build_plan,
+    one_f_one_b,
+    stage_rank,
+    v_shaped,
+)
+from nanocolossal.pipeline.simulate import bubble_formula, timeline
 
 GRID = [
     (s, P, M, V)
-    for s in ("gpipe", "1f1b", "interleaved", "zero_bubble")
+    for s in ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
     for P in (2, 3, 4)
     for V in (1, 2)
     for M in range(P, 3 * P + 1)
-    if (s == "interleaved" or V == 1) and (s != "interleaved" or M % P == 0)
+    if (s in ("interleaved", "zbv")) == (V == 2) and (s != "interleaved" or M % P == 0)
+    and (s != "zbv" or M >= 2 * P - 1)
 ]
 
 
-def _fifo(plans, P):
+def _fifo(plans, P, v_shape=False):
     """Per ordered pair of ranks, the sequence of messages as the sender posts them and as the
     receiver does."""
+    where = lambda v: stage_rank(v, P, v_shape)  # noqa: E731
     sent, got = {}, {}
     for r, plan in enumerate(plans):
         for step in plan:
             if isinstance(step, Comm):
                 key = lambda t: (t.what, t.src, t.dst, t.mb)  # noqa: E731  (p2p.py's order)
                 for t in sorted(step.sends, key=key):
-                    sent.setdefault((r, t.dst % P), []).append(t)
+                    sent.setdefault((r, where(t.dst)), []).append(t)
                 for t in sorted(step.recvs, key=key):
-                    got.setdefault((t.src % P, r), []).append(t)
+                    got.setdefault((where(t.src), r), []).append(t)
     return sent, got
 
 
@@ -49,20 +58,22 @@ def _fifo(plans, P):
 @pytest.mark.parametrize("forward_only", [False, True])
 def test_plans_match_every_send_and_finish_without_deadlock(schedule, P, M, V, forward_only):
     plans = all_plans(schedule, P, M, V, forward_only)
-    sent, got = _fifo(plans, P)
+    sent, got = _fifo(plans, P, v_shaped(schedule))
     assert sent == got, (
         "each receive matches a send, in the same order per pair of ranks (NCCL is FIFO)"
     )
-    result = simulate(plans, P, V)
+    assert all(where != (r, r) for where in sent for r in range(P)), "no message to oneself"
+    result = simulate(plans, P, V, v_shaped(schedule))
     assert result["transfers"] == sum(len(v) for v in sent.values())
     for r, plan in enumerate(plans):
         computes = Counter((s.kind, s.chunk, s.mb) for s in plan if isinstance(s, Compute))
-        kinds = ["F"] if forward_only else ["F", "B"] + ["W"] * (schedule == "zero_bubble")
+        kinds = ["F"] if forward_only else ["F", "B"] + ["W"] * (schedule in ("zero_bubble",
+                                                                               "zbv"))
         assert computes == Counter(itertools.product(kinds, range(V),
                                                      range(M))), "each step exactly once"
 
 
-@pytest.mark.parametrize("schedule, P, M, V", [g for g in GRID if g[0] != "gpipe"])
+@pytest.mark.parametrize("schedule, P, M, V", [g for g in GRID if g[0] not in ("gpipe", "zbv")])
 def test_warmup_counts_follow_the_formulas(schedule, P, M, V):
     for r in range(P):
         order = compute_order(schedule, P, M, V, r)
@@ -77,7 +88,7 @@ def test_warmup_counts_follow_the_formulas(schedule, P, M, V):
 
 @pytest.mark.parametrize("schedule, P, M, V", GRID)
 def test_in_flight_activations_stay_within_the_bound(schedule, P, M, V):
-    held = simulate(all_plans(schedule, P, M, V), P, V)["max_in_flight"]
+    held = simulate(all_plans(schedule, P, M, V), P, V, v_shaped(schedule))["max_in_flight"]
     for r in range(P):
         if schedule == "1f1b":
             assert held[r] == min(P - r, M)
@@ -89,6 +100,8 @@ def test_in_flight_activations_stay_within_the_bound(schedule, P, M, V):
             waiting_for_b = [sum((s.kind == "F") - (s.kind == "B") for s in order[:i + 1])
                              for i in range(len(order))]
             assert max(waiting_for_b) == min(P - r, M) and held[r] == P
+        elif schedule == "zbv":  # 2P chunks (half a stage each) once steady: 1F1B's peak, P
+            assert held[r] == 2 * P
         else:  # warm-up forwards plus the one in flight in steady state (M == P: all warm-up)
             warmup = M * V if M == P else (P - r - 1) * 2 + (V - 1) * P
             assert held[r] <= min(warmup + 1, M * V)
@@ -114,7 +127,42 @@ def test_zero_bubble_bubble_equals_the_papers_formula(P, M, f, b, w):
     assert one_f_one_b_idle == (P - 1) * (f + b + w)
 
 
+@pytest.mark.parametrize("P, M", [(2, 3), (2, 8), (3, 5), (4, 8), (5, 12)])
+@pytest.mark.parametrize("cost", [1, 2, 3])
+def test_zbv_idles_only_while_the_first_micro_batch_comes_down_the_v(P, M, cost):
+    """ZB-V with F = B = W for a chunk (the paper's condition): a rank idles (P - 1) F, while
+    micro-batch 0 reaches it and the last one leaves; everything else is work, 2M(F + B + W)."""
+    t = timeline("zbv", P, M, 2, cost, cost, cost)
+    assert t["makespan"] - 2 * M * 3 * cost == (P - 1) * cost
+    assert t["bubble"] == pytest.approx(bubble_formula("zbv", P, M, 2, cost, cost, cost))
+
+
+@pytest.mark.parametrize("f, b, w", [(2, 2, 1), (1, 2, 1), (3, 2, 2), (2, 1, 1)])
+def test_zbv_fixed_order_idles_more_when_the_costs_differ(f, b, w):
+    """The V's order is the paper's for equal costs: with others it may idle more, never less."""
+    P, M = 4, 8
+    idle = timeline("zbv", P, M, 2, f, b, w)["makespan"] - 2 * M * (f + b + w)
+    assert idle >= (P - 1) * f
+
+
+@pytest.mark.parametrize("schedule, V", [("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1),
+                                         ("zbv", 2)])
+@pytest.mark.parametrize("P, M", [(2, 4), (4, 8)])
+def test_every_schedules_simulated_bubble_equals_its_papers_formula(schedule, V, P, M):
+    """One F, B and W each (a backward B + W where unsplit): the simulator's bubble is the
+    formula's -- 1F1B and interleaved (P - 1)/(VM + P - 1), ZB-H1 (P - 1)(F + B - W) idle, ZB-V
+    (P - 1) F -- and ZB-V's is the smallest, ZB-H1's next."""
+    bubbles = timeline(schedule, P, M, V)["bubble"]
+    assert bubbles == pytest.approx(bubble_formula(schedule, P, M, V))
+    order = {"zbv": 0, "zero_bubble": 1, "interleaved": 2, "1f1b": 3}
+    others = {s: timeline(s, P, M, 2 if s in ("zbv", "interleaved") else 1)["bubble"]
+              for s in order}
+    assert sorted(others, key=others.get) == sorted(order, key=order.get)
+
+
 @pytest.mark.parametrize("args, message", [
+    (("zbv", 4, 8, 1), "zbv runs two chunks per rank \\(a V\\), got NUM_CHUNKS=1"),
+    (("zbv", 4, 6, 2), "zbv needs NUM_MICRO_BATCHES >= 2 x pipeline size - 1 = 7 .*got 6"),
     (("1f1b", 4, 3, 1), "NUM_MICRO_BATCHES=3 is smaller than the pipeline size 4"),
     (("interleaved", 4, 6, 2), "multiple of the pipeline size: M=6, P=4; use M=8"),
     (("1f1b", 2, 4, 2), "use the interleaved schedule for NUM_CHUNKS=2"),
@@ -137,6 +185,10 @@ def test_show_prints_a_timeline(capsys):
     out = capsys.readouterr().out
     assert "rank 0 |F0F1..B0W0F2B1W1F3B2W2B3W3|" in out and "bubble 7.7%" in out
     assert "rank 0: 2, rank 1: 2" in out
+    assert show_main(["--schedule", "zbv", "--stages", "2", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 |F0aF1aF2aF0bB0bW0bF1bB1bW1bF3aB0aW0aF2bB2bW2bB1aW1a" in out
+    assert "rank 0: 4, rank 1: 4" in out and "bubble 4.0%" in out
 
 
 # ---- partitioning ----------------------------------------------------------------------------
