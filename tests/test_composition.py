@@ -75,6 +75,7 @@ def _zero(level):
 PIPE2 = {"pipeline": 2}
 PIPE = {"NUM_MICRO_BATCHES": 2}
 ZB = {"PIPELINE_SCHEDULE": "zero_bubble"}
+ZBV = {"PIPELINE_SCHEDULE": "zbv", "NUM_CHUNKS": 2, "NUM_MICRO_BATCHES": 4}  # M >= 2P - 1
 SEQ_RING = {"tensor": {"size": 2, "mode": "sequence"}}
 SEQ_A2A = {"tensor": {"size": 2, "mode": "sequence", "attention": "all_to_all"}}
 T1D = {"tensor": {"size": 2, "mode": "1d"}}
@@ -92,9 +93,11 @@ TABLE = {  # row: (ranks, config, what a refused row's error says); every row cl
     "interleaved x data2 x zero2": (4, {"parallel": PIPE2, **PIPE, "NUM_CHUNKS": 2, **_zero(2)},
                                     None),
     "zero_bubble x data2 x zero2": (4, {"parallel": PIPE2, **PIPE, **ZB, **_zero(2)}, None),
+    "zbv x data2 x zero2": (4, {"parallel": PIPE2, **ZBV, **_zero(2)}, None),
     "1d x data2 x zero2": (4, {"parallel": T1D, **_zero(2)}, None),
     "1d x 1f1b": (4, {"parallel": {**PIPE2, **T1D}, **PIPE}, None),
     "1d x zero_bubble": (4, {"parallel": {**PIPE2, **T1D}, **PIPE, **ZB}, None),
+    "1d x zbv": (4, {"parallel": {**PIPE2, **T1D}, **ZBV}, None),
     "2d x zero1": (4, {"parallel": T2D, **_zero(1)}, None),
     "ring x data2 x zero3": (4, {"parallel": SEQ_RING, **_zero(3)}, None),
     "ring x 1f1b": (4, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE}, None),
@@ -113,6 +116,13 @@ TABLE = {  # row: (ranks, config, what a refused row's error says); every row cl
     "zero3 x 1f1b": (4, {"parallel": PIPE2, **PIPE, **_zero(3)}, "level 3"),
     "checkpointing x zero_bubble": (2, {"parallel": PIPE2, **PIPE, **ZB,
                                         "ACTIVATION_CHECKPOINT": "full"}, "cannot split"),
+    "checkpointing x zbv": (2, {"parallel": PIPE2, **ZBV, "ACTIVATION_CHECKPOINT": "full"},
+                            "cannot split into zbv's"),
+    "zbv x accum2": (2, {"parallel": PIPE2, **ZBV, **ACCUM2}, "micro-batches already accumulate"),
+    "zbv x 2 micro-batches": (2, {"parallel": PIPE2, **ZBV, **PIPE}, "zbv needs NUM_MICRO_BATCHES "
+                              ">= 2 x pipeline size - 1 = 3"),
+    "zbv x 1 chunk": (2, {"parallel": PIPE2, **ZBV, "NUM_CHUNKS": 1}, "zbv runs two chunks per "
+                      "rank (a V), got NUM_CHUNKS=1"),
 }
 _REFERENCE: list = []  # one process's (states, norms, losses), computed once
 
