@@ -119,10 +119,6 @@ TABLE = {  # row: (ranks, config, what a refused row's error says); every row cl
     "checkpointing x zbv": (2, {"parallel": PIPE2, **ZBV, "ACTIVATION_CHECKPOINT": "full"},
                             "cannot split into zbv's"),
     "zbv x accum2": (2, {"parallel": PIPE2, **ZBV, **ACCUM2}, "micro-batches already accumulate"),
-    "zbv x 2 micro-batches": (2, {"parallel": PIPE2, **ZBV, **PIPE}, "zbv needs NUM_MICRO_BATCHES "
-                              ">= 2 x pipeline size - 1 = 3"),
-    "zbv x 1 chunk": (2, {"parallel": PIPE2, **ZBV, "NUM_CHUNKS": 1}, "zbv runs two chunks per "
-                      "rank (a V), got NUM_CHUNKS=1"),
 }
 _REFERENCE: list = []  # one process's (states, norms, losses), computed once
 
@@ -1218,6 +1214,7 @@ MOE_LAYOUTS = {
                           "zero": {"level": 2}},
     "zero-bubble-pipe2-data2-zero1": {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2,
                                       "PIPELINE_SCHEDULE": "zero_bubble", "zero": {"level": 1}},
+    "zbv-pipe2-data2-zero1": {"parallel": {"pipeline": 2}, **ZBV, "zero": {"level": 1}},
 }
 
 
@@ -1240,13 +1237,16 @@ def test_gloo_gpt_moe_replicated_experts_x_pipeline_x_zero_equal_one_process_ten
     engine's). Tensor 1d / 2d / sequence with experts are refused by the builder, by name."""
     # data 2 x 2 micro-batches: data rank d's micro-batch m is samples 4d + 2m, 4d + 2m + 1;
     # the aux loss of micro-batch m is over both data ranks' (moe_aux.py): one process
-    # accumulates the global micro-batches [0 1 4 5], [2 3 6 7] (data 4 x ZeRO 3: the batch)
+    # accumulates the global micro-batches [0 1 4 5], [2 3 6 7] (M = 2; M = 4: [0 4], [1 5], ..;
+    # data 4 x ZeRO 3: the batch)
     ref = run_ranks(_gpt_worker, 1, MOE, 0, STEPS, None, None, None, None, timeout=60)[0]
-    ref_micro = run_ranks(_gpt_worker, 1, {**MOE, "gradient_accumulation": 2}, 0, STEPS, None,
-                          None, None, None, [0, 1, 4, 5, 2, 3, 6, 7], timeout=60)[0]
+    ref_micro = {M: run_ranks(_gpt_worker, 1, {**MOE, "gradient_accumulation": M}, 0, STEPS,
+                              None, None, None, None, [d * 4 + m * (4 // M) + i for m in range(M)
+                                                       for d in (0, 1) for i in range(4 // M)],
+                              timeout=60)[0] for M in (2, 4)}
     assert min(ref["norms"]) > CLIP
     for case, layout in MOE_LAYOUTS.items():
-        want = ref_micro if "pipe" in case else ref
+        want = ref_micro[layout["NUM_MICRO_BATCHES"]] if "pipe" in case else ref
         results = run_ranks(_gpt_worker, 4, {**MOE, **layout}, 0, STEPS, None, None, None,
                             want["state"], timeout=120)
         _check(results, want["state"], want["norms"], case, rel=1e-9, losses=want["losses"])

@@ -29,13 +29,17 @@ pytestmark = pytest.mark.timeout(150)
 BATCH, M = 16, 4
 
 
-def _lesson_worker(rank, world_size, port, xs, ys, schedule="1f1b", chunks=1):
-    nc.launch(dict(parallel=dict(pipeline=2), NUM_MICRO_BATCHES=4, PIPELINE_SCHEDULE=schedule,
-                   NUM_CHUNKS=chunks), rank=rank, world_size=world_size, host="127.0.0.1",
-              port=port)
-    torch.manual_seed(0)  # every rank builds the whole model the reference builds
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
-                          nn.Linear(8, 3)).double()
+def _lesson_model(hidden=1):
+    torch.manual_seed(0)
+    middle = [layer for _ in range(hidden) for layer in (nn.Linear(8, 8), nn.Tanh())]
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), *middle, nn.Linear(8, 3)).double()
+
+
+def _lesson_worker(rank, world_size, port, xs, ys, schedule="1f1b", chunks=1, hidden=1, M=4):
+    nc.launch(dict(parallel=dict(pipeline=world_size), NUM_MICRO_BATCHES=M,
+                   PIPELINE_SCHEDULE=schedule, NUM_CHUNKS=chunks), rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    model = _lesson_model(hidden)  # every rank builds the whole model the reference builds
     stage = build_pipeline_model(model, chunks)  # and keeps its stage: the first layers or the last
     optimizer = torch.optim.SGD(stage.parameters(), lr=0.5, momentum=0.9)
     engine, *_ = nc.initialize(stage, optimizer, nn.CrossEntropyLoss(), verbose=False)
@@ -46,11 +50,9 @@ def _lesson_worker(rank, world_size, port, xs, ys, schedule="1f1b", chunks=1):
     return engine.model.state_dict()  # this stage's layers, under the whole model's keys
 
 
-def _one_process():
+def _one_process(hidden=1):
     """3 batches of 8, and the whole model trained on them in one process."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
-                          nn.Linear(8, 3)).double()
+    model = _lesson_model(hidden)
     xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     for x, y in zip(xs, ys):  # the whole batch of 8 in one process
@@ -92,6 +94,9 @@ def test_gloo_zbv_places_two_chunks_in_a_v_and_still_equals_one_process():
     first, last = run_ranks(_lesson_worker, 2, xs, ys, "zbv", 2)
     assert {k.split(".")[0] for k in first} == {"0", "4"}  # the input's layer and the loss's
     assert_close({**first, **last}, whole)
+    xs, ys, whole = _one_process(hidden=3)  # 4 stages: 8 parts of 9 layers, M >= 2P - 1
+    states = run_ranks(_lesson_worker, 4, xs, ys, "zbv", 2, 3, 8)
+    assert_close({k: v for state in states for k, v in state.items()}, whole)
 
 
 def _model(n_linear=8):
@@ -339,13 +344,14 @@ def test_gloo_stage_changing_its_output_shape_is_an_error_on_both_ranks():
     assert "[rank 1] pipeline transfer with rank(s) [0] failed" in receiver
 
 
-def _config_worker(rank, world_size, port, config, whole_model):
+def _config_worker(rank, world_size, port, config, whole_model, built_for=None):
     nc.launch({"parallel": {"pipeline": 2}, **config}, rank=rank, world_size=world_size,
               host="127.0.0.1", port=port)
     model = (
         _model()
         if whole_model
-        else build_pipeline_model(_model(), num_chunks=config.get("NUM_CHUNKS", 1))
+        else build_pipeline_model(_model(), num_chunks=config.get("NUM_CHUNKS", 1),
+                                  schedule=built_for)
     )
     try:
         nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
@@ -367,6 +373,16 @@ def _config_worker(rank, world_size, port, config, whole_model):
 def test_deep_pipeline_config_errors(config, whole_model, message):
     for rank, text in enumerate(run_ranks(_config_worker, 2, config, whole_model, timeout=60)):
         assert f"[rank {rank}]" in text and message in text
+
+
+def test_gloo_zbv_refuses_a_stage_placed_for_another_schedule():
+    """zbv's chunks lie in a V; a stage built for interleaved (chunk c = part c * P + r) would run
+    the wrong layers in the wrong order: refused, naming the fix."""
+    config = {"NUM_MICRO_BATCHES": 4, "NUM_CHUNKS": 2, "PIPELINE_SCHEDULE": "zbv"}
+    for rank, text in enumerate(run_ranks(_config_worker, 2, config, False, "interleaved")):
+        assert text.startswith(f"[rank {rank}] PIPELINE_SCHEDULE='zbv' but the stage's chunks "
+                               f"were placed in a loop"), text
+        assert "build_pipeline_model(..., schedule='zbv')" in text
 
 
 def _loader_worker(rank, world_size, port, size, batch_size, drop_last, which):
@@ -675,6 +691,8 @@ CASES = {
     "gpt 4 stages 1f1b O2 bf16": ("gpt", 4, {"pipeline": 4}, {"NUM_MICRO_BATCHES": 4}, "O2 bf16"),
     "gpt 4 stages zero_bubble O2 bf16": ("gpt", 4, {"pipeline": 4}, {
         "NUM_MICRO_BATCHES": 4, "PIPELINE_SCHEDULE": "zero_bubble"}, "O2 bf16"),
+    "gpt 2 stages zbv O2 bf16": ("gpt", 2, {"pipeline": 2}, {
+        "NUM_MICRO_BATCHES": 4, "NUM_CHUNKS": 2, "PIPELINE_SCHEDULE": "zbv"}, "O2 bf16"),
     "gpt pipe2 x tensor 1d zero_bubble O1 bf16": ("gpt", 4, {"pipeline": 2, "tensor": {
         "size": 2, "mode": "1d"}}, {"NUM_MICRO_BATCHES": 2, "PIPELINE_SCHEDULE": "zero_bubble"},
         "O1 bf16"),
