@@ -1,16 +1,18 @@
 """Benchmark: nanocolossal's pipeline schedules vs torch.distributed.pipelining, same split/data.
 
-    python bench/bench_pipeline.py [--steps 6 --rounds 4 --no-resnet]
+    python bench/bench_pipeline.py [--steps 6 --rounds 4 --no-resnet --nproc 2|4]
 
-Starts itself on 2 ranks (gloo, one thread each) with `nanocolossal run`; 4 stages need 4
-cores and are skipped on smaller machines. For each workload -- an 8-layer Linear(1024) MLP
-at batch 256 and 1024, and train_pipeline.py's ResNet-50 at batch 64 -- with M = 8:
+Starts itself on 2 ranks (gloo, one thread each) with `nanocolossal run` (--nproc 4: 4 stages,
+which want 4 cores; on fewer the ranks share them and the note says so). For each workload --
+an 8-layer Linear(1024) MLP at batch 256 and 1024, and train_pipeline.py's ResNet-50 at batch
+64 -- with M = 8:
 
   (a) throughput of our 1F1B vs torch's Schedule1F1B (A/B rounds, alternating who goes
-      first, after a warm-up; medians), as a ratio; our ZB-H1 (zero_bubble) and torch's
-      ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble (two chunks per rank) in the same
-      rounds;
-  (b) peak bytes of activations held for backward per rank, 1F1B (and ZB-H1) vs GPipe, measured with
+      first, after a warm-up; medians), as a ratio; our ZB-H1 (zero_bubble) and ZB-V (zbv, two
+      chunks per rank in a V) and torch's ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble
+      (two chunks per rank) in the same rounds;
+  (b) peak bytes of activations held for backward per rank, 1F1B (ZB-H1, ZB-V and torch's
+      zero-bubble schedules too) vs GPipe, measured with
       saved-tensor hooks (live saved tensors, parameters excluded, a tensor saved twice
       counted once);
       the bound is P/M of GPipe's peak plus one micro-batch;
@@ -21,13 +23,14 @@ at batch 256 and 1024, and train_pipeline.py's ResNet-50 at batch 64 -- with M =
       ranks computing at once, as in the steady state). limit/ours is the fraction reached;
       the gap between the two limits is what two processes lose to sharing the machine.
 
-Prints a table and writes bench/results/pipeline.json.
+Prints a table and writes bench/results/pipeline.json (pipeline_4.json for 4 stages).
 """
 import argparse
 import copy
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -71,7 +74,8 @@ def data(kind, batch, n, seed):
 
 class Ours:
     def __init__(self, stage, schedule="1f1b"):
-        self.stage, self.schedule = stage, make_schedule(schedule, M)
+        chunks = len(stage) if isinstance(stage, nn.ModuleList) else 1
+        self.stage, self.schedule = stage, make_schedule(schedule, M, chunks)
         self.opt = torch.optim.SGD(stage.parameters(), lr=1e-3)
 
     def step(self, x, y):
@@ -183,8 +187,11 @@ def run_workload(kind, batch, args):
                                  partition="parameters" if kind == "mlp" else "profile",
                                  sample_input=data(kind, batch // M, 1,
                                                    9)[0][0] if kind != "mlp" else None)
+    v_stage = build_pipeline_model(copy.deepcopy(full), num_chunks=2, partition="parameters",
+                                   schedule="zbv")  # torch's TorchTwoChunks cuts the same way
     impls = {"ours": Ours(copy.deepcopy(stage)), "torch": Torch(copy.deepcopy(stage)),
              "zero_bubble": Ours(copy.deepcopy(stage), "zero_bubble"),
+             "zbv": Ours(v_stage, "zbv"),
              "torch_interleaved_zb": TorchTwoChunks(copy.deepcopy(full), "interleaved"),
              "torch_zbv": TorchTwoChunks(copy.deepcopy(full), "v")}
     for impl in impls.values():
@@ -198,10 +205,10 @@ def run_workload(kind, batch, args):
     med = {k: statistics.median(v) for k, v in times.items()}
 
     peaks = {}
-    for name in ("1f1b", "gpipe", "zero_bubble"):
-        impl = Ours(copy.deepcopy(stage), name)
-        x, y = data(kind, batch, 1, 7)[0]
-        with SavedBytes(impl.stage.parameters()) as meter:
+    x, y = data(kind, batch, 1, 7)[0]
+    for name, impl in [(n, Ours(copy.deepcopy(stage), n)) for n in ("1f1b", "gpipe")] + \
+            [(n, impls[n]) for n in ("zero_bubble", "zbv", "torch_interleaved_zb", "torch_zbv")]:
+        with SavedBytes(p for group in impl.opt.param_groups for p in group["params"]) as meter:
             impl.step(x, y)
         peaks[name] = meter.peak
     all_peaks = [None] * gpc.world_size
@@ -234,6 +241,13 @@ def run_workload(kind, batch, args):
                 peak_bytes_gpipe=[p["gpipe"] for p in all_peaks],
                 peak_ratio_1f1b_over_gpipe=[round(p["1f1b"] / p["gpipe"], 3) for p in all_peaks],
                 zero_bubble_ms=round(med["zero_bubble"] * 1e3, 1),
+                zbv_ms=round(med["zbv"] * 1e3, 1),
+                zbv_over_1f1b_throughput=round(ours_ms / (med["zbv"] * 1e3), 3),
+                zbv_over_torch_zbv_throughput=round(med["torch_zbv"] / med["zbv"], 3),
+                zero_bubble_over_torch_izb_throughput=round(
+                    med["torch_interleaved_zb"] / med["zero_bubble"], 3),
+                peak_bytes={name: [p[name] for p in all_peaks] for name in peaks},
+                peak_ratio_zbv_over_1f1b=[round(p["zbv"] / p["1f1b"], 3) for p in all_peaks],
                 torch_interleaved_zb_ms=round(med["torch_interleaved_zb"] * 1e3, 1),
                 torch_zbv_ms=round(med["torch_zbv"] * 1e3, 1),
                 zero_bubble_over_1f1b_throughput=round(ours_ms / (med["zero_bubble"] * 1e3), 3),
@@ -255,22 +269,27 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--no-resnet", action="store_true")
-    parser.add_argument("--out", type=str,
-                        default=str(Path(__file__).parent / "results" / "pipeline.json"))
+    parser.add_argument("--nproc", type=int, default=2, help="pipeline stages (ranks)")
+    parser.add_argument("--out", type=str, default=None,
+                        help="default bench/results/pipeline.json (pipeline_4.json: 4 stages)")
     args = parser.parse_args()
+    args.out = args.out or str(Path(__file__).parent / "results" / (
+        "pipeline.json" if args.nproc == 2 else f"pipeline_{args.nproc}.json"))
     torch.set_num_threads(1)
     nc.launch_from_torch({"parallel": {"pipeline": int(os.environ["WORLD_SIZE"])}}, backend="gloo")
     workloads = [("mlp", 256), ("mlp", 1024)] + ([] if args.no_resnet else [("resnet", 64)])
     results = [run_workload(kind, batch, args) for kind, batch in workloads]
     if gpc.rank == 0:
-        skipped = [] if (os.cpu_count() or 1) >= 4 else ["4 stages (needs 4 cores, this "
-                                                         f"machine has {os.cpu_count()})"]
+        P, cpus = gpc.pipeline_size, os.cpu_count() or 1
+        skipped = [] if P == 2 or cpus >= P else [f"{P} stages share {cpus} cores: timings "
+                                                  f"are oversubscribed"]
         print(f"\nPipeline benchmark: {gpc.pipeline_size} stages (gloo, 1 thread each), M={M}, "
               f"1F1B unless noted")
         print(f"  {'workload':<18}{'ours ms':>9}{'torch ms':>10}{'thrpt ours/torch':>18}"
               f"{'1F1B/GPipe act.':>18}{'bound':>7}{'speed-up':>10}{'ideal':>7}{'limit ms':>10}"
               f"{'limit/ours':>12}{'busy limit/ours':>17}{'ZB ms':>8}{'thrpt ZB/1F1B':>15}"
-              f"{'ZB/1F1B act.':>14}{'torch IZB ms':>14}{'torch ZBV ms':>14}")
+              f"{'ZB/1F1B act.':>14}{'torch IZB ms':>14}{'torch ZBV ms':>14}{'ZBV ms':>9}"
+              f"{'thrpt ZBV/1F1B':>16}{'ZBV/1F1B act.':>15}")
         for r in results:
             ratios = "/".join(f"{x:.2f}" for x in r["peak_ratio_1f1b_over_gpipe"])
             print(f"  {r['workload']:<18}{r['ours_ms']:>9.1f}{r['torch_ms']:>10.1f}"
@@ -279,7 +298,14 @@ def main():
                   f"{r['ours_over_limit']:>12.3f}{r['ours_over_busy_limit']:>17.3f}"
                   f"{r['zero_bubble_ms']:>8.1f}{r['zero_bubble_over_1f1b_throughput']:>15.3f}"
                   f"{'/'.join(f'{x:.2f}' for x in r['peak_ratio_zero_bubble_over_1f1b']):>14}"
-                  f"{r['torch_interleaved_zb_ms']:>14.1f}{r['torch_zbv_ms']:>14.1f}")
+                  f"{r['torch_interleaved_zb_ms']:>14.1f}{r['torch_zbv_ms']:>14.1f}"
+                  f"{r['zbv_ms']:>9.1f}{r['zbv_over_1f1b_throughput']:>16.3f}"
+                  f"{'/'.join(f'{x:.2f}' for x in r['peak_ratio_zbv_over_1f1b']):>15}")
+        print("  peak activation bytes held per stage (MiB):")
+        for r in results:
+            for name, per_rank in r["peak_bytes"].items():
+                print(f"    {r['workload']:<18}{name:<22}"
+                      + " ".join(f"{b / 2**20:>8.2f}" for b in per_rank))
         for reason in skipped:
             print(f"  skipped: {reason}")
         out = dict(benchmark="pipeline", stages=gpc.pipeline_size, microbatches=M,
@@ -291,4 +317,5 @@ def main():
 
 
 if __name__ == "__main__":
-    run_on_ranks(main, __file__, port=29512)
+    run_on_ranks(main, __file__, nproc=int(dict(zip(sys.argv, sys.argv[1:])).get("--nproc", 2)),
+                 port=29512)
