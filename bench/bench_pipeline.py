@@ -1,8 +1,8 @@
 """Benchmark: nanocolossal's pipeline schedules vs torch.distributed.pipelining, same split/data.
 
-    python bench/bench_pipeline.py [--steps 6 --rounds 4 --no-resnet --nproc 2|4]
+    python bench/bench_pipeline.py [--steps 6 --rounds 4 --no-resnet --stages 2|4]
 
-Starts itself on 2 ranks (gloo, one thread each) with `nanocolossal run` (--nproc 4: 4 stages,
+Starts itself on 2 ranks (gloo, one thread each) with `nanocolossal run` (--stages 4: 4 ranks,
 which want 4 cores; on fewer the ranks share them and the note says so). For each workload --
 an 8-layer Linear(1024) MLP at batch 256 and 1024, and train_pipeline.py's ResNet-50 at batch
 64 -- with M = 8:
@@ -269,12 +269,12 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--no-resnet", action="store_true")
-    parser.add_argument("--nproc", type=int, default=2, help="pipeline stages (ranks)")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (ranks)")
     parser.add_argument("--out", type=str, default=None,
                         help="default bench/results/pipeline.json (pipeline_4.json: 4 stages)")
     args = parser.parse_args()
     args.out = args.out or str(Path(__file__).parent / "results" / (
-        "pipeline.json" if args.nproc == 2 else f"pipeline_{args.nproc}.json"))
+        "pipeline.json" if args.stages == 2 else f"pipeline_{args.stages}.json"))
     torch.set_num_threads(1)
     nc.launch_from_torch({"parallel": {"pipeline": int(os.environ["WORLD_SIZE"])}}, backend="gloo")
     workloads = [("mlp", 256), ("mlp", 1024)] + ([] if args.no_resnet else [("resnet", 64)])
@@ -317,5 +317,5 @@ def main():
 
 
 if __name__ == "__main__":
-    run_on_ranks(main, __file__, nproc=int(dict(zip(sys.argv, sys.argv[1:])).get("--nproc", 2)),
+    run_on_ranks(main, __file__, nproc=int(dict(zip(sys.argv, sys.argv[1:])).get("--stages", 2)),
                  port=29512)
