@@ -6,7 +6,8 @@ split by vocabulary (1d: over the tensor group, 2d: along the grid row) and are 
 rank that holds them picks the token (top-k sampling at a temperature, from a generator of its
 own seeded alike everywhere, so the training RNG does not move) and broadcasts it, so every rank
 continues from the same text. A pipeline runs the window as a forward-only batch of `batch`
-copies (one per micro-batch), and its last stage picks. Under sequence parallelism each rank
+copies (one per micro-batch), and the stage that holds the last part picks (the last rank; rank
+0 under zbv, whose parts come back up a V). Under sequence parallelism each rank
 runs its zig-zag share of the window; the last token is the end of chunk 2N-1, which sequence
 rank 0 holds, last, whatever the window's length (sequence.py, tensor/zigzag.py): the rank that
 picks is the same one.
@@ -50,11 +51,14 @@ def next_token(engine: Engine, window: torch.Tensor, batch: int,
                                                return_loss=False)
     else:
         output = engine(ids)
+    holder = gpc.pipeline_size - 1
+    if isinstance(engine, PipelineEngine):
+        holder = engine.schedule.output_rank()
     token = torch.zeros((), dtype=torch.long, device=gpc.device)
-    if gpc.is_last_stage():
+    if gpc.pipeline_rank == holder:
         token.fill_(pick(_whole_logits(output), generator))
-    if gpc.world_size > 1:  # the first rank of the last stage decides for everyone
-        dist.broadcast(token, src=(gpc.pipeline_size - 1) * gpc.tensor_size)
+    if gpc.world_size > 1:  # the first rank of the holding stage decides for everyone
+        dist.broadcast(token, src=holder * gpc.tensor_size)
     return int(token)
 
 

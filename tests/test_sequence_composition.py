@@ -326,9 +326,12 @@ def _generate(rank, world, port, config, new=6):
 def test_deep_generate_under_sequence_gives_one_process_tokens():
     ref = run_ranks(_generate, 1, {}, timeout=60)[0]
     assert len(set(ref)) > 1
-    for world, parallel in [(2, SEQ2), (4, {"tensor": {"size": 4, "mode": "sequence"}}),
-                            (4, {"pipeline": 2, **SEQ2})]:
-        config = dict(NUM_MICRO_BATCHES=2, parallel=parallel)
+    zbv = dict(PIPELINE_SCHEDULE="zbv", NUM_CHUNKS=2, NUM_MICRO_BATCHES=3)
+    for world, parallel, schedule in [(2, SEQ2, {}),
+                                      (4, {"tensor": {"size": 4, "mode": "sequence"}}, {}),
+                                      (4, {"pipeline": 2, **SEQ2}, {}),
+                                      (2, {"pipeline": 2}, zbv)]:  # zbv: rank 0 holds the output
+        config = {"NUM_MICRO_BATCHES": 2, "parallel": parallel, **schedule}
         assert run_ranks(_generate, world, config, timeout=60) == [ref] * world, parallel
 
 

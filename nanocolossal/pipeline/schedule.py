@@ -20,8 +20,8 @@ rank's plan:
 
 Activations are kept only from a micro-batch's forward to its backward (its W where split), so
 rank r holds at most as many as its plan has in flight (P - r for 1F1B, M for GPipe, P for
-ZB-H1). The mean loss is summed
-over the stages, so every stage can log it; outputs and labels come back on the last.
+ZB-H1). The mean loss is summed over the stages, so every stage can log it; outputs and labels
+come back on the rank that holds the last part (`output_rank`: the last, or 0 under zbv).
 
 Features reach the executor through its extensions (extensions.py), at the places marked
 `# extensions:` -- with data parallelism each chunk's gradients are averaged during its last
@@ -51,6 +51,7 @@ from .plan import (
     build_plan,
     check_sizes,
     handed_over,
+    stage_rank,
     step_label,
     v_shaped,
     virtual_stage,
@@ -84,6 +85,12 @@ class _Schedule:
         rank = gpc.pipeline_rank if rank is None else rank
         return build_plan(self.name, stages, self.num_microbatches, self.num_chunks, rank,
                           forward_only)
+
+    def output_rank(self) -> int:
+        """The pipeline rank that holds the model's last part, so the outputs and labels: the
+        last rank, or rank 0 when the parts run down and back up a V (zbv)."""
+        P = gpc.pipeline_size
+        return stage_rank(P * self.num_chunks - 1, P, v_shaped(self.name))
 
     def _split(self, batch: Any) -> tuple[list, list, torch.Tensor]:
         """M near-equal micro-batches (sizes differ by at most one: a last batch of 13 with M = 4
