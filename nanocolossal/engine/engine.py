@@ -175,9 +175,9 @@ class PipelineEngine(Engine):
     There is no per-sample forward here -- the stage holds only some of the layers -- so
     `engine(x)` and `engine.backward(loss)` are errors; `execute_schedule(batch)` runs the
     schedule's forwards and backwards and returns (output, label, loss) (output/label on the
-    stage that holds the last part, the mean loss on every stage). The extensions reach the executor too: each
-    backward of a chunk synchronises through them, and the last stage's loss and every chunk's
-    own loss (MoE) come through them, per micro-batch."""
+    stage that holds the last part, the mean loss on every stage). The extensions reach the
+    executor too: each backward of a chunk synchronises through them, and the last part's loss
+    and every chunk's own loss (MoE) come through them, per micro-batch."""
 
     def __init__(self, model: nn.Module, optimizer: MixedPrecisionOptimizer,
                  criterion: Optional[Callable], schedule: Any, chunks: list,
