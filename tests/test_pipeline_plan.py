@@ -23,6 +23,7 @@ from nanocolossal.pipeline.plan import (
     build_plan,
     one_f_one_b,
     stage_rank,
+    unit_plan,
     v_shaped,
 )
 from nanocolossal.pipeline.simulate import bubble_formula, timeline
@@ -318,11 +319,13 @@ def test_more_than_eight_chunks_render_with_distinct_labels(V, first, last):
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5])
 def test_the_textbook_1f1b_loop_is_the_plan_the_executor_runs(P):
-    """one_f_one_b (warm-up, steady 1F1B, cool-down, written as three loops) gives the same
-    computations and the same communication batches, in the same order, as build_plan."""
+    """one_f_one_b (warm-up, steady 1F1B, cool-down, written as three loops) is what runs for
+    1F1B, and gives the same computations and communication batches, in the same order, as
+    unit_plan, the loop generalised that GPipe and interleaved 1F1B run."""
     for M in range(P, 3 * P + 2):
         for rank in range(P):
-            assert one_f_one_b(P, M, rank) == build_plan("1f1b", P, M, 1, rank), (P, M, rank)
+            assert build_plan("1f1b", P, M, 1, rank) == one_f_one_b(P, M, rank)
+            assert one_f_one_b(P, M, rank) == unit_plan("1f1b", P, M, 1, rank), (P, M, rank)
 
 
 # ---- the split backward zero-bubble plans run ---------------------------------------------------

@@ -61,10 +61,11 @@ Its messages go both ways between neighbours, so they are timed (`on_time_plan`)
     rank 0 |F0aF1aF2aF3aF4aF5aF6aF0bB0bW0bF1bB1bW1bF2bB2bW2bF3bB3bW3bF7aB0aW0aF4bB4bW4bB1aW1a...
     rank 3 |.........F0aF0bF1aF1bF2aF2bF3aF3bB0bW0bF4aB0aW0aF4bB1bW1bF5aB1aW1aF5bB2bW2bF6aB2a...
 
-`one_f_one_b` below is 1F1B on one rank as the textbooks draw it, in one screen; `build_plan`
-is the same loop generalised to GPipe and interleaved chunks (a test proves the two equal), with
-ZB-H1's order from `zero_bubble_order` and ZB-V's from `zbv_order`, and is what the executor
-(schedule.py) runs.
+`one_f_one_b` below is 1F1B on one rank as the textbooks draw it, in one screen, and is what the
+executor (schedule.py) runs for 1F1B; `unit_plan` is the same loop generalised to GPipe and
+interleaved chunks (a test proves it gives `one_f_one_b`'s plan), with ZB-H1's order from
+`zero_bubble_order`; ZB-V's order (`zbv_order`) runs with its messages on time (`on_time_plan`).
+`build_plan` picks among the three.
 `simulate.py` executes plans symbolically and draws the timelines above:
 `python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--schedule zero_bubble|zbv]`.
 """
@@ -354,17 +355,26 @@ def _gives(step: Compute, v: int, last: int) -> list[Transfer]:
 
 def build_plan(schedule: str, P: int, M: int, V: int, rank: int,
                forward_only: bool = False) -> list[Step]:
+    """What rank `rank` runs: for training under 1F1B the textbook loop (`one_f_one_b`), for zbv
+    messages on time (`on_time_plan`), for the others `unit_plan`."""
+    if schedule == "1f1b" and not forward_only:
+        check_sizes(schedule, P, M, V)
+        return one_f_one_b(P, M, rank)
+    if schedule == "zbv":
+        return on_time_plan(schedule, P, M, V, rank, forward_only)
+    return unit_plan(schedule, P, M, V, rank, forward_only)
+
+
+def unit_plan(schedule: str, P: int, M: int, V: int, rank: int,
+              forward_only: bool = False) -> list[Step]:
     """Compute steps with their communication. Between two units, one batch posts the previous
     unit's sends together with every receive the next unit needs. GPipe and 1F1B use units of
     one step (Megatron's send_forward_recv_backward and send_backward_recv_forward), so an
     activation leaves as soon as it is computed. Interleaved 1F1B pairs each steady-state
     forward with its backward (Megatron's send_forward_backward_recv_forward_backward):
     posting a backward's receive only after the paired forward would let the ranks wait on
-    each other around the ring -- the simulator finds that deadlock. zbv's messages go when
-    their receiver needs them (`on_time_plan`). A transfer between two parts on this same rank
-    (zbv's bottom of the V) is no message: the executor hands it over."""
-    if schedule == "zbv":
-        return on_time_plan(schedule, P, M, V, rank, forward_only)
+    each other around the ring -- the simulator finds that deadlock. For 1F1B this gives
+    `one_f_one_b`'s plan (a test proves it), which is the loop generalised."""
     last = P * V - 1
     plan: list[Step] = []
     pending: list[Transfer] = []
