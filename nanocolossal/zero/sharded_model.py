@@ -82,7 +82,7 @@ from ..nest import map_tensors
 from .comm import reduce_scatter_shard
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
 from .state_dict import FullStateDict
-from .unit_order import OutsideUse, UnitOrder, plan_units, refuse_late_gradients
+from .unit_order import FirstForwardWatch, UnitOrder, plan_units, refuse_late_gradients
 
 __all__ = ["ShardedModel", "plan_units"]  # (plan_units: the policy, unit_order.py)
 
@@ -149,10 +149,9 @@ class ShardedModel:
         self.seen: list[_Unit] = []  # prefetch: this forward's units in order, the last one's
         self.previous: list[_Unit] = []
         self.running: list[_Unit] = []  # units whose forward is under way
-        self.watch: Optional[OutsideUse] = None  # the first forward's (unit_order.py)
-        self.watched = False
         model.register_forward_pre_hook(self._root_pre_forward)
         model.register_forward_hook(self._root_post_forward, always_call=True)
+        FirstForwardWatch(model, self)  # a unit read outside its forward joins the root unit
         FullStateDict(model, [b for unit in self.order for b in unit.buffers], optimizer)
 
     # -- forward ----------------------------------------------------------------------------
@@ -173,15 +172,8 @@ class ShardedModel:
         self.previous, self.seen = self.seen or self.previous, []  # this forward repeats that one
         self.running.clear()
         self._use(self.root, [])
-        if not self.watched:  # the first forward: parameters read outside their unit?
-            where = {id(p): u for u in self.children for b in u.buffers for p in b.params}
-            self.watch = OutsideUse(where, self.running, self._join_root)
-            self.watch.__enter__()
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.watch is not None:  # (always called: a forward that raised, output None, ends
-            self.watch.__exit__(None, None, None)  # the watch too, and the next one is watched)
-            self.watch, self.watched = None, output is not None
         self._on_grad_of(output, self._root_pre_backward)
         for unit in (self.root, *self.children):  # (children: a prefetch this forward skipped)
             unit.free()
@@ -299,8 +291,8 @@ class ShardedModel:
         for unit in self.children:  # calls no backward reached (a forward whose loss was
             unit.calls = 0          # dropped) would keep their unit from an early reduction
 
-    # -- a parameter read outside its unit (unit_order.py: OutsideUse) ----------------------
-    def _join_root(self, unit: _Unit, param: torch.Tensor) -> None:
+    # -- a parameter read outside its unit (unit_order.py: FirstForwardWatch) ---------------
+    def join_root(self, unit: _Unit, param: torch.Tensor) -> None:
         """From now on `unit` is part of the root unit: gathered now (for the op that read
         `param`), then for every whole forward and backward."""
         if unit not in self.children:  # (joined already)

@@ -100,6 +100,30 @@ class OutsideUse(TorchFunctionMode):
             self.found(unit, t)
 
 
+class FirstForwardWatch:
+    """Rule 1 on a ShardedModel: its first forward that completes runs under OutsideUse, and a
+    unit whose parameter an op reads while the unit is not running joins the root unit
+    (`sharded.join_root`). Its hooks wrap the ShardedModel's: entered after the root unit is
+    gathered, left before the units are freed (a free writes every parameter)."""
+
+    def __init__(self, model: nn.Module, sharded: Any) -> None:
+        self.sharded, self.mode, self.done = sharded, None, False
+        model.register_forward_pre_hook(self._enter)
+        model.register_forward_hook(self._leave, always_call=True, prepend=True)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        if not self.done:
+            sharded = self.sharded
+            unit_of = {id(p): u for u in sharded.children for b in u.buffers for p in b.params}
+            self.mode = OutsideUse(unit_of, sharded.running, sharded.join_root)
+            self.mode.__enter__()
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.mode is not None:  # a forward that raised (output None) is not the one watched
+            self.mode.__exit__(None, None, None)
+            self.mode, self.done = None, output is not None
+
+
 class UnitOrder:
     """The gathers of one ShardedModel since the last step, checked across its data group."""
 
