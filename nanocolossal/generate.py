@@ -8,7 +8,7 @@ own seeded alike everywhere, so the training RNG does not move) and broadcasts i
 continues from the same text. A pipeline runs the window as a forward-only batch of `batch`
 copies (one per micro-batch), and the stage that holds the last part picks (the last rank; rank
 0 under zbv, whose parts come back up a V). Under sequence parallelism each rank
-runs its zig-zag share of the window; the last token is the end of chunk 2N-1, which sequence
+runs its zig-zag share of the window; the last token is the end of stripe 2N-1, which sequence
 rank 0 holds, last, whatever the window's length (sequence.py, tensor/zigzag.py): the rank that
 picks is the same one.
 """

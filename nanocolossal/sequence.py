@@ -3,11 +3,11 @@
 `parallel=dict(pipeline=P, tensor=dict(size=N, mode='sequence'))` (Colossal-AI's spelling): the
 N ranks of a tensor group become a *sequence group*. Each holds the whole model (parameters
 replicated) and, of every sequence in its data rank's batch, a zig-zag share of the tokens
-(tensor/ring_attention.py explains the zig-zag). N = 2, a sequence of 8 tokens in 2N chunks:
+(tensor/ring_attention.py explains the zig-zag). N = 2, a sequence of 8 tokens in 2N stripes:
 
     tokens         t0 t1 | t2 t3 | t4 t5 | t6 t7
-    rank 0 holds   t0 t1                   t6 t7      chunks 0 and 3
-    rank 1 holds           t2 t3 | t4 t5              chunks 1 and 2
+    rank 0 holds   t0 t1                   t6 t7      stripes 0 and 3
+    rank 1 holds           t2 t3 | t4 t5              stripes 1 and 2
 
 Who does what, layer by layer:
 
@@ -69,7 +69,7 @@ def token_positions(ids: torch.Tensor, max_positions: Optional[int] = None) -> t
     """The position in the whole sequence of each of this rank's tokens, shaped like `ids`
     ([batch, local length]): 0..s-1 without sequence parallelism, the zig-zag share with it.
     `max_positions`: the table's size; a longer sequence is refused on every rank alike (only
-    some ranks' chunks would reach past it, and the others would wait in ring attention)."""
+    some ranks' stripes would reach past it, and the others would wait in ring attention)."""
     n, r, even = gpc.sequence_size, gpc.sequence_rank, even_shares()
     lengths = [ids.shape[1]] * n if even else share_lengths(ids.shape[1], gpc.sequence_group,
                                                             ids.device)

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def _lesson_worker(rank, world_size, port, q, k, v, w):
     nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
-    # my tokens of the sequence (dim 2): chunks r and 2N-1-r of 2N, so causal work is equal
+    # my tokens of the sequence (dim 2): stripes r and 2N-1-r of 2N, so causal work is equal
     mine = [split_sequence(t, 2).requires_grad_() for t in (q, k, v)]
     out = ring_attention(*mine, causal=True)  # my queries meet each rank's K/V block in turn
     (out * split_sequence(w, 2)).sum().backward()

@@ -47,12 +47,12 @@ factor like that would fail them).
 Causal load balance. Cut the sequence into N contiguous blocks and rank N-1's queries see
 all N key blocks while rank 0's see one: the ring waits for the last rank, N times the work
 of the first. The zig-zag split (Megatron's context parallelism) cuts the sequence into 2N
-chunks and gives rank r chunks r and 2N-1-r (N = 2: rank 0 holds chunks 0 and 3, rank 1
-chunks 1 and 2). With c the chunk length, rank r facing the block of rank s:
+stripes and gives rank r stripes r and 2N-1-r (N = 2: rank 0 holds stripes 0 and 3, rank 1
+stripes 1 and 2). With c the stripe length, rank r facing the block of rank s:
 
-    s == r   both chunks, causal mask inside (local order = global order)  -> 2c x 2c, half masked
-    s <  r   all queries see the earlier chunk s, none the later 2N-1-s    -> 2c x c, no mask
-    s >  r   only the later chunk 2N-1-r sees anything, and sees both       -> c x 2c, no mask
+    s == r   both stripes, causal mask inside (local order = global order) -> 2c x 2c, half masked
+    s <  r   all queries see the earlier stripe s, none the later 2N-1-s   -> 2c x c, no mask
+    s >  r   only the later stripe 2N-1-r sees anything, and sees both      -> c x 2c, no mask
 
 Every off-diagonal step is half a block on every rank and blocks entirely in the future are
 never computed: each rank does the same work, (2c)^2 / 2 + (N - 1) * 2c^2 score elements.
@@ -85,7 +85,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .zigzag import Group, _world, _zigzag_chunks, gather_sequence, split_sequence, zigzag_split
+from .zigzag import Group, _world, gather_sequence, split_sequence, zigzag_split, zigzag_stripes
 
 __all__ = ["ring_attention", "allgather_attention", "split_sequence", "gather_sequence",
            "zigzag_split", "plan", "has_fused_kernel", "COUNTS", "reset_counts"]
@@ -143,8 +143,8 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
         return _plain(q, k, v, causal)
     k_all, v_all = (_GatherSequence.apply(t, -2, group) for t in (k, v))
     s = q @ k_all.transpose(-2, -1) * q.shape[-1] ** -0.5
-    if causal:  # my rows are chunks a and b of the whole sequence: mask by global position
-        c, (a, b) = q.shape[-2] // 2, _zigzag_chunks(n, r)
+    if causal:  # my rows are stripes a and b of the whole sequence: mask by global position
+        c, (a, b) = q.shape[-2] // 2, zigzag_stripes(n, r)
         q_pos = torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
         ahead = torch.arange(k_all.shape[-2])[None, :] > q_pos[:, None]
         s = s.masked_fill(ahead.to(s.device), float("-inf"))
@@ -334,7 +334,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     n, _ = _world(group)
     if causal and n > 1 and q.shape[-2] % 2:
         raise ValueError(f"[rank {dist.get_rank()}] causal ring attention needs the zig-zag "
-                         f"layout (2 chunks per rank) but the local sequence has odd length "
+                         f"layout (2 stripes per rank) but the local sequence has odd length "
                          f"{q.shape[-2]}; split a sequence of a multiple of {2 * n} tokens with "
                          f"split_sequence")
     # half inputs (or autocast) compute in float32, as FlashAttention keeps its softmax sums:

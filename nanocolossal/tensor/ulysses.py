@@ -33,7 +33,7 @@ At N = 2 as much leaves a rank forward, s w; Ulysses' falls as 1/N where ring's 
 2 s w (N = 8: a quarter). Ring overlaps each hop with a block's compute; an all-to-all is
 waited for. Ulysses needs h % N == 0 (whole heads per rank), ring does not.
 
-Uneven lengths. Where 2N does not divide s, the zig-zag chunks and the shares differ by a
+Uneven lengths. Where 2N does not divide s, the zig-zag stripes and the shares differ by a
 token (zigzag.py); a rank cannot tell the others' lengths from its own, so the ranks
 all-gather them first (N integers) and size the all-to-all by them. An all-to-all that assumes
 equal shares silently mixes tokens up: DeepSpeed's issue #7384.

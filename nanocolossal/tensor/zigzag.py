@@ -1,6 +1,6 @@
 """The zig-zag layout of a sequence over N ranks (why: ring_attention.py's docstring).
 
-The sequence is cut into 2N chunks and rank r holds chunks r and 2N-1-r, in that order:
+The sequence is cut into 2N stripes and rank r holds stripes r and 2N-1-r, in that order:
 
     N = 2, 8 tokens    t0 t1 | t2 t3 | t4 t5 | t6 t7
     rank 0             t0 t1                   t6 t7
@@ -10,8 +10,9 @@ Causal attention then costs every rank the same. zigzag_split is the pure cut (n
 communication, so a DataLoader worker can run it); split_sequence and gather_sequence are the
 same over a process group.
 
-A length 2N does not divide is cut into chunks one token apart, the longer ones last (so chunk
-2N-1, rank 0's, always holds the last token): 10 tokens on N = 2 are chunks of 2, 2, 3, 3, and
+A length 2N does not divide is cut into stripes one token apart, the longer ones last (so
+stripe 2N-1, rank 0's, always holds the last token): 10 tokens on N = 2 are stripes of 2, 2, 3, 3,
+and
 both ranks hold 5. Ring attention refuses such a split (its blocks must be equal: `even`);
 all-to-all attention takes it, and learns the other ranks' lengths with `share_lengths`.
 """
@@ -32,7 +33,8 @@ def _world(group: Group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _zigzag_chunks(n: int, r: int) -> tuple[int, int]:
+def zigzag_stripes(n: int, r: int) -> tuple[int, int]:
+    """The two stripes (of 2n) that rank r of n holds."""
     return r, 2 * n - 1 - r
 
 
@@ -40,27 +42,27 @@ def _check_length(length: int, n: int) -> None:
     if length % (2 * n):
         lo, hi = length // (2 * n) * 2 * n, (length // (2 * n) + 1) * 2 * n
         raise ValueError(f"[rank {dist.get_rank() if dist.is_initialized() else 0}] sequence "
-                         f"length {length} does not split into 2 x {n} zig-zag chunks for {n} "
+                         f"length {length} does not split into 2 x {n} zig-zag stripes for {n} "
                          f"sequence-parallel ranks; use a multiple of {2 * n} (nearest: "
                          f"{', '.join(str(x) for x in (lo, hi) if x > 0)})")
 
 
 def zigzag_sizes(length: int, n: int) -> list[int]:
-    """The 2n chunk lengths: equal, or the last `length % 2n` chunks one token longer."""
+    """The 2n stripe lengths: equal, or the last `length % 2n` stripes one token longer."""
     q, extra = divmod(length, 2 * n)
     return [q + (i >= 2 * n - extra) for i in range(2 * n)]
 
 
 def zigzag_split(x: torch.Tensor, dim: int, n: int, r: int, even: bool = True) -> torch.Tensor:
-    """Rank r's share of n: chunks r and 2n-1-r of 2n along `dim` (no communication). `even`:
+    """Rank r's share of n: stripes r and 2n-1-r of 2n along `dim` (no communication). `even`:
     refuse a length that 2n does not divide (ring attention's blocks must be equal)."""
     if n == 1:
         return x
     if even:
         _check_length(x.shape[dim], n)
-    chunks = x.split(zigzag_sizes(x.shape[dim], n), dim=dim)
-    a, b = _zigzag_chunks(n, r)
-    return torch.cat([chunks[a], chunks[b]], dim=dim)
+    stripes = x.split(zigzag_sizes(x.shape[dim], n), dim=dim)
+    a, b = zigzag_stripes(n, r)
+    return torch.cat([stripes[a], stripes[b]], dim=dim)
 
 
 def zigzag_positions(length: int, n: int, r: int) -> torch.Tensor:
@@ -78,7 +80,7 @@ def share_lengths(mine: int, group: Group, device: torch.device) -> list[int]:
     dist.all_gather(lengths, torch.tensor([mine], device=device), group=group)
     lengths = [int(t) for t in lengths]
     whole, sizes = sum(lengths), zigzag_sizes(sum(lengths), n)
-    want = [sizes[a] + sizes[b] for a, b in (_zigzag_chunks(n, j) for j in range(n))]
+    want = [sizes[a] + sizes[b] for a, b in (zigzag_stripes(n, j) for j in range(n))]
     if lengths != want:
         raise ValueError(f"[rank {dist.get_rank()}] the {n} sequence-parallel ranks hold "
                          f"{lengths} tokens, which is not the zig-zag split of {whole} tokens "
@@ -88,7 +90,7 @@ def share_lengths(mine: int, group: Group, device: torch.device) -> list[int]:
 
 
 def split_sequence(x: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:
-    """This rank's zig-zag share of a whole sequence: chunks r and 2N-1-r of 2N along `dim`."""
+    """This rank's zig-zag share of a whole sequence: stripes r and 2N-1-r of 2N along `dim`."""
     return zigzag_split(x, dim, *_world(group))
 
 
@@ -99,8 +101,8 @@ def gather_sequence(x: torch.Tensor, dim: int, group: Group = None) -> torch.Ten
         return x
     parts = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(parts, x.contiguous(), group=group)
-    chunks: list = [None] * (2 * n)
+    stripes: list = [None] * (2 * n)
     for r, part in enumerate(parts):
-        a, b = _zigzag_chunks(n, r)
-        chunks[a], chunks[b] = part.chunk(2, dim=dim)
-    return torch.cat(chunks, dim=dim)
+        a, b = zigzag_stripes(n, r)
+        stripes[a], stripes[b] = part.chunk(2, dim=dim)
+    return torch.cat(stripes, dim=dim)

@@ -260,7 +260,7 @@ MUTATIONS: list[dict] = [
          file="nanocolossal/tensor/ring_attention.py",
          old="return (ALL, FIRST, False) if s < r else (SECOND, ALL, False)",
          new="return (ALL, SECOND, False) if s < r else (SECOND, ALL, False)",
-         bug="causal ring attention lets my queries meet the later zig-zag chunk of an earlier "
+         bug="causal ring attention lets my queries meet the later zig-zag stripe of an earlier "
              "rank's block instead of its earlier one",
          tests=["tests/test_ring_attention.py", "-k", "equals_full_attention"]),
     dict(id="ring-no-rescale", idea="ring attention",
