@@ -108,7 +108,7 @@ class Linear1D_Row(layers_1d.RowLinear1D):
                                f"or use stream_chunk_num=1 to train")
         else:
             with torch.no_grad():
-                y = self.product(x, chunks=self.stream_chunk_num)
+                y = self.product(x, streams=self.stream_chunk_num)
         if self.skip_bias_add:
             return y, self.bias
         return add_bias(y, self.bias)

@@ -77,17 +77,17 @@ class RowLinear1D(nn.Module):
         y = self.product(x)
         return add_bias(y, self.bias)  # bias once, after the sum
 
-    def product(self, x: torch.Tensor, chunks: int = 1) -> torch.Tensor:
-        """sum_j x_j W_j^T without the bias. `chunks` > 1 computes and reduces it in that many
-        slices of the output features (Colossal-AI's stream_chunk_num): same numbers, and on a
-        GPU one slice's all-reduce can overlap the next slice's product."""
+    def product(self, x: torch.Tensor, streams: int = 1) -> torch.Tensor:
+        """sum_j x_j W_j^T without the bias. `streams` > 1 computes and reduces it in that many
+        parts of the output features (Colossal-AI's stream_chunk_num): same numbers, and on a
+        GPU one part's all-reduce can overlap the next part's product."""
         if x.shape[-1] * gpc.tensor_size != self.in_features:
             raise ValueError(f"[rank {gpc.rank}] row-parallel Linear({self.in_features}, "
                              f"{self.out_features}) expects its input split over {gpc.tensor_size} "
                              f"ranks ({self.in_features // gpc.tensor_size} features), got "
                              f"{x.shape[-1]}; put a column-parallel Linear before it")
         parts = [reduce_from(F.linear(x, w), gpc.tensor_group)
-                 for w in self.weight.chunk(chunks, dim=0)]
+                 for w in self.weight.chunk(streams, dim=0)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
