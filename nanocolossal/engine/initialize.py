@@ -61,7 +61,7 @@ from ..replicas import broadcast_replicas
 from ..sequence import check_sequence_model, sequence_attention, split_loader
 from ..syncbn import convert_sync_batchnorm
 from ..tensor.layers_2d import SplitLabels
-from ..zero import MixedShardedOptimizer, Offload, ReduceScatterDDP, ShardedOptimizer
+from ..zero import MixedShardedOptimizer, Offload, ShardedOptimizer, ShardKeepingDDP
 from ..zero.mixed import MixedParamShardedOptimizer
 from ..zero.settings import zero_settings
 from ..zero.sharded_model import ShardedModel, plan_units
@@ -190,7 +190,7 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
     chunk -- and the extensions that synchronise: DDP's (no_sync but on the last backward), or
     the gradient handler the config asks for instead, which averages after the group's last
     backward (and whose replicas broadcast their buffers, as do ZeRO level 3's). ZeRO level 2
-    reduce-scatters instead of DDP's all-reduce; level 1 is DDP with zero's bucket size."""
+    keeps only its shard of DDP's averaged buckets; level 1 is DDP with zero's bucket size."""
     parts = list(model) if pipelined and isinstance(model, nn.ModuleList) else [model]
     # a weight two chunks of a stage share is reduced by the first: its last backward is the
     # stage's last (DdpSync keeps every other chunk's DDP in no_sync meanwhile)
@@ -201,10 +201,10 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
         return [model], replicas, None
     if isinstance(optimizer, ShardedOptimizer) and optimizer.level == 2:
         # (a pipeline stage syncs buffers once per batch, not per micro-batch: DdpSync)
-        wrapped = [ReduceScatterDDP(part, optimizer, zero.get("reduce_bucket_size_mb", 25),
-                                    zero.get("overlap_communication", True), not pipelined, skip)
+        wrapped = [ShardKeepingDDP(part, optimizer, zero.get("reduce_bucket_size_mb", 25),
+                                   zero.get("overlap_communication", True), not pipelined, skip)
                    for part, skip in zip(parts, earlier)]
-        return wrapped, [DdpSync(wrapped, pipelined)], "reduce-scatter of gradients"
+        return wrapped, [DdpSync(wrapped, pipelined)], "bucketed gradients, my shard kept"
     if gpc.gradient_size == 1:
         return parts, [], None
     if moe is not None:  # experts are not replicated over the data ranks: apply_moe's handler

@@ -17,7 +17,7 @@ and applied by `nc.initialize` (engine/initialize.py: apply_zero); the Engine's 
 unchanged. Colossal-AI v0.1's zero=dict(model_config=..., optimizer_config=...) is level 3
 (settings.py says which of its keys mean something here).
 """
-from .gradients import ReduceScatterDDP
+from .gradients import ShardKeepingDDP
 from .mixed import MixedShardedOptimizer
 from .offload import Offload
 from .optimizer import FlatBuffer, Segment, ShardedOptimizer
@@ -26,6 +26,6 @@ from .sharded_model import ShardedModel, plan_units
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
 
 __all__ = ["ELEMENTWISE", "ZERO_KEYS", "FlatBuffer", "MixedShardedOptimizer", "Offload",
-           "ParamShardedOptimizer", "ReduceScatterDDP",
+           "ParamShardedOptimizer", "ShardKeepingDDP",
            "Segment", "ShardedFlatBuffer", "ShardedModel", "ShardedOptimizer", "check_zero",
            "plan_units", "zero_settings"]

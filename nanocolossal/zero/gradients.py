@@ -1,5 +1,5 @@
-"""ZeRO level 2's gradient path: reduce-scatter gradients in buckets while backward runs, so
-each rank keeps only its shard of them.
+"""ZeRO level 2's gradient path: reduce gradients in buckets while backward runs and keep only
+my shard's segments of them, so each rank holds 1/N of the gradients.
 
 DDP (ddp.py) all-reduces buckets and writes every averaged gradient back: each rank ends with
 all Psi of them, in persistent buckets on top. Here the same bucketed, overlapped machinery is
@@ -8,22 +8,22 @@ parameter nobody used -- with three changes:
 
   * a bucket's buffer exists only from its first gradient until its reduction is done;
   * once a bucket is launched its parameters' .grad are freed: the full gradient is gone;
-  * at the end of backward each rank copies only the pieces of the averaged gradients that
+  * at the end of backward each rank copies only the segments of the averaged gradients that
     fall in its shard (ShardedOptimizer.receive_grad) and frees the bucket.
 
     backward   | grad L4 L3 | grad L2 L1 | grad L0 |
     reduce     |            |  bucket 0  |  bucket 1  | bucket 2 |
-    .grad      L4 L3 freed     L2 L1 freed   ...                 ^ keep my shard's pieces
+    .grad      L4 L3 freed     L2 L1 freed   ...                 ^ keep my shard's segments
 
 With overlap_communication=False the buckets are launched only after backward, one after the
 other (less memory saved: every .grad lives until backward ends; simpler to follow in a trace).
 
-A reduce-scatter is what this needs: each rank receives the sum of only its pieces, Psi (N-1)/N
+A reduce-scatter is what this needs: each rank receives the sum of only its segments, Psi (N-1)/N
 elements sent per rank per step. But a reduce-scatter hands rank r the r-th N-th of the tensor it
 is given, and a bucket -- parameters in the order backward produces them -- does not fall on the
 shard boundaries of the flat buffers (cutting it there would wait for the whole model's
 backward). So the reduction is an all-reduce (2 Psi (N-1)/N: a reduce-scatter plus an all-gather
-whose result we throw away) and each rank keeps its pieces. Level 3 shards every unit on its own
+whose result we throw away) and each rank keeps its segments. Level 3 shards every unit on its own
 and reduce-scatters it (sharded_model.py, zero/comm.py); FSDP2 shards per unit for level 2 too.
 
 Gradient accumulation: under no_sync() (the Engine's first N-1 micro-steps) nothing is
@@ -58,7 +58,7 @@ class _TransientBucket(_Bucket):
                                       device=p.device)
 
 
-class ReduceScatterDDP(DistributedDataParallel):
+class ShardKeepingDDP(DistributedDataParallel):
     """DDP whose backward leaves each rank only its shard of the averaged gradients, in
     `optimizer`'s segments."""
 

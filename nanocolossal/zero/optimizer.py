@@ -21,7 +21,7 @@ refused. After the step, one all-gather per flat buffer gives everyone the updat
 
     level 1: backward -> DDP all-reduce (every rank: all averaged gradients)
              step     -> take my shard of the gradients (views), step it, all-gather parameters
-    level 2: backward -> reduce-scatter in buckets (gradients.py): I keep only my shard
+    level 2: backward -> all-reduce in buckets (gradients.py): I keep only my shard
              step     -> step my shard, all-gather the parameters
 
 Memory per rank, Psi parameters, N ranks (bytes; the ZeRO paper's mixed-precision Adam in
