@@ -25,7 +25,7 @@ Who holds what: a pipeline stage of L blocks with k micro-batches in flight (P -
 M under GPipe) holds at its peak, in saved tensors,
 
     without checkpointing    k·L·A
-    'full'                   k·L·x + A - x        (the recomputation saves its input x again)
+    'full'                   k·L·x + A - x        (the recomputation's input is the kept x)
     saved                    (k·L - 1)·(A - x)    ~ 94% of k·L·A for large k·L (A/x ~ 16)
 
 for one more forward per block (~1/3 more compute: a backward costs about two forwards).

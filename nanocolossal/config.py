@@ -12,9 +12,9 @@ Every global of the file that is not a module, a class or a dunder becomes a key
 `from nanocolossal.amp import AMP_TYPE` in the file is fine (AMP_TYPE lives here, as the
 config names the modes; amp re-exports it).
 
-A config is checked when it is loaded, not when a feature first reads it: a key we do
-not implement (ZeRO, 2.5d/3d tensor parallelism, ...) or a value of the wrong type is an
-error that says what to change, never silently ignored. A key the script reads but the file
+A config is checked when it is loaded, not when a feature first reads it: a value we cannot
+honour (an unknown tensor mode, a size that does not divide) or of the wrong type is an error
+that says what to change, never silently ignored. A key the script reads but the file
 lacks says which file and what to add (`MissingKeyError`):
 
     configs/x.py has no NUM_EPOCHS: add e.g. NUM_EPOCHS = 10
@@ -180,8 +180,7 @@ def on_load(hook: Callable[[], None]) -> None:
     _ON_LOAD.append(hook)
 
 
-# Colossal-AI keys that this project deliberately does not implement, with what to do instead.
-_UNSUPPORTED: dict[str, str] = {}
+# the parallel table's keys: each a layout axis (context.py)
 _PARALLEL_KEYS = ("pipeline", "data", "tensor", "sequence", "moe")
 # DistributedDataParallel's, by config
 _DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "compress")
@@ -265,11 +264,7 @@ def moe_size(cfg: Mapping) -> int:
 
 
 def validate_config(cfg: Config) -> None:
-    """Raise ConfigError for any key we understand but cannot honour."""
-    for key, hint in _UNSUPPORTED.items():
-        if key in cfg:
-            raise ConfigError(f"config key {key!r} is not supported: {hint}")
-
+    """Raise ConfigError for any value we understand but cannot honour."""
     parallel_settings(cfg)
     for check in _CHECKS:  # each feature's own section (zero/settings.py, amp_settings.py, ...)
         check(cfg)

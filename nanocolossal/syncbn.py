@@ -13,7 +13,7 @@ Forward, per channel, over N = sum of all ranks' sample counts (times spatial si
 S2 / N - mu^2 subtracts two large numbers when the mean is large next to the spread: in fp32,
 x ~ 1000 with variance 2.6 came out 4% off. So each rank sums S1 in float64 and sends
 S2 = M2 + m (2 S1 - n m), the same number, from M2, its sum of squares around its own mean m
-(centred: accurate in fp32); the sums and the subtraction are float64 (3 C numbers).
+(centred: accurate in fp32); the sums and the subtraction are float64 (2C + 1 numbers: one count).
 
 Uneven per-rank batches are weighted correctly because counts, not means, are summed.
 running_var uses the unbiased var * N / (N - 1), as BatchNorm does.

@@ -55,7 +55,7 @@ which it hands over in memory. Each backward splits into B and W as in ZB-H1. Ra
 until it is steady at F, B, W of each chunk; the W's it holds back fill the cool-down. With F, B
 and W of a chunk (half a stage) equal, a rank idles only while micro-batch 0 comes down the V to
 it and the last goes back: (P - 1) F, against 1F1B's (P - 1)(2F + 2B + 2W) in these units; each
-rank holds at most 2P chunks' activations, P micro-batches', 1F1B's peak. It needs M >= 2P - 1.
+rank holds at most 2P chunks' activations (half a stage each): 1F1B's peak. It needs M >= 2P - 1.
 Its messages go both ways between neighbours, so they are timed (`on_time_plan`):
 
     rank 0 |F0aF1aF2aF3aF4aF5aF6aF0bB0bW0bF1bB1bW1bF2bB2bW2bF3bB3bW3bF7aB0aW0aF4bB4bW4bB1aW1a...
