@@ -22,8 +22,8 @@ from nanocolossal.pipeline.plan import (
     Compute,
     build_plan,
     one_f_one_b,
+    round_plan,
     stage_rank,
-    unit_plan,
     v_shaped,
 )
 from nanocolossal.pipeline.simulate import bubble_formula, timeline
@@ -321,11 +321,11 @@ def test_more_than_eight_chunks_render_with_distinct_labels(V, first, last):
 def test_the_textbook_1f1b_loop_is_the_plan_the_executor_runs(P):
     """one_f_one_b (warm-up, steady 1F1B, cool-down, written as three loops) is what runs for
     1F1B, and gives the same computations and communication batches, in the same order, as
-    unit_plan, the loop generalised that GPipe and interleaved 1F1B run."""
+    round_plan, the loop generalised that GPipe and interleaved 1F1B run."""
     for M in range(P, 3 * P + 2):
         for rank in range(P):
             assert build_plan("1f1b", P, M, 1, rank) == one_f_one_b(P, M, rank)
-            assert one_f_one_b(P, M, rank) == unit_plan("1f1b", P, M, 1, rank), (P, M, rank)
+            assert one_f_one_b(P, M, rank) == round_plan("1f1b", P, M, 1, rank), (P, M, rank)
 
 
 # ---- the split backward zero-bubble plans run ---------------------------------------------------

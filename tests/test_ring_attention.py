@@ -21,9 +21,9 @@ from nanocolossal.tensor import ring_attention as ring
 from nanocolossal.tensor.ring_attention import (
     COUNTS,
     allgather_attention,
+    causal_rows,
     gather_sequence,
     has_fused_kernel,
-    plan,
     reset_counts,
     ring_attention,
     split_sequence,
@@ -147,7 +147,7 @@ def test_causal_work_is_balanced(n):
     rows = {"all": 2 * c, "first": c, "second": c}
     work = []
     for r in range(n):
-        steps = [plan(r, (r - t) % n, n, causal=True) for t in range(n)]
+        steps = [causal_rows(r, (r - t) % n, n, causal=True) for t in range(n)]
         work.append(sum(rows[qp] * rows[kp] // (2 if masked else 1) for qp, kp, masked in steps))
     assert work == [(2 * c) ** 2 // 2 + (n - 1) * 2 * c * c] * n
 

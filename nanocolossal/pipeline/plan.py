@@ -62,7 +62,7 @@ Its messages go both ways between neighbours, so they are timed (`on_time_plan`)
     rank 3 |.........F0aF0bF1aF1bF2aF2bF3aF3bB0bW0bF4aB0aW0aF4bB1bW1bF5aB1aW1aF5bB2bW2bF6aB2a...
 
 `one_f_one_b` below is 1F1B on one rank as the textbooks draw it, in one screen, and is what the
-executor (schedule.py) runs for 1F1B; `unit_plan` is the same loop generalised to GPipe and
+executor (schedule.py) runs for 1F1B; `round_plan` is the same loop generalised to GPipe and
 interleaved chunks (a test proves it gives `one_f_one_b`'s plan), with ZB-H1's order from
 `zero_bubble_order`; ZB-V's order (`zbv_order`) runs with its messages on time (`on_time_plan`).
 `build_plan` picks among the three.
@@ -295,9 +295,9 @@ def _interleaved_step(k: int, kind: str, P: int, V: int) -> Compute:
     return Compute(kind, chunk if kind == "F" else V - 1 - chunk, group * P + within % P)
 
 
-def _units(schedule: str, P: int, M: int, V: int, rank: int,
-           forward_only: bool) -> list[list[Compute]]:
-    """The compute steps of one rank, grouped into units that run with no communication between
+def _rounds(schedule: str, P: int, M: int, V: int, rank: int,
+            forward_only: bool) -> list[list[Compute]]:
+    """The compute steps of one rank, grouped into rounds that run with no communication between
     them: warm-up forwards alone, then (forward, backward) pairs, then the remaining backwards."""
     check_sizes(schedule, P, M, V)
     if schedule in ("zero_bubble", "zbv"):
@@ -315,22 +315,22 @@ def _units(schedule: str, P: int, M: int, V: int, rank: int,
     warmup = warmup_count(schedule, P, M, V, rank)
     steady = len(forwards) - warmup
     # warm-up: forwards only, until the first micro-batch's gradient can come back
-    warmup_units = [[f] for f in forwards[:warmup]]
+    warmup_rounds = [[f] for f in forwards[:warmup]]
     # steady state: one forward, one backward -- the number of activations held stays constant
-    steady_units = [[forwards[warmup + i], backwards[i]] for i in range(steady)]
+    steady_rounds = [[forwards[warmup + i], backwards[i]] for i in range(steady)]
     # cool-down: the backwards of the micro-batches still in flight drain the pipeline
-    cooldown_units = [[b] for b in backwards[steady:]]
-    units = warmup_units + steady_units + cooldown_units
+    cooldown_rounds = [[b] for b in backwards[steady:]]
+    rounds = warmup_rounds + steady_rounds + cooldown_rounds
     # plain 1F1B communicates after every step, so activations leave at once
     if schedule != "interleaved":
-        units = [[step] for unit in units for step in unit]
-    return units
+        rounds = [[step] for steps in rounds for step in steps]
+    return rounds
 
 
 def compute_order(schedule: str, P: int, M: int, V: int, rank: int,
                   forward_only: bool = False) -> list[Compute]:
     """The forwards and backwards of one rank, in the order it runs them."""
-    return [step for unit in _units(schedule, P, M, V, rank, forward_only) for step in unit]
+    return [step for steps in _rounds(schedule, P, M, V, rank, forward_only) for step in steps]
 
 
 def _needs(step: Compute, v: int, last: int) -> list[Transfer]:
@@ -356,19 +356,19 @@ def _gives(step: Compute, v: int, last: int) -> list[Transfer]:
 def build_plan(schedule: str, P: int, M: int, V: int, rank: int,
                forward_only: bool = False) -> list[Step]:
     """What rank `rank` runs: for training under 1F1B the textbook loop (`one_f_one_b`), for zbv
-    messages on time (`on_time_plan`), for the others `unit_plan`."""
+    messages on time (`on_time_plan`), for the others `round_plan`."""
     if schedule == "1f1b" and not forward_only:
         check_sizes(schedule, P, M, V)
         return one_f_one_b(P, M, rank)
     if schedule == "zbv":
         return on_time_plan(schedule, P, M, V, rank, forward_only)
-    return unit_plan(schedule, P, M, V, rank, forward_only)
+    return round_plan(schedule, P, M, V, rank, forward_only)
 
 
-def unit_plan(schedule: str, P: int, M: int, V: int, rank: int,
-              forward_only: bool = False) -> list[Step]:
-    """Compute steps with their communication. Between two units, one batch posts the previous
-    unit's sends together with every receive the next unit needs. GPipe and 1F1B use units of
+def round_plan(schedule: str, P: int, M: int, V: int, rank: int,
+               forward_only: bool = False) -> list[Step]:
+    """Compute steps with their communication. Between two rounds, one batch posts the previous
+    round's sends together with every receive the next round needs. GPipe and 1F1B use rounds of
     one step (Megatron's send_forward_recv_backward and send_backward_recv_forward), so an
     activation leaves as soon as it is computed. Interleaved 1F1B pairs each steady-state
     forward with its backward (Megatron's send_forward_backward_recv_forward_backward):
@@ -378,12 +378,13 @@ def unit_plan(schedule: str, P: int, M: int, V: int, rank: int,
     last = P * V - 1
     plan: list[Step] = []
     pending: list[Transfer] = []
-    for unit in _units(schedule, P, M, V, rank, forward_only):
-        recvs = [t for step in unit for t in _needs(step, virtual_stage(step.chunk, rank, P), last)]
+    for steps in _rounds(schedule, P, M, V, rank, forward_only):
+        recvs = [t for step in steps
+                 for t in _needs(step, virtual_stage(step.chunk, rank, P), last)]
         if pending or recvs:
             plan.append(Comm(tuple(pending), tuple(recvs)))
-        plan += unit
-        pending = [t for step in unit
+        plan += steps
+        pending = [t for step in steps
                    for t in _gives(step, virtual_stage(step.chunk, rank, P), last)]
     if pending:
         plan.append(Comm(tuple(pending), ()))

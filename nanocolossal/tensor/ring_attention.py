@@ -88,7 +88,7 @@ import torch.distributed as dist
 from .zigzag import Group, _world, gather_sequence, split_sequence, zigzag_split, zigzag_stripes
 
 __all__ = ["ring_attention", "allgather_attention", "split_sequence", "gather_sequence",
-           "zigzag_split", "plan", "has_fused_kernel", "COUNTS", "reset_counts"]
+           "zigzag_split", "causal_rows", "has_fused_kernel", "COUNTS", "reset_counts"]
 ALL, FIRST, SECOND = "all", "first", "second"
 
 # Counted as the ring runs, for tests and bench/bench_sequence.py: K/V block pairs sent forward
@@ -100,7 +100,7 @@ def reset_counts() -> None:
     COUNTS.update(dict.fromkeys(COUNTS, 0))
 
 
-def plan(r: int, s: int, n: int, causal: bool) -> tuple[str, str, bool]:
+def causal_rows(r: int, s: int, n: int, causal: bool) -> tuple[str, str, bool]:
     """Which of my query rows meet which rows of rank s's K/V block: (queries, keys, masked).
 
     Only the diagonal block needs a mask; off the diagonal a block is all-or-nothing (above)."""
@@ -246,7 +246,7 @@ class _RingAttention(torch.autograd.Function):
         acc = torch.zeros_like(q)
         kv = [k, v] + ([bias] if bias is not None else [])  # a padding mask travels with keys
         for t, kv in _ring(kv, group, "kv_forward"):
-            qp, kp, masked = plan(r, (r - t) % n, n, causal)
+            qp, kp, masked = causal_rows(r, (r - t) % n, n, causal)
             got = block(_rows(q, qp), _rows(kv[0], kp), _rows(kv[1], kp), _mask(kv, kp),
                         masked, scale)
             _merge(_rows(m, qp), _rows(l, qp), _rows(acc, qp), *got)  # views: in place
@@ -265,7 +265,7 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q)
         dkv, dworks = None, []
         for t, kv in _ring([k, v] + ([bias] if bias is not None else []), group, "kv_backward"):
-            qp, kp, masked = plan(r, (r - t) % n, n, causal=ctx.causal)
+            qp, kp, masked = causal_rows(r, (r - t) % n, n, causal=ctx.causal)
             dqb, dkb, dvb = grads(_rows(q, qp), _rows(kv[0], kp), _rows(kv[1], kp),
                                   _mask(kv, kp), masked, ctx.scale, _rows(out, qp),
                                   _rows(dout, qp), _rows(lse, qp))
