@@ -42,6 +42,11 @@ def require_mode(name: str, mode: str) -> None:
                          f"layer of the same meaning, which follows the mode")
 
 
+def in_mode(base: type, name: str, mode: str, doc: str) -> type:
+    """Colossal-AI's class `name`: the class `base` (its arguments handled alike) under `mode`."""
+    return type(name, (base,), {"MODE": mode, "__doc__": doc, "__module__": base.__module__})
+
+
 def check_skip_bias_add(name: str, skip_bias_add: bool, bias: bool) -> None:
     if skip_bias_add and not bias:
         raise ValueError(f"[rank {gpc.rank}] {name}(skip_bias_add=True) needs a bias to hand "

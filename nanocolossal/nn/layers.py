@@ -71,6 +71,14 @@ def set_1d_input_is_split(split: bool) -> None:
     _state["1d_input_is_split"] = split
 
 
+def alternate(parallel: Optional[str] = None) -> str:
+    """'column' or 'row' for the Linear being built (1d, 3d): `parallel` if given, else the
+    alternation's next; the next one then follows this one."""
+    row = _state["1d_input_is_split"] if parallel is None else parallel == "row"
+    _state["1d_input_is_split"] = not row
+    return "row" if row else "column"
+
+
 VOCAB_PARALLEL_LIMIT = 2048  # Colossal-AI's default: larger tables split by vocabulary
 
 
@@ -83,11 +91,10 @@ def Linear(in_features: int, out_features: int, bias: bool = True,
     if gpc.tensor_mode in GRID:
         return layers_2d.Linear2D(in_features, out_features, bias)
     if gpc.tensor_mode in ALTERNATING:
-        row = _state["1d_input_is_split"] if parallel is None else parallel == "row"
-        _state["1d_input_is_split"] = not row
+        side = alternate(parallel)
         if gpc.tensor_mode == "3d":
-            return layers_3d.Linear3D(in_features, out_features, bias, "row" if row else "column")
-        layer = layers_1d.RowLinear1D if row else layers_1d.ColumnLinear1D
+            return layers_3d.Linear3D(in_features, out_features, bias, side)
+        layer = layers_1d.RowLinear1D if side == "row" else layers_1d.ColumnLinear1D
         return layer(in_features, out_features, bias)
     return nn.Linear(in_features, out_features, bias)
 

@@ -170,8 +170,11 @@ class Linear2D(nn.Module):
         self.bias = _along_row(full.bias, 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.product(x)
-        return add_bias(y, _down_column(self.bias) if self.bias is not None else None)
+        return add_bias(self.product(x), self.bias_block())
+
+    def bias_block(self) -> Optional[torch.Tensor]:
+        """The bias block of my output columns, its gradient summed over the batch group."""
+        return _down_column(self.bias) if self.bias is not None else None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The SUMMA product without the bias (Colossal-AI's skip_bias_add)."""
