@@ -2,6 +2,7 @@
 each rank feeds its block of the same input (and of the output's gradient), and the gathered
 output, input gradient and every parameter's gathered gradient must equal the plain layer's.
 Called on every rank after launch; a layout is a list of tensor/base.py splits (dim, axis)."""
+import test_colossal_layers as cl
 import torch
 from torch import nn
 from torch.testing import assert_close
@@ -138,3 +139,42 @@ def check_layers(activation, linear_out, batch, vocab_logits):
         _classifier_and_loss(activation, batch),
         _vocab_parallel(vocab_logits),
     ]
+
+
+def check_colossal_classes(suffix, a, b, rows, vocab_logits):
+    """Colossal-AI's classes of a mode (`suffix`: '2p5D', '3D') with their arguments, against
+    the plain layers (test_colossal_layers' checks): `a` the activations' layout, `b` a first
+    Linear's output's, `rows` whole-class logits', `vocab_logits` the vocab-parallel logits'."""
+    cls = {name: getattr(col_nn, f"{name}{suffix}") for name in (
+        "Linear", "LayerNorm", "Embedding", "VocabParallelEmbedding", "Classifier",
+        "VocabParallelClassifier", "CrossEntropyLoss", "VocabParallelCrossEntropyLoss")}
+    fans = {"fan_in": cl.D, "fan_out": cl.D}
+    cl._compare("Linear", lambda: cls["Linear"](
+        cl.D, cl.D, weight_initializer=cl.w_init, bias_initializer=cl.b_init),
+        lambda: cl._inited(nn.Linear(cl.D, cl.D), fans, {"fan_in": cl.D}), cl._data("seq"), a, b)
+    cl._compare("Linear (the next), dtype, skip_bias_add", lambda: cls["Linear"](
+        cl.D, cl.D, dtype=torch.float64, skip_bias_add=True),
+        lambda: nn.Linear(cl.D, cl.D).double(), cl._data("seq", torch.float64), b, a,
+        call=cl._add_skipped_bias)
+    cl._compare("LayerNorm bias=False", lambda: cls["LayerNorm"](cl.D, bias=False),
+                lambda: nn.LayerNorm(cl.D, bias=False), cl._data("seq"), a, a)
+    for name in ("Embedding", "VocabParallelEmbedding"):
+        cl._compare(name, lambda: cls[name](cl.V, cl.D, cl.PAD, weight_initializer=cl.w_init),
+                    cl._embedding, cl._data("ids"), [], a)
+    cl._compare("Classifier tied", lambda: cl._tie(cls["Embedding"], cls["Classifier"]),
+                lambda: cl._tied(nn.Embedding(cl.V, cl.D), {"fan_in": cl.D}), cl._data("ids"), [],
+                rows)
+    cl._compare("VocabParallelClassifier tied", lambda: cl._tie(
+        cls["VocabParallelEmbedding"], cls["VocabParallelClassifier"]),
+        lambda: cl._tied(nn.Embedding(cl.V, cl.D), {"fan_in": cl.D}), cl._data("ids"), [],
+        vocab_logits)
+    logits, target = torch.randn(cl.B, cl.S, cl.V), torch.randint(0, cl.V, (cl.B, cl.S))
+    cl._compare_loss("VocabParallelCrossEntropyLoss reduction=False",
+                     cls["VocabParallelCrossEntropyLoss"](reduction=False), {"reduction": "none"},
+                     logits, target, vocab_logits, vocab_logits[:2])
+    weight = torch.linspace(0.5, 2.0, cl.V)
+    flat_logits, flat_target = torch.randn(cl.B, cl.V), torch.randint(0, cl.V, (cl.B,))
+    cl._compare_loss("CrossEntropyLoss reduction=False, weight",
+                     cls["CrossEntropyLoss"](False, weight), {"reduction": "none",
+                                                              "weight": weight},
+                     flat_logits, flat_target, rows, rows)

@@ -7,7 +7,8 @@ over the column; a weight has q x q blocks, the same in every grid.
 import pytest
 import torch
 from dist_helpers import run_ranks
-from layer_checks import check_layers, train_small_model
+from layer_checks import check_colossal_classes, check_layers, train_small_model
+from test_colossal_layers import _message
 from torch.testing import assert_close
 
 import nanocolossal as nc
@@ -67,3 +68,16 @@ def test_gloo_2p5d_bad_shapes_are_one_line_errors():
             "batch": f"[rank {rank}] a batch of 6 cannot be split over the 4 rows of the 2.5d "
                      f"grids (2 grids of 2) (tensor size 8); use a batch size that is a multiple "
                      f"of 4"}
+
+
+def _colossal_worker(rank, world_size, port):
+    nc.launch(TESSERACT, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    activation = [(0, "depth"), (0, "row"), (-1, "col")]
+    check_colossal_classes("2p5D", activation, activation, activation[:2], activation)
+    return _message(lambda: col_nn.Linear2D(8, 8))
+
+
+def test_deep_colossal_2p5d_classes_and_arguments_equal_the_plain_layers():
+    for rank, refused in enumerate(run_ranks(_colossal_worker, 8, timeout=90)):
+        assert refused.startswith(f"[rank {rank}] Linear2D is a 2d layer, but "
+                                  f"parallel.tensor.mode is '2.5d'"), refused

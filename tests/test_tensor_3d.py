@@ -8,7 +8,8 @@ hidden dimension over y, and so do the vocabulary-parallel logits.
 import pytest
 import torch
 from dist_helpers import run_ranks
-from layer_checks import check_layers, train_small_model
+from layer_checks import check_colossal_classes, check_layers, train_small_model
+from test_colossal_layers import _message
 from torch.testing import assert_close
 
 import nanocolossal as nc
@@ -76,3 +77,17 @@ def test_gloo_3d_bad_shapes_are_one_line_errors():
                   f"3d, size 8); choose a multiple of 4",
             "batch": f"[rank {rank}] a batch of 6 cannot be split over the 4 batch blocks of the "
                      f"3d cube (tensor size 8); use a batch size that is a multiple of 4"}
+
+
+def _colossal_worker(rank, world_size, port):
+    nc.launch(CUBE, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    a, b = [(0, "x"), (0, "y"), (-1, "z")], [(0, "x"), (0, "z"), (-1, "y")]
+    col_nn.reset_1d_alternation()  # Linear3D alternates: column (A -> B), then row (B -> A)
+    check_colossal_classes("3D", a, b, a[:2], b)
+    return _message(lambda: col_nn.Linear2p5D(8, 8))
+
+
+def test_deep_colossal_3d_classes_and_arguments_equal_the_plain_layers():
+    for rank, refused in enumerate(run_ranks(_colossal_worker, 8, timeout=90)):
+        assert refused.startswith(f"[rank {rank}] Linear2p5D is a 2.5d layer, but "
+                                  f"parallel.tensor.mode is '3d'"), refused
