@@ -9,6 +9,7 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
+from nanocolossal.context import gpc
 from nanocolossal.tensor.base import shard, unshard
 
 B, S, D, V = 8, 2, 8, 16
@@ -141,10 +142,13 @@ def check_layers(activation, linear_out, batch, vocab_logits):
     ]
 
 
-def check_colossal_classes(suffix, a, b, rows, vocab_logits):
+def check_colossal_classes(suffix, a, b, rows, vocab_logits, other):
     """Colossal-AI's classes of a mode (`suffix`: '2p5D', '3D') with their arguments, against
     the plain layers (test_colossal_layers' checks): `a` the activations' layout, `b` a first
-    Linear's output's, `rows` whole-class logits', `vocab_logits` the vocab-parallel logits'."""
+    Linear's output's, `rows` whole-class logits', `vocab_logits` the vocab-parallel logits';
+    `other`, another mode's Linear class, is refused. Returns the classes checked."""
+    refused = cl._message(lambda: getattr(col_nn, other)(8, 8))
+    assert refused.startswith(f"[rank {gpc.rank}] {other} is a "), refused
     cls = {name: getattr(col_nn, f"{name}{suffix}") for name in (
         "Linear", "LayerNorm", "Embedding", "VocabParallelEmbedding", "Classifier",
         "VocabParallelClassifier", "CrossEntropyLoss", "VocabParallelCrossEntropyLoss")}
@@ -178,3 +182,4 @@ def check_colossal_classes(suffix, a, b, rows, vocab_logits):
                      cls["CrossEntropyLoss"](False, weight), {"reduction": "none",
                                                               "weight": weight},
                      flat_logits, flat_target, rows, rows)
+    return sorted(cls)
