@@ -9,6 +9,7 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
+from nanocolossal.checkpoint import save_checkpoint
 from nanocolossal.context import gpc
 from nanocolossal.tensor.base import shard, unshard
 
@@ -23,10 +24,10 @@ def small_model():
                          col_nn.Linear(8, 8), col_nn.LayerNorm(8), col_nn.Classifier(8, 3)).double()
 
 
-def train_small_model(rank, world_size, port, config, xs, ys):
+def train_small_model(rank, world_size, port, config, xs, ys, save=None):
     """small_model() trained by the engine (SGD + momentum) on the whole batches xs, ys, every
     rank given all of them (rank 0 of 1 without `config`: one process); returns its parameters
-    gathered whole."""
+    gathered whole (`save`: a checkpoint written at the end)."""
     if config:
         nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     model = small_model()
@@ -36,8 +37,15 @@ def train_small_model(rank, world_size, port, config, xs, ys):
         engine.zero_grad()
         engine.backward(engine.criterion(engine(x), y))
         engine.step()
+    if save:
+        save_checkpoint(save, 1, engine.model, engine.optimizer)
+    return gathered(engine.model)
+
+
+def gathered(model):
+    """A model's parameters, each gathered whole from the tensor ranks' blocks."""
     return {name: unshard(p.detach(), getattr(p, "tensor_splits", []))
-            for name, p in engine.model.named_parameters()}
+            for name, p in model.named_parameters()}
 
 
 def _same(got, want, what):

@@ -8,12 +8,20 @@ hidden dimension over y, and so do the vocabulary-parallel logits.
 import pytest
 import torch
 from dist_helpers import run_ranks
-from layer_checks import check_colossal_classes, check_layers, train_small_model
+from layer_checks import (
+    check_colossal_classes,
+    check_layers,
+    gathered,
+    small_model,
+    train_small_model,
+)
 from test_colossal_layers import _message
 from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
+from nanocolossal.checkpoint import merge_checkpoint
+from nanocolossal.checkpoint_merge import load_plain_state_dict
 from nanocolossal.context import layout
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,3 +91,23 @@ def _colossal_worker(rank, world_size, port):
 def test_deep_colossal_3d_classes_and_arguments_equal_the_plain_layers():
     results = run_ranks(_colossal_worker, 8, timeout=90)
     assert all(checked == results[0] and "Linear" in checked for checked in results)
+
+
+def _load_plain_worker(rank, world_size, port, config, merged):
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    model = small_model()
+    load_plain_state_dict(model, merged)
+    return gathered(model)
+
+
+def test_deep_3d_checkpoint_merges_to_the_plain_model_and_loads_into_2p5d(tmp_path):
+    """A 3d save (one file per tensor rank) merges into one process's state_dict, which loads
+    into 2.5d's blocks."""
+    xs, ys = torch.randint(0, 10, (2, 8)), torch.randint(0, 3, (2, 8))
+    one_process = train_small_model(0, 1, None, None, xs, ys)
+    run_ranks(train_small_model, 8, CUBE, xs, ys, str(tmp_path / "cube.pt"))
+    merged = merge_checkpoint(tmp_path / "cube.pt")
+    assert_close(merged, one_process)
+    tesseract = dict(parallel=dict(tensor=dict(size=8, mode="2.5d", depth=2)))
+    for params in run_ranks(_load_plain_worker, 8, tesseract, merged):
+        assert_close(params, one_process)
