@@ -2,8 +2,14 @@
 each rank feeds its block of the same input (and of the output's gradient), and the gathered
 output, input gradient and every parameter's gathered gradient must equal the plain layer's.
 Called on every rank after launch; a layout is a list of tensor/base.py splits (dim, axis)."""
+import functools
+import re
+import tempfile
+from pathlib import Path
+
 import test_colossal_layers as cl
 import torch
+from dist_helpers import ROOT, run_script
 from torch import nn
 from torch.testing import assert_close
 
@@ -191,3 +197,26 @@ def check_colossal_classes(suffix, a, b, rows, vocab_logits, other):
                                                               "weight": weight},
                      flat_logits, flat_target, rows, rows)
     return sorted(cls)
+
+
+def tiny_gpt_run(config: str, nproc: int) -> tuple[float, str]:
+    """(final train loss, sample) of `train_gpt.py --config configs/<config>` shrunk to a tiny
+    GPT (global batch 8, 16 tokens, 32 wide, 2 blocks) for 3 steps on `nproc` pooled ranks."""
+    text = (ROOT / "configs" / config).read_text()
+    for key, value in (("BATCH_SIZE", 8), ("SEQ_LEN", 16), ("DIM", 32), ("DEPTH", 2),
+                       ("NUM_EPOCHS", 1)):
+        text = re.sub(rf"^{key} = \d+", f"{key} = {value}", text, flags=re.M)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / config
+        path.write_text(text)
+        out = run_script(ROOT / "train_gpt.py",
+                         ["--config", str(path), "--max-steps", "3", "--seed", "5",
+                          "--max-bytes", "6000", "--sample", "12"], nproc=nproc, cwd=Path(folder))
+    out = out.replace("\r", "\n")
+    return (float(re.search(r"final train loss ([0-9.e+-]+)", out).group(1)),
+            re.search(r"sample: (.*)", out).group(1))
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_gpt_one_process() -> tuple[float, str]:
+    return tiny_gpt_run("gpt_single.py", 1)

@@ -7,7 +7,13 @@ over the column; a weight has q x q blocks, the same in every grid.
 import pytest
 import torch
 from dist_helpers import run_ranks
-from layer_checks import check_colossal_classes, check_layers, train_small_model
+from layer_checks import (
+    check_colossal_classes,
+    check_layers,
+    tiny_gpt_one_process,
+    tiny_gpt_run,
+    train_small_model,
+)
 from test_colossal_layers import _message
 from torch.testing import assert_close
 
@@ -74,3 +80,10 @@ def _colossal_worker(rank, world_size, port):
 def test_deep_colossal_2p5d_classes_and_arguments_equal_the_plain_layers():
     results = run_ranks(_colossal_worker, 8, timeout=90)
     assert all(checked == results[0] and "Linear" in checked for checked in results)
+
+
+def test_deep_train_gpt_2p5d_config_ends_as_one_process():
+    """configs/gpt_2p5d.py (shrunk): train_gpt.py's final loss and sample are one process's."""
+    loss, sample = tiny_gpt_run("gpt_2p5d.py", 8)
+    one_loss, one_sample = tiny_gpt_one_process()
+    assert abs(loss - one_loss) < 1e-4 and sample == one_sample, (loss, one_loss, sample)

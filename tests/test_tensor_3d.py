@@ -13,6 +13,8 @@ from layer_checks import (
     check_layers,
     gathered,
     small_model,
+    tiny_gpt_one_process,
+    tiny_gpt_run,
     train_small_model,
 )
 from test_colossal_layers import _message
@@ -111,3 +113,10 @@ def test_deep_3d_checkpoint_merges_to_the_plain_model_and_loads_into_2p5d(tmp_pa
     tesseract = dict(parallel=dict(tensor=dict(size=8, mode="2.5d", depth=2)))
     for params in run_ranks(_load_plain_worker, 8, tesseract, merged):
         assert_close(params, one_process)
+
+
+def test_deep_train_gpt_3d_config_ends_as_one_process():
+    """configs/gpt_3d.py (shrunk): train_gpt.py's final loss and sample are one process's."""
+    loss, sample = tiny_gpt_run("gpt_3d.py", 8)
+    one_loss, one_sample = tiny_gpt_one_process()
+    assert abs(loss - one_loss) < 1e-4 and sample == one_sample, (loss, one_loss, sample)
