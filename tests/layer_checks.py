@@ -65,6 +65,7 @@ def _grads_equal(name, tp, plain):
 
 
 def _built(make_tp, make_plain):
+    col_nn.reset_1d_alternation()  # (3d: each layer on its own starts in layout A)
     torch.manual_seed(0)
     plain = make_plain().double()
     torch.manual_seed(0)  # the same draws: every shard a slice of the plain layer's tensor

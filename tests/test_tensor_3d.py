@@ -70,13 +70,20 @@ def test_deep_3d_layers_equal_plain_torch_forward_and_backward():
 
 def _errors_worker(rank, world_size, port):
     nc.launch(CUBE, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
-    return {"in": _message(lambda: col_nn.Linear(6, 8)),
+    col_nn.Linear(8, 8)  # a column Linear without its row partner yet:
+    norm = _message(lambda: col_nn.LayerNorm(8))
+    col_nn.reset_1d_alternation()
+    return {"norm": norm, "in": _message(lambda: col_nn.Linear(6, 8)),
             "batch": _message(lambda: col_nn.Embedding(10, 8)(torch.zeros(6, 2).long()))}
 
 
 def test_gloo_3d_bad_shapes_are_one_line_errors():
     for rank, out in enumerate(run_ranks(_errors_worker, 8, timeout=60)):
         assert out == {
+            "norm": f"[rank {rank}] LayerNorm built after a column Linear under 3d tensor "
+                    f"parallelism: its input would be the column Linear's output (layout B), "
+                    f"where only a row Linear fits; build Linears in column/row pairs "
+                    f"(nc.nn.Linear alternates) or pass parallel='row' to the Linear before it",
             "in": f"[rank {rank}] Linear in_features 6 is not divisible by 4 (tensor parallel "
                   f"3d, size 8); choose a multiple of 4",
             "batch": f"[rank {rank}] a batch of 6 cannot be split over the 4 batch blocks of the "

@@ -79,6 +79,18 @@ def alternate(parallel: Optional[str] = None) -> str:
     return "row" if row else "column"
 
 
+def check_3d_layout(layer: str) -> None:
+    """Under 3d a column Linear's output is in layout B (tensor/cube.py), which only a row Linear
+    takes; LayerNorm, embeddings and classifiers work on layout A. Built between a column Linear
+    and its row partner, they would compute on the wrong blocks, silently: refuse."""
+    if gpc.tensor_mode == "3d" and _state["1d_input_is_split"]:
+        raise ValueError(f"[rank {gpc.rank}] {layer} built after a column Linear under 3d "
+                         f"tensor parallelism: its input would be the column Linear's output "
+                         f"(layout B), where only a row Linear fits; build Linears in column/row "
+                         f"pairs (nc.nn.Linear alternates) or pass parallel='row' to the Linear "
+                         f"before it")
+
+
 VOCAB_PARALLEL_LIMIT = 2048  # Colossal-AI's default: larger tables split by vocabulary
 
 
@@ -101,6 +113,7 @@ def Linear(in_features: int, out_features: int, bias: bool = True,
 
 def LayerNorm(normalized_shape: int, eps: float = 1e-5) -> nn.Module:
     if gpc.tensor_mode == "3d":
+        check_3d_layout("LayerNorm")
         return layers_3d.LayerNorm3D(normalized_shape, eps)
     if gpc.tensor_mode in GRID:
         return layers_2d.LayerNorm2D(normalized_shape, eps)
@@ -151,6 +164,7 @@ class TiedLinear(nn.Module):
 def VocabParallelClassifier(in_features: int, num_classes: int, bias: bool = True,
                             weight: Optional[nn.Parameter] = None) -> nn.Module:
     if gpc.tensor_mode == "3d":
+        check_3d_layout("VocabParallelClassifier")
         return layers_3d.VocabParallelClassifier3D(in_features, num_classes, bias, weight)
     if gpc.tensor_mode in GRID:
         return VocabParallelClassifier2D(in_features, num_classes, bias, weight)
@@ -228,6 +242,7 @@ def Classifier(in_features: int, num_classes: int, bias: bool = True,
     if vocab_parallel:
         return VocabParallelClassifier(in_features, num_classes, bias, weight)
     if gpc.tensor_mode == "3d":
+        check_3d_layout("Classifier")
         return layers_3d.Classifier3D(in_features, num_classes, bias, weight)
     if gpc.tensor_mode in GRID:
         return layers_2d.Classifier2D(in_features, num_classes, bias, weight)

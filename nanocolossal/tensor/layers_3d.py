@@ -15,6 +15,8 @@ except between a column and a row Linear (layout B: batch over (x, z), hidden ov
 
 LayerNorm3D, Embedding3D, PatchEmbedding3D, Classifier3D and CrossEntropyLoss3D are the 2d
 layers on layout A (layers_2d.blocks()); only the weights that meet the cube product differ.
+Linears come in column/row pairs: nc.nn refuses a LayerNorm or classifier built between a column
+Linear and its row partner, whose input would be in layout B.
 
 The vocabulary-parallel embedding, with E cut as the classifier's weight (so the two are tied):
 rank (x, y, z) gathers E's block (vocabulary y, hidden z) along x, looks up batch block x of
