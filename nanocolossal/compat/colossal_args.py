@@ -22,6 +22,7 @@ activation clear it, and Dropout1D reads it. That is the same state nc.nn.Linear
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -43,8 +44,10 @@ def require_mode(name: str, mode: str) -> None:
 
 
 def in_mode(base: type, name: str, mode: str, doc: str) -> type:
-    """Colossal-AI's class `name`: the class `base` (its arguments handled alike) under `mode`."""
-    return type(name, (base,), {"MODE": mode, "__doc__": doc, "__module__": base.__module__})
+    """Colossal-AI's class `name`: the class `base` (its arguments handled alike) under `mode`,
+    belonging to the module that calls this (as collections.namedtuple's classes do)."""
+    module = sys._getframe(1).f_globals.get("__name__", base.__module__)
+    return type(name, (base,), {"MODE": mode, "__doc__": doc, "__module__": module})
 
 
 def check_skip_bias_add(name: str, skip_bias_add: bool, bias: bool) -> None:
