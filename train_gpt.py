@@ -4,6 +4,8 @@ examples are: the model is written once with nanocolossal.nn layers, the config 
     torchrun --nproc_per_node 2 train_gpt.py                       # tensor 1d x2 (configs/gpt.py)
     python train_gpt.py --config configs/gpt_single.py             # one process
     torchrun --nproc_per_node 4 train_gpt.py --config configs/gpt_2d.py   # 2d tensor x4
+    torchrun --nproc_per_node 8 train_gpt.py --config configs/gpt_2p5d.py # 2.5d: 2 grids of 2x2
+    torchrun --nproc_per_node 8 train_gpt.py --config configs/gpt_3d.py   # 3d: a 2x2x2 cube
     torchrun --nproc_per_node 2 train_gpt.py --config configs/gpt_seq.py  # sequence x2 (ring)
     torchrun --nproc_per_node 2 train_gpt.py --config configs/gpt_moe.py  # experts x2 (MoE)
 

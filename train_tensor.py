@@ -5,7 +5,8 @@ the config tutorial's parallel settings ("Accelerate your training with colossal
     torchrun --nproc_per_node 2 train_tensor.py --config configs/tensor_1d.py   # Megatron 1d x2
 
 The model is written once, with nanocolossal.nn layers: with parallel.tensor they are the 1d
-(Megatron) or 2d (SUMMA) layers, without it plain torch layers, and under one seed every
+(Megatron), 2d (SUMMA), 2.5d (Tesseract: tensor=dict(size=8, mode='2.5d', depth=2)) or 3d
+(tensor=dict(size=8, mode='3d')) layers, without it plain torch layers, and under one seed every
 layout starts from the same weights. Attention splits its heads over the tensor ranks (the
 qkv projection's output is laid out head by head, so a contiguous slice is whole heads).
 The model is an nn.Sequential (patch embedding, blocks, head), so `build_pipeline_model`

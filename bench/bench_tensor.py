@@ -20,7 +20,8 @@ tensor passed to each collective; b = tokens, d = dim, h = hidden, T = 4, q = 2)
          weight panel [out/q, in/q]; backward twice as many panels plus as many reduced partials
          = 3 (b in + in out) / q, + the bias's all-reduce (out/q) down the column
 
-Prints a table and writes bench/results/tensor.json.
+Prints a table and writes bench/results/tensor.json. The four modes side by side on 8 ranks
+(1d, 2d, 2.5d, 3d: step time, memory and traffic per rank) are bench/bench_tensor_modes.py's.
 """
 import argparse
 import os

@@ -75,7 +75,7 @@ from .checkpoint_merge import (  # noqa: F401 -- re-exported: the offline half o
 from .config import ConfigError
 from .context import gpc
 from .logging import get_dist_logger
-from .tensor.base import _axis
+from .tensor.base import _axis, grid_side
 from .zero import ShardedOptimizer
 from .zero.load import load_model_entries, read_my_pieces
 from .zero.state import my_pieces, skeleton
@@ -187,7 +187,7 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
                  "rng": rng, "extra": extra,
                  "pipeline": {"rank": gpc.pipeline_rank, "size": gpc.pipeline_size},
                  "tensor": {"rank": gpc.tensor_rank, "size": _tensor_split(),
-                            "mode": _job_layout()[2],
+                            "mode": _job_layout()[2], "side": grid_side(),
                             "splits": layout, "shapes": _plain_shapes(model, layout)},
                  "moe": {"rank": gpc.ep_rank, "size": gpc.moe_size},
                  "cpu_half": cpu_half.stored_choice()}

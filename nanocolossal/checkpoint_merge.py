@@ -31,7 +31,7 @@ from .checkpoint_files import (  # noqa: F401 -- re-exported: the files, then me
     zero_path,
 )
 from .context import gpc
-from .tensor.base import shard
+from .tensor.base import POSITION, shard
 from .zero.state import assemble, assemble_params
 
 
@@ -76,18 +76,16 @@ def _load_all(paths: list[PathLike], trusted: bool) -> list[dict]:
 
 
 # -- merging ------------------------------------------------------------------------------------
-def _rebuild(blocks: dict[int, torch.Tensor], splits: list, size: int) -> torch.Tensor:
-    """Undo tensor/base.shard offline: concatenate the tensor ranks' blocks of one parameter."""
-    q = math.isqrt(size)
-    position = {"tensor": lambda t: t, "col": lambda t: t % q, "row": lambda t: t // q}
-    parts = {"tensor": size, "col": q, "row": q}
-
+def _rebuild(blocks: dict[int, torch.Tensor], splits: list, size: int, q: int) -> torch.Tensor:
+    """Undo tensor/base.shard offline: concatenate the tensor ranks' blocks of one parameter
+    (q: the side of the 2d/2.5d grid or 3d cube)."""
     def build(todo: list, fixed: dict) -> torch.Tensor:
         if not todo:  # a block every rank with these coordinates holds alike
             return next(b for t, b in sorted(blocks.items())
-                        if all(position[axis](t) == i for axis, i in fixed.items()))
+                        if all(POSITION[axis](t, q) == i for axis, i in fixed.items()))
         dim, axis = todo[0]
-        return torch.cat([build(todo[1:], {**fixed, axis: i}) for i in range(parts[axis])], dim=dim)
+        parts = {"tensor": size, "depth": size // (q * q)}.get(axis, q)
+        return torch.cat([build(todo[1:], {**fixed, axis: i}) for i in range(parts)], dim=dim)
     return build(list(splits), {})
 
 
@@ -106,7 +104,8 @@ def _merge_tensor_states(states: list[dict]) -> dict:
             raise ValueError(f"merging: the files record no split for {key!r}; they were written "
                              f"by a version that keyed splits differently from the model; "
                              f"re-save them with this version")
-        merged[key] = _rebuild({t: m[key] for t, m in models.items()}, splits.get(key, []), size)
+        merged[key] = _rebuild({t: m[key] for t, m in models.items()}, splits.get(key, []), size,
+                               info[0].get("side", math.isqrt(size)))
         if key in shapes and list(merged[key].shape) != shapes[key]:
             raise ValueError(f"merging: {key!r} rebuilt with shape {list(merged[key].shape)}, "
                              f"but the plain model's is {shapes[key]}")

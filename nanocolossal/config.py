@@ -205,12 +205,12 @@ def _parallel_size(value: Any, key: str, known: tuple[str, ...] = ("size",)) -> 
     return size
 
 
-TENSOR_MODES = ("1d", "2d", "sequence")
-_NOT_YET = ("2.5d", "3d")
+TENSOR_MODES = ("1d", "2d", "2.5d", "3d", "sequence")
 
 
-def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[int]]:
-    """`parallel` -> (pipeline size P, tensor size T, tensor mode or None, data size or None)."""
+def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[int], int]:
+    """`parallel` -> (pipeline size P, tensor size T, tensor mode or None, data size or None,
+    2.5d's depth or 1)."""
     parallel = cfg.get("parallel") or {}
     if not isinstance(parallel, Mapping):
         raise ConfigError(f"parallel must be a dict such as dict(pipeline=2), got {parallel!r}")
@@ -226,26 +226,44 @@ def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[i
     P = _parallel_size(parallel.get("pipeline", 1), "pipeline")
     tensor = parallel.get("tensor", 1)
     mode = tensor.get("mode") if isinstance(tensor, Mapping) else None
-    # (depth: 2.5d's, refused below as not implemented yet, not as an unknown key; attention:
-    # sequence.py checks it)
+    # (attention: sequence.py checks it)
     extra = {"2.5d": ("depth",), "sequence": ("attention",)}.get(mode, ())
     T = _parallel_size(tensor, "tensor", ("size", "mode", *extra))
     if T == 1:
         mode = None
-    elif mode in _NOT_YET:
-        raise ConfigError(f"parallel.tensor mode {mode!r} is not implemented yet; use mode='1d' "
-                          f"(Megatron), mode='2d' (SUMMA) or mode='sequence' (ring attention)")
     elif mode not in TENSOR_MODES:
-        raise ConfigError(f"parallel.tensor needs mode='1d', '2d' or 'sequence' (got {mode!r}), "
-                          f"e.g. tensor=dict(size={T}, mode='1d')")
-    if mode == "2d":
-        q = math.isqrt(T)
-        if q * q != T:
-            raise ConfigError(f"parallel.tensor size {T} is not a perfect square, which mode='2d' "
-                              f"needs (a q x q "
-                              f"grid); use size {q * q} or {(q + 1) ** 2}")
+        raise ConfigError(f"parallel.tensor needs mode='1d', '2d', '2.5d', '3d' or 'sequence' "
+                          f"(got {mode!r}), e.g. tensor=dict(size={T}, mode='1d')")
+    depth = 1
+    if mode in ("2d", "2.5d", "3d"):
+        depth = grid_shape(T, mode, tensor.get("depth") if mode == "2.5d" else 1)[1]
     data = parallel.get("data")
-    return P, T, mode, None if data is None else _parallel_size(data, "data")
+    return P, T, mode, None if data is None else _parallel_size(data, "data"), depth
+
+
+def grid_shape(T: int, mode: str, depth: Any = 1) -> tuple[int, int]:
+    """(q, depth) of a 2d grid (T = q * q), a 2.5d stack of grids (T = q * q * depth) or a 3d
+    cube (T = q ** 3, depth 1), or a ConfigError naming the numbers."""
+    if mode == "3d":
+        q = round(T ** (1 / 3))
+        if q ** 3 != T:
+            below = max(n for n in range(1, q + 2) if n ** 3 <= T)
+            raise ConfigError(f"parallel.tensor size {T} is not a cube, which mode='3d' needs "
+                              f"(a q x q x q cube); use size {below ** 3} or {(below + 1) ** 3}")
+        return q, 1
+    if mode == "2.5d" and not is_positive_int(depth):
+        raise ConfigError(f"parallel.tensor mode='2.5d' needs depth, a positive integer (the "
+                          f"number of stacked q x q grids), got {depth!r}; e.g. "
+                          f"tensor=dict(size={T}, mode='2.5d', depth=2)")
+    q = math.isqrt(T // depth)
+    if mode == "2d" and q * q != T:
+        raise ConfigError(f"parallel.tensor size {T} is not a perfect square, which mode='2d' "
+                          f"needs (a q x q grid); use size {q * q} or {(q + 1) ** 2}")
+    if q * q * depth != T:
+        raise ConfigError(f"parallel.tensor size {T} is not q * q * depth for depth {depth}, "
+                          f"which mode='2.5d' needs ({depth} stacked q x q grids); use size "
+                          f"{max(q, 1) ** 2 * depth} or {(q + 1) ** 2 * depth}")
+    return q, depth
 
 
 def moe_size(cfg: Mapping) -> int:

@@ -15,6 +15,11 @@ innermost, so a tensor group (which talks every layer) is consecutive ranks -- o
 With T = 1 this is `data_rank * P + pipeline_rank`. For mode='2d' the T = q * q tensor
 ranks form a q x q grid, tensor_rank = row * q + col: a *row group* (same row, every col)
 splits the hidden dimension, a *column group* (same col, every row) splits the batch.
+mode='2.5d' stacks `depth` such grids, tensor_rank = grid_depth * q * q + row * q + col: rows
+and columns are each grid's own, and a *depth group* (same row and col, every grid) holds the
+same weight blocks for different samples. mode='3d' is a q x q x q cube, tensor_rank =
+cube_x * q * q + cube_y * q + cube_z, with one group along each axis (tensor/cube.py says what
+each axis splits).
 For mode='sequence' the T ranks of a "tensor" group split every *sequence* instead
 (sequence.py): they hold the same parameters and different tokens, so their gradients are
 averaged together with the data ranks' -- over the *gradient group*, every rank of a stage.
@@ -53,6 +58,13 @@ class Layout:
     tensor: list[list[int]] = field(default_factory=list)    # one stage of one replica
     row: list[list[int]] = field(default_factory=list)       # 2d: same grid row (splits hidden)
     col: list[list[int]] = field(default_factory=list)       # 2d: same grid column (splits batch)
+    depth: list[list[int]] = field(default_factory=list)     # 2.5d: same row and column, each grid
+    batch: list[list[int]] = field(default_factory=list)     # 2.5d: same column, each grid and row
+    cube_x: list[list[int]] = field(default_factory=list)    # 3d: same (y, z), every x
+    cube_y: list[list[int]] = field(default_factory=list)    # 3d: same (x, z), every y
+    cube_z: list[list[int]] = field(default_factory=list)    # 3d: same (x, y), every z
+    plane_xy: list[list[int]] = field(default_factory=list)  # 3d: same z, every (x, y)
+    plane_xz: list[list[int]] = field(default_factory=list)  # 3d: same y, every (x, z)
     model: list[list[int]] = field(default_factory=list)     # one whole model replica: P * T ranks
     gradient: list[list[int]] = field(default_factory=list)  # same parameters: average grads here
     ep: list[list[int]] = field(default_factory=list)        # moe: EP consecutive data ranks
@@ -76,9 +88,9 @@ def data_size(world: int, P: int, T: int) -> int:
 
 
 def layout(world: int, P: int = 1, T: int = 1, mode: Optional[str] = None,
-           ep: int = 1) -> Layout:
-    """The groups of a world of `world` ranks with P stages, T tensor ranks and expert
-    parallelism EP (pure function)."""
+           ep: int = 1, depth: int = 1) -> Layout:
+    """The groups of a world of `world` ranks with P stages, T tensor ranks (2.5d: `depth`
+    grids) and expert parallelism EP (pure function)."""
     D = data_size(world, P, T)
     rank = lambda d, p, t: d * P * T + p * T + t  # noqa: E731 -- the formula, read as such
     out = Layout()
@@ -89,11 +101,29 @@ def layout(world: int, P: int = 1, T: int = 1, mode: Optional[str] = None,
     out.gradient = out.data  # sequence: every (data, sequence) rank of a stage, below
     if mode == "sequence":
         out.gradient = [[rank(d, p, t) for d in range(D) for t in range(T)] for p in range(P)]
-    if mode == "2d":
-        q = math.isqrt(T)
+    if mode in ("2d", "2.5d"):
+        q = math.isqrt(T // depth)
+        at = lambda k, r, c: k * q * q + r * q + c  # noqa: E731 -- grid k, row r, column c
         for group in out.tensor:
-            out.row += [[group[r * q + c] for c in range(q)] for r in range(q)]
-            out.col += [[group[r * q + c] for r in range(q)] for c in range(q)]
+            out.row += [[group[at(k, r, c)] for c in range(q)] for k in range(depth)
+                        for r in range(q)]
+            out.col += [[group[at(k, r, c)] for r in range(q)] for k in range(depth)
+                        for c in range(q)]
+            if depth > 1:
+                out.depth += [[group[at(k, r, c)] for k in range(depth)] for r in range(q)
+                              for c in range(q)]
+                out.batch += [[group[at(k, r, c)] for k in range(depth) for r in range(q)]
+                              for c in range(q)]
+    if mode == "3d":
+        q = round(T ** (1 / 3))
+        at = lambda x, y, z: x * q * q + y * q + z  # noqa: E731 -- the cube's coordinates
+        for group in out.tensor:
+            pairs = [(a, b) for a in range(q) for b in range(q)]
+            out.cube_x += [[group[at(i, a, b)] for i in range(q)] for a, b in pairs]
+            out.cube_y += [[group[at(a, i, b)] for i in range(q)] for a, b in pairs]
+            out.cube_z += [[group[at(a, b, i)] for i in range(q)] for a, b in pairs]
+            out.plane_xy += [[group[at(a, b, z)] for a, b in pairs] for z in range(q)]
+            out.plane_xz += [[group[at(a, y, b)] for a, b in pairs] for y in range(q)]
     out.ep, out.expert_data = moe_layout(out.data, ep)
     return out
 
@@ -145,6 +175,29 @@ class ParallelContext:
         self.tensor_row_group: Optional[dist.ProcessGroup] = None   # 2d only
         self.tensor_col_group: Optional[dist.ProcessGroup] = None
         self.grid_row, self.grid_col, self.summa_dim = 0, 0, 1  # 2d: my place in the q x q grid
+        # 2.5d: `tensor_depth` stacked grids; mine is number grid_depth; the depth group holds
+        # my weight blocks in every grid
+        self.tensor_depth, self.grid_depth = 1, 0
+        self.tensor_depth_group: Optional[dist.ProcessGroup] = None
+        self.tensor_depth_ranks: list[int] = [0]
+        # 2d, 2.5d: the ranks splitting the batch that hold the same features (my column of
+        # every grid, grid-major): a batch's blocks, the sums of losses and of replicated
+        # parameters' gradients run here (2d: the column group itself)
+        self.tensor_batch_group: Optional[dist.ProcessGroup] = None
+        self.tensor_batch_ranks: list[int] = [0]
+        # 3d: my place in the q x q x q cube, and the groups along each of its axes
+        self.cube_dim, self.cube_x, self.cube_y, self.cube_z = 1, 0, 0, 0
+        self.tensor_x_group: Optional[dist.ProcessGroup] = None
+        self.tensor_y_group: Optional[dist.ProcessGroup] = None
+        self.tensor_z_group: Optional[dist.ProcessGroup] = None
+        self.tensor_x_ranks: list[int] = [0]
+        self.tensor_y_ranks: list[int] = [0]
+        self.tensor_z_ranks: list[int] = [0]
+        # 3d: the planes of the cube through my rank: every (x, y) at my z, every (x, z) at my y
+        self.tensor_xy_group: Optional[dist.ProcessGroup] = None
+        self.tensor_xz_group: Optional[dist.ProcessGroup] = None
+        self.tensor_xy_ranks: list[int] = [0]
+        self.tensor_xz_ranks: list[int] = [0]
         # Colossal-AI's names: my index IN my row group (grid_col), IN my column group (grid_row)
         self.tensor_row_rank, self.tensor_col_rank = 0, 0
         self.tensor_row_ranks: list[int] = [0]
@@ -169,7 +222,7 @@ class ParallelContext:
     @staticmethod
     def parallel_sizes(config: Config, world_size: int) -> tuple[int, int, int, Optional[str]]:
         """(pipeline P, tensor T, data D, tensor mode) for this world, or a ConfigError."""
-        P, T, mode, wanted = parallel_settings(config)
+        P, T, mode, wanted, _ = parallel_settings(config)
         D = data_size(world_size, P, T)
         if wanted is not None and wanted != D:
             raise ConfigError(f"parallel.data={wanted} but world size {world_size} // (pipeline x "
@@ -187,23 +240,37 @@ class ParallelContext:
         self.pipeline_size, self.tensor_size, self.data_size, self.tensor_mode = P, T, D, mode
         self.data_rank, self.pipeline_rank, self.tensor_rank = coordinates(rank, P, T)
         self.moe_size = moe_size(config)
-        groups = layout(world_size, P, T, mode, self.moe_size)
+        depth = parallel_settings(config)[4]
+        groups = layout(world_size, P, T, mode, self.moe_size, depth)
         # every rank creates every group, in the same order; each keeps the ones it is in
-        for kind in ("data", "pipeline", "tensor", "row", "col", "model", "gradient"):
+        for kind in ("data", "pipeline", "tensor", "row", "col", "depth", "batch", "cube_x",
+                     "cube_y", "cube_z", "plane_xy", "plane_xz", "model", "gradient"):
             if kind == "gradient" and mode != "sequence":  # the data group itself
                 self.gradient_group, self.gradient_ranks = self.data_group, self.data_ranks
                 continue
             for ranks in getattr(groups, kind):
                 group = self._new_group(ranks)
                 if rank in ranks:
-                    name = {"row": "tensor_row", "col": "tensor_col"}.get(kind, kind)
+                    name = {"row": "tensor_row", "col": "tensor_col", "depth": "tensor_depth",
+                            "batch": "tensor_batch", "cube_x": "tensor_x", "cube_y": "tensor_y",
+                            "cube_z": "tensor_z", "plane_xy": "tensor_xy",
+                            "plane_xz": "tensor_xz"}.get(kind, kind)
                     setattr(self, f"{name}_group", group)
                     setattr(self, f"{name}_ranks", ranks)
-        if mode == "2d":
-            self.summa_dim = math.isqrt(T)
-            self.grid_row, self.grid_col = divmod(self.tensor_rank, self.summa_dim)
+        if mode in ("2d", "2.5d"):
+            self.tensor_depth, q = depth, math.isqrt(T // depth)
+            self.summa_dim = q
+            self.grid_depth, in_grid = divmod(self.tensor_rank, q * q)
+            self.grid_row, self.grid_col = divmod(in_grid, q)
             # as Colossal-AI: the rank *within* my row group is my column index, and vice versa
             self.tensor_row_rank, self.tensor_col_rank = self.grid_col, self.grid_row
+            if depth == 1:
+                self.tensor_batch_group, self.tensor_batch_ranks = (self.tensor_col_group,
+                                                                    self.tensor_col_ranks)
+        if mode == "3d":
+            q = self.cube_dim = round(T ** (1 / 3))
+            t = self.tensor_rank
+            self.cube_x, self.cube_y, self.cube_z = t // (q * q), t // q % q, t % q
         for ranks in groups.ep:
             group = self._new_group(ranks)
             if rank in ranks:

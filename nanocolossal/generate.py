@@ -21,6 +21,7 @@ from .context import gpc
 from .engine import Engine, PipelineEngine
 from .sequence import even_shares, split_batch
 from .tensor.comm import gather
+from .tensor.layers_2d import batch_blocks
 
 
 def _whole_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -28,8 +29,10 @@ def _whole_logits(logits: torch.Tensor) -> torch.Tensor:
     last = logits[:1, -1]
     if gpc.tensor_mode == "1d":
         last = gather(last, -1, gpc.tensor_group)
-    elif gpc.tensor_mode == "2d":
+    elif gpc.tensor_mode in ("2d", "2.5d"):
         last = gather(last, -1, gpc.tensor_row_group)
+    elif gpc.tensor_mode == "3d":  # layout B: the vocabulary over the cube's y axis
+        last = gather(last, -1, gpc.tensor_y_group)
     return last[0]
 
 
@@ -44,7 +47,7 @@ def pick(logits: torch.Tensor, generator: torch.Generator, top_k: int = 10,
 @torch.no_grad()
 def next_token(engine: Engine, window: torch.Tensor, batch: int,
                generator: torch.Generator) -> int:
-    ids = window.unsqueeze(0).repeat(batch * gpc.summa_dim, 1)  # 2d: one copy per grid row
+    ids = window.unsqueeze(0).repeat(batch * batch_blocks(), 1)  # one copy per batch block
     ids = split_batch(ids, gpc.sequence_size, gpc.sequence_rank, even_shares())  # my tokens
     if isinstance(engine, PipelineEngine):
         output, _, _ = engine.execute_schedule((ids, torch.zeros_like(ids)), forward_only=True,

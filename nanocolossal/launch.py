@@ -24,6 +24,8 @@ All of them then do the same three things (`_launch`):
    tensor    T consecutive ranks: one stage of one replica; runs every layer's collectives
    row, col  mode='2d' only: the T = q * q tensor ranks as a q x q grid (tensor_rank =
              row * q + col); a row group splits the hidden dimension, a column group the batch
+             ('2.5d': each of its stacked grids, and depth groups across them; '3d': a group
+             along each axis of the q x q x q cube)
    model     P * T consecutive ranks: one whole replica (global gradient norm, checkpoints)
    gradient  the ranks holding the same parameters: the data group, or with mode='sequence'
              (whose T ranks split the sequence, not the weights) data x sequence ranks

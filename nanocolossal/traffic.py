@@ -13,6 +13,7 @@ depends on the algorithm; for the ring that NCCL and the ZeRO paper assume (N ra
     all-gather / reduce-scatter     sends   n (N-1)/N   (n: the whole gathered / reduced tensor)
     broadcast of n from its owner   (the all-gather of zero/comm.py on gloo: N of them, one per
                                      shard, together one all-gather of the whole buffer)
+    reduce of n to its owner        (SUMMA's backward, tensor/summa.py)
 
 Counted while the block runs: every call made as `dist.<collective>(...)` (how this library calls
 them); a collective imported by name elsewhere is not seen. Not thread-safe (one block at a time).
@@ -29,6 +30,7 @@ import torch.distributed as dist
 ELEMENTS: dict[str, Callable[..., int]] = {
     "all_reduce": lambda tensor, *a, **k: tensor.numel(),
     "broadcast": lambda tensor, *a, **k: tensor.numel(),
+    "reduce": lambda tensor, *a, **k: tensor.numel(),
     "all_gather": lambda outputs, *a, **k: sum(t.numel() for t in outputs),
     "all_gather_into_tensor": lambda output, *a, **k: output.numel(),
     "reduce_scatter": lambda output, inputs, *a, **k: sum(t.numel() for t in inputs),

@@ -9,7 +9,7 @@ for every pair, the test that covers it (many live in the features' own files) o
 cannot be configured. This file fills the cells nothing else covered.
 
 First the table (TABLE): one row per pair (or triple) of layout and feature -- data, ZeRO 1-3,
-accumulation, the gradient handler, GPipe / 1F1B / interleaved, tensor 1d / 2d, ring and
+accumulation, the gradient handler, GPipe / 1F1B / interleaved, tensor 1d / 2d / 2.5d / 3d, ring and
 all-to-all sequence parallelism, activation checkpointing -- each run by one worker on one GPT
 and compared with one process; a row that cannot be configured checks its refusal. Below it, the
 cells a GPT does not reach: unused branches, frozen parameters, evaluation, resumes.
@@ -80,6 +80,8 @@ SEQ_RING = {"tensor": {"size": 2, "mode": "sequence"}}
 SEQ_A2A = {"tensor": {"size": 2, "mode": "sequence", "attention": "all_to_all"}}
 T1D = {"tensor": {"size": 2, "mode": "1d"}}
 T2D = {"tensor": {"size": 4, "mode": "2d"}}
+T2P5D = {"tensor": {"size": 8, "mode": "2.5d", "depth": 2}}
+T3D = {"tensor": {"size": 8, "mode": "3d"}}
 HANDLER_CFG = {"gradient_handler": [{"type": "DataParallelGradientHandler"}]}
 ACCUM2 = {"gradient_accumulation": 2}
 TABLE = {  # row: (ranks, config, what a refused row's error says); every row clips
@@ -99,6 +101,8 @@ TABLE = {  # row: (ranks, config, what a refused row's error says); every row cl
     "1d x zero_bubble": (4, {"parallel": {**PIPE2, **T1D}, **PIPE, **ZB}, None),
     "1d x zbv": (4, {"parallel": {**PIPE2, **T1D}, **ZBV}, None),
     "2d x zero1": (4, {"parallel": T2D, **_zero(1)}, None),
+    "2.5d x accum2": (8, {"parallel": T2P5D, **ACCUM2}, None),
+    "3d x zero2": (8, {"parallel": T3D, **_zero(2)}, None),
     "ring x data2 x zero3": (4, {"parallel": SEQ_RING, **_zero(3)}, None),
     "ring x 1f1b": (4, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE}, None),
     "all-to-all x data2 x zero2 x accum2": (4, {"parallel": SEQ_A2A, **_zero(2), **ACCUM2},

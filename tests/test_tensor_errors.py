@@ -79,7 +79,9 @@ def test_deep_2d_bad_inputs_are_clear_errors():
     (8, {"tensor": {"size": 8, "mode": "2d"}},
      r"\[rank 0\] parallel.tensor size 8 is not a perfect square.*use size 4 or 9"),
     (4, {"tensor": {"size": 4, "mode": "3d"}},
-     r"\[rank 0\] parallel.tensor mode '3d' is not implemented yet"),
+     r"\[rank 0\] parallel.tensor size 4 is not a cube, which mode='3d' needs.*use size 1 or 8"),
+    (8, {"tensor": {"size": 8, "mode": "2.5d", "depth": 4}},
+     r"\[rank 0\] parallel.tensor size 8 is not q \* q \* depth for depth 4.*use size 4 or 16"),
 ])
 def test_launch_refuses_a_tensor_layout_that_cannot_work(world, parallel, message):
     with pytest.raises(ConfigError, match=message):

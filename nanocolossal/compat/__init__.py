@@ -3,8 +3,9 @@
 Nothing here is an idea of its own; each module maps another project's interface onto ours, so
 that the tutorials' code runs with `colossalai` -> `nanocolossal`:
 
-    colossal_1d.py, colossal_2d.py   Colossal-AI's tensor-parallel layer classes (Linear1D_Col,
-                                     Linear2D, ...) over our layers (tensor/), with its
+    colossal_1d.py, colossal_2d.py,  Colossal-AI's tensor-parallel layer classes (Linear1D_Col,
+    colossal_2p5d.py, colossal_3d.py Linear2D, Linear2p5D, Linear3D, ...) over our layers
+                                     (tensor/), with its
                                      constructor arguments (colossal_args.py); nanocolossal.nn
                                      re-exports them
     apex.py                          apex's and Colossal-AI's fp16 key spellings (amp_settings.py)

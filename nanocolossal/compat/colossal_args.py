@@ -22,6 +22,7 @@ activation clear it, and Dropout1D reads it. That is the same state nc.nn.Linear
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -40,6 +41,13 @@ def require_mode(name: str, mode: str) -> None:
         raise ValueError(f"[rank {gpc.rank}] {name} is a {mode} layer, but parallel.tensor.mode "
                          f"is {gpc.tensor_mode!r}; use the {gpc.tensor_mode} class, or nc.nn's "
                          f"layer of the same meaning, which follows the mode")
+
+
+def in_mode(base: type, name: str, mode: str, doc: str) -> type:
+    """Colossal-AI's class `name`: the class `base` (its arguments handled alike) under `mode`,
+    belonging to the module that calls this (as collections.namedtuple's classes do)."""
+    module = sys._getframe(1).f_globals.get("__name__", base.__module__)
+    return type(name, (base,), {"MODE": mode, "__doc__": doc, "__module__": module})
 
 
 def check_skip_bias_add(name: str, skip_bias_add: bool, bias: bool) -> None:

@@ -14,13 +14,13 @@ from ..pipeline.plan import v_shaped
 
 def check_tensor_parallel_model(model: nn.Module) -> None:
     """Plain torch layers would silently compute on shards as if they were whole tensors. Under
-    2d the activations are blocks of the batch and of the features, so a plain LayerNorm or a
-    BatchNorm (SyncBN too) would normalise one block as if it were the whole."""
+    2d, 2.5d and 3d the activations are blocks of the batch and of the features, so a plain
+    LayerNorm or a BatchNorm (SyncBN too) would normalise one block as if it were the whole."""
     def plain_layer(m: nn.Module) -> bool:
         if type(m) in (nn.Linear, nn.Embedding, nn.Conv2d):
             return True
-        return gpc.tensor_mode == "2d" and (type(m) is nn.LayerNorm
-                                            or isinstance(m, nn.modules.batchnorm._BatchNorm))
+        norm = type(m) is nn.LayerNorm or isinstance(m, nn.modules.batchnorm._BatchNorm)
+        return gpc.tensor_mode in ("2d", "2.5d", "3d") and norm
     plain = [name for name, m in model.named_modules() if plain_layer(m)]
     if plain:
         raise ConfigError(f"[rank {gpc.rank}] parallel.tensor={gpc.tensor_size} "

@@ -60,7 +60,7 @@ from ..pipeline.tied import TiedGradients
 from ..replicas import broadcast_replicas
 from ..sequence import check_sequence_model, sequence_attention, split_loader
 from ..syncbn import convert_sync_batchnorm
-from ..tensor.layers_2d import SplitLabels
+from ..tensor.layers_2d import SplitLabels, batch_blocks
 from ..zero import MixedShardedOptimizer, Offload, ShardedOptimizer, ShardKeepingDDP
 from ..zero.mixed import MixedParamShardedOptimizer
 from ..zero.settings import zero_settings
@@ -250,9 +250,10 @@ def sum_tied_weights(model: nn.Module, optimizer: MixedPrecisionOptimizer,
     return [TiedGradients(tied, summing)]
 
 
-def split_labels() -> list[Extension]:
-    """2d: a grid row's output holds one block of the batch; the engine returns its labels."""
-    return [SplitLabels()] if gpc.tensor_mode == "2d" else []
+def split_labels(criterion: Any) -> list[Extension]:
+    """2d, 2.5d, 3d: a rank's output holds one block of the batch; the engine returns its
+    labels."""
+    return [SplitLabels(criterion)] if batch_blocks() > 1 else []
 
 
 def build_engine(model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Any,
@@ -304,7 +305,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
     front = model if pipelined else parts[0]  # what the engine's forward runs through
     extensions = [*extend_loss(model, front, criterion, optimizer, aux_weight),
                   *synchronising, *sum_tied_weights(model, optimizer, pipelined),
-                  *split_labels()]
+                  *split_labels(criterion)]
     engine, engine_did = build_engine(model, optimizer, criterion, parts, extensions, schedule)
     if verbose:
         did = [d for d in (describe_layout(schedule), sync_bn, mixed, zero, moe_did, data,

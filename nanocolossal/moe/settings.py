@@ -74,7 +74,7 @@ def check_moe(cfg: Mapping) -> None:
     ep = moe_size(cfg)
     if ep == 1:
         return
-    _, T, mode, _ = parallel_settings(cfg)
+    _, T, mode, _, _ = parallel_settings(cfg)
     refused = {"tensor": T > 1 and mode != "sequence",
                "sequence": mode == "sequence", "zero": "zero" in cfg}
     why = {"tensor": f"experts are whole MLPs on their ranks, not {mode} shards",

@@ -3,18 +3,21 @@
     tensor mode  nc.nn.Linear            nc.nn.LayerNorm  nc.nn.Classifier  nc.nn.CrossEntropyLoss
     (none)       torch.nn.Linear         torch LayerNorm  torch Linear      torch's
     '1d'         column, row, column...  torch LayerNorm  Classifier1D      torch's
-    '2d'         Linear2D (SUMMA)        LayerNorm2D      Classifier2D      CrossEntropyLoss2D
+    '2d', '2.5d' Linear2D (SUMMA)        LayerNorm2D      Classifier2D      CrossEntropyLoss2D
+    '3d'         Linear3D column, row..  LayerNorm3D      Classifier3D      CrossEntropyLoss3D
 
     and for language models   nc.nn.VocabParallelEmbedding / Classifier / CrossEntropyLoss
     (none)                    torch Embedding / Linear / CrossEntropyLoss
-    '1d', '2d'                the table split by vocabulary (tensor/vocab_parallel*.py)
+    '1d', '2d', '2.5d', '3d'  the table split by vocabulary (tensor/vocab_parallel*.py,
+                              tensor/layers_3d.py)
 
 In 1d, Linears alternate automatically, as Colossal-AI's Linear1D does: the first is
 column-parallel (output split), the next row-parallel (input split, output whole), so a
 model written as pairs -- attention's qkv and output projection, the MLP's two layers --
-communicates once per pair; `parallel="column"|"row"` says it explicitly instead. Dropout
+communicates once per pair; `parallel="column"|"row"` says it explicitly instead. 3d alternates
+the same way, between the cube's two activation layouts (tensor/cube.py). Dropout
 follows the same state: after a column-parallel Linear the activation is sharded and each rank
-draws its own mask; elsewhere masks are shared.
+draws its own mask; elsewhere masks are shared (2d, 2.5d, 3d: every activation is sharded).
 
 `Embedding` and `Classifier` pick the vocabulary-parallel layers, as Colossal-AI does, when the
 table has more than `VOCAB_PARALLEL_LIMIT` rows: there the rows, not the features, are worth
@@ -34,7 +37,7 @@ from torch.nn import functional as F
 
 from ..context import gpc, on_destroy
 from ..loss_weights import counted_targets, mean_over
-from ..tensor import layers_1d, layers_2d
+from ..tensor import layers_1d, layers_2d, layers_3d
 from ..tensor.base import PatchEmbedding as _PlainPatchEmbedding
 from ..tensor.base import check_tied_shape, sharded_dropout
 from ..tensor.vocab_parallel import (
@@ -48,7 +51,10 @@ from ..tensor.vocab_parallel_2d import (
     VocabParallelEmbedding2D,
 )
 
-_state = {"1d_input_is_split": False}  # 1d alternation: does the next Linear get a split input?
+GRID = ("2d", "2.5d")  # SUMMA on a grid (2.5d: on each of its stacked grids)
+ALTERNATING = ("1d", "3d")  # Linears alternate column, row, column...
+_state = {"1d_input_is_split": False}  # 1d/3d alternation: does the next Linear get a split
+                                       # input (3d: layout B)?
 
 
 def reset_1d_alternation() -> None:
@@ -65,6 +71,26 @@ def set_1d_input_is_split(split: bool) -> None:
     _state["1d_input_is_split"] = split
 
 
+def alternate(parallel: Optional[str] = None) -> str:
+    """'column' or 'row' for the Linear being built (1d, 3d): `parallel` if given, else the
+    alternation's next; the next one then follows this one."""
+    row = _state["1d_input_is_split"] if parallel is None else parallel == "row"
+    _state["1d_input_is_split"] = not row
+    return "row" if row else "column"
+
+
+def check_3d_layout(layer: str) -> None:
+    """Under 3d a column Linear's output is in layout B (tensor/cube.py), which only a row Linear
+    takes; LayerNorm, embeddings and classifiers work on layout A. Built between a column Linear
+    and its row partner, they would compute on the wrong blocks, silently: refuse."""
+    if gpc.tensor_mode == "3d" and _state["1d_input_is_split"]:
+        raise ValueError(f"[rank {gpc.rank}] {layer} built after a column Linear under 3d "
+                         f"tensor parallelism: its input would be the column Linear's output "
+                         f"(layout B), where only a row Linear fits; build Linears in column/row "
+                         f"pairs (nc.nn.Linear alternates) or pass parallel='row' to the Linear "
+                         f"before it")
+
+
 VOCAB_PARALLEL_LIMIT = 2048  # Colossal-AI's default: larger tables split by vocabulary
 
 
@@ -74,18 +100,22 @@ def Linear(in_features: int, out_features: int, bias: bool = True,
     if parallel not in (None, "column", "row"):
         raise ValueError(f"[rank {gpc.rank}] Linear(parallel=...) must be 'column', 'row' or "
                          f"None, got {parallel!r}")
-    if gpc.tensor_mode == "2d":
+    if gpc.tensor_mode in GRID:
         return layers_2d.Linear2D(in_features, out_features, bias)
-    if gpc.tensor_mode == "1d":
-        row = _state["1d_input_is_split"] if parallel is None else parallel == "row"
-        _state["1d_input_is_split"] = not row
-        layer = layers_1d.RowLinear1D if row else layers_1d.ColumnLinear1D
+    if gpc.tensor_mode in ALTERNATING:
+        side = alternate(parallel)
+        if gpc.tensor_mode == "3d":
+            return layers_3d.Linear3D(in_features, out_features, bias, side)
+        layer = layers_1d.RowLinear1D if side == "row" else layers_1d.ColumnLinear1D
         return layer(in_features, out_features, bias)
     return nn.Linear(in_features, out_features, bias)
 
 
 def LayerNorm(normalized_shape: int, eps: float = 1e-5) -> nn.Module:
-    if gpc.tensor_mode == "2d":
+    if gpc.tensor_mode == "3d":
+        check_3d_layout("LayerNorm")
+        return layers_3d.LayerNorm3D(normalized_shape, eps)
+    if gpc.tensor_mode in GRID:
         return layers_2d.LayerNorm2D(normalized_shape, eps)
     return nn.LayerNorm(normalized_shape, eps=eps)  # 1d: acts on whole (replicated) activations
 
@@ -95,7 +125,9 @@ def Embedding(num_embeddings: int, embedding_dim: int, padding_idx: Optional[int
     """Feature-split (1d/2d) or, for a large table or when asked, vocabulary-split."""
     if vocab_parallel or vocab_parallel is None and num_embeddings > VOCAB_PARALLEL_LIMIT:
         return VocabParallelEmbedding(num_embeddings, embedding_dim, padding_idx)
-    if gpc.tensor_mode == "2d":
+    if gpc.tensor_mode == "3d":
+        return layers_3d.Embedding3D(num_embeddings, embedding_dim)
+    if gpc.tensor_mode in GRID:
         return layers_2d.Embedding2D(num_embeddings, embedding_dim)
     if gpc.tensor_mode == "1d":
         return layers_1d.Embedding1D(num_embeddings, embedding_dim)
@@ -104,7 +136,9 @@ def Embedding(num_embeddings: int, embedding_dim: int, padding_idx: Optional[int
 
 def VocabParallelEmbedding(num_embeddings: int, embedding_dim: int,
                            padding_idx: Optional[int] = None) -> nn.Module:
-    if gpc.tensor_mode == "2d":
+    if gpc.tensor_mode == "3d":
+        return layers_3d.VocabParallelEmbedding3D(num_embeddings, embedding_dim, padding_idx)
+    if gpc.tensor_mode in GRID:
         return VocabParallelEmbedding2D(num_embeddings, embedding_dim, padding_idx)
     if gpc.tensor_mode == "1d":
         return VocabParallelEmbedding1D(num_embeddings, embedding_dim, padding_idx)
@@ -129,7 +163,10 @@ class TiedLinear(nn.Module):
 
 def VocabParallelClassifier(in_features: int, num_classes: int, bias: bool = True,
                             weight: Optional[nn.Parameter] = None) -> nn.Module:
-    if gpc.tensor_mode == "2d":
+    if gpc.tensor_mode == "3d":
+        check_3d_layout("VocabParallelClassifier")
+        return layers_3d.VocabParallelClassifier3D(in_features, num_classes, bias, weight)
+    if gpc.tensor_mode in GRID:
         return VocabParallelClassifier2D(in_features, num_classes, bias, weight)
     if gpc.tensor_mode == "1d":
         return VocabParallelClassifier1D(in_features, num_classes, bias, weight)
@@ -140,7 +177,9 @@ def VocabParallelClassifier(in_features: int, num_classes: int, bias: bool = Tru
 
 def VocabParallelCrossEntropyLoss(**kwargs) -> nn.Module:
     """F.cross_entropy's keywords (reduction, ignore_index, weight) on vocabulary-split logits."""
-    if gpc.tensor_mode == "2d":
+    if gpc.tensor_mode == "3d":
+        return layers_3d.VocabParallelCrossEntropyLoss3D(**kwargs)
+    if gpc.tensor_mode in GRID:
         return VocabParallelCrossEntropyLoss2D(**kwargs)
     if gpc.tensor_mode == "1d":
         return VocabParallelCrossEntropyLoss1D(**kwargs)
@@ -183,7 +222,9 @@ class TokenCrossEntropyLoss(nn.CrossEntropyLoss):
 
 
 def PatchEmbedding(img_size: int, patch_size: int, in_chans: int, embed_size: int) -> nn.Module:
-    if gpc.tensor_mode == "2d":
+    if gpc.tensor_mode == "3d":
+        return layers_3d.PatchEmbedding3D(img_size, patch_size, in_chans, embed_size)
+    if gpc.tensor_mode in GRID:
         return layers_2d.PatchEmbedding2D(img_size, patch_size, in_chans, embed_size)
     if gpc.tensor_mode == "1d":
         return layers_1d.PatchEmbedding1D(img_size, patch_size, in_chans, embed_size)
@@ -200,7 +241,10 @@ def Classifier(in_features: int, num_classes: int, bias: bool = True,
         vocab_parallel = split_rows or num_classes > VOCAB_PARALLEL_LIMIT
     if vocab_parallel:
         return VocabParallelClassifier(in_features, num_classes, bias, weight)
-    if gpc.tensor_mode == "2d":
+    if gpc.tensor_mode == "3d":
+        check_3d_layout("Classifier")
+        return layers_3d.Classifier3D(in_features, num_classes, bias, weight)
+    if gpc.tensor_mode in GRID:
         return layers_2d.Classifier2D(in_features, num_classes, bias, weight)
     if gpc.tensor_mode == "1d":
         return layers_1d.Classifier1D(in_features, num_classes, bias, weight)
@@ -214,7 +258,9 @@ def _is_vocab_split(weight: nn.Parameter) -> bool:
 
 
 def CrossEntropyLoss(**kwargs) -> nn.Module:
-    if gpc.tensor_mode == "2d":
+    if gpc.tensor_mode == "3d":
+        return layers_3d.CrossEntropyLoss3D(**kwargs)
+    if gpc.tensor_mode in GRID:
         return layers_2d.CrossEntropyLoss2D(**kwargs)
     if gpc.sequence_size > 1:  # a mean over the tokens of all sequence ranks
         return TokenCrossEntropyLoss(**kwargs)
@@ -228,7 +274,7 @@ class Dropout(nn.Dropout):
         super().__init__(p)
         if sharded is None:
             split_1d = gpc.tensor_mode == "1d" and _state["1d_input_is_split"]
-            sharded = gpc.tensor_mode in ("2d", "sequence") or split_1d  # other tokens: own mask
+            sharded = gpc.tensor_mode in ("2d", "2.5d", "3d", "sequence") or split_1d  # own mask
         self.sharded = sharded
 
     def forward(self, x):

@@ -61,7 +61,8 @@ class Attention(nn.Module):
                              f"{', '.join(map(repr, ATTENTION))}")
         # Ulysses: each sequence rank attends for whole heads of its own
         self.all_to_all = gpc.sequence_size > 1 and sequence_attention() == "all_to_all"
-        parts = {"2d": gpc.summa_dim, "1d": gpc.tensor_size,
+        parts = {"2d": gpc.summa_dim, "2.5d": gpc.summa_dim, "3d": gpc.cube_dim,
+                 "1d": gpc.tensor_size,
                  "sequence": gpc.tensor_size if self.all_to_all else 1}.get(gpc.tensor_mode, 1)
         if gpc.sequence_size > 1 and dropout > 0 and not self.all_to_all:
             raise ValueError(f"[rank {gpc.rank}] ring attention (mode='sequence') computes the "

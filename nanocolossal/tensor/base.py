@@ -21,27 +21,38 @@ from torch import nn
 
 from ..context import gpc
 
-# How a parameter is cut: a list of (dim, axis). Axis "tensor" splits over all T ranks by
-# tensor rank (1d); on the 2d grid "col" splits over a row group by my column index and "row"
-# over a column group by my row index. No entry: replicated.
+# How a parameter is cut: a list of (dim, axis), outermost first. Axis "tensor" splits over all
+# T ranks by tensor rank (1d); on the 2d (and 2.5d) grid "col" splits over a row group by my
+# column index and "row" over a column group by my row index; in the 3d cube "x", "y", "z"
+# split along the cube's axes. No entry: replicated (2.5d: every grid holds the same blocks).
 Splits = list[tuple[int, str]]
+
+# where tensor rank t sits along an axis, for a grid or cube of side q (t = k q^2 + row q + col
+# on 2.5d's grids, k its "depth"; t = x q^2 + y q + z in the cube)
+POSITION = {"tensor": lambda t, q: t, "col": lambda t, q: t % q, "row": lambda t, q: t // q % q,
+            "depth": lambda t, q: t // (q * q), "x": lambda t, q: t // (q * q),
+            "y": lambda t, q: t // q % q, "z": lambda t, q: t % q}
+
+
+def grid_side() -> int:
+    """q: the side of this job's grid (2d, 2.5d) or cube (3d); 1 otherwise."""
+    return gpc.cube_dim if gpc.tensor_mode == "3d" else gpc.summa_dim
 
 
 def _axis(axis: str) -> tuple[int, int]:
     """(my position, number of parts) along an axis of the layout."""
-    if axis == "tensor":
-        return gpc.tensor_rank, gpc.tensor_size
-    if axis == "col":
-        return gpc.tensor_row_rank, gpc.summa_dim   # position in my row group = my column
-    if axis == "row":
-        return gpc.tensor_col_rank, gpc.summa_dim   # position in my column group = my row
-    raise ValueError(f"unknown axis {axis!r}")
+    if axis not in POSITION:
+        raise ValueError(f"unknown axis {axis!r}")
+    q = grid_side()
+    parts = {"tensor": gpc.tensor_size, "depth": gpc.tensor_depth}.get(axis, q)
+    return POSITION[axis](gpc.tensor_rank, q), parts
 
 
 def axis_group(axis: str):
     """The group whose members hold the other parts along `axis`."""
     return {"tensor": gpc.tensor_group, "col": gpc.tensor_row_group,
-            "row": gpc.tensor_col_group}[axis]
+            "row": gpc.tensor_col_group, "depth": gpc.tensor_depth_group,
+            "x": gpc.tensor_x_group, "y": gpc.tensor_y_group, "z": gpc.tensor_z_group}[axis]
 
 
 def shard(full: torch.Tensor, splits: Splits) -> torch.Tensor:
@@ -59,6 +70,8 @@ def shard(full: torch.Tensor, splits: Splits) -> torch.Tensor:
 def unshard(local: torch.Tensor, splits: Splits) -> torch.Tensor:
     """The whole tensor from every rank's block: shard's inverse (a tensor-group collective)."""
     for dim, axis in reversed(splits):
+        if _axis(axis)[1] == 1:  # (2.5d's depth 1: no group)
+            continue
         group = axis_group(axis)
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, local.contiguous(), group=group)
@@ -131,6 +144,14 @@ def check_divisible(size: int, parts: int, what: str) -> None:
         raise ValueError(f"[rank {gpc.rank}] {what} {size} is not divisible by "
                          f"{parts} (tensor parallel {gpc.tensor_mode}, size "
                          f"{gpc.tensor_size}); choose a multiple of {parts}")
+
+
+def check_input_split(x: torch.Tensor, layer: str, in_features: int, parts: int,
+                      over: str) -> None:
+    """A split Linear's input holds in_features / parts of the hidden dimension."""
+    if x.shape[-1] * parts != in_features:
+        raise ValueError(f"[rank {gpc.rank}] {layer} expects its input's last dimension split "
+                         f"over the {parts} {over} ({in_features // parts}), got {x.shape[-1]}")
 
 
 class PatchEmbedding(nn.Module):

@@ -14,6 +14,10 @@ every rank ends with the gradient one process would compute for its slice.
     exchange     all-to-all         the reverse        blocks change owners: tokens to their
                                     all-to-all         experts (moe/dispatch.py), heads to
                                                        their ranks (tensor/ulysses.py)
+    all_gather   all-gather (dim)   reduce-scatter     a shard enters math that differs per
+                                    (dim)              rank (3d: each rank its own product)
+    reduce_scatter  reduce-scatter  all-gather (dim)   partial sums end as shards (3d)
+                 (dim)
 
 copy_to / reduce_from are Megatron's `f` and `g`. Why the backwards: after `copy_to`, each
 rank's sharded math yields only its part of dL/dx, so the parts are summed. After
@@ -21,6 +25,10 @@ rank's sharded math yields only its part of dL/dx, so the parts are summed. Afte
 holds the whole dL/dy. `group_sum` feeds *sharded* math again, hence sums in both directions.
 `exchange` moves each block to one new owner and nothing is summed: the gradient of a block
 goes back to where the block came from, the same all-to-all with the split sizes swapped.
+`all_gather` differs from `gather` in what follows it: after `gather` every rank computes the
+same thing (its gradient is whole on each, keep my slice); after `all_gather` each rank uses the
+gathered tensor in a different product, so the gradients are partial sums -- summed, then
+scattered. `reduce_scatter` is its mirror.
 
 Every op is a no-op in a group of one, so the same layer code runs unsplit.
 """
@@ -52,6 +60,16 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    parts = [part.contiguous() for part in x.chunk(n, dim=dim)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
 
 
 def _my_slice(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -104,26 +122,18 @@ class _GroupSum(torch.autograd.Function):
         return _all_reduce(grad, ctx.group), None
 
 
-class _Gather(torch.autograd.Function):
+class _Conjugate(torch.autograd.Function):
+    """`forward_op` along `dim` of the group forward, `backward_op` on the gradient: gather /
+    split, all_gather / reduce_scatter (the table above)."""
+
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
+    def forward(ctx, x, dim, group, forward_op, backward_op):
+        ctx.dim, ctx.group, ctx.backward_op = dim, group, backward_op
+        return forward_op(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _my_slice(grad, ctx.dim, ctx.group), None, None
-
-
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _my_slice(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return ctx.backward_op(grad, ctx.dim, ctx.group), None, None, None, None
 
 
 class _Exchange(torch.autograd.Function):
@@ -154,12 +164,22 @@ def group_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """All-gather along `dim` forward; backward keeps this rank's slice of the gradient."""
-    return _Gather.apply(x, dim, group) if _size(group) > 1 else x
+    return _Conjugate.apply(x, dim, group, _all_gather, _my_slice) if _size(group) > 1 else x
 
 
 def split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Keep this rank's slice along `dim` forward; backward all-gathers the gradient."""
-    return _Split.apply(x, dim, group) if _size(group) > 1 else x
+    return _Conjugate.apply(x, dim, group, _my_slice, _all_gather) if _size(group) > 1 else x
+
+
+def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """All-gather along `dim` forward; backward sums the gradients and keeps my slice."""
+    return _Conjugate.apply(x, dim, group, _all_gather, _reduce_scatter) if _size(group) > 1 else x
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """My slice along `dim` of the group's sum forward; backward all-gathers the gradient."""
+    return _Conjugate.apply(x, dim, group, _reduce_scatter, _all_gather) if _size(group) > 1 else x
 
 
 def exchange(x: torch.Tensor, group: Group, send: Optional[list[int]] = None,

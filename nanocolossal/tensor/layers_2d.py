@@ -1,4 +1,6 @@
-"""2d tensor parallelism (SUMMA, Colossal-AI's Linear2D): a q x q grid splits batch *and* hidden.
+"""2d and 2.5d tensor parallelism (SUMMA, Colossal-AI's Linear2D; Tesseract's Linear2p5D).
+
+2d: a q x q grid splits batch *and* hidden.
 
 Rank (row i, col j) of the grid holds, for an activation [B, ..., d], the block
 [B/q rows i, ..., d/q cols j]: the batch is split down a column group, the hidden dimension
@@ -23,9 +25,33 @@ its own batch block, so `copy_to(param, column group)` sums those in backward. L
 mean and variance are sums over the row group (`group_sum`). The classifier multiplies its
 hidden block and sums over the row group, so the logits [B/q, classes] are whole within a
 row; the loss sums each row's losses down the column group and divides by the batch's count.
+
+2.5d (Tesseract, Wang et al. 2021) stacks `depth` such grids, T = q * q * depth. The batch is
+cut into depth * q blocks, grid k row i holding block k * q + i; every grid holds the same
+weight blocks, so a grid is a data-parallel replica of a 2d layer:
+
+    rank (grid k, row i, col j), q = 2, depth = 2:
+        grid 0: batch blocks 0, 1      grid 1: batch blocks 2, 3
+        (0,0,0) (0,0,1)                (1,0,0) (1,0,1)     W_ij on (0, i, j) and (1, i, j)
+        (0,1,0) (0,1,1)                (1,1,0) (1,1,1)
+    depth group {(0, i, j), (1, i, j)}: one weight block, two grids' samples
+    batch group {(k, i, j) for every k, i}: column j of every grid, grid-major
+
+Each grid runs SUMMA on its own samples (summa.py, unchanged: rows and columns are the grid's).
+A weight's gradient is its grids' sum: it enters through `copy_to(depth group)`, which sums in
+backward; a vector replicated down the column is summed over the batch group (column x depth),
+as is the loss. depth = 1 is 2d exactly. Per rank: weights |W| / q^2, activations
+|X| / (q^2 depth), SUMMA's traffic ~ (|X| / depth + |W|) / q per Linear, and the weight
+gradient's all-reduce over the depth group, |W| / q^2 elements.
+
+Every layer here but Linear2D only needs to know which group splits the hidden dimension and
+which splits the batch (`blocks()`); 3d's layout A (tensor/cube.py: batch over the cube's
+(x, y) plane, hidden over z) is such a layout too, so LayerNorm, Embedding, PatchEmbedding,
+Classifier and the loss serve 3d as they are (layers_3d.py names them).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -35,37 +61,98 @@ from torch.nn import functional as F
 from ..context import gpc
 from ..extensions import Extension
 from ..loss_weights import counted_targets, mean_over
-from .base import PatchEmbedding, add_bias, check_divisible, embed_patches, keep_slice, tied
-from .comm import copy_to, group_sum, reduce_from, split
+from .base import (
+    PatchEmbedding,
+    add_bias,
+    check_divisible,
+    check_input_split,
+    embed_patches,
+    keep_slice,
+    tied,
+)
+from .comm import Group, copy_to, group_sum, reduce_from, split
 from .summa import summa_matmul
 
 
-def split_batch(x: torch.Tensor) -> torch.Tensor:
-    """This grid row's block of a batch that every tensor rank holds whole (inputs, labels)."""
+@dataclass
+class Blocks:
+    """How an activation [batch, ..., hidden] is cut: hidden in `parts` over `hidden_group`
+    (named `hidden_axis` in tensor_splits), batch in `batch_parts` blocks over `batch_group`."""
+    hidden_axis: str
+    hidden_group: Group
+    parts: int
+    batch_group: Group
+    batch_parts: int
+
+
+def blocks() -> Blocks:
+    """2d / 2.5d: hidden along the row (by column), batch over the batch group (column x depth);
+    3d: layout A, hidden over z, batch over the (x, y) plane."""
+    if gpc.tensor_mode == "3d":
+        q = gpc.cube_dim
+        return Blocks("z", gpc.tensor_z_group, q, gpc.tensor_xy_group, q * q)
     q = gpc.summa_dim
-    if x.shape[0] % q != 0:
-        raise ValueError(f"[rank {gpc.rank}] a batch of {x.shape[0]} cannot be split over the {q} "
-                         f"rows of the 2d grid (tensor size {gpc.tensor_size}); use a batch size "
-                         f"that is a multiple of {q}")
-    return split(x, 0, gpc.tensor_col_group)  # backward: the column group's blocks gathered
+    return Blocks("col", gpc.tensor_row_group, q, gpc.tensor_batch_group, q * gpc.tensor_depth)
+
+
+def batch_blocks() -> int:
+    """How many blocks the tensor ranks cut a batch into (1 unless 2d, 2.5d or 3d)."""
+    return blocks().batch_parts if gpc.tensor_mode in ("2d", "2.5d", "3d") else 1
+
+
+def split_batch(x: torch.Tensor) -> torch.Tensor:
+    """This rank's block of a batch that every tensor rank holds whole (inputs, labels): the
+    grid row's (2.5d: block grid_depth * q + row of depth * q; 3d: block x * q + y)."""
+    layout = blocks()
+    check_batch(x, layout.batch_parts)
+    return split(x, 0, layout.batch_group)  # backward: the batch group's blocks gathered
+
+
+def check_batch(x: torch.Tensor, parts: int) -> None:
+    if x.shape[0] % parts != 0:
+        where = {"2d": "rows of the 2d grid",
+                 "2.5d": f"rows of the 2.5d grids ({gpc.tensor_depth} grids of {gpc.summa_dim})",
+                 "3d": "batch blocks of the 3d cube"}[gpc.tensor_mode]
+        raise ValueError(f"[rank {gpc.rank}] a batch of {x.shape[0]} cannot be split over the "
+                         f"{parts} {where} (tensor size {gpc.tensor_size}); use a batch size "
+                         f"that is a multiple of {parts}")
+
+
+def grid_batch(x: torch.Tensor) -> torch.Tensor:
+    """2.5d: this grid's samples (block grid_depth of depth); 2d: all of them."""
+    check_batch(x, gpc.summa_dim * gpc.tensor_depth)
+    return split(x, 0, gpc.tensor_depth_group)
+
+
+def across_grids(w: torch.Tensor) -> torch.Tensor:
+    """A weight block every grid holds (2.5d): each grid's gradient is for its own samples, so
+    the depth group sums them in backward, as a data split requires."""
+    return copy_to(w, gpc.tensor_depth_group)
 
 
 class SplitLabels(Extension):
     """The labels of the samples this rank's output holds (execute_schedule returns them, for
     metrics; extensions.py): a grid row holds one block of the batch, so its labels are cut the
-    same way."""
+    same way -- as the criterion cuts them where it says (`output_targets`: 3d's vocab-parallel
+    logits are in another layout)."""
+
+    def __init__(self, criterion=None) -> None:
+        self.split = getattr(criterion, "output_targets", split_batch)
 
     def output_labels(self, label: torch.Tensor) -> torch.Tensor:
-        return split_batch(label)
+        return self.split(label)
 
 
 def _along_row(full: torch.Tensor, dim: int) -> nn.Parameter:
-    """Block `col` of a hidden-dimension vector: split along my row, replicated down my column."""
-    return keep_slice(full, [(dim, "col")])
+    """Block `col` of a hidden-dimension vector: split along my row, replicated down my column
+    (3d: block z, replicated over the (x, y) plane)."""
+    return keep_slice(full, [(dim, blocks().hidden_axis)])
 
 
 def _down_column(p: torch.Tensor) -> torch.Tensor:
-    return copy_to(p, gpc.tensor_col_group)  # replicated down the column: sum its rows' gradients
+    """Replicated down the column (in every grid; 3d: over the plane): sum its batch blocks'
+    gradients."""
+    return copy_to(p, blocks().batch_group)
 
 
 class Linear2D(nn.Module):
@@ -83,17 +170,17 @@ class Linear2D(nn.Module):
         self.bias = _along_row(full.bias, 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.product(x)
-        return add_bias(y, _down_column(self.bias) if self.bias is not None else None)
+        return add_bias(self.product(x), self.bias_block())
+
+    def bias_block(self) -> Optional[torch.Tensor]:
+        """The bias block of my output columns, its gradient summed over the batch group."""
+        return _down_column(self.bias) if self.bias is not None else None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The SUMMA product without the bias (Colossal-AI's skip_bias_add)."""
-        if x.shape[-1] * gpc.summa_dim != self.in_features:
-            raise ValueError(f"[rank {gpc.rank}] 2d Linear({self.in_features}, "
-                             f"{self.out_features}) expects its "
-                             f"input's last dimension split over the {gpc.summa_dim} columns of "
-                             f"the grid ({self.in_features // gpc.summa_dim}), got {x.shape[-1]}")
-        return summa_matmul(x, self.weight)
+        check_input_split(x, f"2d Linear({self.in_features}, {self.out_features})",
+                          self.in_features, gpc.summa_dim, "columns of the grid")
+        return summa_matmul(x, across_grids(self.weight))
 
 
 class LayerNorm2D(nn.Module):
@@ -103,14 +190,14 @@ class LayerNorm2D(nn.Module):
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, bias: bool = True) -> None:
         super().__init__()
-        check_divisible(normalized_shape, gpc.summa_dim, "LayerNorm size")
+        check_divisible(normalized_shape, blocks().parts, "LayerNorm size")
         full = nn.LayerNorm(normalized_shape, eps=eps, bias=bias)
         self.normalized_shape, self.eps = normalized_shape, eps
         self.weight = _along_row(full.weight, 0)
         self.bias = _along_row(full.bias, 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows, d = gpc.tensor_row_group, self.normalized_shape
+        rows, d = blocks().hidden_group, self.normalized_shape
         # in float32, as torch's LayerNorm computes: in fp16 the squares of activations near
         # 100 overflow, small variances lose their digits, and the backward's cancellations too
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # (float64 stays float64)
@@ -128,7 +215,7 @@ class PatchEmbedding2D(nn.Module):
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int) -> None:
         super().__init__()
-        check_divisible(embed_size, gpc.summa_dim, "PatchEmbedding embed_size")
+        check_divisible(embed_size, blocks().parts, "PatchEmbedding embed_size")
         full = PatchEmbedding(img_size, patch_size, in_chans, embed_size)
         self.patch_size = patch_size
         self.proj = nn.Module()  # so the state_dict keys are the plain layer's (proj.weight, ...)
@@ -141,7 +228,7 @@ class PatchEmbedding2D(nn.Module):
         params = [_down_column(p) for p in (self.proj.weight, self.proj.bias, self.cls_token,
                                             self.pos_embed)]
         # every column convolves the same images with its own channels: sum their input gradients
-        return embed_patches(copy_to(split_batch(x), gpc.tensor_row_group), *params,
+        return embed_patches(copy_to(split_batch(x), blocks().hidden_group), *params,
                              self.patch_size)
 
 
@@ -151,7 +238,7 @@ class Embedding2D(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  padding_idx: Optional[int] = None) -> None:
         super().__init__()
-        check_divisible(embedding_dim, gpc.summa_dim, "Embedding dim")
+        check_divisible(embedding_dim, blocks().parts, "Embedding dim")
         full = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
         self.weight = _along_row(full.weight, 1)
         self.padding_idx = padding_idx  # every rank holds every row: torch's meaning as is
@@ -167,14 +254,14 @@ class Classifier2D(nn.Module):
     def __init__(self, in_features: int, num_classes: int, bias: bool = True,
                  weight: Optional[nn.Parameter] = None) -> None:
         super().__init__()
-        check_divisible(in_features, gpc.summa_dim, "Classifier in_features")
+        check_divisible(in_features, blocks().parts, "Classifier in_features")
         full = nn.Linear(in_features, num_classes, bias=bias)
         own = _along_row(full.weight, 1)
         self.weight = own if weight is None else tied(weight, own)
         self.bias = keep_slice(full.bias, []) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from(F.linear(x, _down_column(self.weight)), gpc.tensor_row_group)
+        y = reduce_from(F.linear(x, _down_column(self.weight)), blocks().hidden_group)
         return add_bias(y, _down_column(self.bias) if self.bias is not None else None)
 
 
@@ -211,7 +298,7 @@ class CrossEntropyLoss2D(nn.Module):
                                  label_smoothing=self.label_smoothing)
         if self.reduction == "none":
             return losses
-        total = reduce_from(losses.sum(), gpc.tensor_col_group)  # the rows' sums: the batch's
+        total = reduce_from(losses.sum(), blocks().batch_group)  # the rows' sums: the batch's
         if self.reduction == "sum":
             return total
         return mean_over(total, self._count(target).to(total))

@@ -53,6 +53,17 @@ def local_padding_idx(padding_idx: Optional[int], vocab_size: int, start: int,
     return padding_idx - start if start <= padding_idx < end else None
 
 
+def look_up_block(ids: torch.Tensor, table: torch.Tensor, start: int, end: int,
+                  padding_idx: Optional[int], vocab_size: int) -> torch.Tensor:
+    """The rows of `table` (the vocabulary block [start, end)) for the ids in it, zeros for the
+    others: summed over the ranks holding the other blocks, every id is found exactly once."""
+    outside = (ids < start) | (ids >= end)
+    local = (ids - start).masked_fill(outside, 0)  # any valid row; zeroed below
+    local_pad = local_padding_idx(padding_idx, vocab_size, start, end)
+    found = F.embedding(local, table, padding_idx=local_pad)
+    return found.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
 def vocab_range(vocab_size: int) -> tuple[int, int]:
     """[start, end) of the token ids this tensor rank holds."""
     per_rank = vocab_size // gpc.tensor_size
@@ -74,11 +85,9 @@ class VocabParallelEmbedding1D(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_ids(ids, self.num_embeddings, "token ids")
-        outside = (ids < self.start) | (ids >= self.end)
-        local = (ids - self.start).masked_fill(outside, 0)  # any valid row; zeroed below
-        local_pad = local_padding_idx(self.padding_idx, self.num_embeddings, self.start, self.end)
-        found = F.embedding(local, self.weight, padding_idx=local_pad)
-        return reduce_from(found.masked_fill(outside.unsqueeze(-1), 0.0), gpc.tensor_group)
+        found = look_up_block(ids, self.weight, self.start, self.end, self.padding_idx,
+                              self.num_embeddings)
+        return reduce_from(found, gpc.tensor_group)
 
 
 def vocab_classifier_weight(own: nn.Parameter, weight: Optional[nn.Parameter], embedding: str,

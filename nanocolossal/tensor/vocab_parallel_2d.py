@@ -15,6 +15,9 @@ needs, since the activations it produces are [batch block i, ..., hidden block j
                 rank holds b*s*V/q^2 of them.
     loss        the 1d vocab-parallel loss along each grid row (the row holds one batch block's
                 whole vocabulary), then sums and counts over the column (the batch blocks).
+
+2.5d: each grid does the same on its own samples (the embedding looks up its grid's block of the
+batch), and E's blocks enter through the depth group, which sums their gradients (layers_2d.py).
 """
 from __future__ import annotations
 
@@ -22,17 +25,16 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..context import gpc
 from .base import add_bias, check_divisible, keep_slice
-from .comm import reduce_from
-from .layers_2d import _along_row, _down_column, split_batch
+from .comm import reduce_from, split
+from .layers_2d import _along_row, _down_column, across_grids, grid_batch, split_batch
 from .summa import _panel, _reduce_to, autocast_operands
 from .vocab_parallel import (
     VocabParallelCrossEntropyLoss1D,
     check_ids,
-    local_padding_idx,
+    look_up_block,
     vocab_classifier_weight,
     vocab_parallel_argmax,
 )
@@ -90,12 +92,11 @@ class VocabParallelEmbedding2D(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_ids(ids, self.num_embeddings, "token ids")
-        outside = (ids < self.start) | (ids >= self.end)
-        local = (ids - self.start).masked_fill(outside, 0)
-        local_pad = local_padding_idx(self.padding_idx, self.num_embeddings, self.start, self.end)
-        found = F.embedding(local, self.weight, padding_idx=local_pad)
-        whole = reduce_from(found.masked_fill(outside.unsqueeze(-1), 0.0), gpc.tensor_col_group)
-        return split_batch(whole)
+        ids = grid_batch(ids)  # 2.5d: my grid's samples
+        found = look_up_block(ids, across_grids(self.weight), self.start, self.end,
+                              self.padding_idx, self.num_embeddings)
+        whole = reduce_from(found, gpc.tensor_col_group)
+        return split(whole, 0, gpc.tensor_col_group)  # my row's block of my grid's samples
 
 
 class VocabParallelClassifier2D(nn.Module):
@@ -115,7 +116,7 @@ class VocabParallelClassifier2D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x, weight = autocast_operands(x, self.weight)
+        x, weight = autocast_operands(x, across_grids(self.weight))
         logits = _SummaABT.apply(x.reshape(-1, x.shape[-1]), weight)
         logits = logits.reshape(*lead, logits.shape[-1])
         return add_bias(logits, _down_column(self.bias) if self.bias is not None else None)
@@ -131,4 +132,4 @@ class VocabParallelCrossEntropyLoss2D(VocabParallelCrossEntropyLoss1D):
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss(logits, split_batch(target), gpc.tensor_row_group, gpc.tensor_row_rank,
-                          gpc.tensor_col_group)
+                          gpc.tensor_batch_group)

@@ -1,0 +1,89 @@
+"""2.5d tensor parallelism (Tesseract): `depth` stacked q x q grids, each running SUMMA on its own
+block of the batch, weight blocks shared by the grids -- against plain torch, in float64.
+
+Layouts: an activation [batch, ..., hidden] has batch blocks over (depth, row) and hidden blocks
+over the column; a weight has q x q blocks, the same in every grid.
+"""
+import pytest
+import torch
+from dist_helpers import run_ranks
+from layer_checks import (
+    check_colossal_classes,
+    check_layers,
+    tiny_gpt_one_process,
+    tiny_gpt_run,
+    train_small_model,
+)
+from test_colossal_layers import _message
+from torch.testing import assert_close
+
+import nanocolossal as nc
+import nanocolossal.nn as col_nn
+from nanocolossal.context import gpc
+
+pytestmark = pytest.mark.timeout(120)
+TESSERACT = dict(parallel=dict(tensor=dict(size=8, mode="2.5d", depth=2)))
+
+
+def test_gloo_2p5d_two_grids_of_2x2_train_as_one_process():
+    """8 ranks as 2 stacked 2 x 2 grids: each grid computes SUMMA on half the batch; the weight
+    blocks the grids share sum their gradients over the depth group, so every step is one
+    process's step on the whole batch (every rank is given the whole batches; its layers keep
+    their blocks of them)."""
+    xs, ys = torch.randint(0, 10, (3, 8)), torch.randint(0, 3, (3, 8))  # 3 batches of 8 ids
+    # small_model(): Embedding, Linear, Tanh, Linear, LayerNorm, Classifier; SGD with momentum
+    one_process = train_small_model(0, 1, None, None, xs, ys)
+    for rank, params in enumerate(run_ranks(train_small_model, 8, TESSERACT, xs, ys)):
+        assert_close(params, one_process, msg=lambda m: f"rank {rank}: {m}")
+
+
+def _layers_worker(rank, world_size, port, depth):
+    nc.launch(dict(parallel=dict(tensor=dict(size=world_size, mode="2.5d", depth=depth))),
+              rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    activation = [(0, "depth"), (0, "row"), (-1, "col")]  # also the vocab-parallel logits'
+    return gpc.tensor_depth, check_layers(activation, activation, [(0, "depth"), (0, "row")],
+                                          activation)
+
+
+@pytest.mark.parametrize("world, depth", [(8, 2), (4, 1)])
+def test_deep_2p5d_layers_equal_plain_torch_forward_and_backward(world, depth):
+    """Linear, LayerNorm, Embedding, vocab-parallel Embedding + tied Classifier + loss, and the
+    feature-split Classifier + loss, to 1e-10 in float64 (depth 1 is 2d)."""
+    results = run_ranks(_layers_worker, world, depth, timeout=90)
+    assert results == [(depth, ["linear", "layernorm", "embedding", "classifier + loss",
+                                "vocab embedding + classifier + loss"])] * world
+
+
+def _errors_worker(rank, world_size, port):
+    nc.launch(TESSERACT, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    return {"hidden": _message(lambda: col_nn.Linear(8, 7)),
+            "batch": _message(lambda: col_nn.Embedding(10, 8)(torch.zeros(6, 2).long()))}
+
+
+def test_gloo_2p5d_bad_shapes_are_one_line_errors():
+    for rank, out in enumerate(run_ranks(_errors_worker, 8, timeout=60)):
+        assert out == {
+            "hidden": f"[rank {rank}] Linear out_features 7 is not divisible by 2 (tensor parallel "
+                      f"2.5d, size 8); choose a multiple of 2",
+            "batch": f"[rank {rank}] a batch of 6 cannot be split over the 4 rows of the 2.5d "
+                     f"grids (2 grids of 2) (tensor size 8); use a batch size that is a multiple "
+                     f"of 4"}
+
+
+def _colossal_worker(rank, world_size, port):
+    nc.launch(TESSERACT, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    activation = [(0, "depth"), (0, "row"), (-1, "col")]
+    return check_colossal_classes("2p5D", activation, activation, activation[:2], activation,
+                                  other="Linear2D")
+
+
+def test_deep_colossal_2p5d_classes_and_arguments_equal_the_plain_layers():
+    results = run_ranks(_colossal_worker, 8, timeout=90)
+    assert all(checked == results[0] and "Linear" in checked for checked in results)
+
+
+def test_deep_train_gpt_2p5d_config_ends_as_one_process():
+    """configs/gpt_2p5d.py (shrunk): train_gpt.py's final loss and sample are one process's."""
+    loss, sample = tiny_gpt_run("gpt_2p5d.py", 8)
+    one_loss, one_sample = tiny_gpt_one_process()
+    assert abs(loss - one_loss) < 1e-4 and sample == one_sample, (loss, one_loss, sample)

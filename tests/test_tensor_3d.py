@@ -1,0 +1,129 @@
+"""3d tensor parallelism (Bian et al. 2021): a q x q x q cube of ranks; every activation, weight and
+output split over two of its axes -- against plain torch, in float64.
+
+Layouts (tensor/cube.py): layout A, where blocks start and end, cuts the batch over (x, y) and the
+hidden dimension over z; a column Linear's output (layout B) cuts the batch over (x, z) and the
+hidden dimension over y, and so do the vocabulary-parallel logits.
+"""
+import pytest
+import torch
+from dist_helpers import run_ranks
+from layer_checks import (
+    check_colossal_classes,
+    check_layers,
+    gathered,
+    small_model,
+    tiny_gpt_one_process,
+    tiny_gpt_run,
+    train_small_model,
+)
+from test_colossal_layers import _message
+from torch.testing import assert_close
+
+import nanocolossal as nc
+import nanocolossal.nn as col_nn
+from nanocolossal.checkpoint import merge_checkpoint
+from nanocolossal.checkpoint_merge import load_plain_state_dict
+from nanocolossal.context import layout
+
+pytestmark = pytest.mark.timeout(120)
+CUBE = dict(parallel=dict(tensor=dict(size=8, mode="3d")))
+
+
+def test_gloo_3d_a_2x2x2_cube_trains_as_one_process():
+    """8 ranks as a 2 x 2 x 2 cube: each Linear all-gathers its input along one axis and its
+    weight along another, multiplies one pair of blocks, and reduce-scatters the sum along the
+    third; every step is one process's step on the whole batch (every rank is given the whole
+    batches; its layers keep their blocks of them)."""
+    xs, ys = torch.randint(0, 10, (3, 8)), torch.randint(0, 3, (3, 8))  # 3 batches of 8 ids
+    # small_model(): Embedding, Linear, Tanh, Linear, LayerNorm, Classifier; SGD with momentum
+    one_process = train_small_model(0, 1, None, None, xs, ys)
+    for rank, params in enumerate(run_ranks(train_small_model, 8, CUBE, xs, ys)):
+        assert_close(params, one_process, msg=lambda m: f"rank {rank}: {m}")
+
+
+def test_3d_cube_groups_run_along_named_axes():
+    """tensor_rank = x * q^2 + y * q + z; a group along an axis varies that coordinate only, a
+    plane (the batch's blocks in layout A or B) two of them (context.layout, no process)."""
+    cube = layout(8, T=8, mode="3d")
+    assert cube.cube_x == [[0, 4], [1, 5], [2, 6], [3, 7]]   # same (y, z)
+    assert cube.cube_y == [[0, 2], [1, 3], [4, 6], [5, 7]]   # same (x, z)
+    assert cube.cube_z == [[0, 1], [2, 3], [4, 5], [6, 7]]   # same (x, y)
+    assert cube.plane_xy == [[0, 2, 4, 6], [1, 3, 5, 7]]     # same z, block x * q + y
+    assert cube.plane_xz == [[0, 1, 4, 5], [2, 3, 6, 7]]     # same y, block x * q + z
+
+
+def _layers_worker(rank, world_size, port):
+    nc.launch(CUBE, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    layout_a = [(0, "x"), (0, "y"), (-1, "z")]
+    layout_b = [(0, "x"), (0, "z"), (-1, "y")]
+    return check_layers(layout_a, layout_b, [(0, "x"), (0, "y")], layout_b)
+
+
+def test_deep_3d_layers_equal_plain_torch_forward_and_backward():
+    """Linear, LayerNorm, Embedding, vocab-parallel Embedding + tied Classifier + loss, and the
+    feature-split Classifier + loss, to 1e-10 in float64."""
+    assert run_ranks(_layers_worker, 8, timeout=90) == [
+        ["linear", "layernorm", "embedding", "classifier + loss",
+         "vocab embedding + classifier + loss"]] * 8
+
+
+def _errors_worker(rank, world_size, port):
+    nc.launch(CUBE, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    col_nn.Linear(8, 8)  # a column Linear without its row partner yet:
+    norm = _message(lambda: col_nn.LayerNorm(8))
+    col_nn.reset_1d_alternation()
+    return {"norm": norm, "in": _message(lambda: col_nn.Linear(6, 8)),
+            "batch": _message(lambda: col_nn.Embedding(10, 8)(torch.zeros(6, 2).long()))}
+
+
+def test_gloo_3d_bad_shapes_are_one_line_errors():
+    for rank, out in enumerate(run_ranks(_errors_worker, 8, timeout=60)):
+        assert out == {
+            "norm": f"[rank {rank}] LayerNorm built after a column Linear under 3d tensor "
+                    f"parallelism: its input would be the column Linear's output (layout B), "
+                    f"where only a row Linear fits; build Linears in column/row pairs "
+                    f"(nc.nn.Linear alternates) or pass parallel='row' to the Linear before it",
+            "in": f"[rank {rank}] Linear in_features 6 is not divisible by 4 (tensor parallel "
+                  f"3d, size 8); choose a multiple of 4",
+            "batch": f"[rank {rank}] a batch of 6 cannot be split over the 4 batch blocks of the "
+                     f"3d cube (tensor size 8); use a batch size that is a multiple of 4"}
+
+
+def _colossal_worker(rank, world_size, port):
+    nc.launch(CUBE, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    a, b = [(0, "x"), (0, "y"), (-1, "z")], [(0, "x"), (0, "z"), (-1, "y")]
+    col_nn.reset_1d_alternation()  # Linear3D alternates: column (A -> B), then row (B -> A)
+    return check_colossal_classes("3D", a, b, a[:2], b, other="Linear2p5D")
+
+
+def test_deep_colossal_3d_classes_and_arguments_equal_the_plain_layers():
+    results = run_ranks(_colossal_worker, 8, timeout=90)
+    assert all(checked == results[0] and "Linear" in checked for checked in results)
+
+
+def _load_plain_worker(rank, world_size, port, config, merged):
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    model = small_model()
+    load_plain_state_dict(model, merged)
+    return gathered(model)
+
+
+def test_deep_3d_checkpoint_merges_to_the_plain_model_and_loads_into_2p5d(tmp_path):
+    """A 3d save (one file per tensor rank) merges into one process's state_dict, which loads
+    into 2.5d's blocks."""
+    xs, ys = torch.randint(0, 10, (2, 8)), torch.randint(0, 3, (2, 8))
+    one_process = train_small_model(0, 1, None, None, xs, ys)
+    run_ranks(train_small_model, 8, CUBE, xs, ys, str(tmp_path / "cube.pt"))
+    merged = merge_checkpoint(tmp_path / "cube.pt")
+    assert_close(merged, one_process)
+    tesseract = dict(parallel=dict(tensor=dict(size=8, mode="2.5d", depth=2)))
+    for params in run_ranks(_load_plain_worker, 8, tesseract, merged):
+        assert_close(params, one_process)
+
+
+def test_deep_train_gpt_3d_config_ends_as_one_process():
+    """configs/gpt_3d.py (shrunk): train_gpt.py's final loss and sample are one process's."""
+    loss, sample = tiny_gpt_run("gpt_3d.py", 8)
+    one_loss, one_sample = tiny_gpt_one_process()
+    assert abs(loss - one_loss) < 1e-4 and sample == one_sample, (loss, one_loss, sample)
