@@ -144,31 +144,6 @@ class DistributedDataParallel(nn.Module):
                         out)  # (a stage whose samples all skipped its layers: the others wait)
         return out
 
-    def _queue_finish(self, *_) -> None:
-        if self.require_sync and not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._callback_queued = True
-
-    def train(self, mode: bool = True) -> "DistributedDataParallel":
-        # leaving training: every replica evaluates with rank 0's BatchNorm statistics
-        if self.training and not mode and self.broadcast_buffers:
-            self.sync_buffers()
-        return super().train(mode)
-
-    def sync_buffers(self) -> None:
-        """Give every replica the first rank's buffers (BatchNorm statistics), as one message per
-        dtype."""
-        broadcast_buffers(self.module, self.process_group)
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside only accumulate; the next one outside averages the sum."""
-        previous, self.require_sync = self.require_sync, False
-        try:
-            yield
-        finally:
-            self.require_sync = previous
-
     def _grad_ready(self, param: nn.Parameter) -> None:
         if not self.require_sync:
             return
@@ -181,17 +156,6 @@ class DistributedDataParallel(nn.Module):
         bucket.ready += 1
         self._launch_ready()
 
-    def _launch(self, bucket: _Bucket) -> None:
-        for i, filled in enumerate(bucket.filled):
-            if not filled:
-                self._fill_unused(bucket, i)
-        wire_dtype = self.wire_dtype or bucket.buffer.dtype
-        bucket.wire = bucket.buffer.to(wire_dtype)  # the buffer itself when no compression
-        try:
-            bucket.work = dist.all_reduce(bucket.wire, group=self.process_group, async_op=True)
-        except RuntimeError as e:
-            self._fail(bucket, e)
-
     def _write_slot(self, bucket: _Bucket, i: int) -> None:
         """slot = .grad / N, and flag the parameter as used."""
         param, slot = bucket.params[i], bucket.view(i)
@@ -203,6 +167,25 @@ class DistributedDataParallel(nn.Module):
                 param.grad = slot
         bucket.flags()[i] = 1
 
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.ready < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        for i, filled in enumerate(bucket.filled):
+            if not filled:
+                self._fill_unused(bucket, i)
+        wire_dtype = self.wire_dtype or bucket.buffer.dtype
+        bucket.wire = bucket.buffer.to(wire_dtype)  # the buffer itself when no compression
+        try:
+            bucket.work = dist.all_reduce(bucket.wire, group=self.process_group, async_op=True)
+        except RuntimeError as e:
+            self._fail(bucket, e)
+
     def _fill_unused(self, bucket: _Bucket, i: int) -> None:
         """A parameter whose hook did not fire in this backward. If it still holds a gradient --
         accumulated under no_sync in an earlier micro-step -- that gradient is its contribution
@@ -211,18 +194,6 @@ class DistributedDataParallel(nn.Module):
             bucket.view(i).zero_()
         else:
             self._write_slot(bucket, i)
-
-    def _fail(self, bucket: _Bucket, error: Exception) -> None:
-        raise peer_failed(f"DDP gradient all-reduce of bucket {self.buckets.index(bucket) + 1} "
-                          f"of {len(self.buckets)}", self.process_group, error) from error
-
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if bucket.ready < len(bucket.params):
-                return
-            self._launch(bucket)
-            self._next_launch += 1
 
     def _reduced_buckets(self) -> Iterator[_Bucket]:
         """End of backward: launch the buckets still waiting (their unused slots written), then
@@ -256,6 +227,36 @@ class DistributedDataParallel(nn.Module):
             bucket.flags().zero_()
             bucket.filled = [False] * len(bucket.params)
             bucket.work, bucket.ready = None, 0
+
+    # -- around the core: when to sync, buffers, accumulation, a failed peer --------------
+    def _queue_finish(self, *_) -> None:
+        if self.require_sync and not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._callback_queued = True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate; the next one outside averages the sum."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def train(self, mode: bool = True) -> "DistributedDataParallel":
+        # leaving training: every replica evaluates with rank 0's BatchNorm statistics
+        if self.training and not mode and self.broadcast_buffers:
+            self.sync_buffers()
+        return super().train(mode)
+
+    def sync_buffers(self) -> None:
+        """Give every replica the first rank's buffers (BatchNorm statistics), as one message per
+        dtype."""
+        broadcast_buffers(self.module, self.process_group)
+
+    def _fail(self, bucket: _Bucket, error: Exception) -> None:
+        raise peer_failed(f"DDP gradient all-reduce of bucket {self.buckets.index(bucket) + 1} "
+                          f"of {len(self.buckets)}", self.process_group, error) from error
 
 
 class DdpSync(Extension):
