@@ -35,6 +35,7 @@ matters too: the loss's wrappers nest in it, and end_group reduces in it.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -66,6 +67,7 @@ from ..zero.mixed import MixedParamShardedOptimizer
 from ..zero.settings import zero_settings
 from ..zero.sharded_model import ShardedModel, plan_units
 from ..zero.sharded_params import ParamShardedOptimizer
+from ..zero.tied import sum_sharded_tied_gradients
 from .checks import check_batches_fill_micro_batches, check_tensor_parallel_model, pipeline_schedule
 from .engine import Engine, PipelineEngine
 
@@ -242,11 +244,14 @@ def extend_loss(model: nn.Module, forward_module: nn.Module, criterion: Any,
 def sum_tied_weights(model: nn.Module, optimizer: MixedPrecisionOptimizer,
                      pipelined: bool) -> list[Extension]:
     """A weight two pipeline stages share (a GPT's embedding and classifier) steps with the sum
-    of their gradients (pipeline/tied.py); ZeRO level 1-2's optimizer sums its own pieces."""
+    of their gradients (pipeline/tied.py); under ZeRO level 2-3, from the ranks' segments
+    (zero/tied.py)."""
     tied = getattr(model, "tied", [])
     if not pipelined or not tied:
         return []
-    summing = optimizer.sum_tied_gradients if isinstance(optimizer, ShardedOptimizer) else None
+    summing = None
+    if isinstance(optimizer, ShardedOptimizer) and optimizer.level >= 2:
+        summing = partial(sum_sharded_tied_gradients, optimizer)
     return [TiedGradients(tied, summing)]
 
 

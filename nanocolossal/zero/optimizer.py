@@ -69,7 +69,6 @@ from ..amp import MixedPrecisionOptimizer
 from ..checkpoint_files import strip_prefixes, unwrap
 from ..config import ConfigError
 from ..context import gpc
-from ..pipeline.tied import Tied, sum_tied_gradients
 from .comm import gather_shards
 from .settings import check_optimizer
 from .state import SCALAR_STATE, gather_plain_state, keep_my_pieces
@@ -188,25 +187,6 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
             home, piece = self.home(s), grad.reshape(-1)[s.lo:s.hi]
             home.grad = piece.clone() if home.grad is None else home.grad.add_(piece)
 
-    def sum_tied_gradients(self, tied: Tied) -> None:
-        """A weight two pipeline stages share steps with the sum of their gradients (tied.py).
-        Level 1: DDP left whole gradients. Level 2: the data ranks hold disjoint pieces of it:
-        all-reduce them (zeros elsewhere) into the whole, sum over the stages, keep my pieces."""
-        if self.level == 1:
-            return sum_tied_gradients(tied)
-        for param, group in tied:
-            segments = self.segments_of.get(param, [])  # none: this optimizer does not step it
-            # the last element counts the pieces that have a gradient: none anywhere, none kept
-            whole = torch.zeros(param.numel() + 1, dtype=param.dtype, device=param.device)
-            for s in segments:
-                if self.home(s).grad is not None:
-                    whole[s.lo:s.hi] = self.home(s).grad
-                    whole[-1] = 1
-            dist.all_reduce(whole, group=self.group)
-            dist.all_reduce(whole, group=group)
-            for s in segments:
-                self.home(s).grad = whole[s.lo:s.hi].clone() if whole[-1] else None
-
     def _collect_grads(self) -> None:
         """Level 1: my pieces of the gradients DDP averaged (views: no copy). A parameter no
         rank computed a gradient for has none, so its pieces have none either."""
@@ -254,6 +234,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                 buffer.all_gather(self.group, self.rank)
         return stepped
 
+    # -- a misuse refused; the bytes the state holds, counted -------------------------------
     def _refuse_new_parameters(self) -> None:
         """A parameter added to the model after initialize is in no flat buffer: no rank would
         ever step it, and at level 3 no rank would shard it. Say so rather than train it frozen."""
@@ -291,6 +272,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
             if id(p) in index:
                 names[index[id(p)]].append(name)
         return names
+
     def state_dict(self) -> dict:
         """The unsplit model's plain torch optimizer state (collective over the data group)."""
         return gather_plain_state(self)
