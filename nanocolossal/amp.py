@@ -103,7 +103,8 @@ class MixedPrecisionOptimizer:
         self.optimizer, self.scaler = optimizer, scaler
         # skip steps whose gradients are inf/nan on any rank: always with a scaler, else if asked
         self.check_finite = check_finite or scaler is not None
-        self._copies: list[tuple[nn.Parameter, nn.Parameter]] = []  # (half param, fp32 master)
+        # O2: (half model parameter, its fp32 master)
+        self._master_pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         if master_weights:
             for group in optimizer.param_groups:  # same group dicts, so LR schedulers keep working
                 masters = []
@@ -113,7 +114,7 @@ class MixedPrecisionOptimizer:
                     else:
                         master = nn.Parameter(p.detach().float())
                         master.__dict__.update(p.__dict__)  # tensor-parallel marks (splits, ...)
-                        self._copies.append((p, master))
+                        self._master_pairs.append((p, master))
                         masters.append(master)
                 group["params"] = masters
         self._flag: Optional[torch.Tensor] = None  # this step's overflow flag, once unscaled
@@ -123,40 +124,13 @@ class MixedPrecisionOptimizer:
         self._skipped: Union[int, torch.Tensor] = 0
         self.loss_ranks = 1  # G where the engine weighs a counted loss: see backward_scale
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler is not None else 1.0
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped on a non-finite gradient (read from the device when asked)."""
-        return int(self._skipped)
-
-    @property
-    def last_step_skipped(self) -> bool:
-        return bool(self._last_skipped)
-
-    @property
-    def backward_scale(self) -> float:
-        """What backward multiplies by and unscale_ divides by: the loss scale / G where a rank's
-        counted loss carries G x its share (loss_weights.py): one process's half gradients."""
-        return self.loss_scale / self.loss_ranks if self.scaler is not None else 1.0
-
-    def master_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
-        """O2's (half model parameter, fp32 master) pairs; empty otherwise."""
-        return list(self._copies)
-
     def params(self) -> Iterator[nn.Parameter]:
         """The parameters the optimizer updates (fp32 masters under O2)."""
         for group in self.optimizer.param_groups:
             yield from group["params"]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for model_param, _ in self._copies:
+        for model_param, _ in self._master_pairs:
             model_param.grad = None
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -176,7 +150,7 @@ class MixedPrecisionOptimizer:
             return self._flag
         if self._loaded:  # else this step would write the old masters over the loaded weights
             with torch.no_grad():
-                for model_param, master in self._copies:
+                for model_param, master in self._master_pairs:
                     master.copy_(model_param.detach())
             self._loaded = False
         self._grads_to_masters()
@@ -190,82 +164,10 @@ class MixedPrecisionOptimizer:
         self._flag = found
         return found
 
-    def follow_loads(self, model: nn.Module) -> None:
-        """model.load_state_dict after this: the fp32 masters take the loaded weights at the next
-        step (read then: ZeRO 3 keeps its slice after the load's hooks). An optimizer state loaded
-        after the model brings its own masters (load_state_dict)."""
-        model.register_load_state_dict_post_hook(self._model_loaded)
-
-    def _model_loaded(self, module: nn.Module, incompatible: Any) -> None:
-        self._loaded = True
-
     def _grads_to_masters(self) -> None:
         """O2: the half model's gradients feed the fp32 masters (zero/offload.py: on the CPU)."""
-        for model_param, master in self._copies:
+        for model_param, master in self._master_pairs:
             master.grad = None if model_param.grad is None else model_param.grad.float()
-
-    def unscale_(self) -> bool:
-        """overflow_flag, read: True if any rank found an inf/nan gradient."""
-        return bool(self.overflow_flag().item())
-
-    def copies(self, param: nn.Parameter) -> int:
-        """Ranks of the model group holding this exact parameter: the tensor ranks that replicate
-        it, times the pipeline stages that share it (a tied weight)."""
-        return replicas(param) * getattr(param, "pipeline_copies", 1)
-
-    def clip_grad_norm_(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
-                        spread: Optional[tuple[dict[int, float], Any]] = None) -> torch.Tensor:
-        """Clip unscaled gradients to the global norm of the whole model; returns the norm as a
-        0-d tensor (inf where a gradient overflowed: then nothing is clipped).
-
-        `group`: the ranks holding the *other* parts of the model (pipeline stages, tensor
-        slices). A parameter held identically by k tensor ranks (or k pipeline stages: a tied
-        weight) adds its squares / k, so each element counts once. `spread` = (weight by
-        id(param), group): parameters spread over another group -- ZeRO's segments over the data
-        ranks, MoE experts over the expert-parallel ranks (moe/grads.py) -- add their squares x
-        weight (1 / their copies there), summed over that group, then with the rest over
-        `group`."""
-        found = self.overflow_flag()[0] > 0
-        # float32 sums (half gradients overflow), float64 for a float64 model (a float32
-        # coefficient would round its clipped gradients)
-        acc = torch.float64 if any(p.dtype == torch.float64 for p in self.params()) else \
-            torch.float32
-        params = [p for p in self.params() if p.grad is not None]
-        device = params[0].grad.device if params else gpc.device
-        weight_of, spread_group = spread or ({}, None)
-        # the model's own squares, and those of the spread parameters
-        sq = [self._squares([p for p in params if id(p) not in weight_of], {}, acc, device),
-              self._squares([p for p in params if id(p) in weight_of], weight_of, acc, device)]
-        # the spread parameters first over their group (a pipeline stage's experts), then the
-        # whole over `group`: each stage's experts count once, in their stage's part
-        if spread_group is not None and dist.get_world_size(spread_group) > 1:
-            sq[1] = _all_reduced(sq[1], spread_group)
-        total = sq[0] + sq[1]
-        if group is not None and dist.get_world_size(group) > 1:
-            total = _all_reduced(total, group)
-        total = total.sqrt()
-        # same formula as torch.nn.utils.clip_grad_norm_
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        if params:  # a step that will be skipped keeps its gradients as they are
-            coef = torch.where(found, torch.ones_like(coef), coef)
-            torch._foreach_mul_([p.grad for p in params], coef.to(device))
-        return torch.where(found, torch.full_like(total, math.inf), total)
-
-    def _squares(self, params: list[nn.Parameter], weight_of: dict[int, float],
-                 acc: torch.dtype, device: torch.device) -> torch.Tensor:
-        """sum_p |grad_p|^2 x weight_p / copies_p, in `acc` on `device` (0 without any)."""
-        if not params:
-            return torch.zeros((), device=device, dtype=acc)
-        norms = torch._foreach_norm([p.grad for p in params])
-        # built on the host, sent without waiting (a blocking copy would wait for the device)
-        weights = torch.tensor([weight_of.get(id(p), 1.0) / self.copies(p) for p in params],
-                               dtype=acc).to(device, non_blocking=True)
-        return (torch.stack(norms).to(acc) ** 2 * weights).sum()
-
-    def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
-                       **kwargs: Any) -> float:
-        """clip_grad_norm_, its norm read as a float (the host waits for the device)."""
-        return self.clip_grad_norm_(max_norm, group, **kwargs).item()
 
     def step(self) -> Union[bool, torch.Tensor]:
         """Unscale, then step unless some rank found an inf/nan; returns whether a step was
@@ -300,18 +202,89 @@ class MixedPrecisionOptimizer:
     def _step(self) -> None:
         """The optimizer's step; O2: the updated masters copied into the half model."""
         self.optimizer.step()
-        if self._copies:
+        if self._master_pairs:
             self._masters_to_model()
 
     def _masters_to_model(self) -> None:
         """O2: the updated masters rounded into the half model (zero/offload.py: from the CPU)."""
         with torch.no_grad():
-            torch._foreach_copy_([p for p, _ in self._copies], [m for _, m in self._copies])
+            halves = [p for p, _ in self._master_pairs]
+            torch._foreach_copy_(halves, [m for _, m in self._master_pairs])
+
+    # -- the global norm, each element counted once, clipped ------------------------------------
+    def clip_grad_norm_(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
+                        spread: Optional[tuple[dict[int, float], Any]] = None) -> torch.Tensor:
+        """Clip unscaled gradients to the global norm of the whole model; returns the norm as a
+        0-d tensor (inf where a gradient overflowed: then nothing is clipped).
+
+        `group`: the ranks holding the *other* parts of the model (pipeline stages, tensor
+        slices). A parameter held identically by k tensor ranks (or k pipeline stages: a tied
+        weight) adds its squares / k, so each element counts once. `spread` = (weight by
+        id(param), group): parameters spread over another group -- ZeRO's segments over the data
+        ranks, MoE experts over the expert-parallel ranks (moe/grads.py) -- add their squares x
+        weight (1 / their holders there), summed over that group, then with the rest over
+        `group`."""
+        found = self.overflow_flag()[0] > 0
+        # float32 sums (half gradients overflow), float64 for a float64 model (a float32
+        # coefficient would round its clipped gradients)
+        acc = torch.float64 if any(p.dtype == torch.float64 for p in self.params()) else \
+            torch.float32
+        params = [p for p in self.params() if p.grad is not None]
+        device = params[0].grad.device if params else gpc.device
+        weight_of, spread_group = spread or ({}, None)
+        # the model's own squares, and those of the spread parameters
+        sq = [self._squares([p for p in params if id(p) not in weight_of], {}, acc, device),
+              self._squares([p for p in params if id(p) in weight_of], weight_of, acc, device)]
+        # the spread parameters first over their group (a pipeline stage's experts), then the
+        # whole over `group`: each stage's experts count once, in their stage's part
+        if spread_group is not None and dist.get_world_size(spread_group) > 1:
+            sq[1] = _all_reduced(sq[1], spread_group)
+        total = sq[0] + sq[1]
+        if group is not None and dist.get_world_size(group) > 1:
+            total = _all_reduced(total, group)
+        total = total.sqrt()
+        # same formula as torch.nn.utils.clip_grad_norm_
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        if params:  # a step that will be skipped keeps its gradients as they are
+            coef = torch.where(found, torch.ones_like(coef), coef)
+            torch._foreach_mul_([p.grad for p in params], coef.to(device))
+        return torch.where(found, torch.full_like(total, math.inf), total)
+
+    def _squares(self, params: list[nn.Parameter], weight_of: dict[int, float],
+                 acc: torch.dtype, device: torch.device) -> torch.Tensor:
+        """sum_p |grad_p|^2 x weight_p / holders_p, in `acc` on `device` (0 without any)."""
+        if not params:
+            return torch.zeros((), device=device, dtype=acc)
+        norms = torch._foreach_norm([p.grad for p in params])
+        # built on the host, sent without waiting (a blocking copy would wait for the device)
+        weights = torch.tensor([weight_of.get(id(p), 1.0) / self.holders(p) for p in params],
+                               dtype=acc).to(device, non_blocking=True)
+        return (torch.stack(norms).to(acc) ** 2 * weights).sum()
+
+    def holders(self, param: nn.Parameter) -> int:
+        """Ranks of the model group holding this exact parameter: the tensor ranks that replicate
+        it, times the pipeline stages that share it (a tied weight)."""
+        return replicas(param) * getattr(param, "pipeline_copies", 1)
+
+    def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
+                       **kwargs: Any) -> float:
+        """clip_grad_norm_, its norm read as a float (the host waits for the device)."""
+        return self.clip_grad_norm_(max_norm, group, **kwargs).item()
+
+    # -- a model loaded after initialize; checkpoints -------------------------------------------
+    def follow_loads(self, model: nn.Module) -> None:
+        """model.load_state_dict after this: the fp32 masters take the loaded weights at the next
+        step (read then: ZeRO 3 keeps its slice after the load's hooks). An optimizer state loaded
+        after the model brings its own masters (load_state_dict)."""
+        model.register_load_state_dict_post_hook(self._model_loaded)
+
+    def _model_loaded(self, module: nn.Module, incompatible: Any) -> None:
+        self._loaded = True
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "masters": [master.detach().clone() for _, master in self._copies]}
+                "masters": [master.detach().clone() for _, master in self._master_pairs]}
 
     def load_state_dict(self, state: dict) -> None:
         self._loaded = False  # the masters come from `state` (or stay), not from the model
@@ -321,12 +294,44 @@ class MixedPrecisionOptimizer:
             self.scaler.load_state_dict(state["scaler"])
         masters = [] if plain else state.get("masters") or []
         with torch.no_grad():
-            for (model_param, master), saved in zip(self._copies, masters):
+            for (model_param, master), saved in zip(self._master_pairs, masters):
                 master.copy_(saved)
                 model_param.copy_(saved)
             if not masters:  # saved without O2 (an fp32 run): masters of the loaded half model
-                for model_param, master in self._copies:
+                for model_param, master in self._master_pairs:
                     master.copy_(model_param)
+
+    # -- what the engine and the logs read ------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on a non-finite gradient (read from the device when asked)."""
+        return int(self._skipped)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return bool(self._last_skipped)
+
+    @property
+    def backward_scale(self) -> float:
+        """What backward multiplies by and unscale_ divides by: the loss scale / G where a rank's
+        counted loss carries G x its share (loss_weights.py): one process's half gradients."""
+        return self.loss_scale / self.loss_ranks if self.scaler is not None else 1.0
+
+    def master_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """O2's (half model parameter, fp32 master) pairs; empty otherwise."""
+        return list(self._master_pairs)
+
+    def unscale_(self) -> bool:
+        """overflow_flag, read: True if any rank found an inf/nan gradient."""
+        return bool(self.overflow_flag().item())
 
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")

@@ -79,11 +79,11 @@ class MixedShardedOptimizer(ShardedOptimizer):
         half_of = {id(master): p for p, master in mixed.master_pairs()}
         for g in mixed.optimizer.param_groups:
             g["params"] = [half_of.get(id(q), q) for q in g["params"]]
-        mixed._copies = []
+        mixed._master_pairs = []
         super().__init__(mixed, model, level, group, unit_of)
         # MixedPrecisionOptimizer's (model, master) pairs become (half segment, fp32 segment):
         # its unscale_ reads the half gradients, its step copies the masters back
-        self._copies = [(s.view, s.param) for s in self._mastered()]
+        self._master_pairs = [(s.view, s.param) for s in self._mastered()]
         self.follow_loads(model)
 
     def make_buffer(self, params: list[nn.Parameter], indices: list[int]) -> FlatBuffer:
@@ -104,27 +104,27 @@ class MixedShardedOptimizer(ShardedOptimizer):
     def _grads_to_masters(self) -> None:
         if self.offload is None:
             return super()._grads_to_masters()
-        self.offload.copy_out(self._copies)
+        self.offload.copy_out(self._master_pairs)
 
     def _masters_to_model(self) -> None:
         if self.offload is None:
             return super()._masters_to_model()
-        self.offload.copy_in(self._copies)
+        self.offload.copy_in(self._master_pairs)
 
     def overflow_flag(self) -> torch.Tensor:
         found = super().overflow_flag()  # (level 1 collects first) half -> fp32 master gradients
-        for view, _ in self._copies:  # the fp32 shard replaces the model's
+        for view, _ in self._master_pairs:  # the fp32 shard replaces the model's
             view.grad = None
         return found
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        for view, _ in self._copies:
+        for view, _ in self._master_pairs:
             view.grad = None
 
     def master_bytes(self) -> int:
         """Bytes of fp32 masters this rank holds (live tensors)."""
-        return sum(m.numel() * m.element_size() for _, m in self._copies)
+        return sum(m.numel() * m.element_size() for _, m in self._master_pairs)
 
     # -- checkpoints: one process's O2 layout (state.py) --------------------------------------
     def half_indices(self) -> list[int]:

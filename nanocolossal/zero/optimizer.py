@@ -204,8 +204,8 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
             p.grad = None
         self.optimizer.zero_grad(set_to_none=True)
 
-    def copies(self, param: nn.Parameter) -> int:
-        return super().copies(self.model_params[self.index_of[id(param)]])  # a segment's origin
+    def holders(self, param: nn.Parameter) -> int:
+        return super().holders(self.model_params[self.index_of[id(param)]])  # a segment's origin
 
     def clip_grad_norm_(self, max_norm: float,
                         group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
