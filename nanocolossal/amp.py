@@ -227,8 +227,8 @@ class MixedPrecisionOptimizer:
         found = self.overflow_flag()[0] > 0
         # float32 sums (half gradients overflow), float64 for a float64 model (a float32
         # coefficient would round its clipped gradients)
-        acc = torch.float64 if any(p.dtype == torch.float64 for p in self.params()) else \
-            torch.float32
+        float64 = any(p.dtype == torch.float64 for p in self.params())
+        acc = torch.float64 if float64 else torch.float32
         params = [p for p in self.params() if p.grad is not None]
         device = params[0].grad.device if params else gpc.device
         weight_of, spread_group = spread or ({}, None)

@@ -133,8 +133,8 @@ class DistributedDataParallel(nn.Module):
     # -- forward / backward ---------------------------------------------------------------
     def forward(self, *args, **kwargs):
         # only training syncs buffers: in eval (uneven shards) a broadcast has no partner
-        if self.broadcast_buffers and self.training and torch.is_grad_enabled() \
-                and self.require_sync:
+        training = self.training and torch.is_grad_enabled()
+        if self.broadcast_buffers and training and self.require_sync:
             self.sync_buffers()
         if self._frozen and torch.is_grad_enabled():  # unfrozen since: never averaged
             check_still_frozen(self.module, self._frozen)

@@ -80,8 +80,8 @@ def counted_targets(target: torch.Tensor, ignore_index: int = -100,
 
 def counts_targets(criterion: Any) -> bool:
     """Does this criterion's mean divide by counted targets (so its pieces need weights)?"""
-    return getattr(criterion, "reduction", None) in ("mean", True) \
-        and hasattr(criterion, "ignore_index")
+    mean = getattr(criterion, "reduction", None) in ("mean", True)
+    return mean and hasattr(criterion, "ignore_index")
 
 
 def target_counts(criterion: Any, targets: Sequence[torch.Tensor]) -> torch.Tensor:

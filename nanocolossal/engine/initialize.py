@@ -180,9 +180,9 @@ def apply_moe(model: nn.Module, optimizer: MixedPrecisionOptimizer
            f"parallel x{gpc.moe_size}, + {weight:g} x load-balancing loss")
     if gpc.gradient_size == 1 or gpc.moe_size == 1:  # experts replicated: DDP or ZeRO as ever
         return None, weight, did
-    return MoeGradientHandler(model, optimizer.master_pairs()), weight, \
-        f"{did}; gradients after backward: experts over their holders, the rest over " \
-        f"x{gpc.gradient_size} data ranks, both / {gpc.gradient_size}"
+    did += (f"; gradients after backward: experts over their holders, the rest over "
+            f"x{gpc.gradient_size} data ranks, both / {gpc.gradient_size}")
+    return MoeGradientHandler(model, optimizer.master_pairs()), weight, did
 
 
 def wrap_data_parallel(model: nn.Module, pipelined: bool,
@@ -212,8 +212,8 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
     if moe is not None:  # experts are not replicated over the data ranks: apply_moe's handler
         return parts, [moe, *replicas], None
     if gpc.config.get("gradient_handler"):  # Colossal-AI's all-reduce after backward
-        return parts, [DataParallelGradientHandler(model), *replicas], \
-            f"gradient handler x{gpc.gradient_size}"
+        did = f"gradient handler x{gpc.gradient_size}"
+        return parts, [DataParallelGradientHandler(model), *replicas], did
     options = dict(gpc.config.get("ddp", {}))  # bucket_cap_mb, gradient_as_bucket_view, compress
     if "reduce_bucket_size_mb" in zero:
         options.setdefault("bucket_cap_mb", zero.reduce_bucket_size_mb)
@@ -222,8 +222,8 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
     shown = "".join(f", {k}={v}" for k, v in options.items() if k != "broadcast_buffers")
     wrapped = [DistributedDataParallel(part, reduced_elsewhere=skip, **options)
                for part, skip in zip(parts, earlier)]
-    return wrapped, [DdpSync(wrapped, pipelined)], \
-        f"{'data parallel' if pipelined else 'DDP'} x{gpc.gradient_size}{shown}"
+    did = f"{'data parallel' if pipelined else 'DDP'} x{gpc.gradient_size}{shown}"
+    return wrapped, [DdpSync(wrapped, pipelined)], did
 
 
 def extend_loss(model: nn.Module, forward_module: nn.Module, criterion: Any,
