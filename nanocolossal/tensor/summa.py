@@ -79,11 +79,11 @@ class _Summa(torch.autograd.Function):
         for k in range(q):
             w_kj = _panel(w, k, cols, gpc.tensor_col_ranks)
             total = _reduce_to(dy @ w_kj, k, rows, gpc.tensor_row_ranks)      # -> dX_ik on (i, k)
-            if gpc.tensor_row_rank == k:
+            if gpc.grid_col == k:  # I am (i, k)
                 dx = total
             x_ik = _panel(x, k, rows, gpc.tensor_row_ranks)
             total = _reduce_to(dy.t() @ x_ik, k, cols, gpc.tensor_col_ranks)  # -> dW_kj on (k, j)
-            if gpc.tensor_col_rank == k:
+            if gpc.grid_row == k:  # I am (k, j)
                 dw = total
         return dx, dw
 

@@ -54,7 +54,7 @@ class _SummaABT(torch.autograd.Function):
         for m in range(gpc.summa_dim):
             e_mk = _panel(e, m, cols, gpc.tensor_col_ranks)
             total = _reduce_to(x @ e_mk.t(), m, rows, gpc.tensor_row_ranks)
-            if gpc.tensor_row_rank == m:
+            if gpc.grid_col == m:  # I am (i, m)
                 c = total
         return c
 
@@ -69,7 +69,7 @@ class _SummaABT(torch.autograd.Function):
             e_mk = _panel(e, m, cols, gpc.tensor_col_ranks)     # E_mk down column k
             dx += dc_im @ e_mk                                  # dX_ik = sum_m dC_im E_mk
             total = _reduce_to(dc_im.t() @ x, m, cols, gpc.tensor_col_ranks)
-            if gpc.tensor_col_rank == m:                        # dE_mk = sum_i dC_im^T X_ik
+            if gpc.grid_row == m:  # I am (m, k):               dE_mk = sum_i dC_im^T X_ik
                 de = total
         return dx, de
 
