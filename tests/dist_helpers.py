@@ -49,8 +49,8 @@ from rank_pool import (
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
-__all__ = ["ROOT", "SCRIPTS", "BackgroundCmd", "free_port", "kill_tree", "run_cmd", "run_ranks",
-           "run_script", "start_server", "torchrun_fail_at"]
+__all__ = ["ROOT", "SCRIPTS", "BackgroundCmd", "free_port", "kill_tree", "one_process", "run_cmd",
+           "run_ranks", "run_script", "start_server", "torchrun_fail_at"]
 
 
 def free_port() -> int:
@@ -114,6 +114,19 @@ def _run_ranks_once(fn: Callable, world_size: int, args: tuple, timeout: float, 
         taken = any("EADDRINUSE" in m or "address already in use" in m for m in errors.values())
         raise (_PortTaken if taken and not done else AssertionError)(message)
     return [pickle.loads(done[r]) for r in range(world_size)]
+
+
+_ONE_PROCESS: dict = {}
+
+
+def one_process(fn: Callable, *args: Any, timeout: float = 60.0) -> Any:
+    """fn's result on one rank (`run_ranks(fn, 1, *args)[0]`), run once per distinct (fn, args)
+    in a test session: the one-process reference that several tests or cases compare with. The
+    same object comes back each time: read it, do not change it."""
+    key = (fn.__module__, fn.__qualname__, pickle.dumps(args))
+    if key not in _ONE_PROCESS:
+        _ONE_PROCESS[key] = run_ranks(fn, 1, *args, timeout=timeout)[0]
+    return _ONE_PROCESS[key]
 
 
 def _script_job(rank: int, world_size: int, port: int, script: str, args: list, cwd: str) -> str:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from dist_helpers import ROOT, run_ranks
+from dist_helpers import ROOT, one_process, run_ranks
 from test_amp import _shard  # this data rank's share of each batch
 from torch.nn import functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -319,11 +319,12 @@ def _compare(run, ref_state, who, **tol):
     return seen
 
 
-def _one_process(config, sched, dtype=torch.float64, **kw):
+def _one_process(config, sched, dtype=torch.float64):
+    """One rank on the whole batch, the layout's settings dropped (run once per module and
+    config: several layouts share a reference)."""
     config = {k: v for k, v in config.items()
               if k not in ("parallel", "NUM_MICRO_BATCHES", "NUM_CHUNKS", "zero")}
-    return run_ranks(_train, 1, config, sched, dtype, timeout=60, **kw)[0] if not kw else \
-        run_ranks(_train, 1, config, sched, dtype, *kw.values(), timeout=60)[0]
+    return one_process(_train, config, sched, dtype)
 
 
 def _ref_state(run):
@@ -370,10 +371,13 @@ LAYOUTS = {  # name: (config, processes)
     "zero 3 x2 x accumulation 2": ({"zero": {"level": 3}, "gradient_accumulation": 2}, 2),
     "sequence x2 x 1f1b x2": ({"parallel": {"pipeline": 2, **SEQ2}, "NUM_MICRO_BATCHES": 2}, 4),
 }
-# every scheduler where the engine steps once a batch (ddp) and where a schedule does (1f1b);
-# the others with the scheduler that changes the most per step
+# every scheduler where the engine steps once a batch (ddp); everywhere else the scheduler that
+# changes the most per step (lr and momentum), and under a schedule (1f1b) also the lr and weight
+# decay changed by hand in the engine's param_groups. (The other schedulers write the same
+# param_groups["lr"] as OneCycleLR: ddp checks each of their values once.)
 LAYOUT_CASES = [(layout, sched) for layout in LAYOUTS for sched in
-                (SCHEDULERS if layout in ("ddp x2", "1f1b x2 x clip") else ["OneCycleLR"])]
+                (SCHEDULERS if layout == "ddp x2" else ["OneCycleLR", "manual"]
+                 if layout == "1f1b x2 x clip" else ["OneCycleLR"])]
 
 
 @pytest.mark.timeout(120)
@@ -408,7 +412,8 @@ AMP = {
     "O2": {"mode": AMP_TYPE.NAIVE, "dtype": "bfloat16"},
     "O3": {"mode": AMP_TYPE.APEX, "opt_level": "O3", "dtype": "bfloat16"},
 }
-AMP_CASES = [(level, sched) for level in AMP for sched in ("StepLR", "OneCycleLR", "manual")]
+# OneCycleLR writes lr and momentum, "manual" lr and weight decay by hand (StepLR: lr, a subset)
+AMP_CASES = [(level, sched) for level in AMP for sched in ("OneCycleLR", "manual")]
 
 
 @pytest.mark.timeout(120)
@@ -538,9 +543,9 @@ def test_deep_trainer_lr_scheduler_hook_steps_like_one_process(layout, by_epoch)
     """2 epochs of 2 batches: per step the lrs used are the schedule's 4 first values, per epoch
     its first 2 values twice each."""
     config, world = TRAINER_LAYOUTS[layout]
-    ref = run_ranks(_trainer, 1, {k: v for k, v in config.items()
-                                  if k not in ("parallel", "NUM_MICRO_BATCHES")},
-                    "StepLR", by_epoch, 2, timeout=60)[0]
+    ref = one_process(_trainer, {k: v for k, v in config.items()
+                                 if k not in ("parallel", "NUM_MICRO_BATCHES")},
+                      "StepLR", by_epoch, 2)
     lrs = [LR * 0.5 ** k for k in ((0, 0, 1, 1) if by_epoch else (0, 1, 2, 3))]
     assert [u[0][0] for u in ref["used"]] == lrs
     for rank, run in enumerate(run_ranks(_trainer, world, config, "StepLR", by_epoch, 2,
@@ -579,7 +584,7 @@ def test_deep_trainer_resume_continues_the_schedule_where_max_steps_stopped_it(t
     then trains the last batch with the schedule's 4th lr and momentum and ends as one
     uninterrupted process."""
     path = str(tmp_path / "ckpt.pt")
-    whole = run_ranks(_trainer, 1, {}, sched, False, 2, timeout=60)[0]
+    whole = one_process(_trainer, {}, sched, False, 2)
     assert len(whole["used"]) == 4
     cfg = {"ddp x2": ({}, 2), "one process": ({}, 1)}
     stopped = run_ranks(_trainer, cfg[layouts[0]][1], {}, sched, False, 2, None, path, 3,

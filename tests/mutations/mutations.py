@@ -78,6 +78,20 @@ MUTATIONS: list[dict] = [
          bug="a parameter every tensor rank holds alike (a LayerNorm, a row-parallel bias) adds "
              "its squares once per copy to the global gradient norm",
          tests=["tests/test_tensor_model.py", "-k", "training_equals_one_process"]),
+    dict(id="scaler-growth-after-overflow", idea="AMP loss scaler",
+         file="nanocolossal/amp_scaler.py",
+         old="            self.growth_tracker = 0\n            self.consecutive_overflows += 1",
+         new="            self.consecutive_overflows += 1",
+         bug="an overflow does not restart the count of clean steps: the scale grows again "
+             "sooner after a back-off than growth_interval allows",
+         tests=["tests/test_amp.py", "-k", "scaler and not gloo"]),
+    dict(id="lr-warmup-starts-at-zero", idea="LR schedulers",
+         file="nanocolossal/nn/lr_scheduler.py",
+         old="            return base * (t + 1) / ramp",
+         new="            return base * t / ramp",
+         bug="the warm-up ramps from 0 (t / w, not (t + 1) / w): the first step's lr is 0 and "
+             "every warm-up step is one behind Colossal-AI's",
+         tests=["tests/test_timer_and_schedulers.py", "-k", "formula or gloo"]),
     # -- metrics, data, loss weights --------------------------------------------------------------
     dict(id="metrics-weight-dropped", idea="metrics", file="nanocolossal/metrics.py",
          old="packed = torch.tensor([float(v) * w for v in scalars] + [w], dtype=torch.float64)",
@@ -118,6 +132,13 @@ MUTATIONS: list[dict] = [
              "their weights, in the mean",
          tests=["tests/test_loss_weights.py", "-k",
                 "class_weights and not in_more_layouts"]),
+    dict(id="loss-weights-eval-even-shares", idea="loss weights",
+         file="nanocolossal/loss_weights.py",
+         old="    return counts / counts.sum()",
+         new="    return torch.full_like(counts, 1.0 / len(counts))",
+         bug="a pipeline's evaluation loss weighs each micro-batch 1/M, not by its share of the "
+             "batch's counted targets: wrong where padding is spread unevenly",
+         tests=["tests/test_loss_weights.py", "-k", "pipeline_evaluation"]),
     # -- pipeline ----------------------------------------------------------------------------
     dict(id="pipe-1f1b-warmup-off-by-one", idea="pipeline schedule",
          file="nanocolossal/pipeline/plan.py",

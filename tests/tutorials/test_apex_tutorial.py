@@ -7,8 +7,9 @@ run on 2 gloo ranks: ConvNet, amp.initialize(opt_level='O2'), DDP, amp.scale_los
 The tutorial's loop is copied below as it stands, except for what a CPU test cannot keep: ranks
 start with nc.launch instead of mp.spawn + init_process_group(backend='nccl'), `.cuda()` is gone,
 MNIST is replaced by MNIST-shaped images whose labels a fixed linear map of the pixels decides
-(no download), and lr 1e-4 (for 200 epochs) becomes 0.005 so that 3 epochs of 8 steps show
-learning. float16 (apex's O2 type) runs on CPUs too, slowly: these images are small.
+(no download), and lr 1e-4 (for 200 epochs) becomes 0.005 so that 2 epochs of 4 steps show
+learning. float16 (apex's O2 type) runs on CPUs too, slowly (a step of 8 images a rank takes most
+of a second): so 64 images, in batches of 8 a rank.
 """
 import pytest
 import torch
@@ -21,7 +22,8 @@ from nanocolossal import amp
 from nanocolossal.parallel import DistributedDataParallel as DDP
 
 pytestmark = pytest.mark.timeout(120)
-EPOCHS, BATCH_SIZE, LR = 3, 16, 0.005  # the tutorial: 200 epochs (--epochs), batch 100, lr 1e-4
+EPOCHS, BATCH_SIZE, LR = 2, 8, 0.005  # the tutorial: 200 epochs (--epochs), batch 100, lr 1e-4
+IMAGES = 64
 
 
 class ConvNet(nn.Module):  # the tutorial's, verbatim
@@ -47,7 +49,7 @@ class ConvNet(nn.Module):  # the tutorial's, verbatim
         return out
 
 
-def mnist_like(n: int = 256) -> TensorDataset:
+def mnist_like(n: int = IMAGES) -> TensorDataset:
     """n images of 1 x 28 x 28 in [0, 1], labelled by a fixed linear map of their pixels."""
     g = torch.Generator().manual_seed(0)
     images = torch.rand(n, 1, 28, 28, generator=g)
@@ -107,7 +109,7 @@ def test_deep_apex_tutorial_loop_trains_with_one_word_changed():
     sync_bn = True
     results = run_ranks(_apex_tutorial_rank, 2, sync_bn, timeout=100)
     (losses, weights, conv_dtype, bn_dtype, bn_type, skipped), other = results[0], results[1]
-    steps = 256 // (2 * BATCH_SIZE)  # per epoch
+    steps = IMAGES // (2 * BATCH_SIZE)  # per epoch
     assert len(losses) == EPOCHS * steps
     assert conv_dtype == torch.float16 and bn_dtype == torch.float32, "O2: fp16 model, fp32 BN"
     assert bn_type == ("SyncBatchNorm" if sync_bn else "BatchNorm2d")
