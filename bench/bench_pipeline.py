@@ -286,21 +286,21 @@ def main():
         print(f"\nPipeline benchmark: {gpc.pipeline_size} stages (gloo, 1 thread each), M={M}, "
               f"1F1B unless noted")
         print(f"  {'workload':<18}{'ours ms':>9}{'torch ms':>10}{'thrpt ours/torch':>18}"
-              f"{'1F1B/GPipe act.':>18}{'bound':>7}{'speed-up':>10}{'ideal':>7}{'limit ms':>10}"
+              f"{'1F1B/GPipe act.':>21}{'bound':>7}{'speed-up':>10}{'ideal':>7}{'limit ms':>10}"
               f"{'limit/ours':>12}{'busy limit/ours':>17}{'ZB ms':>8}{'thrpt ZB/1F1B':>15}"
-              f"{'ZB/1F1B act.':>14}{'torch IZB ms':>14}{'torch ZBV ms':>14}{'ZBV ms':>9}"
-              f"{'thrpt ZBV/1F1B':>16}{'ZBV/1F1B act.':>15}")
+              f"{'ZB/1F1B act.':>21}{'torch IZB ms':>14}{'torch ZBV ms':>14}{'ZBV ms':>9}"
+              f"{'thrpt ZBV/1F1B':>16}{'ZBV/1F1B act.':>21}")
         for r in results:
             ratios = "/".join(f"{x:.2f}" for x in r["peak_ratio_1f1b_over_gpipe"])
             print(f"  {r['workload']:<18}{r['ours_ms']:>9.1f}{r['torch_ms']:>10.1f}"
-                  f"{r['throughput_ratio']:>18.3f}{ratios:>18}{r['bound_ratio']:>7.3f}"
+                  f"{r['throughput_ratio']:>18.3f}{ratios:>21}{r['bound_ratio']:>7.3f}"
                   f"{r['speedup']:>10.2f}{r['ideal_speedup']:>7.2f}{r['limit_ms']:>10.1f}"
                   f"{r['ours_over_limit']:>12.3f}{r['ours_over_busy_limit']:>17.3f}"
                   f"{r['zero_bubble_ms']:>8.1f}{r['zero_bubble_over_1f1b_throughput']:>15.3f}"
-                  f"{'/'.join(f'{x:.2f}' for x in r['peak_ratio_zero_bubble_over_1f1b']):>14}"
+                  f"{'/'.join(f'{x:.2f}' for x in r['peak_ratio_zero_bubble_over_1f1b']):>21}"
                   f"{r['torch_interleaved_zb_ms']:>14.1f}{r['torch_zbv_ms']:>14.1f}"
                   f"{r['zbv_ms']:>9.1f}{r['zbv_over_1f1b_throughput']:>16.3f}"
-                  f"{'/'.join(f'{x:.2f}' for x in r['peak_ratio_zbv_over_1f1b']):>15}")
+                  f"{'/'.join(f'{x:.2f}' for x in r['peak_ratio_zbv_over_1f1b']):>21}")
         print("  peak activation bytes held per stage (MiB):")
         for r in results:
             for name, per_rank in r["peak_bytes"].items():
