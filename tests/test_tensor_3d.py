@@ -127,3 +127,33 @@ def test_deep_train_gpt_3d_config_ends_as_one_process():
     loss, sample = tiny_gpt_run("gpt_3d.py", 8)
     one_loss, one_sample = tiny_gpt_one_process()
     assert abs(loss - one_loss) < 1e-4 and sample == one_sample, (loss, one_loss, sample)
+
+
+def _misplaced_worker(rank, world_size, port):
+    """Layers built where their input would be in the wrong layout; each must be refused: every
+    one computes a plausible-looking, wrong result otherwise (the shapes of layouts A and B agree:
+    [B/q^2, ..., d/q])."""
+    nc.launch(CUBE, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    out = {}
+    for name, build in {
+        "column after column": lambda: [col_nn.Linear(8, 8, parallel="column"),
+                                        col_nn.Linear(8, 8, parallel="column")],
+        "row first": lambda: col_nn.Linear(8, 8, parallel="row"),
+        "LayerNorm3D after Linear3D": lambda: [col_nn.Linear3D(8, 8), col_nn.LayerNorm3D(8)],
+        "Classifier3D after Linear3D": lambda: [col_nn.Linear3D(8, 8), col_nn.Classifier3D(8, 3)],
+        "VocabParallelClassifier3D after Linear3D": lambda: [
+            col_nn.Linear3D(8, 8), col_nn.VocabParallelClassifier3D(8, 16)],
+    }.items():
+        col_nn.reset_1d_alternation()
+        out[name] = _message(build)
+    return out
+
+
+@pytest.mark.xfail(strict=True, reason="bug: under 3d, nc.nn.Linear(parallel=) against the "
+                   "alternation and Colossal-AI's LayerNorm3D / Classifier3D after a column "
+                   "Linear3D are built, and compute on layout B's blocks silently wrong")
+def test_deep_3d_layers_misplaced_against_the_layouts_are_refused():
+    for rank, out in enumerate(run_ranks(_misplaced_worker, 8, timeout=60)):
+        for name, message in out.items():
+            assert message.startswith(f"[rank {rank}]") and "layout" in message \
+                and "\n" not in message, f"{name}: {message}"
