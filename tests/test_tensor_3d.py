@@ -149,9 +149,6 @@ def _misplaced_worker(rank, world_size, port):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="bug: under 3d, nc.nn.Linear(parallel=) against the "
-                   "alternation and Colossal-AI's LayerNorm3D / Classifier3D after a column "
-                   "Linear3D are built, and compute on layout B's blocks silently wrong")
 def test_deep_3d_layers_misplaced_against_the_layouts_are_refused():
     for rank, out in enumerate(run_ranks(_misplaced_worker, 8, timeout=60)):
         for name, message in out.items():
