@@ -90,9 +90,6 @@ def test_deep_train_gpt_2p5d_config_ends_as_one_process():
     assert abs(loss - one_loss) < 1e-4 and sample == one_sample, (loss, one_loss, sample)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: generate() gathers the last logits over the "
-                   "vocabulary group even when the classifier is feature-split (logits whole): "
-                   "2V logits, tokens past the vocabulary, 'index out of range in self'")
 def test_deep_generate_with_a_feature_split_classifier_gives_one_process_tokens():
     one_process = generate_feature_split(0, 1, None, None)
     assert run_ranks(generate_feature_split, 8, TESSERACT) == [one_process] * 8

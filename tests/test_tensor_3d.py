@@ -157,9 +157,6 @@ def test_deep_3d_layers_misplaced_against_the_layouts_are_refused():
                 and "\n" not in message, f"{name}: {message}"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: generate() gathers the last logits over the "
-                   "vocabulary group even when the classifier is feature-split (logits whole): "
-                   "2V logits, tokens past the vocabulary, 'index out of range in self'")
 def test_deep_generate_with_a_feature_split_classifier_gives_one_process_tokens():
     one_process = generate_feature_split(0, 1, None, None)
     assert run_ranks(generate_feature_split, 8, CUBE) == [one_process] * 8
