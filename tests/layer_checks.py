@@ -252,3 +252,16 @@ def generate_feature_split(rank, world_size, port, config):
     engine, *_ = nc.initialize(model.double(), torch.optim.SGD(model.parameters(), lr=0.1),
                                col_nn.CrossEntropyLoss(), verbose=False)
     return generate(engine, list(range(D)), 6, seed=1)
+
+
+def embedding_padding(rank, world_size, port, config):
+    """nc.nn.Embedding(V, D, padding_idx=0) (feature-split here): its padding row and that row's
+    gradient after a backward through ids that use it, gathered whole; and torch's."""
+    if config:
+        nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    layer = col_nn.Embedding(V, D, padding_idx=0).double()
+    ids = torch.arange(B).remainder(3).repeat(S, 1).t()  # [B, S], id 0 among them
+    layer(ids).pow(2).sum().backward()
+    splits = getattr(layer.weight, "tensor_splits", [])
+    return unshard(layer.weight.detach(), splits)[0], unshard(layer.weight.grad, splits)[0]
