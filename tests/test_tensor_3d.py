@@ -163,8 +163,6 @@ def test_deep_generate_with_a_feature_split_classifier_gives_one_process_tokens(
     assert run_ranks(generate_feature_split, 8, CUBE) == [one_process] * 8
 
 
-@pytest.mark.xfail(strict=True, reason="bug: nc.nn.Embedding drops padding_idx under tensor "
-                   "parallelism: the padding row starts random and trains")
 def test_deep_nn_embedding_keeps_padding_idx():
     for row, grad in run_ranks(embedding_padding, 8, CUBE):
         assert not row.any() and not grad.any(), (row, grad)

@@ -144,11 +144,11 @@ def Embedding(num_embeddings: int, embedding_dim: int, padding_idx: Optional[int
     if vocab_parallel or vocab_parallel is None and num_embeddings > VOCAB_PARALLEL_LIMIT:
         return VocabParallelEmbedding(num_embeddings, embedding_dim, padding_idx)
     if gpc.tensor_mode == "3d":
-        return layers_3d.Embedding3D(num_embeddings, embedding_dim)
+        return layers_3d.Embedding3D(num_embeddings, embedding_dim, padding_idx)
     if gpc.tensor_mode in GRID:
-        return layers_2d.Embedding2D(num_embeddings, embedding_dim)
+        return layers_2d.Embedding2D(num_embeddings, embedding_dim, padding_idx)
     if gpc.tensor_mode == "1d":
-        return layers_1d.Embedding1D(num_embeddings, embedding_dim)
+        return layers_1d.Embedding1D(num_embeddings, embedding_dim, padding_idx)
     return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
 
 
