@@ -27,10 +27,11 @@ from .tensor.layers_2d import batch_blocks
 
 def _whole_logits(logits: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
     """The last position's logits of the first sample, over the whole vocabulary: gathered where
-    a vocabulary-parallel classifier (one with `predictions`) split them; a feature-split
-    classifier's logits are whole on every rank already."""
+    a vocabulary-parallel classifier (one with `predictions`, as hooks.AccuracyHook finds it)
+    split them; a feature-split classifier's logits are whole on every rank already."""
     last = logits[:1, -1]
-    if not any(callable(getattr(m, "predictions", None)) for m in model.modules()):
+    split = next((m for m in model.modules() if callable(getattr(m, "predictions", None))), None)
+    if split is None or last.shape[-1] != split.weight.shape[0]:  # not this rank's classes only
         return last[0]
     if gpc.tensor_mode == "1d":
         last = gather(last, -1, gpc.tensor_group)
