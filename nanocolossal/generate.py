@@ -2,9 +2,10 @@
 
 Each new token is one forward of the last SEQ_LEN tokens (a full window, so every forward has
 the same shapes -- the pipeline exchanges shapes once). The logits of the last position are
-split by vocabulary (1d: over the tensor group, 2d: along the grid row) and are gathered; one
-rank that holds them picks the token (top-k sampling at a temperature, from a generator of its
-own seeded alike everywhere, so the training RNG does not move) and broadcasts it, so every rank
+split by vocabulary (1d: over the tensor group, 2d: along the grid row) and are gathered (a
+feature-split classifier's are whole on every rank already); one rank that holds them picks the
+token (top-k sampling at a temperature, from a generator of its own seeded alike everywhere, so
+the training RNG does not move) and broadcasts it, so every rank
 continues from the same text. A pipeline runs the window as a forward-only batch of `batch`
 copies (one per micro-batch), and the stage that holds the last part picks (the last rank; rank
 0 under zbv, whose parts come back up a V). Under sequence parallelism each rank
@@ -24,9 +25,14 @@ from .tensor.comm import gather
 from .tensor.layers_2d import batch_blocks
 
 
-def _whole_logits(logits: torch.Tensor) -> torch.Tensor:
-    """The last position's logits of the first sample, over the whole vocabulary."""
+def _whole_logits(logits: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """The last position's logits of the first sample, over the whole vocabulary: gathered where
+    a vocabulary-parallel classifier (one with `predictions`, as hooks.AccuracyHook finds it)
+    split them; a feature-split classifier's logits are whole on every rank already."""
     last = logits[:1, -1]
+    split = next((m for m in model.modules() if callable(getattr(m, "predictions", None))), None)
+    if split is None or last.shape[-1] != split.weight.shape[0]:  # not this rank's classes only
+        return last[0]
     if gpc.tensor_mode == "1d":
         last = gather(last, -1, gpc.tensor_group)
     elif gpc.tensor_mode in ("2d", "2.5d"):
@@ -59,7 +65,7 @@ def next_token(engine: Engine, window: torch.Tensor, batch: int,
         holder = engine.schedule.output_rank()
     token = torch.zeros((), dtype=torch.long, device=gpc.device)
     if gpc.pipeline_rank == holder:
-        token.fill_(pick(_whole_logits(output), generator))
+        token.fill_(pick(_whole_logits(output, engine.model), generator))
     if gpc.world_size > 1:  # the first rank of the holding stage decides for everyone
         dist.broadcast(token, src=holder * gpc.tensor_size)
     return int(token)

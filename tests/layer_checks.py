@@ -17,6 +17,9 @@ import nanocolossal as nc
 import nanocolossal.nn as col_nn
 from nanocolossal.checkpoint import save_checkpoint
 from nanocolossal.context import gpc
+from nanocolossal.generate import generate
+from nanocolossal.nn.transformer import Block
+from nanocolossal.sequence import token_positions
 from nanocolossal.tensor.base import shard, unshard
 
 B, S, D, V = 8, 2, 8, 16
@@ -221,3 +224,44 @@ def tiny_gpt_run(config: str, nproc: int) -> tuple[float, str]:
 @functools.lru_cache(maxsize=1)
 def tiny_gpt_one_process() -> tuple[float, str]:
     return tiny_gpt_run("gpt_single.py", 1)
+
+
+class _FeatureSplitEmbeddings(nn.Module):
+    """A GPT's embeddings with the token table split by features (nc.nn's choice for a small
+    vocabulary), so the tied classifier gives whole logits on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = col_nn.Embedding(V, D, vocab_parallel=False)
+        self.pos = col_nn.Embedding(D, D, vocab_parallel=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(ids) + self.pos(token_positions(ids, D))
+
+
+def generate_feature_split(rank, world_size, port, config):
+    """generate() of a one-block GPT whose classifier is feature-split (its logits whole): 6
+    tokens after an 8-token prompt (rank 0 of 1 without `config`: one process)."""
+    if config:
+        nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    col_nn.reset_1d_alternation()
+    torch.manual_seed(0)
+    embeddings = _FeatureSplitEmbeddings()
+    model = nn.Sequential(embeddings, Block(D, 2, 2, 0.0, causal=True), col_nn.LayerNorm(D),
+                          col_nn.Classifier(D, V, bias=False, weight=embeddings.tok.weight))
+    engine, *_ = nc.initialize(model.double(), torch.optim.SGD(model.parameters(), lr=0.1),
+                               col_nn.CrossEntropyLoss(), verbose=False)
+    return generate(engine, list(range(D)), 6, seed=1)
+
+
+def embedding_padding(rank, world_size, port, config):
+    """nc.nn.Embedding(V, D, padding_idx=0) (feature-split here): its padding row and that row's
+    gradient after a backward through ids that use it, gathered whole; and torch's."""
+    if config:
+        nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    layer = col_nn.Embedding(V, D, padding_idx=0).double()
+    ids = torch.arange(B).remainder(3).repeat(S, 1).t()  # [B, S], id 0 among them
+    layer(ids).pow(2).sum().backward()
+    splits = getattr(layer.weight, "tensor_splits", [])
+    return unshard(layer.weight.detach(), splits)[0], unshard(layer.weight.grad, splits)[0]

@@ -10,6 +10,8 @@ from dist_helpers import run_ranks
 from layer_checks import (
     check_colossal_classes,
     check_layers,
+    embedding_padding,
+    generate_feature_split,
     tiny_gpt_one_process,
     tiny_gpt_run,
     train_small_model,
@@ -87,3 +89,13 @@ def test_deep_train_gpt_2p5d_config_ends_as_one_process():
     loss, sample = tiny_gpt_run("gpt_2p5d.py", 8)
     one_loss, one_sample = tiny_gpt_one_process()
     assert abs(loss - one_loss) < 1e-4 and sample == one_sample, (loss, one_loss, sample)
+
+
+def test_deep_generate_with_a_feature_split_classifier_gives_one_process_tokens():
+    one_process = generate_feature_split(0, 1, None, None)
+    assert run_ranks(generate_feature_split, 8, TESSERACT) == [one_process] * 8
+
+
+def test_deep_nn_embedding_keeps_padding_idx():
+    for row, grad in run_ranks(embedding_padding, 8, TESSERACT):
+        assert not row.any() and not grad.any(), (row, grad)

@@ -100,7 +100,7 @@ class ColossalClassifier:
                  bias: bool = True, dtype: Optional[torch.dtype] = None,
                  weight_initializer: Optional[Initializer] = None,
                  bias_initializer: Optional[Initializer] = None) -> None:
-        require_mode(type(self).__name__, self.MODE)
+        require_mode(type(self).__name__, self.MODE, layout_a=True)
         super().__init__(in_features, num_classes, bias, weight)
         own = self.weight if weight is None else None  # a tied table is its owner's to initialise
         initialise(self, [(own, weight_initializer,
@@ -118,7 +118,7 @@ class LayerNorm2D(layers_2d.LayerNorm2D):
 
     def __init__(self, normalized_shape: int, eps: float = 1e-05, bias: bool = True,
                  dtype: Optional[torch.dtype] = None) -> None:
-        require_mode(type(self).__name__, self.MODE)
+        require_mode(type(self).__name__, self.MODE, layout_a=True)
         super().__init__(normalized_shape, eps, bias)
         initialise(self, [], dtype)
 

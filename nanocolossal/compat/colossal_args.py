@@ -35,12 +35,16 @@ from ..tensor.base import reinitialize
 Initializer = Callable[..., Any]  # Colossal-AI's: init(tensor, fan_in=None, fan_out=None)
 
 
-def require_mode(name: str, mode: str) -> None:
-    """A 1d class under mode '2d' (or the reverse) would cut activations the other mode's way."""
+def require_mode(name: str, mode: str, layout_a: bool = False) -> None:
+    """A 1d class under mode '2d' (or the reverse) would cut activations the other mode's way.
+    `layout_a`: the layer takes 3d's layout A (LayerNorm, classifiers), which it must not be
+    built to take after a column Linear (nn/layers.py check_3d_layout)."""
     if gpc.tensor_mode not in (None, mode):
         raise ValueError(f"[rank {gpc.rank}] {name} is a {mode} layer, but parallel.tensor.mode "
                          f"is {gpc.tensor_mode!r}; use the {gpc.tensor_mode} class, or nc.nn's "
                          f"layer of the same meaning, which follows the mode")
+    if layout_a:
+        layers.check_3d_layout(name)
 
 
 def in_mode(base: type, name: str, mode: str, doc: str) -> type:

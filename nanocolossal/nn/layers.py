@@ -91,6 +91,23 @@ def check_3d_layout(layer: str) -> None:
                          f"before it")
 
 
+def check_3d_side(parallel: Optional[str]) -> None:
+    """Under 3d a column Linear takes layout A and a row Linear layout B, whose blocks have the
+    same shapes: a Linear(parallel=) against the alternation would compute on the wrong blocks,
+    silently (1d's shapes differ and fail). Refuse it."""
+    if parallel is None or (parallel == "row") == _state["1d_input_is_split"]:
+        return
+    if parallel == "column":
+        where = ("after a column Linear: its input would be that Linear's output (layout B), "
+                 "where only a row Linear fits")
+    else:
+        where = ("with no column Linear before it: its input would be in layout A, where only a "
+                 "column Linear fits")
+    raise ValueError(f"[rank {gpc.rank}] Linear(parallel={parallel!r}) built {where} under 3d "
+                     f"tensor parallelism; build Linears in column/row pairs (parallel=None "
+                     f"alternates)")
+
+
 VOCAB_PARALLEL_LIMIT = 2048  # Colossal-AI's default: larger tables split by vocabulary
 
 
@@ -103,9 +120,10 @@ def Linear(in_features: int, out_features: int, bias: bool = True,
     if gpc.tensor_mode in GRID:
         return layers_2d.Linear2D(in_features, out_features, bias)
     if gpc.tensor_mode in ALTERNATING:
-        side = alternate(parallel)
         if gpc.tensor_mode == "3d":
-            return layers_3d.Linear3D(in_features, out_features, bias, side)
+            check_3d_side(parallel)
+            return layers_3d.Linear3D(in_features, out_features, bias, alternate(parallel))
+        side = alternate(parallel)
         layer = layers_1d.RowLinear1D if side == "row" else layers_1d.ColumnLinear1D
         return layer(in_features, out_features, bias)
     return nn.Linear(in_features, out_features, bias)
@@ -126,11 +144,11 @@ def Embedding(num_embeddings: int, embedding_dim: int, padding_idx: Optional[int
     if vocab_parallel or vocab_parallel is None and num_embeddings > VOCAB_PARALLEL_LIMIT:
         return VocabParallelEmbedding(num_embeddings, embedding_dim, padding_idx)
     if gpc.tensor_mode == "3d":
-        return layers_3d.Embedding3D(num_embeddings, embedding_dim)
+        return layers_3d.Embedding3D(num_embeddings, embedding_dim, padding_idx)
     if gpc.tensor_mode in GRID:
-        return layers_2d.Embedding2D(num_embeddings, embedding_dim)
+        return layers_2d.Embedding2D(num_embeddings, embedding_dim, padding_idx)
     if gpc.tensor_mode == "1d":
-        return layers_1d.Embedding1D(num_embeddings, embedding_dim)
+        return layers_1d.Embedding1D(num_embeddings, embedding_dim, padding_idx)
     return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
 
 
