@@ -653,9 +653,11 @@ def _o2_tensor_worker(rank, world_size, port, config, steps, ref=None):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_deep_zero3_x_o2_x_tensor_2d_x_data2_x_accumulation_x_clip_tracks_one_process_o2(dtype):
+def test_deep_zero3_x_o2_x_tensor_2d_x_data2_x_accumulation_x_clip_tracks_one_process_o2():
+    """fp16, the loss scaler's path (bf16 O2 under 2d x ZeRO 3: the dtype test below, 4 ranks;
+    bf16 O2 x ZeRO 3 trajectories: test_zero_fp16, test_zero3_o2_composition)."""
     from nanocolossal.amp import AMP_TYPE
+    dtype = "float16"
     config = {"fp16": dict(mode=AMP_TYPE.NAIVE, dtype=dtype, init_scale=2.0**10),
               "gradient_accumulation": 2, "clip_grad_norm": CLIP}
     ref_state, _, ref_norms, ref_took, ref_dtypes = run_ranks(_o2_tensor_worker, 1, config, 3,
@@ -665,7 +667,7 @@ def test_deep_zero3_x_o2_x_tensor_2d_x_data2_x_accumulation_x_clip_tracks_one_pr
     layout = {**config, "parallel": {"tensor": {"size": 4, "mode": "2d"}},
               "zero": {"level": 3}}
     runs = run_ranks(_o2_tensor_worker, 8, layout, 3, ref_state, timeout=100)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=5e-3, atol=5e-3)
+    tol = dict(rtol=5e-3, atol=5e-3)
     for rank, (state, want, norms, took, dtypes) in enumerate(runs):
         assert took == ref_took
         assert norms == pytest.approx(ref_norms, rel=tol["rtol"]), f"rank {rank}"
