@@ -12,6 +12,7 @@ import pytest
 import torch
 from dist_helpers import run_ranks
 from test_zero import (
+    STEPS,
     B,
     Net,
     _adamw,
@@ -82,10 +83,10 @@ def _freed(model):
 def _worker(rank, world_size, port, accum=1, clip=0.0, bf16=False, overlap=True):
     engine = _launch(rank, world_size, port, zero_config(dict(level=3), accum, clip, bf16, overlap))
     assert isinstance(engine.optimizer, ParamShardedOptimizer) and _freed(engine.model)
-    norms = _train_engine(engine, 5, rank, world_size, accum)
+    norms = _train_engine(engine, STEPS, rank, world_size, accum)
     assert _freed(engine.model)
     single = Net()
-    single_norms = _train_single(single, _adamw(single), 5, n=world_size * accum * B, clip=clip,
+    single_norms = _train_single(single, _adamw(single), STEPS, n=world_size * accum * B, clip=clip,
                                  bf16=bf16)
     gathered = engine.model.state_dict()  # the plain model's keys, full tensors
     tol = dict(atol=3e-3, rtol=0) if bf16 else {}  # bf16 sums of other batch splits round apart
