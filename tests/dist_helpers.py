@@ -8,6 +8,10 @@ the test with its traceback; ranks still running after `timeout` seconds are kil
 test fails naming them (a hang becomes an error, not a stuck CI). Each child also watches the
 test process and exits if it disappears.
 
+`run_ranks_cached(fn, world_size, *args)` is run_ranks for a job whose result depends on its
+arguments alone (a one-process reference, a run several tests compare with): it runs once per
+pytest process, and each caller gets its own copy of the results.
+
 `run_script(script, args, nproc, cwd)` runs a training script on pooled ranks as torchrun would
 start it, and returns what the ranks printed.
 
@@ -22,6 +26,7 @@ machine with one GPU two ranks would otherwise both pick nccl and ask for cuda:0
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import os
 import pickle
@@ -50,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 __all__ = ["ROOT", "SCRIPTS", "BackgroundCmd", "free_port", "kill_tree", "one_process", "run_cmd",
-           "run_ranks", "run_script", "start_server", "torchrun_fail_at"]
+           "run_ranks", "run_ranks_cached", "run_script", "start_server", "torchrun_fail_at"]
 
 
 def free_port() -> int:
@@ -75,6 +80,19 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, 
             if attempt == 2:
                 raise
     raise AssertionError("unreachable")
+
+
+_CACHED: dict[tuple, list] = {}
+
+
+def run_ranks_cached(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0) -> list:
+    """run_ranks for a job that writes nothing and whose results depend on (fn, world_size, args)
+    alone: run once per pytest process, a fresh copy of the results for every call. A job that
+    fails is not cached (the next call runs it again and fails again)."""
+    key = (fn.__module__, fn.__qualname__, world_size, pickle.dumps(args))
+    if key not in _CACHED:
+        _CACHED[key] = run_ranks(fn, world_size, *args, timeout=timeout)
+    return copy.deepcopy(_CACHED[key])
 
 
 def _run_ranks_once(fn: Callable, world_size: int, args: tuple, timeout: float, grace: float,
@@ -116,17 +134,10 @@ def _run_ranks_once(fn: Callable, world_size: int, args: tuple, timeout: float, 
     return [pickle.loads(done[r]) for r in range(world_size)]
 
 
-_ONE_PROCESS: dict = {}
-
-
 def one_process(fn: Callable, *args: Any, timeout: float = 60.0) -> Any:
-    """fn's result on one rank (`run_ranks(fn, 1, *args)[0]`), run once per distinct (fn, args)
-    in a test session: the one-process reference that several tests or cases compare with. The
-    same object comes back each time: read it, do not change it."""
-    key = (fn.__module__, fn.__qualname__, pickle.dumps(args))
-    if key not in _ONE_PROCESS:
-        _ONE_PROCESS[key] = run_ranks(fn, 1, *args, timeout=timeout)[0]
-    return _ONE_PROCESS[key]
+    """fn's result on one rank, run once per distinct (fn, args) in a test session
+    (run_ranks_cached): the one-process reference that several tests or cases compare with."""
+    return run_ranks_cached(fn, 1, *args, timeout=timeout)[0]
 
 
 def _script_job(rank: int, world_size: int, port: int, script: str, args: list, cwd: str) -> str:

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from dist_helpers import run_ranks
+from dist_helpers import run_ranks, run_ranks_cached
 from torch import nn
 from torch.testing import assert_close
 
@@ -22,6 +22,9 @@ from nanocolossal.context import gpc
 
 pytestmark = pytest.mark.timeout(120)
 B = 3  # samples per rank per micro-batch
+# steps of the sweeps below: `side` is used on steps 0 and 2 and skipped on step 1, so its
+# optimizer state must survive a step without a gradient (more steps repeat the pattern)
+STEPS = 3
 
 
 def _lesson_worker(rank, world_size, port, level, xs, ys):
@@ -139,9 +142,9 @@ def zero_config(zero: dict, accum: int, clip: float, bf16: bool, overlap: bool) 
 def _worker(rank, world_size, port, level, accum=1, clip=0.0, bf16=False, overlap=True):
     zero = dict(level=level, reduce_bucket_size_mb=2e-4)  # a few parameters per bucket
     engine = _launch(rank, world_size, port, zero_config(zero, accum, clip, bf16, overlap))
-    norms = _train_engine(engine, 5, rank, world_size, accum)
+    norms = _train_engine(engine, STEPS, rank, world_size, accum)
     single = Net()
-    single_norms = _train_single(single, _adamw(single), 5, n=world_size * accum * B, clip=clip,
+    single_norms = _train_single(single, _adamw(single), STEPS, n=world_size * accum * B, clip=clip,
                                  bf16=bf16)
     tol = dict(atol=3e-3, rtol=0) if bf16 else {}  # bf16 sums of other batch splits round apart
     for (name, p), q in zip(engine.model.named_parameters(), single.parameters()):
@@ -151,9 +154,9 @@ def _worker(rank, world_size, port, level, accum=1, clip=0.0, bf16=False, overla
 
 
 @pytest.mark.parametrize("level", [1, 2])
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_deep_zero_adamw_equals_one_process(level, world_size):
-    run_ranks(_worker, world_size, level, timeout=90)
+def test_deep_zero_adamw_equals_one_process(level):
+    """2 ranks (4 ranks: the clipping and no-overlap tests, which compare the same way)."""
+    run_ranks(_worker, 2, level, timeout=90)
 
 
 def test_deep_zero_level2_without_overlap_equals_one_process():
@@ -408,7 +411,7 @@ def _fp16_worker(rank, world_size, port, level, per_rank):
 
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_deep_zero_fp16_overflow_skipped_by_every_rank(level):
-    single, scale, skipped = run_ranks(_fp16_worker, 1, 0, 4 * B, timeout=60)[0]
+    single, scale, skipped = run_ranks_cached(_fp16_worker, 1, 0, 4 * B)[0]
     assert skipped == 1 and scale == 2.0**15
     for params, rank_scale, rank_skipped in run_ranks(_fp16_worker, 4, level, B, timeout=90):
         assert (rank_scale, rank_skipped) == (scale, skipped)

@@ -10,7 +10,7 @@ import contextlib
 
 import pytest
 import torch
-from dist_helpers import run_ranks
+from dist_helpers import run_ranks, run_ranks_cached
 from test_zero_composition import (
     _record,
     _same,
@@ -179,7 +179,7 @@ def test_deep_zero3_o2_checkpoint_4_ranks_into_2_and_1_and_plain_ddp(tmp_path):
     merged = load_optimizer_state(path)
     for i, m in enumerate(merged["masters"]):
         assert_close(m.double(), ref2["state"][f"master.{i}"], rtol=0, atol=0)
-    ref = run_ranks(_branchy_train, 1, _no_zero(config), 8, 4, timeout=60)[0]
+    ref = run_ranks_cached(_branchy_train, 1, _no_zero(config), 8, 4)[0]
     for world, level in ((2, 3), (1, 0), (2, 0), (2, 2)):
         cfg = _config(level, accumulation=2)
         runs = run_ranks(_branchy_train, world, cfg, 8, 2, 2, (1, 0), "none", path, timeout=60)
@@ -199,7 +199,7 @@ def test_deep_one_process_o2_checkpoint_into_zero3_and_stale_piece_files(tmp_pat
     config = _config(3, accumulation=2)
     run_ranks(_branchy_train, 1, _no_zero(config), 8, 2, 0, (1, 0), "none", None, path,
               timeout=60)
-    ref = run_ranks(_branchy_train, 1, _no_zero(config), 8, 4, timeout=60)[0]
+    ref = run_ranks_cached(_branchy_train, 1, _no_zero(config), 8, 4)[0]
     runs = run_ranks(_branchy_train, 2, config, 8, 2, 2, (1, 0), "none", path, timeout=60)
     for run in runs:
         for key, value in run["state"].items():
@@ -220,7 +220,7 @@ def test_deep_one_process_o2_checkpoint_into_zero3_and_stale_piece_files(tmp_pat
 
 def test_deep_trainer_under_zero3_o2_resumes_bit_identically(tmp_path):
     config = _config(3, accumulation=2)
-    ref = run_ranks(_trainer_run, 1, _no_zero(config), timeout=60)[0]
+    ref = run_ranks_cached(_trainer_run, 1, _no_zero(config))[0]
     whole = run_ranks(_trainer_run, 2, config, timeout=60)
     for run in whole:
         assert run["last"] == pytest.approx(ref["last"], rel=1e-3)

@@ -119,16 +119,21 @@ def test_gloo_zero3_tied_weight_buffers_and_frozen_param_checkpoint_is_one_proce
     assert_close(plain.state_dict(), opt.state_dict())
 
 
-@pytest.mark.parametrize("world_size, config", [
-    (2, {"zero": {"level": 3}}), (1, {"zero": {"level": 3}}), (2, {"zero": {"level": 1}}),
-    (1, {}), (2, {})], ids=["zero3-data2", "zero3-data1", "zero1-data2", "plain-1", "plain-ddp2"])
-def test_deep_zero3_tied_checkpoint_resumes_anywhere_as_one_process(tmp_path, world_size, config):
+RESUME_ANYWHERE = {  # the layouts that load one level-3 save of 2 ranks: (data size, config)
+    "zero3-data2": (2, {"zero": {"level": 3}}), "zero3-data1": (1, {"zero": {"level": 3}}),
+    "zero1-data2": (2, {"zero": {"level": 1}}), "plain-1": (1, {}), "plain-ddp2": (2, {})}
+
+
+def test_deep_zero3_tied_checkpoint_resumes_anywhere_as_one_process(tmp_path):
+    """One level-3 save on 2 ranks, loaded by each layout in turn: 2 more steps are one
+    process's 5."""
     path = tmp_path / "ckpt.pt"
     _save_tied(path)
     expected, _ = _single(5)
-    for state in run_ranks(_tied_worker, world_size, config, str(path), True, 3, 5, False,
-                           timeout=60):
-        assert_close(state, expected.state_dict())
+    for name, (world_size, config) in RESUME_ANYWHERE.items():
+        for rank, state in enumerate(run_ranks(_tied_worker, world_size, config, str(path), True,
+                                               3, 5, False, timeout=60)):
+            assert_close(state, expected.state_dict(), msg=lambda m: f"{name} rank {rank}: {m}")
 
 
 # -- AMP O2 x ZeRO 3: half pieces, fp32 masters; the file is the job's gathered state ------------
@@ -175,19 +180,19 @@ def test_deep_zero3_o2_checkpoint_is_the_gathered_state_and_resumes_exactly(tmp_
         assert_close(resumed[0][0], straight, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("world_size, level", [(1, None), (2, 1)], ids=["plain-o2", "zero1-o2"])
-def test_deep_zero3_fp16_o2_checkpoint_loads_into_plain_o2_and_level1(tmp_path, world_size,
-                                                                      level):
+def test_deep_zero3_fp16_o2_checkpoint_loads_into_plain_o2_and_level1(tmp_path):
     """fp16 O2 (a loss scaler) at level 3 on 2 ranks, 2 steps, saved; resumed for step 3 in a
-    job without ZeRO / at level 1: the straight level-3 run's parameters and loss scale."""
+    job without ZeRO (one process) and at level 1 (2 ranks): the straight level-3 run's
+    parameters and loss scale."""
     path = str(tmp_path / "ckpt.pt")
     run_ranks(_o2_worker, 2, path, False, 0, 2, True, 3, "float16", timeout=60)
     straight, _, scale = run_ranks(_o2_worker, 2, None, False, 0, 3, False, 3, "float16",
                                    timeout=60)[0]
-    ours, _, our_scale = run_ranks(_o2_worker, world_size, path, True, 2, 3, False, level,
-                                   "float16", timeout=60)[0]
-    assert_close(ours, straight, rtol=0, atol=1e-3)
-    assert our_scale == scale
+    for world_size, level in ((1, None), (2, 1)):
+        ours, _, our_scale = run_ranks(_o2_worker, world_size, path, True, 2, 3, False, level,
+                                       "float16", timeout=60)[0]
+        assert_close(ours, straight, rtol=0, atol=1e-3, msg=lambda m: f"level {level}: {m}")
+        assert our_scale == scale, level
 
 
 # -- stale zero files: a second save with fewer data ranks over the same path ---------------------
@@ -302,18 +307,17 @@ def _tensor_worker(rank, world_size, port, parallel, path, plain):
     return state
 
 
-@pytest.mark.parametrize("target", [{"size": 2, "mode": "1d"}, None, {"size": 4, "mode": "2d"}],
-                         ids=["same-1d-x2", "data4", "2d-x4"])
-def test_deep_zero3_tensor1d_merged_loads_plain_into_another_zero3_layout(tmp_path, target):
+def test_deep_zero3_tensor1d_merged_loads_plain_into_another_zero3_layout(tmp_path):
     """1d x2 x data 2 at level 3: saved, merged; load_plain_state_dict of the merged state into
     a level-3 job of the same layout (each rank's state as it was saved), of data 4, of 2d x4."""
     path = tmp_path / "ckpt.pt"
     saved = run_ranks(_tensor_worker, 4, {"size": 2, "mode": "1d"}, str(path), None, timeout=60)
     merged = merge_checkpoint(path)
-    loaded = run_ranks(_tensor_worker, 4, target, str(path), merged, timeout=60)
-    if target == {"size": 2, "mode": "1d"}:
-        for rank in range(4):
-            assert_close(loaded[rank], saved[rank])
+    for target in ({"size": 2, "mode": "1d"}, None, {"size": 4, "mode": "2d"}):
+        loaded = run_ranks(_tensor_worker, 4, target, str(path), merged, timeout=60)
+        if target == {"size": 2, "mode": "1d"}:
+            for rank in range(4):
+                assert_close(loaded[rank], saved[rank])
 
 
 # -- sequence parallelism x ZeRO 3 ----------------------------------------------------------------
@@ -406,25 +410,28 @@ def test_deep_zero3_optimizer_states_round_trip_as_one_process(tmp_path, name):
 
 # -- ZeRO 1/2 under a pipeline: files per stage x data rank; each stage's optimizer state ---------
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_deep_zero_x_pipeline_stage_files_hold_each_stages_optimizer_state(tmp_path, level):
-    """pipeline 2 x data 2 at ZeRO `level` vs pipeline 2 x data 1 without ZeRO (the same global
-    batch): per stage, the merged optimizer state (momentum) and merge_checkpoint agree."""
+def test_deep_zero_x_pipeline_stage_files_hold_each_stages_optimizer_state(tmp_path):
+    """pipeline 2 x data 2 at ZeRO level 1 and 2 vs pipeline 2 x data 1 without ZeRO (the same
+    global batch): per stage, the merged optimizer state (momentum) and merge_checkpoint agree."""
     from test_zero_parallel_composition import F64
     from test_zero_parallel_composition import _save_worker as _pipeline_save
-    zero, plain = str(tmp_path / "zero.pt"), str(tmp_path / "plain.pt")
-    run_ranks(_pipeline_save, 4, {"zero": {"level": level}}, zero, 2, timeout=60)
-    run_ranks(_pipeline_save, 2, {}, plain, 2, timeout=60)
-    names = sorted(p.name for p in tmp_path.iterdir())
-    expected = [f"zero-stage{p}{z}.pt" for p in (0, 1) for z in ("", "-zero0", "-zero1")]
-    assert names == sorted(expected + ["plain-stage0.pt", "plain-stage1.pt"]), names
-    assert_close(merge_checkpoint(zero), merge_checkpoint(plain), **F64)
-    for stage in (0, 1):
-        ours = load_optimizer_state(tmp_path / f"zero-stage{stage}.pt")["optimizer"]
-        theirs = load_optimizer_state(tmp_path / f"plain-stage{stage}.pt")["optimizer"]
-        assert sorted(ours["state"]) == sorted(theirs["state"])
-        for i, entry in theirs["state"].items():
-            assert_close(ours["state"][i]["momentum_buffer"], entry["momentum_buffer"], **F64)
+    plain = tmp_path / "plain" / "plain.pt"
+    run_ranks(_pipeline_save, 2, {}, str(plain), 2, timeout=60)
+    assert sorted(p.name for p in plain.parent.iterdir()) == ["plain-stage0.pt", "plain-stage1.pt"]
+    for level in (1, 2):
+        zero = tmp_path / f"zero{level}" / "zero.pt"
+        run_ranks(_pipeline_save, 4, {"zero": {"level": level}}, str(zero), 2, timeout=60)
+        names = sorted(p.name for p in zero.parent.iterdir())
+        expected = [f"zero-stage{p}{z}.pt" for p in (0, 1) for z in ("", "-zero0", "-zero1")]
+        assert names == sorted(expected), (level, names)
+        assert_close(merge_checkpoint(zero), merge_checkpoint(plain), **F64)
+        for stage in (0, 1):
+            ours = load_optimizer_state(zero.parent / f"zero-stage{stage}.pt")["optimizer"]
+            theirs = load_optimizer_state(plain.parent / f"plain-stage{stage}.pt")["optimizer"]
+            assert sorted(ours["state"]) == sorted(theirs["state"]), level
+            for i, entry in theirs["state"].items():
+                assert_close(ours["state"][i]["momentum_buffer"], entry["momentum_buffer"],
+                             **F64, msg=lambda m: f"level {level} stage {stage} {i}: {m}")
 
 
 # -- a zero-size parameter under level 3: no rank holds a piece of it ------------------------------

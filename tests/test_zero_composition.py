@@ -12,7 +12,7 @@ however the batch is split, so the masters, Adam states and half parameters must
 the bit; only clipping's coefficient and LayerNorm's fp32 sums get a tolerance."""
 import pytest
 import torch
-from dist_helpers import ROOT, run_ranks
+from dist_helpers import ROOT, run_ranks, run_ranks_cached
 from run_records import compare_runs
 from test_zero_fp16 import LinearLoss, Net, _adamw, _batch
 from torch import nn
@@ -143,7 +143,7 @@ def _same(ref, runs, rtol=0.0, atol=0.0, loss_rtol=1e-3):
 def _layout(config, world, steps=4, side_rows=None):
     """(one process's O2 record without zero, every rank's record under `config`)."""
     single = {k: v for k, v in config.items() if k != "zero"}
-    ref = run_ranks(_o2_train, 1, single, world * B, steps, side_rows, timeout=60)[0]
+    ref = run_ranks_cached(_o2_train, 1, single, world * B, steps, side_rows)[0]
     return ref, run_ranks(_o2_train, world, config, world * B, steps, side_rows, timeout=60)
 
 
@@ -194,8 +194,8 @@ def test_deep_zero_o2_param_groups_with_a_layernorm_kept_fp32(level):
     """Two param groups (lr / weight decay) each holding half and fp32 (LayerNorm) parameters:
     two flat buffers per group; LayerNorm's fp32 gradient sums get 1e-5."""
     config = _config(level, accumulation=2)
-    ref = run_ranks(_o2_train, 1, {k: v for k, v in config.items() if k != "zero"}, 4, 4, None,
-                    (1, 0), 0, None, True, timeout=60)[0]
+    ref = run_ranks_cached(_o2_train, 1, {k: v for k, v in config.items() if k != "zero"}, 4,
+                           4, None, (1, 0), 0, None, True)[0]
     runs = run_ranks(_o2_train, 2, config, 4, 4, None, (1, 0), 0, None, True, timeout=60)
     assert ref["state"]["param.ln.weight"].dtype == torch.float64  # (recorded as double)
     _same(ref, runs, rtol=1e-5, atol=1e-6)
@@ -276,7 +276,7 @@ def test_deep_trainer_under_zero2_o2_reports_one_process_numbers_and_resumes_bit
     LastLossHook are one process's (half forwards: 1e-3), the weights and masters exactly; a
     job stopped after 3 steps (checkpoint at 2, mid-epoch) and resumed ends bit-identical."""
     config = _config(2, accumulation=2)
-    ref = run_ranks(_trainer_run, 1, _config(0, accumulation=2), timeout=60)[0]
+    ref = run_ranks_cached(_trainer_run, 1, _config(0, accumulation=2))[0]
     whole = run_ranks(_trainer_run, 2, config, timeout=60)
     for run in whole:
         for split in ("train", "test"):
@@ -351,8 +351,7 @@ def test_deep_zero_x_sequence_x_gradient_accumulation(name):
     """6 batches, accumulation 3, clipping that clips: 2 AdamW steps, one process's to 1e-10."""
     world, parallel, level = SEQ_LAYOUTS[name]
     config = {"gradient_accumulation": 3, "clip_grad_norm": 0.1, "zero": dict(level=level)}
-    ref = run_ranks(_seq_train, 1, {k: v for k, v in config.items() if k != "zero"},
-                    timeout=60)[0]
+    ref = run_ranks_cached(_seq_train, 1, {k: v for k, v in config.items() if k != "zero"})[0]
     runs = run_ranks(_seq_train, world, {**config, "parallel": parallel}, timeout=60)
     assert len(ref["took"]) == 2 and all(n > 0.1 for n in ref["norms"])
     compare_runs(ref, runs)
@@ -487,8 +486,11 @@ def _check(results, expected, tol=F64):
 
 # -- element-wise optimizers other than SGD/AdamW, two param groups, every level ----------------
 
-OPT_CASES = [(o, lvl) for o in ("sgd-nesterov", "rmsprop-centered-momentum", "adagrad",
-                                "adam-amsgrad") for lvl in (1, 2, 3)]
+# Levels 1 and 2 step the same shards of one flat buffer (they differ in how gradients arrive,
+# which no optimizer changes): each optimizer at level 3 and at one of them.
+OPT_CASES = [("sgd-nesterov", 1), ("rmsprop-centered-momentum", 2), ("adagrad", 1),
+             ("adam-amsgrad", 2)] + [(o, 3) for o in ("sgd-nesterov", "rmsprop-centered-momentum",
+                                                      "adagrad", "adam-amsgrad")]
 
 
 @pytest.mark.timeout(120)
@@ -584,10 +586,10 @@ def test_deep_zero_x_eval_forward_between_accumulated_micro_steps(level, mode):
 
 # -- a checkpoint saved at one ZeRO level (and data size), loaded at another -------------------
 
-LEVEL_CHANGES = [("adam-amsgrad", 2, 1, 2, 3), ("adam-amsgrad", 2, 3, 2, 1),
-                 ("adam-amsgrad", 2, 2, 4, 3), ("adam-amsgrad", 4, 3, 2, 2),
-                 ("rmsprop-centered-momentum", 2, 3, 1, 0), ("adagrad", 2, 3, 4, 1),
-                 ("sgd-nesterov", 1, 0, 2, 3)]
+# (3 -> 1: adagrad below; amsgrad's third state across levels: the three amsgrad rows)
+LEVEL_CHANGES = [("adam-amsgrad", 2, 1, 2, 3), ("adam-amsgrad", 2, 2, 4, 3),
+                 ("adam-amsgrad", 4, 3, 2, 2), ("rmsprop-centered-momentum", 2, 3, 1, 0),
+                 ("adagrad", 2, 3, 4, 1), ("sgd-nesterov", 1, 0, 2, 3)]
 
 
 def _zero(level):
@@ -651,9 +653,11 @@ def _o2_tensor_worker(rank, world_size, port, config, steps, ref=None):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_deep_zero3_x_o2_x_tensor_2d_x_data2_x_accumulation_x_clip_tracks_one_process_o2(dtype):
+def test_deep_zero3_x_o2_x_tensor_2d_x_data2_x_accumulation_x_clip_tracks_one_process_o2():
+    """fp16, the loss scaler's path (bf16 O2 under 2d x ZeRO 3: the dtype test below, 4 ranks;
+    bf16 O2 x ZeRO 3 trajectories: test_zero_fp16, test_zero3_o2_composition)."""
     from nanocolossal.amp import AMP_TYPE
+    dtype = "float16"
     config = {"fp16": dict(mode=AMP_TYPE.NAIVE, dtype=dtype, init_scale=2.0**10),
               "gradient_accumulation": 2, "clip_grad_norm": CLIP}
     ref_state, _, ref_norms, ref_took, ref_dtypes = run_ranks(_o2_tensor_worker, 1, config, 3,
@@ -663,7 +667,7 @@ def test_deep_zero3_x_o2_x_tensor_2d_x_data2_x_accumulation_x_clip_tracks_one_pr
     layout = {**config, "parallel": {"tensor": {"size": 4, "mode": "2d"}},
               "zero": {"level": 3}}
     runs = run_ranks(_o2_tensor_worker, 8, layout, 3, ref_state, timeout=100)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=5e-3, atol=5e-3)
+    tol = dict(rtol=5e-3, atol=5e-3)
     for rank, (state, want, norms, took, dtypes) in enumerate(runs):
         assert took == ref_took
         assert norms == pytest.approx(ref_norms, rel=tol["rtol"]), f"rank {rank}"
@@ -680,7 +684,7 @@ def test_deep_o2_x_tensor_2d_keeps_layernorm_in_fp32_as_one_process_does(level):
     process's O2 dtypes (normalisation layers fp32, the rest half)."""
     from nanocolossal.amp import AMP_TYPE
     config = {"fp16": dict(mode=AMP_TYPE.NAIVE, dtype="bfloat16")}
-    ref_dtypes = run_ranks(_o2_tensor_worker, 1, config, 1, timeout=60)[0][4]
+    ref_dtypes = run_ranks_cached(_o2_tensor_worker, 1, config, 1)[0][4]
     assert ref_dtypes["1.weight"] == torch.float32 and ref_dtypes["2.weight"] == torch.bfloat16
     layout = {**config, "parallel": {"tensor": {"size": 4, "mode": "2d"}},
               **({"zero": {"level": level}} if level else {})}

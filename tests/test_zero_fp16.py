@@ -9,7 +9,7 @@ batch and the loss scale, every half-precision gradient is exact however the bat
 so any difference is ZeRO's, not rounding's."""
 import pytest
 import torch
-from dist_helpers import run_ranks
+from dist_helpers import run_ranks, run_ranks_cached
 from torch import nn
 from torch.testing import assert_close
 
@@ -134,7 +134,7 @@ def _assert_same(got, want, clip=False):
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_gloo_zero_o2_equals_one_process_o2(level, dtype):
     for world_size in (2, 4):
-        want = run_ranks(_worker, 1, _config(dtype, 0), world_size * B, timeout=60)[0]
+        want = run_ranks_cached(_worker, 1, _config(dtype, 0), world_size * B)[0]
         log = want[0]
         assert [s for s, _, _ in log].count(False) == 1 and not log[INF_STEP][0]
         if dtype == "float16":  # grows after 2 clean steps, backs off at the overflow
@@ -145,12 +145,12 @@ def test_gloo_zero_o2_equals_one_process_o2(level, dtype):
 
 
 def test_deep_zero_o2_apex_spelling_and_clipping_that_clips():
+    single = {**_config("float16", 0, "apex"), "clip_grad_norm": 0.05}
+    want = run_ranks(_worker, 1, single, 2 * B, timeout=60)[0]
+    norms = [n for _, _, n in want[0] if n != float("inf")]
+    assert len(norms) == STEPS - 1 and all(n > 0.05 for n in norms)  # it really clips
     for level in (1, 2, 3):
         config = {**_config("float16", level, "apex"), "clip_grad_norm": 0.05}
-        single = {**_config("float16", 0, "apex"), "clip_grad_norm": 0.05}
-        want = run_ranks(_worker, 1, single, 2 * B, timeout=60)[0]
-        norms = [n for _, _, n in want[0] if n != float("inf")]
-        assert len(norms) == STEPS - 1 and all(n > 0.05 for n in norms)  # it really clips
         for got in run_ranks(_worker, 2, config, 2 * B, timeout=60):
             _assert_same(got, want, clip=True)
 
@@ -230,7 +230,7 @@ def test_deep_zero_o2_checkpoint_is_one_process_o2_and_loads_into_any_size(level
     on_disk = load_optimizer_state(path)
     assert_close(on_disk["masters"], single[2]["masters"], rtol=0, atol=0)
     for world_size in (1, 2, 4):  # the straight run, then from the file on 1 (no zero), 2, 4
-        want = run_ranks(_resume_worker, 1, None, 0, world_size * B, timeout=60)[0]
+        want = run_ranks_cached(_resume_worker, 1, None, 0, world_size * B)[0]
         assert [s for s, _, _ in want[0]] == [False, True]  # step 3's overflow, then a step
         for got in run_ranks(_resume_worker, world_size, path, level if world_size > 1 else 0,
                              world_size * B, timeout=60):

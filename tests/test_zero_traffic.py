@@ -32,7 +32,7 @@ Psi terms with the padding and flags made exact. What a ring then sends per rank
 import math
 
 import pytest
-from dist_helpers import run_ranks
+from dist_helpers import run_ranks_cached
 from test_zero import B, Net, _adamw, _batch
 from torch import nn
 from torch.testing import assert_close
@@ -94,7 +94,7 @@ def _worker(rank, world_size, port, level, reduce_scatter=False):
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("level", [0, 1, 2, 3], ids=["ddp", "zero1", "zero2", "zero3"])
 def test_gloo_elements_handed_to_collectives_per_step_equal_the_formula(level, world_size):
-    for rank, (counts, _) in enumerate(run_ranks(_worker, world_size, level, timeout=60)):
+    for rank, (counts, _) in enumerate(run_ranks_cached(_worker, world_size, level)):
         previous = ()
         for step, counted in enumerate(counts):
             used = ("a", "b", "side") if step % 2 == 0 else ("a", "b")
@@ -109,8 +109,8 @@ def test_deep_zero3_with_a_reduce_scatter_hands_it_the_units_and_trains_the_same
     """As on NCCL: level 3 reduce-scatters each unit's gradients (the paper's 3 Psi a step, not
     gloo's 4) -- pad(all units) reduce-scattered, only the flags all-reduced -- and trains to
     the parameters of the all-reduce that stands in for it on gloo."""
-    native = run_ranks(_worker, world_size, 3, timeout=60)
-    for rank, (counts, state) in enumerate(run_ranks(_worker, world_size, 3, True, timeout=60)):
+    native = run_ranks_cached(_worker, world_size, 3)
+    for rank, (counts, state) in enumerate(run_ranks_cached(_worker, world_size, 3, True)):
         previous = ()
         for step, counted in enumerate(counts):
             used = ("a", "b", "side") if step % 2 == 0 else ("a", "b")

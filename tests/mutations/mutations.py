@@ -276,6 +276,28 @@ MUTATIONS: list[dict] = [
          bug="each reduction overwrites my gradient shard instead of adding to it: only the "
              "last backward before a step counts",
          tests=["tests/test_zero3.py", "-k", "gradient_accumulation"]),
+    dict(id="zero-shard-size-floor-plus-one", idea="ZeRO 1/2",
+         file="nanocolossal/zero/optimizer.py",
+         old="self.shard = math.ceil(self.numel / size)  # padded: N shards of equal size",
+         new="self.shard = self.numel // size + 1  # padded: N shards of equal size",
+         bug="a flat buffer's shard size is numel // N + 1, not ceil(numel / N): where N divides "
+             "the buffer, each shard gets an element of padding too many (trains the same; "
+             "gathers N elements more, and a checkpoint's pieces fall in other files)",
+         tests=["tests/test_zero_traffic.py", "-k", "gloo"]),
+    dict(id="zero-offload-no-copy-in", idea="ZeRO offload", file="nanocolossal/zero/offload.py",
+         old="            torch._foreach_copy_([v for v, _ in pairs], [m for _, m in pairs], "
+             "non_blocking=True)",
+         new="            pass  # (the copy of the updated masters back into the model, dropped)",
+         bug="offload steps the CPU masters but never copies them back into the model's pieces: "
+             "the model does not move",
+         tests=["tests/test_zero_offload.py", "-k", "gloo"]),
+    dict(id="zero-v01-placement-cpu-ignored", idea="ZeRO v0.1 config",
+         file="nanocolossal/compat/zero_v01.py",
+         old='return dict(level=3, offload="cpu" if placement == "cpu" else None), scaler, notes',
+         new='return dict(level=3, offload=None), scaler, notes',
+         bug="Colossal-AI v0.1's tensor_placement_policy='cpu' is read but ignored: level 3 runs "
+             "without offload",
+         tests=["tests/test_zero3.py", "-k", "v01_config_is_level3"]),
     # -- sequence parallelism -----------------------------------------------------------------
     dict(id="ring-causal-wrong-half", idea="ring attention",
          file="nanocolossal/tensor/ring_attention.py",
