@@ -884,10 +884,6 @@ def _cut_worker(rank, world_size, port, path, schedule, save):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="bug: a checkpoint records the pipeline size but not how "
-                   "the stage was cut (schedule, chunks); zbv's file loaded under 1f1b or "
-                   "interleaved fails in torch's load_state_dict (missing/unexpected keys), not "
-                   "with the layout error that names merge_checkpoint")
 def test_zbv_checkpoint_into_another_cut_is_refused_naming_the_way_across(tmp_path):
     """zbv's rank 0 holds parts 0 and 3 (the first layers and the last); 1F1B's and interleaved's
     rank 0 others. Same pipeline size, another cut: the layout error, naming merge_checkpoint."""
