@@ -372,9 +372,6 @@ def test_split_backward_is_one_backward_in_two_steps_computing_nothing_twice():
     assert all(torch.equal(a, b) for a, b in zip(flops(split)[1], expected))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: --show --schedule zbv --stages 5 fails with the "
-                   "default --microbatches 8 (< 2P - 1 = 9), an error naming NUM_MICRO_BATCHES, "
-                   "a config key the command line does not have")
 def test_show_zbv_needs_no_microbatches_flag_for_any_stage_count(capsys):
     for stages in (2, 3, 4, 5, 6):
         assert show_main(["--show", "--schedule", "zbv", "--stages", str(stages)]) == 0, stages
