@@ -30,8 +30,9 @@ Resuming mid-epoch is progress.py's part: every loop saves and resumes through i
 
 Loading strips `module.` (DDP), `model.` (wrappers) and `_orig_mod.` (torch.compile)
 prefixes and maps tensors to this rank's device. A file loads only into the layout that wrote
-it (pipeline size, tensor mode and size); another layout is an error that names both and the
-way across: `merge_checkpoint` it into the plain model, `load_plain_state_dict` that.
+it (pipeline size and cut -- the layers each stage holds, which PIPELINE_SCHEDULE, NUM_CHUNKS
+and the partition decide --, tensor mode and size); another layout is an error that names both
+and the way across: `merge_checkpoint` it into the plain model, `load_plain_state_dict` that.
 
 Files are written with torch.save and read with torch.load(weights_only=True) plus an
 allow-list of the types our files hold (checkpoint_files.read_file): loading a file cannot run
@@ -185,7 +186,8 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
                  "optimizer": optimizer_state,
                  "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
                  "rng": rng, "extra": extra,
-                 "pipeline": {"rank": gpc.pipeline_rank, "size": gpc.pipeline_size},
+                 "pipeline": {"rank": gpc.pipeline_rank, "size": gpc.pipeline_size,
+                              "layers": _stage_layers(model)},
                  "tensor": {"rank": gpc.tensor_rank, "size": _tensor_split(),
                             "mode": _job_layout()[2], "side": grid_side(),
                             "splits": layout, "shapes": _plain_shapes(model, layout)},
@@ -210,6 +212,7 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None,
     state = read_my_pieces(state, file, optimizer, trusted) or complete_zero_state(state, file,
                                                                                   trusted)
     _check_layout(state, file, path)
+    _check_cut(state, file, path, model)
     _check_compute_type(state.get("cpu_half"), file)
     if gpc.is_initialized and gpc.pipeline_size * gpc.tensor_size > 1:
         parts: list[Any] = [None] * (gpc.pipeline_size * gpc.tensor_size)
@@ -281,6 +284,31 @@ def _check_layout(state: dict, file: Path, path: PathLike) -> None:
             f"state = merge_checkpoint({str(path)!r}) (offline, any layout's files), then "
             f"load_plain_state_dict(model, state) in this job (the model only: optimizer and "
             f"scheduler start afresh)")
+
+
+def _stage_layers(model: nn.Module) -> Optional[list[list[int]]]:
+    """[start, stop) of the layers each of this rank's pipeline parts holds (zbv's rank 0 of 2:
+    [[0, 2], [6, 7]]): how the schedule and partition cut the model; None without a pipeline."""
+    from .pipeline.partition import PipelineStage
+    parts = [[m.start, m.stop] for m in unwrap(model).modules() if isinstance(m, PipelineStage)]
+    return parts or None
+
+
+def _check_cut(state: dict, file: Path, path: PathLike, model: nn.Module) -> None:
+    """Same pipeline size, another cut (zbv's V against 1F1B or interleaved, another partition or
+    NUM_CHUNKS): refused by name, as another layout is, not by load_state_dict's missing keys."""
+    saved, job = (state.get("pipeline") or {}).get("layers"), _stage_layers(model)
+    if saved is None or job is None or saved == job:  # older files record no cut
+        return
+    def show(parts: list) -> str:
+        return ", ".join(f"{a}-{b - 1}" for a, b in parts)
+    raise ConfigError(
+        f"[rank {gpc.rank}] {file} holds layers {show(saved)} (its stage as the saving job cut "
+        f"the model), but this rank's stage holds layers {show(job)}: a checkpoint loads only "
+        f"into the same cut (PIPELINE_SCHEDULE, NUM_CHUNKS, partition). Cut the model as it was, "
+        f"or change through the plain model: state = merge_checkpoint({str(path)!r}) (offline), "
+        f"then load_plain_state_dict(model, state) in this job (the model only: optimizer and "
+        f"scheduler start afresh)")
 
 
 def _refuse_other_layout(path: PathLike, trusted: bool) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .config import Config, ConfigError, register_check
@@ -144,10 +145,16 @@ register_check(check_sequence_config)  # validate_config runs it when a config i
 def check_sequence_model(model: nn.Module) -> None:
     """Sequence parallelism is right only if every layer but attention works per token, and
     attention knows the sequence is split. A model without such attention (a CNN, a ViT of
-    torch.nn.MultiheadAttention) would train on pieces of sequences as if they were whole."""
+    torch.nn.MultiheadAttention) would train on pieces of sequences as if they were whole.
+    A pipeline stage may hold no attention (zbv's rank 0: the embedding and the head): the
+    stages ask each other (collective over the pipeline group) whether any of them has one."""
     aware = [n for n, m in model.named_modules() if getattr(m, "splits_sequence", False)]
     unaware = [n for n, m in model.named_modules()
                if isinstance(m, (nn.MultiheadAttention, nn.Conv1d, nn.Conv2d))]
+    if gpc.pipeline_size > 1:
+        anyone = torch.tensor([float(bool(aware))], device=gpc.device)
+        dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=gpc.pipeline_group)
+        aware = aware or (["another stage's"] if anyone.item() else [])
     if not aware or unaware:
         kind = type(model.get_submodule(unaware[0])).__name__ if unaware else ""
         found = (f"it has {', '.join(unaware[:3])} ({kind}), which mixes tokens the split "

@@ -848,3 +848,48 @@ def test_deep_pipeline_amp_tuple_stage_output_is_a_clear_error():
     config = dict(fp16=MODES["O1 bf16"], parallel={"pipeline": 2}, NUM_MICRO_BATCHES=2)
     with pytest.raises(Exception, match="stages must return one tensor"):
         run_ranks(_train, 2, "tuple", config, 1, None, [2, 2], timeout=30)
+
+
+# -- zero-bubble schedules x other features: found by breaking them --------------------------------
+
+@pytest.mark.timeout(120)
+def test_deep_zbv_x_ring_sequence_trains_as_one_process():
+    """zbv on a GPT of [embeddings, block, block, head] puts the embedding and the head on rank 0
+    and both blocks on rank 1: a stage without attention is still a sequence-parallel model's
+    stage. Pipeline 2 x ring 2 under zbv = one process (float64, clipped, 2 SGD steps)."""
+    import test_composition as tc
+    states, norms = tc._layout_one_process(tc._gpt, tc._tokens, steps=2)
+    config = {"parallel": {"pipeline": 2, "tensor": {"size": 2, "mode": "sequence"}},
+              "PIPELINE_SCHEDULE": "zbv", "NUM_CHUNKS": 2, "NUM_MICRO_BATCHES": 4,
+              "clip_grad_norm": tc.CLIP}
+    losses = list(tc.LOSSES)
+    results = run_ranks(tc._gpt_worker, 4, config, 0, 2, None, None, None, states[-1], timeout=90)
+    tc._check(results, states[-1], norms, "zbv x ring", rel=tc.GPT_REL, losses=losses)
+
+
+def _cut_worker(rank, world_size, port, path, schedule, save):
+    chunks = 2 if schedule in ("zbv", "interleaved") else 1
+    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 4, "NUM_CHUNKS": chunks,
+               "PIPELINE_SCHEDULE": schedule}, rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port, timeout=20)
+    stage = build_pipeline_model(_model(3), num_chunks=chunks, partition="uniform")
+    if save:
+        save_checkpoint(path, 0, stage)
+        return None
+    try:
+        nc.checkpoint.load_checkpoint(path, stage)
+    except Exception as e:  # noqa: BLE001 (the message is what the test checks)
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+@pytest.mark.timeout(60)
+def test_zbv_checkpoint_into_another_cut_is_refused_naming_the_way_across(tmp_path):
+    """zbv's rank 0 holds parts 0 and 3 (the first layers and the last); 1F1B's and interleaved's
+    rank 0 others. Same pipeline size, another cut: the layout error, naming merge_checkpoint."""
+    path = str(tmp_path / "ckpt.pt")
+    run_ranks(_cut_worker, 2, path, "zbv", True)
+    for schedule in ("1f1b", "interleaved"):
+        for rank, said in enumerate(run_ranks(_cut_worker, 2, path, schedule, False)):
+            assert said.startswith(f"ConfigError: [rank {rank}]"), said
+            assert "merge_checkpoint" in said and "layers" in said, said

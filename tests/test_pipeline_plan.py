@@ -370,3 +370,9 @@ def test_split_backward_is_one_backward_in_two_steps_computing_nothing_twice():
     weights = list(net.parameters())
     _, expected = flops(lambda out: out.backward(grad))
     assert all(torch.equal(a, b) for a, b in zip(flops(split)[1], expected))
+
+
+def test_show_zbv_needs_no_microbatches_flag_for_any_stage_count(capsys):
+    for stages in (2, 3, 4, 5, 6):
+        assert show_main(["--show", "--schedule", "zbv", "--stages", str(stages)]) == 0, stages
+        assert f"zbv: P={stages} stages" in capsys.readouterr().out

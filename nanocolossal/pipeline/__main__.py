@@ -19,13 +19,16 @@ def main(argv=None) -> int:
     parser.add_argument("--show", action="store_true",
                         help="print the timeline (the default action)")
     parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="default: 8, or 2 x stages - 1 for zbv where that is more")
     parser.add_argument("--chunks", type=int, default=None, help="default: 2 for zbv, else 1")
     parser.add_argument("--schedule", choices=list(SCHEDULES), default=None,
                         help="default: interleaved when --chunks > 1, else 1f1b")
     args = parser.parse_args(argv)
     chunks = args.chunks or (2 if args.schedule == "zbv" else 1)
     schedule = args.schedule or ("interleaved" if chunks > 1 else "1f1b")
+    if args.microbatches is None:  # zbv needs M >= 2P - 1 (plan.check_sizes)
+        args.microbatches = max(8, 2 * args.stages - 1) if schedule == "zbv" else 8
     try:
         print(render(schedule, args.stages, args.microbatches, chunks))
         held = simulate(all_plans(schedule, args.stages, args.microbatches, chunks),
