@@ -73,8 +73,8 @@ MUTATIONS: list[dict] = [
          tests=["tests/test_amp.py", "-k", "clip and not gloo"]),
     dict(id="clip-replicas-counted-twice", idea="clip x tensor parallel",
          file="nanocolossal/amp.py",
-         old="weights = torch.tensor([weight_of.get(id(p), 1.0) / self.copies(p) for p in params],",
-         new="weights = torch.tensor([weight_of.get(id(p), 1.0) for p in params],",
+         old="weight_of.get(id(p), 1.0) / self.holders(p) for p in params]",
+         new="weight_of.get(id(p), 1.0) for p in params]",
          bug="a parameter every tensor rank holds alike (a LayerNorm, a row-parallel bias) adds "
              "its squares once per copy to the global gradient norm",
          tests=["tests/test_tensor_model.py", "-k", "training_equals_one_process"]),
@@ -142,8 +142,8 @@ MUTATIONS: list[dict] = [
     # -- pipeline ----------------------------------------------------------------------------
     dict(id="pipe-1f1b-warmup-off-by-one", idea="pipeline schedule",
          file="nanocolossal/pipeline/plan.py",
-         old="    if schedule == \"1f1b\":\n        return min(P - rank - 1, M)",
-         new="    if schedule == \"1f1b\":\n        return min(P - rank, M)",
+         old="    warmup = min(P - rank - 1, M)  # forwards until the first micro-batch's gradient",
+         new="    warmup = min(P - rank, M)  # forwards until the first micro-batch's gradient",
          bug="1F1B runs one warm-up forward too many per rank (off by one): one more "
              "micro-batch's activations held than the schedule promises",
          tests=["tests/test_pipeline_plan.py"]),
@@ -187,23 +187,23 @@ MUTATIONS: list[dict] = [
          tests=["tests/test_tensor_layers.py", "-k",
                 "1d_linear_pair or layers_equal_the_plain_layers"]),
     dict(id="tensor-2d-swapped-axis", idea="tensor 2d", file="nanocolossal/tensor/base.py",
-         old="return gpc.tensor_row_rank, gpc.summa_dim   # position in my row group = my column",
-         new="return gpc.tensor_col_rank, gpc.summa_dim   # position in my row group = my column",
+         old='"col": lambda t, q: t % q, "row": lambda t, q: t // q % q,',
+         new='"col": lambda t, q: t // q % q, "row": lambda t, q: t % q,',
          bug="a block split along the grid's row takes the row index for the column index: "
              "swapped grid axes",
          tests=["tests/test_tensor_model.py", "tests/test_tensor_layers.py", "-k",
                 "2d_grid or layers_equal_the_plain_layers"]),
     dict(id="summa-backward-wrong-owner", idea="tensor 2d (SUMMA)",
          file="nanocolossal/tensor/summa.py",
-         old="            if gpc.tensor_row_rank == k:\n                dx = total",
-         new="            if gpc.tensor_col_rank == k:\n                dx = total",
+         old="            if gpc.grid_col == k:  # I am (i, k)\n                dx = total",
+         new="            if gpc.grid_row == k:  # I am (i, k)\n                dx = total",
          bug="SUMMA's backward keeps dX_ik on the rank whose grid row is k instead of its "
              "column: the reduced block lands on the wrong rank",
          tests=["tests/test_tensor_model.py", "tests/test_tensor_layers.py", "-k",
                 "2d_grid or summa or layers_equal_the_plain"]),
     dict(id="layernorm-2d-wrong-group", idea="tensor 2d", file="nanocolossal/tensor/layers_2d.py",
-         old="    return copy_to(p, gpc.tensor_col_group)  # replicated down the column",
-         new="    return copy_to(p, gpc.tensor_row_group)  # replicated down the column",
+         old="    return copy_to(p, blocks().batch_group)",
+         new="    return copy_to(p, blocks().hidden_group)",
          bug="a hidden-dimension vector (bias, LayerNorm) replicated down the column sums its "
              "gradient over the row group instead",
          tests=["tests/test_tensor_model.py", "tests/test_tensor_layers.py", "-k",
@@ -350,10 +350,10 @@ MUTATIONS: list[dict] = [
          tests=["tests/test_moe_train.py", "-k", "engine_training_equals_one_process"]),
     # -- checkpoints, trainer -------------------------------------------------------------------
     dict(id="ckpt-merge-2d-swapped", idea="checkpoint", file="nanocolossal/checkpoint_merge.py",
-         old='position = {"tensor": lambda t: t, "col": lambda t: t % q, "row": lambda t: t // q}',
-         new='position = {"tensor": lambda t: t, "col": lambda t: t // q, "row": lambda t: t % q}',
-         bug="merging 2d files reads a tensor rank's grid column as its row: the blocks are put "
-             "back transposed (swapped grid axes)",
+         old="for i in range(parts)], dim=dim)",
+         new="for i in reversed(range(parts))], dim=dim)",
+         bug="merging puts a split parameter's blocks back in reverse order along each split "
+             "(the last rank's block first)",
          tests=["tests/test_checkpoint.py", "-k", "2d_tensor_parallel_checkpoint"]),
     dict(id="ckpt-rng-of-rank0", idea="checkpoint", file="nanocolossal/checkpoint.py",
          old="mine = rng[gpc.gradient_rank] if gpc.gradient_rank < len(rng) else None",
