@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .context import gpc
-from .metrics import Accuracy, all_reduce_mean
+from .metrics import Accuracy, all_reduce_mean, all_reduce_sum
 
 
 class BaseHook:
@@ -48,6 +48,14 @@ class BaseHook:
     def after_test_iter(self, trainer, output: Any, label: Any,
                         loss: Optional[torch.Tensor]) -> None: ...
 
+    def state_dict(self) -> Optional[dict]:
+        """What a run resumed mid-epoch needs to continue this hook (None: nothing). A
+        checkpoint's save calls it on every rank: it may be a collective."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`: called after the resumed epoch's before_train_epoch."""
+
 
 class LossHook(BaseHook):
     """Mean loss per sample over the epoch and all ranks -> metrics['train'|'test']['loss'].
@@ -58,10 +66,11 @@ class LossHook(BaseHook):
 
     def __init__(self, priority: int = 0) -> None:
         super().__init__(priority)
-        self._sum, self._count = 0.0, 0
+        self._reset(None)
 
     def _reset(self, trainer) -> None:
         self._sum, self._count = 0.0, 0
+        self._carried = (0.0, 0.0)  # the epoch's sums before a resume, over all ranks
 
     def _add(self, trainer, output, label, loss) -> None:
         if loss is not None:
@@ -69,8 +78,20 @@ class LossHook(BaseHook):
             self._count += trainer.last_batch_size
 
     def _publish(self, split: str, trainer) -> None:
-        mean = all_reduce_mean(self._sum / max(self._count, 1), weight=self._count)
-        trainer.states["metrics"][split]["loss"] = mean
+        total, count = self._totals()
+        trainer.states["metrics"][split]["loss"] = total / count if count else float("nan")
+
+    def _totals(self) -> tuple[float, float]:
+        """(sum of loss x samples, samples) of this epoch so far, over all ranks."""
+        total, count = all_reduce_sum([self._sum, self._count])
+        return total + self._carried[0], count + self._carried[1]
+
+    def state_dict(self) -> dict:
+        total, count = self._totals()
+        return {"sum": total, "count": count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._carried = (state["sum"], state["count"])
 
     before_train_epoch = before_test_epoch = _reset
     after_train_iter = after_test_iter = _add
@@ -236,7 +257,8 @@ class SaveCheckpointHook(BaseHook):
 
     def _save(self, trainer, epoch_end: bool = False) -> None:
         trainer.progress.save(self.path, trainer.engine.model, trainer.engine.optimizer,
-                              self.lr_scheduler, epoch_end, trainer.engine.accumulating)
+                              self.lr_scheduler, epoch_end, trainer.engine.accumulating,
+                              hooks=None if epoch_end else trainer.hook_states())
 
     def after_train_iter(self, trainer, output, label, loss) -> None:
         if self.every_steps and trainer.step_ended and trainer.cur_step % self.every_steps == 0:

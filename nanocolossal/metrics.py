@@ -87,11 +87,18 @@ def all_reduce_mean(values: Union[Mapping[str, Number], Number],
     keys = list(values) if isinstance(values, Mapping) else None
     scalars = [values[k] for k in keys] if keys is not None else [values]
     w = 1.0 if weight is None else float(weight)
-    packed = torch.tensor([float(v) * w for v in scalars] + [w], dtype=torch.float64)
+    *sums, total_weight = all_reduce_sum([float(v) * w for v in scalars] + [w], group)
+    means = [s / total_weight for s in sums]
+    return dict(zip(keys, means)) if keys is not None else means[0]
+
+
+def all_reduce_sum(values: list[float], group: Optional[dist.ProcessGroup] = None) -> list[float]:
+    """Sums over the ranks of `group` (default: data-parallel) of a few scalars, in float64 and
+    one collective."""
+    packed = torch.tensor(values, dtype=torch.float64)
     group = _reduce_group(group)
     if group is not None:
         packed = packed.to(gpc.device)
         dist.all_reduce(packed, group=group)
         packed = packed.cpu()
-    means = (packed[:-1] / packed[-1]).tolist()
-    return dict(zip(keys, means)) if keys is not None else means[0]
+    return packed.tolist()

@@ -72,6 +72,7 @@ class Progress:
         self.epoch, self.step, self.batch_in_epoch = 0, 0, 0
         # restored once the resumed epoch's done batches are skipped
         self._rng: Optional[dict] = None
+        self.hook_states: dict = {}  # by hook class: restored after before_train_epoch
 
     def resume(self, path: PathLike, model: nn.Module, optimizer: Any = None,
                lr_scheduler: Any = None) -> bool:
@@ -84,6 +85,8 @@ class Progress:
         self.epoch, self.step = info["epoch"], info.get("step", 0)
         self.batch_in_epoch = info.get("batch_in_epoch", info.get("step_in_epoch", 0))
         self._rng = info.get("rng")
+        # the hooks' state in the middle of the resumed epoch (LossHook's sums so far)
+        self.hook_states = info.get("hooks", {}) if self.batch_in_epoch else {}
         # saved between epochs: nothing to skip
         if self.batch_in_epoch == 0 and self._rng is not None:
             set_rng_state(self._rng)
@@ -118,7 +121,7 @@ class Progress:
 
     def save(self, path: PathLike, model: nn.Module, optimizer: Any = None,
              lr_scheduler: Any = None, epoch_end: bool = False,
-             accumulating: bool = False) -> None:
+             accumulating: bool = False, hooks: Optional[dict] = None) -> None:
         """Save a checkpoint at this point (a collective: every rank calls it). `epoch_end=True`
         saves the current epoch as complete, for callers that count it done only afterwards."""
         if accumulating:
@@ -129,5 +132,7 @@ class Progress:
                 f"(engine.accumulating is False), e.g. give the loader a length so that every "
                 f"epoch ends with a step")
         epoch, in_epoch = (self.epoch + 1, 0) if epoch_end else (self.epoch, self.batch_in_epoch)
+        # the hooks' state matters in the middle of an epoch only
+        extra = {"hooks": hooks} if hooks and in_epoch else {}
         save_checkpoint(path, epoch, model, optimizer, lr_scheduler, step=self.step,
-                        batch_in_epoch=in_epoch)
+                        batch_in_epoch=in_epoch, **extra)

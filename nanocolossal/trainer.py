@@ -64,6 +64,15 @@ class Trainer:
         for hook in self._hooks:
             getattr(hook, point)(self, *args)
 
+    def hook_states(self) -> dict:
+        """Each hook's state_dict, by class, for a checkpoint (a collective: every rank)."""
+        states = {}
+        for hook in self._hooks:
+            state = hook.state_dict()
+            if state is not None:
+                states[type(hook).__name__] = state
+        return states
+
     def _set_hooks(self, hook_list: Optional[Iterable[hooks.BaseHook]]) -> None:
         if hook_list is not None:
             # stable: ties keep list order
@@ -121,6 +130,10 @@ class Trainer:
                      max_steps: Optional[int]) -> bool:
         self.engine.train()
         self._call("before_train_epoch")
+        for hook in self._hooks:  # a resumed epoch: what the hooks had counted before the stop
+            if type(hook).__name__ in self.progress.hook_states:
+                hook.load_state_dict(self.progress.hook_states[type(hook).__name__])
+        self.progress.hook_states = {}
         self.timer.start("train-epoch")
         bar = self._bar(self._read_groups_ahead(self.progress.batches(loader), loader),
                         f"epoch {self.cur_epoch + 1}/{epochs}", show,
