@@ -10,10 +10,10 @@ clipping, trained four ways:
     engine          train_gpt.gpt() through nc.initialize and the Engine (fp16=AMP_TYPE.TORCH,
                     bf16)
     bare            the same module in a bare loop: autocast forward, loss.backward(), step()
-    bare_fp32_loss  the same, its loss taken as the Engine's (AMP O1 returns the output in fp32
-                    and the loss is computed outside autocast, where torch's CUDA autocast
-                    takes the log-softmax of bf16 logits in bf16): engine / this is the
-                    Engine's own cost
+    bare_fp32_loss  the same, the output cast to fp32 and the loss taken outside autocast
+                    (apex's O1 outside the Engine, amp.initialize): what an fp32 copy of the
+                    logits, held through backward, costs -- the Engine's O1 runs the loss
+                    under autocast instead (amp.autocast_loss)
     reference       the nanoGPT-style GPT below: the same layers, F.scaled_dot_product_attention
 
 Each side is built and warmed up in turn, its peak memory counted meanwhile
@@ -141,7 +141,7 @@ def bare_side(shape: dict, compile_: bool, reference: bool = False, fp32_loss: b
         with torch.autocast(gpc.device.type, dtype=torch.bfloat16):
             logits = model(ids)
             loss = None if fp32_loss else F.cross_entropy(logits.flatten(0, 1), target.flatten())
-        if fp32_loss:  # as the Engine's O1: the output cast to fp32, the loss outside autocast
+        if fp32_loss:  # the output cast to fp32, the loss outside autocast
             loss = F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
         loss.backward()
         opt.step()

@@ -13,7 +13,10 @@ The opt levels (as apex):
     O2  fp16 model except normalisation layers, fp32 master weights  = AMP_TYPE.NAIVE
         that the optimizer updates and copies back after each step
     O3  fp16 everything, no master weights                           (speed baseline)
-Model outputs come back in fp32 so the loss is computed in full precision.
+Model outputs come back in fp32 so the loss is computed in full precision -- except under the
+Engine at O1, which runs the criterion under autocast too (torch's recipe; Colossal-AI's
+TorchAMPLoss): autocast computes log-softmax and the losses in fp32 anyway, and no fp32 copy of
+the output (GPT logits: b x s x V x 4 bytes) is held through backward (autocast_loss).
 
     from nanocolossal import amp                # apex: from apex import amp
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
@@ -26,7 +29,8 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Union
+from functools import wraps
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -47,7 +51,7 @@ from .tensor.base import replicas
 
 # nc.amp.X: this file's names, and the loss scaler's and the config's that users reach from here
 __all__ = ["AMP_TYPE", "OPT_LEVELS", "DynamicLossScaler", "MixedPrecisionOptimizer",
-           "initialize", "make_scaler", "scale_loss", "unscale_and_check",
+           "autocast_loss", "initialize", "make_scaler", "scale_loss", "unscale_and_check",
            "unscale_and_check_fused", "unscale_grads"]
 
 
@@ -377,6 +381,24 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
                                               check_finite=check_finite)
     mixed_optimizer.follow_loads(model)
     return model, mixed_optimizer
+
+
+def autocast_loss(criterion: Callable, device_type: str, dtype: torch.dtype) -> Callable:
+    """The criterion run under autocast, its loss returned in fp32 (O1 under the Engine, whose
+    model output then stays as autocast made it). A module keeps its identity (hooks, as the
+    model's): the features that read its reduction or ignore_index still find them."""
+    autocast = _Autocast(device_type, dtype, output_fp32=True)
+    if isinstance(criterion, nn.Module):
+        criterion.register_forward_pre_hook(autocast.enter)
+        criterion.register_forward_hook(autocast.exit, always_call=True)
+        return criterion
+
+    @wraps(criterion)
+    def under_autocast(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            loss = criterion(*args, **kwargs)
+        return _cast_floats(loss, torch.float32)
+    return under_autocast
 
 
 @contextmanager

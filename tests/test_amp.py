@@ -58,6 +58,37 @@ def test_gloo_amp_bf16_on_two_data_ranks_tracks_one_process():
                      msg=lambda m: f"rank {rank}: {m}")
 
 
+def _o1_worker(rank, world_size, port, x, y, as_function):
+    nc.launch(dict(fp16=dict(mode=AMP_TYPE.TORCH, dtype="bfloat16")), rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    criterion = nn.functional.cross_entropy if as_function else nn.CrossEntropyLoss()
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5), criterion,
+                               verbose=False)
+    output, _, loss = engine.execute_schedule((x, y))
+    return output.dtype, loss, [p.grad for p in engine.model.parameters()]
+
+
+@pytest.mark.parametrize("as_function", [False, True], ids=["module", "function"])
+def test_o1_engine_runs_the_loss_under_autocast_and_keeps_no_fp32_output(as_function):
+    """O1 under the Engine: the output stays bf16 as autocast made it (no fp32 copy of the logits
+    held through backward), the criterion runs under autocast, which computes cross-entropy in
+    fp32: the loss and gradients are those of the fp32 loss on the cast output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    loss = nn.functional.cross_entropy(out.float(), y)
+    loss.backward()
+    dtype, engine_loss, grads = run_ranks(_o1_worker, 1, x, y, as_function)[0]
+    assert dtype == torch.bfloat16
+    assert engine_loss.dtype == torch.float32
+    assert_close(engine_loss, loss.detach(), rtol=0, atol=0)
+    assert_close(grads, [p.grad for p in model.parameters()], rtol=0, atol=0)
+
+
 def _grad_scaler_sequence(pattern, **kwargs) -> list[float]:
     """Drive torch.amp.GradScaler through real steps whose gradient is inf where pattern says so."""
     p = nn.Parameter(torch.zeros(1))

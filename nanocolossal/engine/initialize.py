@@ -93,11 +93,11 @@ def apply_sync_bn(model: nn.Module) -> tuple[nn.Module, Did]:
     return convert_sync_batchnorm(model), "SyncBN"
 
 
-def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer
-              ) -> tuple[nn.Module, MixedPrecisionOptimizer, Did]:
+def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Optional[Callable]
+              ) -> tuple[nn.Module, MixedPrecisionOptimizer, Optional[Callable], Did]:
     fp16 = gpc.config.get("fp16")
     if fp16 is None:  # fp32: no scaling, the same interface
-        return model, MixedPrecisionOptimizer(optimizer), None
+        return model, MixedPrecisionOptimizer(optimizer), criterion, None
     if gpc.config.get("zero") is not None:  # Colossal-AI v0.1's optimizer_config scaler keys
         fp16 = type(fp16)({**fp16, **zero_settings(gpc.config)[1]})
     measure = gpc.device.type == "cpu" and "dtype" not in fp16 and fp16.get("enabled", True)
@@ -112,17 +112,24 @@ def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer
             f"overrides")
     if kwargs is None:
         off = "off (enabled=False)" if fp16.get("enabled") is False else "in float32 on this CPU"
-        return model, MixedPrecisionOptimizer(optimizer), f"{name} {off}"
-    # one process casts only the model's output to fp32: here the last stage's last chunk (a
-    # TENSOR_SHAPE fixes every stage boundary at fp32, skipping the dtype handshake: keep all)
+        return model, MixedPrecisionOptimizer(optimizer), criterion, f"{name} {off}"
+    # O1 with a criterion: the loss runs under autocast, the output needs no fp32 copy (amp.py)
+    loss_in_autocast = opt_level == "O1" and criterion is not None
+    if loss_in_autocast:
+        dtype = kwargs.get("dtype", torch.float16)
+        criterion = amp.autocast_loss(criterion, gpc.device.type, dtype)
+    # else one process casts only the model's output to fp32: here the last stage's last chunk
+    # (a TENSOR_SHAPE fixes every stage boundary at fp32, skipping the dtype handshake: keep all)
     chunks = len(model) if isinstance(model, nn.ModuleList) else 1
     P, v_shape = gpc.pipeline_size, getattr(model, "v_shape", False)
-    outputs = [gpc.config.get("TENSOR_SHAPE") is not None
-               or virtual_stage(c, gpc.pipeline_rank, P, v_shape) == P * chunks - 1
-               for c in range(chunks)]
+    last = [virtual_stage(c, gpc.pipeline_rank, P, v_shape) == P * chunks - 1
+            for c in range(chunks)]
+    fixed_shapes = gpc.config.get("TENSOR_SHAPE") is not None
+    outputs = [(fixed_shapes and not is_last) or (is_last and not loss_in_autocast)
+               for is_last in last]
     model, optimizer = amp.initialize(model, optimizer, opt_level, device_type=gpc.device.type,
                                       outputs=outputs, **kwargs)
-    return model, optimizer, name
+    return model, optimizer, criterion, name
 
 
 def apply_zero(model: nn.Module, optimizer: MixedPrecisionOptimizer
@@ -300,7 +307,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
     model = model.to(gpc.device)
     broadcast_replicas(model)  # before AMP's masters and ZeRO's shards are made from it
     model, sync_bn = apply_sync_bn(model)
-    model, optimizer, mixed = apply_amp(model, optimizer)
+    model, optimizer, criterion, mixed = apply_amp(model, optimizer, criterion)
     optimizer, zero = apply_zero(model, optimizer)
     moe, aux_weight, moe_did = apply_moe(model, optimizer)
     pipelined = schedule is not None
