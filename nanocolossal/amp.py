@@ -60,6 +60,12 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, obj)
 
 
+def _upcast_halves(obj: Any) -> Any:
+    """fp16/bf16 tensors to fp32 (autocast leaves a float64 model in float64: so do we)."""
+    halves = (torch.float16, torch.bfloat16)
+    return map_tensors(lambda t: t.float() if t.dtype in halves else t, obj)
+
+
 def _is_norm(module: nn.Module) -> bool:
     """torch's normalisation layers, and ours that say they are one (tensor/layers_2d.py)."""
     return (isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm))
@@ -88,7 +94,7 @@ class _Autocast:
 
     def exit(self, module, args, output) -> Any:
         self.active.pop().__exit__(None, None, None)
-        return _cast_floats(output, torch.float32) if self.output_fp32 else output
+        return _upcast_halves(output) if self.output_fp32 else output
 
 
 def _all_reduced(t: torch.Tensor, group: Any) -> torch.Tensor:
@@ -159,7 +165,8 @@ class MixedPrecisionOptimizer:
             self._loaded = False
         self._grads_to_masters()
         grads = [p.grad for p in self.params() if p.grad is not None]
-        found = torch.zeros(1, device=grads[0].device if grads else gpc.device)
+        found = torch.zeros(1, device=grads[0].device if grads else gpc.device,
+                            dtype=torch.float32)  # the fused kernel's flag: fp32 always
         if self.check_finite:  # amp_scaler.py: the plain loop, then the fused kernel it uses
             found = unscale_grads(grads, self.backward_scale)
             if gpc.is_initialized and gpc.world_size > 1:  # every rank skips together
@@ -397,7 +404,7 @@ def autocast_loss(criterion: Callable, device_type: str, dtype: torch.dtype) -> 
     def under_autocast(*args: Any, **kwargs: Any) -> Any:
         with torch.autocast(device_type, dtype=dtype):
             loss = criterion(*args, **kwargs)
-        return _cast_floats(loss, torch.float32)
+        return _upcast_halves(loss)
     return under_autocast
 
 

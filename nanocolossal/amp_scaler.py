@@ -116,8 +116,9 @@ def unscale_grads(grads: list[torch.Tensor], loss_scale: float) -> torch.Tensor:
 
     One fused launch per (device, dtype) group, the plain loop where no fused kernel exists."""
     device = grads[0].device if grads else gpc.device
-    found_inf = torch.zeros(1, device=device)
-    inv_scale = torch.full((1,), 1.0 / loss_scale, device=device)
+    # fp32 whatever the default dtype: torch's fused kernel takes no other
+    found_inf = torch.zeros(1, device=device, dtype=torch.float32)
+    inv_scale = torch.full((1,), 1.0 / loss_scale, device=device, dtype=torch.float32)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in grads:
         groups.setdefault((grad.device, grad.dtype), []).append(grad)

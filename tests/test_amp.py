@@ -255,6 +255,31 @@ def test_clip_grad_norm_acts_on_unscaled_gradients():
         assert_close(q.grad, p.grad)
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_amp_trains_when_the_default_dtype_is_float64(opt_level):
+    """A float64 default dtype leaves the overflow flag and 1/S in fp32, as torch's fused unscale
+    kernel needs; an O1 model in float64 stays float64 (autocast skips it), output included."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        before = copy.deepcopy(model)
+        model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    opt_level)
+        out = model(torch.randn(8, 4))
+        with amp.scale_loss(nn.functional.cross_entropy(out, torch.tensor([0, 1] * 4)),
+                            opt) as scaled:
+            scaled.backward()
+        opt.step()
+    finally:
+        torch.set_default_dtype(previous)
+    assert out.dtype == (torch.float64 if opt_level == "O1" else torch.float32)
+    moved = [not torch.equal(a.double(), b.double())
+             for a, b in zip(model.parameters(), before.parameters())]
+    assert all(moved), moved
+
+
 def test_initialize_rejects_unknown_opt_level_and_dtype():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="unknown opt_level 'O4'"):
