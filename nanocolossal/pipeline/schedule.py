@@ -42,21 +42,19 @@ from torch import nn
 from ..context import gpc
 from ..extensions import Extension, synchronising
 from .p2p import StageComm
-from .plan import (
-    SCHEDULES,
+from .plan import SCHEDULES, build_plan, check_sizes
+from .split_backward import SplitBackward
+from .steps import (
     Comm,
     Compute,
     PlanError,
     Transfer,
-    build_plan,
-    check_sizes,
     handed_over,
     stage_rank,
     step_label,
     v_shaped,
     virtual_stage,
 )
-from .split_backward import SplitBackward
 
 
 def _check(name: str, M: int, V: int) -> None:
@@ -363,13 +361,13 @@ class PipelineSchedule(_Schedule):
 
 class ZeroBubbleSchedule(_Schedule):
     """ZB-H1: 1F1B with each backward split into B (the input's gradient, sent on at once) and
-    W (the weights' gradient, deferred into the bubble); see plan.py."""
+    W (the weights' gradient, deferred into the bubble); see zero_bubble.py."""
     name = "zero_bubble"
 
 
 class ZBVSchedule(_Schedule):
     """ZB-V: two chunks per rank placed in a V (chunk 0 down the ranks, chunk 1 back up), each
-    backward split into B and W; see plan.py."""
+    backward split into B and W; see zero_bubble.py."""
     name = "zbv"
 
     def __init__(self, num_microbatches: int, tensor_shape: Optional[Sequence[int]] = None,

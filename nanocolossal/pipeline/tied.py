@@ -29,7 +29,7 @@ from torch import nn
 
 from ..context import gpc
 from ..extensions import Extension
-from .plan import stage_rank
+from .steps import stage_rank
 
 Tied = list[tuple[nn.Parameter, Optional[dist.ProcessGroup]]]
 
