@@ -11,9 +11,9 @@ Who writes: data-parallel rank 0 of each (pipeline stage, tensor rank), one file
 with tensor parallelism; `-expert{e}` from each rank e of the first expert-parallel group with
 parallel.moe: each holds other experts). Replicas are identical, so one copy suffices;
 everyone waits at a barrier until the files exist. Under ZeRO the replicas' optimizer states are
-not identical but pieces: every data rank r writes its own beside its stage's file
-(`ckpt-zero{r}.pt`, zero/state.py; at level 3 its pieces of the parameters too, None in the
-stage file); a ZeRO job's rank reads only the files holding its own pieces (zero/load.py),
+not identical but shards: every data rank r writes its segments beside its stage's file
+(`ckpt-zero{r}.pt`, zero/state.py; at level 3 its segments of the parameters too, None in the
+stage file); a ZeRO job's rank reads only the files holding its own segments (zero/load.py),
 anything else puts them all back together (`complete_zero_state`).
 Tensor-parallel files record how each parameter was cut, so `merge_checkpoint(path)` rebuilds
 the plain model's state_dict from all of them offline, and `load_plain_state_dict` loads a plain
@@ -78,8 +78,8 @@ from .context import gpc
 from .logging import get_dist_logger
 from .tensor.base import _axis, grid_side
 from .zero import ShardedOptimizer
-from .zero.load import load_model_entries, read_my_pieces
-from .zero.state import my_pieces, skeleton
+from .zero.load import load_model_entries, read_my_segments
+from .zero.state import my_segments, skeleton
 
 
 def stage_path(path: PathLike, stage: Optional[int] = None,
@@ -165,13 +165,13 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
     save_id = [f"{os.getpid()}-{time.time_ns()}"]
     if gpc.is_initialized and gpc.world_size > 1:
         dist.broadcast_object_list(save_id, src=0)  # one id for the whole set of stage files
-    if isinstance(optimizer, ShardedOptimizer):  # ZeRO: every data rank writes its own pieces
-        atomic_save({"save_id": save_id[0], **my_pieces(optimizer)},
+    if isinstance(optimizer, ShardedOptimizer):  # ZeRO: every data rank writes its own segments
+        atomic_save({"save_id": save_id[0], **my_segments(optimizer)},
                     zero_path(stage_path(path), optimizer.rank))
         optimizer_state = {"zero_files": optimizer.size, **skeleton(optimizer)}
     else:
         optimizer_state = optimizer.state_dict() if optimizer is not None else None
-    if isinstance(optimizer, ShardedOptimizer) and optimizer.level == 3:  # no gather: my pieces
+    if isinstance(optimizer, ShardedOptimizer) and optimizer.level == 3:  # no gather: my segments
         sharded = {k for names in optimizer.param_names() for k in names}  # are in ckpt-zero{r}
         model_state = {k: None if k in sharded else v.detach() for k, v in
                        strip_prefixes(unwrap(model).state_dict(keep_vars=True)).items()}
@@ -208,8 +208,8 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None,
         _refuse_other_layout(path, trusted)
         raise FileNotFoundError(f"[rank {gpc.rank}] checkpoint {str(file)!r} not found")
     state = read_file(file, map_location or gpc.device, trusted)
-    # ZeRO: my pieces from the files that hold them (zero/load.py), else merged whole and cut
-    state = read_my_pieces(state, file, optimizer, trusted) or complete_zero_state(state, file,
+    # ZeRO: my segments from the files that hold them (zero/load.py), else merged whole and cut
+    state = read_my_segments(state, file, optimizer, trusted) or complete_zero_state(state, file,
                                                                                   trusted)
     _check_layout(state, file, path)
     _check_cut(state, file, path, model)

@@ -141,7 +141,7 @@ def check_one_save(stages: list[dict]) -> None:
 
 
 def zero_path(file: PathLike, rank: int) -> Path:
-    """The file ZeRO's data rank `rank` writes its optimizer pieces to, beside its stage's file:
+    """The shard file ZeRO's data rank `rank` writes its segments to, beside its stage's file:
     ckpt.pt -> ckpt-zero1.pt, ckpt-stage0-tensor1.pt -> ckpt-stage0-tensor1-zero1.pt."""
     file = Path(file)
     return file.with_name(f"{file.stem}-zero{rank}{file.suffix}")

@@ -3,7 +3,7 @@
 checkpoint.py writes one file per (pipeline stage, tensor rank, expert rank). This needs no running
 job: with the files of one save, read without trusting them (checkpoint_files.py), it turns
 any layout's files into the plain model's state_dict (`merge_checkpoint`), which
-`load_plain_state_dict` cuts into any other layout; a ZeRO save's pieces are put back first
+`load_plain_state_dict` cuts into any other layout; a ZeRO save's segments are put back first
 (`complete_zero_state`, with zero/state.py's `assemble`).
 
 Merging. Tensor-parallel files record how each parameter was cut (`tensor_splits`, keyed by
@@ -43,7 +43,7 @@ def tensor_layout(model: nn.Module) -> dict[str, list]:
 
 
 def complete_zero_state(state: dict, file: PathLike, trusted: bool = False) -> dict:
-    """A ZeRO save's stage file holds a skeleton; its data ranks' pieces lie beside it (zero/
+    """A ZeRO save's stage file holds a skeleton; its data ranks' segments lie beside it (zero/
     state.py). Put them back: the plain optimizer state, and at level 3 the model's sharded
     parameters (None in the file). Any other file's state is returned as it is."""
     saved = state.get("optimizer")
@@ -62,7 +62,7 @@ def complete_zero_state(state: dict, file: PathLike, trusted: bool = False) -> d
 
 def load_optimizer_state(file: PathLike, trusted: bool = False) -> Any:
     """The optimizer state saved in `file` (one stage's file, or `ckpt.pt` of a save without
-    stages) -- saved under ZeRO, the plain state merged from its data ranks' pieces, which loads
+    stages) -- saved under ZeRO, the plain state merged from its data ranks' segments, which loads
     into one process's torch optimizer (state["optimizer"]) or any data size's ZeRO optimizer."""
     return complete_zero_state(read_file(file, "cpu", trusted), file, trusted).get("optimizer")
 

@@ -159,25 +159,35 @@ class ParallelContext:
 
     def _reset(self) -> None:
         self.config: Config = Config()
-        self.rank, self.world_size, self.local_rank = 0, 1, 0
+        self.rank = 0
+        self.world_size = 1
+        self.local_rank = 0
         self.device = torch.device("cpu")
         self.backend: Optional[str] = None
         self.timeout = timedelta(seconds=300)
-        self.pipeline_size, self.pipeline_rank = 1, 0
-        self.data_size, self.data_rank = 1, 0
+        self.pipeline_size = 1
+        self.pipeline_rank = 0
+        self.data_size = 1
+        self.data_rank = 0
         self.pipeline_group: Optional[dist.ProcessGroup] = None
         self.data_group: Optional[dist.ProcessGroup] = None
         self.pipeline_ranks: list[int] = [0]   # global ranks of my pipeline, stage order
         self.data_ranks: list[int] = [0]       # global ranks holding my stage, data order
-        self.tensor_size, self.tensor_rank, self.tensor_mode = 1, 0, None
+        self.tensor_size = 1
+        self.tensor_rank = 0
+        self.tensor_mode: Optional[str] = None
         self.tensor_group: Optional[dist.ProcessGroup] = None
         self.tensor_ranks: list[int] = [0]
         self.tensor_row_group: Optional[dist.ProcessGroup] = None   # 2d only
         self.tensor_col_group: Optional[dist.ProcessGroup] = None
-        self.grid_row, self.grid_col, self.summa_dim = 0, 0, 1  # 2d: my place in the q x q grid
+        # 2d: my place in the q x q grid
+        self.grid_row = 0
+        self.grid_col = 0
+        self.summa_dim = 1
         # 2.5d: `tensor_depth` stacked grids; mine is number grid_depth; the depth group holds
         # my weight blocks in every grid
-        self.tensor_depth, self.grid_depth = 1, 0
+        self.tensor_depth = 1
+        self.grid_depth = 0
         self.tensor_depth_group: Optional[dist.ProcessGroup] = None
         self.tensor_depth_ranks: list[int] = [0]
         # 2d, 2.5d: the ranks splitting the batch that hold the same features (my column of
@@ -186,7 +196,10 @@ class ParallelContext:
         self.tensor_batch_group: Optional[dist.ProcessGroup] = None
         self.tensor_batch_ranks: list[int] = [0]
         # 3d: my place in the q x q x q cube, and the groups along each of its axes
-        self.cube_dim, self.cube_x, self.cube_y, self.cube_z = 1, 0, 0, 0
+        self.cube_dim = 1
+        self.cube_x = 0
+        self.cube_y = 0
+        self.cube_z = 0
         self.tensor_x_group: Optional[dist.ProcessGroup] = None
         self.tensor_y_group: Optional[dist.ProcessGroup] = None
         self.tensor_z_group: Optional[dist.ProcessGroup] = None
@@ -199,7 +212,8 @@ class ParallelContext:
         self.tensor_xy_ranks: list[int] = [0]
         self.tensor_xz_ranks: list[int] = [0]
         # Colossal-AI's names: my index IN my row group (grid_col), IN my column group (grid_row)
-        self.tensor_row_rank, self.tensor_col_rank = 0, 0
+        self.tensor_row_rank = 0
+        self.tensor_col_rank = 0
         self.tensor_row_ranks: list[int] = [0]
         self.tensor_col_ranks: list[int] = [0]
         # pipeline x tensor ranks of my replica
@@ -210,7 +224,8 @@ class ParallelContext:
         self.gradient_ranks: list[int] = [0]
         # expert parallelism (parallel.moe): my EP group, and per exchange block G the data
         # ranks that hold the same experts as I do (moe/grads.py sums expert gradients there)
-        self.moe_size, self.ep_rank = 1, 0
+        self.moe_size = 1
+        self.ep_rank = 0
         self.ep_group: Optional[dist.ProcessGroup] = None
         self.ep_ranks: list[int] = [0]
         self.expert_data_groups: dict[int, tuple[Optional[dist.ProcessGroup], list[int]]] = {}
@@ -234,10 +249,18 @@ class ParallelContext:
     def init(self, config: Config, rank: int, world_size: int, local_rank: int,
              device: torch.device, backend: str, timeout: timedelta) -> None:
         """Record this process's place and build every group of the layout (collective)."""
-        self.config, self.device, self.backend, self.timeout = config, device, backend, timeout
-        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.config = config
+        self.device = device
+        self.backend = backend
+        self.timeout = timeout
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
         P, T, D, mode = self.parallel_sizes(config, world_size)
-        self.pipeline_size, self.tensor_size, self.data_size, self.tensor_mode = P, T, D, mode
+        self.pipeline_size = P
+        self.tensor_size = T
+        self.data_size = D
+        self.tensor_mode = mode
         self.data_rank, self.pipeline_rank, self.tensor_rank = coordinates(rank, P, T)
         self.moe_size = moe_size(config)
         depth = parallel_settings(config)[4]
@@ -246,7 +269,8 @@ class ParallelContext:
         for kind in ("data", "pipeline", "tensor", "row", "col", "depth", "batch", "cube_x",
                      "cube_y", "cube_z", "plane_xy", "plane_xz", "model", "gradient"):
             if kind == "gradient" and mode != "sequence":  # the data group itself
-                self.gradient_group, self.gradient_ranks = self.data_group, self.data_ranks
+                self.gradient_group = self.data_group
+                self.gradient_ranks = self.data_ranks
                 continue
             for ranks in getattr(groups, kind):
                 group = self._new_group(ranks)
@@ -258,23 +282,29 @@ class ParallelContext:
                     setattr(self, f"{name}_group", group)
                     setattr(self, f"{name}_ranks", ranks)
         if mode in ("2d", "2.5d"):
-            self.tensor_depth, q = depth, math.isqrt(T // depth)
+            q = math.isqrt(T // depth)
+            self.tensor_depth = depth
             self.summa_dim = q
             self.grid_depth, in_grid = divmod(self.tensor_rank, q * q)
             self.grid_row, self.grid_col = divmod(in_grid, q)
             # as Colossal-AI: the rank *within* my row group is my column index, and vice versa
-            self.tensor_row_rank, self.tensor_col_rank = self.grid_col, self.grid_row
+            self.tensor_row_rank = self.grid_col
+            self.tensor_col_rank = self.grid_row
             if depth == 1:
-                self.tensor_batch_group, self.tensor_batch_ranks = (self.tensor_col_group,
-                                                                    self.tensor_col_ranks)
+                self.tensor_batch_group = self.tensor_col_group
+                self.tensor_batch_ranks = self.tensor_col_ranks
         if mode == "3d":
             q = self.cube_dim = round(T ** (1 / 3))
             t = self.tensor_rank
-            self.cube_x, self.cube_y, self.cube_z = t // (q * q), t // q % q, t % q
+            self.cube_x = t // (q * q)
+            self.cube_y = t // q % q
+            self.cube_z = t % q
         for ranks in groups.ep:
             group = self._new_group(ranks)
             if rank in ranks:
-                self.ep_group, self.ep_ranks, self.ep_rank = group, ranks, ranks.index(rank)
+                self.ep_group = group
+                self.ep_ranks = ranks
+                self.ep_rank = ranks.index(rank)
         for g, lists in groups.expert_data.items():
             for ranks in lists:
                 group = self._new_group(ranks) if len(ranks) > 1 else None

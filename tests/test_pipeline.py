@@ -22,7 +22,8 @@ import nanocolossal as nc
 from nanocolossal.checkpoint import merge_pipeline_checkpoint, save_checkpoint
 from nanocolossal.context import gpc
 from nanocolossal.pipeline import build_pipeline_model, compute_order, make_schedule, p2p
-from nanocolossal.pipeline.plan import Comm, build_plan, step_label
+from nanocolossal.pipeline.plan import build_plan
+from nanocolossal.pipeline.steps import Comm, step_label
 from nanocolossal.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(150)
@@ -72,7 +73,7 @@ def test_gloo_pipeline_1f1b_on_two_stages_equals_one_process():
 
 
 def test_gloo_zero_bubble_splits_each_backward_and_still_equals_one_process():
-    """ZB-H1 (plan.py) runs each backward as two steps: B, the gradient of the stage's input,
+    """ZB-H1 (zero_bubble.py) runs each backward as two steps: B, the gradient of the stage's input,
     which the previous stage waits for, and later W, the gradient of the weights, which nobody
     waits for and so fills the idle time. Same sums in another order: the same training."""
     stage1 = compute_order("zero_bubble", 2, 4, 1, rank=1)
@@ -84,9 +85,10 @@ def test_gloo_zero_bubble_splits_each_backward_and_still_equals_one_process():
 
 
 def test_gloo_zbv_places_two_chunks_in_a_v_and_still_equals_one_process():
-    """ZB-V (plan.py): each rank holds two chunks, in a V -- rank 0 the first and the last part,
-    rank 1 the two middle ones, which it hands over in memory, with no message. Each backward is
-    split into B and W, and the W's fill the time 1F1B would idle. The same training."""
+    """ZB-V (zero_bubble.py): each rank holds two chunks, in a V -- rank 0 the first and the last
+    part, rank 1 the two middle ones, which it hands over in memory, with no message. Each
+    backward is split into B and W, and the W's fill the time 1F1B would idle. The same
+    training."""
     plan1 = build_plan("zbv", 2, 4, 2, rank=1)
     sent = [t for s in plan1 if isinstance(s, Comm) for t in s.sends + s.recvs]
     assert sent and not [t for t in sent if {t.src, t.dst} == {1, 2}], "parts 1 -> 2: in memory"

@@ -17,16 +17,9 @@ from nanocolossal.pipeline import (
     simulate,
 )
 from nanocolossal.pipeline.__main__ import main as show_main
-from nanocolossal.pipeline.plan import (
-    Comm,
-    Compute,
-    build_plan,
-    one_f_one_b,
-    round_plan,
-    stage_rank,
-    v_shaped,
-)
+from nanocolossal.pipeline.plan import build_plan, one_f_one_b, round_plan
 from nanocolossal.pipeline.simulate import bubble_formula, timeline
+from nanocolossal.pipeline.steps import Comm, Compute, stage_rank, step_label, v_shaped
 
 GRID = [
     (s, P, M, V)
@@ -309,7 +302,6 @@ def test_partition_errors(two_stages, kwargs, error, message):
 
 @pytest.mark.parametrize("V, first, last", [(10, "F0a", "F1j"), (30, "F0.0", "F1.29")])
 def test_more_than_eight_chunks_render_with_distinct_labels(V, first, last):
-    from nanocolossal.pipeline.plan import step_label
     text = render("interleaved", 2, 2, V)
     assert first in text and last in text
     labels = {step_label(s, V) for s in build_plan("interleaved", 2, 2, V,

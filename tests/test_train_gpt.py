@@ -55,7 +55,8 @@ def test_deep_train_gpt_final_loss_and_sample_are_the_same_for_every_layout(tmp_
 def test_deep_the_tied_embedding_stays_one_table_across_pipeline_stages(tmp_path, layout):
     """The token embedding (stage 0) and the classifier (stage 1) hold copies of one table:
     after training they are still equal, and equal to one process's single table. (ZeRO 2: each
-    stage's data ranks hold pieces of the table's gradient, summed across stages piece by piece.)"""
+    stage's data ranks hold segments of the table's gradient, summed across stages segment by
+    segment.)"""
     _run(tmp_path, layout, "--checkpoint", "pp.pt")
     _run(tmp_path, "one process", "--checkpoint", "one.pt")
     pipelined, single = merge_checkpoint(tmp_path / "pp.pt"), merge_checkpoint(tmp_path / "one.pt")

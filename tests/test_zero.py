@@ -116,7 +116,7 @@ def _train_engine(engine, steps, rank, world_size, accum, first=0):
         assert stepped
         if engine.clip_grad_norm:
             norms.append(engine.last_grad_norm)
-        if engine.optimizer.level == 2:  # only the shard's pieces of the gradients are kept
+        if engine.optimizer.level == 2:  # only the shard's segments of the gradients are kept
             assert all(p.grad is None for p in engine.model.parameters())
     return norms
 
@@ -192,7 +192,7 @@ HANDLER = {"gradient_handler": [{"type": "DataParallelGradientHandler"}]}
                          ids=["ddp", "zero1", "zero2", "zero3", "handler"])
 def test_deep_two_backwards_before_a_step_add_up_as_in_one_process(config):
     """loss_a.backward(); loss_b.backward(); step(): .grad holds the sum of both, as it does in
-    one process -- at level 2 each backward's reduced pieces are added to my shard's."""
+    one process -- at level 2 each backward's reduced segments are added to my shard's."""
     run_ranks(_two_backwards_worker, 2, config, timeout=90)
 
 
@@ -251,20 +251,20 @@ def _resume_worker(rank, world_size, port, level, path):
     return {k: v.clone() for k, v in engine.model.state_dict().items()}
 
 
-def test_deep_zero_checkpoint_is_one_file_of_pieces_per_data_rank(tmp_path):
-    """4 ranks save: each writes only its pieces of the optimizer state (no rank gathers it all),
-    the pieces cover every element that has state exactly once, and the main file keeps only the
-    skeleton. A piece file left from another save is refused, naming the files."""
+def test_deep_zero_checkpoint_is_one_shard_file_per_data_rank(tmp_path):
+    """4 ranks save: each writes only its segments of the optimizer state (no rank gathers it
+    all), the segments cover every element that has state exactly once, and the main file keeps
+    only the skeleton. A shard file left from another save is refused, naming the files."""
     path = tmp_path / "ckpt.pt"
     run_ranks(_save_worker, 4, 2, path, timeout=60)
     main = read_file(path, "cpu")["optimizer"]
     assert main["zero_files"] == 4 and "optimizer" not in main and "state" not in main
     covered = {}  # parameter index -> elements with state, over all files
     for r in range(4):
-        pieces = read_file(tmp_path / f"ckpt-zero{r}.pt", "cpu")
-        mine = sum(hi - lo for parts in pieces["state"].values() for lo, hi, _ in parts)
+        segments = read_file(tmp_path / f"ckpt-zero{r}.pt", "cpu")
+        mine = sum(hi - lo for parts in segments["state"].values() for lo, hi, _ in parts)
         assert mine <= math.ceil(121 / 4) + math.ceil(20 / 4), "one shard of each flat buffer"
-        for index, parts in pieces["state"].items():
+        for index, parts in segments["state"].items():
             for lo, hi, state in parts:
                 assert state["exp_avg"].numel() == hi - lo
                 covered.setdefault(index, []).append((lo, hi))

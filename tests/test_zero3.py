@@ -198,7 +198,7 @@ def _resume_worker(rank, world_size, port, path):
 
 def test_deep_zero3_checkpoint_is_the_plain_models_and_resumes_exactly(tmp_path):
     """Saved by 2 ranks after 3 steps: no rank gathered the model -- the file has the plain
-    model's keys with None for the sharded parameters, whose pieces each rank wrote to its own
+    model's keys with None for the sharded parameters, whose segments each rank wrote to its own
     file -- and put together (complete_zero_state, merge_checkpoint) it is the plain model's
     state_dict; its optimizer loads into a plain AdamW; 2 more steps on 2 or 4 ranks end where
     one process ends."""
@@ -211,8 +211,8 @@ def test_deep_zero3_checkpoint_is_the_plain_models_and_resumes_exactly(tmp_path)
     assert list(on_disk["model"]) == list(single.state_dict())
     assert all(v is None for v in on_disk["model"].values())  # every parameter is sharded
     for r in range(2):  # each rank's file: its half of the parameters, not more
-        pieces = read_file(tmp_path / f"ckpt-zero{r}.pt", "cpu")["params"]
-        assert sum(hi - lo for _, lo, hi, _ in pieces) <= sum(
+        segments = read_file(tmp_path / f"ckpt-zero{r}.pt", "cpu")["params"]
+        assert sum(hi - lo for _, lo, hi, _ in segments) <= sum(
             math.ceil(p.numel() / 2) for p in single.parameters())
     state = complete_zero_state(on_disk, path)
     assert list(state["model"]) == list(single.state_dict())

@@ -162,7 +162,7 @@ def test_deep_zero3_o2_no_prefetch_equals_one_process():
     _check(ref, run_ranks(_branchy_train, 2, config, 2 * B, 3, 0, (1, 0), "nograd", timeout=60))
 
 
-# -- checkpoints: per-rank piece files, across data sizes, into / out of non-zero ----------------
+# -- checkpoints: per-rank shard files, across data sizes, into / out of non-zero ----------------
 
 def test_deep_zero3_o2_checkpoint_4_ranks_into_2_and_1_and_plain_ddp(tmp_path):
     """Level 3 O2 on 4 ranks (accumulation 2, overflow at step 1): 2 steps, saved; loaded into
@@ -191,10 +191,10 @@ def test_deep_zero3_o2_checkpoint_4_ranks_into_2_and_1_and_plain_ddp(tmp_path):
                              msg=lambda m: f"{world} ranks level {level} {key}: {m}")
 
 
-def test_deep_one_process_o2_checkpoint_into_zero3_and_stale_piece_files(tmp_path):
+def test_deep_one_process_o2_checkpoint_into_zero3_and_stale_shard_files(tmp_path):
     """One process O2 saves (no zero); 2 ranks of level 3 load it and continue. Then a 4-rank
     save and a 2-rank save to one path: the 4-rank save's zero2/zero3 files stay, and a load on
-    4 ranks must use the 2-rank save's pieces only."""
+    4 ranks must use the 2-rank save's segments only."""
     path = tmp_path / "single.pt"
     config = _config(3, accumulation=2)
     run_ranks(_branchy_train, 1, _no_zero(config), 8, 2, 0, (1, 0), "none", None, path,
@@ -321,7 +321,7 @@ def _gpt_worker(rank, world, port, config, save=None, load=None):
 
 def test_deep_zero3_o2_x_sequence_x_accumulation_x_clip_and_its_checkpoint(tmp_path):
     """data 2 x sequence 2, ZeRO 3, bf16 O2, accumulation 2, clip: one process's bf16 O2 to a
-    tolerance; its checkpoint (pieces of the 4-rank gradient group) loads into one process."""
+    tolerance; its checkpoint (segments of the 4-rank gradient group) loads into one process."""
     config = {"fp16": dict(mode=AMP_TYPE.NAIVE, dtype="bfloat16"), "gradient_accumulation": 2,
               "clip_grad_norm": 0.1}
     ref = run_ranks(_gpt_worker, 1, config, tmp_path / "one.pt", timeout=60)[0]
@@ -420,7 +420,7 @@ def test_deep_o2_zero3_checkpoint_into_an_fp32_job(into, tmp_path):
         assert (after[key] - params[key]).abs().max() <= 0.035, key
 
 
-# -- pipeline x ZeRO 2 x bf16 O2: one piece file per (stage, data rank), resumed elsewhere -------
+# -- pipeline x ZeRO 2 x bf16 O2: one shard file per (stage, data rank), resumed elsewhere -------
 
 @pytest.mark.parametrize("loaded_world, loaded_level", [(2, 0), (4, 1)],
                          ids=["into-data1-plain", "into-data2-zero1"])

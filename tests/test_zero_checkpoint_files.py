@@ -1,6 +1,6 @@
-"""Independent tests: ZeRO checkpoints as one file of pieces per data rank (ckpt-zero{r}.pt beside
+"""Independent tests: ZeRO checkpoints as one shard file per data rank (ckpt-zero{r}.pt beside
 the stage's skeleton), attacked where they meet other features: a weight tied between two
-children, buffers (BatchNorm running stats), a frozen parameter, AMP O2 (half pieces), tensor 1d
+children, buffers (BatchNorm running stats), a frozen parameter, AMP O2 (half segments), tensor 1d
 (load_plain_state_dict into another layout), sequence parallelism, the Trainer's resume, a
 second save with fewer data ranks over the same path (stale zero files), loading into a job
 without ZeRO or at level 1, a save without an optimizer, and weights-only reading of the zero
@@ -136,7 +136,7 @@ def test_deep_zero3_tied_checkpoint_resumes_anywhere_as_one_process(tmp_path):
             assert_close(state, expected.state_dict(), msg=lambda m: f"{name} rank {rank}: {m}")
 
 
-# -- AMP O2 x ZeRO 3: half pieces, fp32 masters; the file is the job's gathered state ------------
+# -- AMP O2 x ZeRO 3: half segments, fp32 masters; the file is the job's gathered state ------------
 
 def _o2_worker(rank, world_size, port, path, load, first, last, save, level=3, dtype="bfloat16"):
     config = {"fp16": dict(mode=AMP_TYPE.NAIVE, dtype=dtype)}
@@ -214,7 +214,7 @@ def test_deep_zero3_second_save_with_fewer_data_ranks_ignores_stale_zero_files(t
 
 
 def test_deep_zero2_save_over_a_zero3_save_with_more_ranks(tmp_path):
-    """Level 3 on 4 ranks, then level 2 on 2 ranks (no param pieces) over the same path."""
+    """Level 3 on 4 ranks, then level 2 on 2 ranks (no param segments) over the same path."""
     path = tmp_path / "ckpt.pt"
     _save_tied(path, world_size=4, steps=2)
     _save_tied(path, world_size=2, level=2, steps=3)
@@ -267,9 +267,9 @@ def test_deep_zero3_zero_files_are_read_weights_only(tmp_path):
     path = tmp_path / "ckpt.pt"
     _save_tied(path)
     zero1 = tmp_path / "ckpt-zero1.pt"
-    piece = torch.load(zero1, weights_only=True)
-    piece["evil"] = Evil()
-    torch.save(piece, zero1)
+    segments = torch.load(zero1, weights_only=True)
+    segments["evil"] = Evil()
+    torch.save(segments, zero1)
     with pytest.raises(UnsafeCheckpointError):
         load_optimizer_state(path)
     with pytest.raises(UnsafeCheckpointError):
@@ -434,7 +434,7 @@ def test_deep_zero_x_pipeline_stage_files_hold_each_stages_optimizer_state(tmp_p
                              **F64, msg=lambda m: f"level {level} stage {stage} {i}: {m}")
 
 
-# -- a zero-size parameter under level 3: no rank holds a piece of it ------------------------------
+# -- a zero-size parameter under level 3: no rank holds a segment of it ----------------------------
 
 class WithEmpty(nn.Module):
     def __init__(self) -> None:

@@ -208,7 +208,7 @@ def _load_worker(rank, world_size, port, level, offload):
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_deep_zero_offload_masters_follow_a_model_loaded_after_initialize(level):
     """The step updates the weights just loaded into the model, not the CPU's older copies:
-    the fp32 masters follow a model load as the model's own pieces do without offload."""
+    the fp32 masters follow a model load as the model's own segments do without offload."""
     _assert_equal(run_ranks(_load_worker, 2, level, "cpu"),
                   run_ranks(_load_worker, 2, level, None))
 

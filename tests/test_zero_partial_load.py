@@ -1,4 +1,4 @@
-"""Loading a ZeRO checkpoint, each rank reads only the piece files that hold its own shard
+"""Loading a ZeRO checkpoint, each rank reads only the shard files that hold its own shard
 (zero/load.py) -- and what it loads is exactly what the plain route (every file merged into
 whole tensors) gives, and training goes on as one process would.
 
@@ -64,10 +64,10 @@ def _job(rank, world_size, port, level, path, load, first, last, save):
     if load:
         plain_read = checkpoint_files.read_file
 
-        def recording(file, *args, **kwargs):  # every ZeRO piece file this rank opens
+        def recording(file, *args, **kwargs):  # every ZeRO shard file this rank opens
             read.append(int(str(file).rsplit("-zero", 1)[1].split(".")[0]))
             return plain_read(file, *args, **kwargs)
-        readers = (checkpoint_files, checkpoint_merge)  # my pieces / the plain route
+        readers = (checkpoint_files, checkpoint_merge)  # my segments / the plain route
         for module in readers:
             module.read_file = recording
         try:
@@ -108,7 +108,7 @@ def _expected_files(level, saved_by, loaded_by, rank):
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])
-def test_deep_zero_load_reads_only_the_piece_files_holding_my_shard(tmp_path, level):
+def test_deep_zero_load_reads_only_the_shard_files_holding_my_shard(tmp_path, level):
     """Saved by 2 ranks: loaded by 2 (a resume) and 4; saved by 4: loaded by 2 and 1."""
     expected = _one_process(3)
     for saved_by, loads in ((2, (2, 4)), (4, (2, 1))):
@@ -128,17 +128,23 @@ def test_deep_zero_load_reads_only_the_piece_files_holding_my_shard(tmp_path, le
             assert sorted({q for read, *_ in results for q in read}) == list(range(saved_by))
 
 
-def test_deep_zero3_save_without_the_pieces_list_loads_by_merging_every_file(tmp_path):
-    """A save older than the list of pieces (or one that lost it) takes the plain route:
-    every rank reads every file, and resumes exactly as well."""
+@pytest.mark.parametrize("listed_as, reads", [(None, "every file"), ("pieces", "its own")])
+def test_deep_zero3_save_without_the_segments_list_merges_every_file_unless_named_pieces(
+        tmp_path, listed_as, reads):
+    """A save older than the list of segments (or one that lost it) takes the plain route:
+    every rank reads every file, and resumes exactly as well. A save that lists them under their
+    older name, "pieces", still reads only the files it needs."""
     path = str(tmp_path / "ckpt.pt")
     run_ranks(_job, 2, 3, path, False, 0, 2, True, timeout=60)
     stage = read_file(path, "cpu")
-    del stage["optimizer"]["pieces"]
+    segments = stage["optimizer"].pop("segments")
+    if listed_as is not None:
+        stage["optimizer"][listed_as] = segments
     torch.save(stage, path)
     expected = _one_process(3)
-    for read, _, after in run_ranks(_job, 2, 3, path, True, 2, 3, False, timeout=60):
-        assert read == [0, 1]
+    for rank, (read, _, after) in enumerate(run_ranks(_job, 2, 3, path, True, 2, 3, False,
+                                                      timeout=60)):
+        assert read == ([0, 1] if reads == "every file" else [rank]), (reads, read)
         assert_close(after, expected, rtol=0, atol=1e-6)
 
 
@@ -151,22 +157,22 @@ def _load_only(rank, world_size, port, level, path):
 
 
 @pytest.mark.parametrize("level", [2, 3])
-def test_deep_zero_piece_file_missing_a_piece_is_an_error_naming_what_lacks(tmp_path, level):
+def test_deep_zero_shard_file_missing_a_segment_is_an_error_naming_what_lacks(tmp_path, level):
     path = str(tmp_path / "ckpt.pt")
     run_ranks(_job, 2, level, path, False, 0, 2, True, timeout=60)
-    piece_file = tmp_path / "ckpt-zero1.pt"
-    pieces = read_file(piece_file, "cpu")
-    index, parts = next(iter(pieces["state"].items()))
+    shard_file = tmp_path / "ckpt-zero1.pt"
+    segments = read_file(shard_file, "cpu")
+    index, parts = next(iter(segments["state"].items()))
     lo, hi, state = parts[0]
     parts[0] = (lo, hi - 1, {k: v[:-1] if v.dim() else v for k, v in state.items()})
-    torch.save(pieces, piece_file)
+    torch.save(segments, shard_file)
     with pytest.raises(AssertionError, match=r"rank 1.*ckpt-zero1.pt.*hold .* of the .* "
                                              r"elements.*older checkpoint"):
         run_ranks(_load_only, 2, level, path, timeout=60)
 
 
 # -- partial load x layouts, schedulers under ZeRO, level 3's unit-order check ------------------
-# ZeRO checkpoints loaded piece by piece (zero/load.py), LR schedulers built on the user's
+# ZeRO checkpoints loaded segment by segment (zero/load.py), LR schedulers built on the user's
 # optimizer before nc.initialize under ZeRO, and level 3's unit-order check (zero/unit_order.py).
 #
 # The partial load is compared with the library's plain route (complete_zero_state: every file
@@ -271,7 +277,7 @@ def _routes_job(rank, world_size, port, config, name, path, first):
     _launch(config, rank, world_size, port)
     model = MODELS[name]()
     engine, *_ = nc.initialize(model, _two_groups(model), nn.CrossEntropyLoss(), verbose=False)
-    real = ckpt.read_my_pieces
+    real = ckpt.read_my_segments
     took = []
 
     def recording(*args, **kwargs):
@@ -280,11 +286,11 @@ def _routes_job(rank, world_size, port, config, name, path, first):
         return out
     out = {}
     for route in ("partial", "plain"):
-        ckpt.read_my_pieces = recording if route == "partial" else (lambda *a, **k: None)
+        ckpt.read_my_segments = recording if route == "partial" else (lambda *a, **k: None)
         try:
             load_checkpoint(path, engine.model, engine.optimizer)
         finally:
-            ckpt.read_my_pieces = real
+            ckpt.read_my_segments = real
         opt_state = copy.deepcopy(engine.optimizer.state_dict())
         loaded = _state(engine.model)
         groups = [{k: v for k, v in g.items() if k != "params"}

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 from ..config import ConfigError
 from ..context import gpc
 from ..pipeline import PipelineChunks, PipelineStage, make_schedule
-from ..pipeline.plan import v_shaped
+from ..pipeline.steps import v_shaped
 
 
 def check_tensor_parallel_model(model: nn.Module) -> None:

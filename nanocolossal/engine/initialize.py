@@ -56,7 +56,7 @@ from ..loss_weights import CountedTargets, counts_targets, weighed_ranks
 from ..moe import MoeGradientHandler, moe_layers
 from ..moe.settings import moe_aux_weight
 from ..pipeline.moe_aux import MoeAuxLoss
-from ..pipeline.plan import virtual_stage
+from ..pipeline.steps import virtual_stage
 from ..pipeline.tied import TiedGradients
 from ..replicas import broadcast_replicas
 from ..sequence import check_sequence_model, sequence_attention, split_loader

@@ -1,7 +1,9 @@
 """Pipeline parallelism: cut an nn.Sequential into stages and stream micro-batches through them.
 
     partition.py  build_pipeline_model: which layers live on which rank
-    plan.py       GPipe / 1F1B / interleaved 1F1B / ZB-H1 as per-rank step lists
+    steps.py      what a plan is made of: compute steps, messages, which rank holds which part
+    plan.py       GPipe / 1F1B / interleaved 1F1B as per-rank step lists; picks a schedule's plan
+    zero_bubble.py  ZB-H1 and ZB-V: the backward split into B and W, W's filling the bubble
     simulate.py   run plans without processes (deadlocks, memory) and draw their timelines
     p2p.py        batched sends/receives between neighbouring stages, with a shape handshake
     schedule.py   the executor that runs a plan: forward_backward_step
@@ -11,15 +13,7 @@
 """
 from ..config import Config, ConfigError, register_check
 from .partition import PipelineChunks, PipelineStage, balanced_split, build_pipeline_model
-from .plan import (
-    SCHEDULES,
-    PlanError,
-    all_plans,
-    build_plan,
-    compute_order,
-    one_f_one_b,
-    warmup_count,
-)
+from .plan import SCHEDULES, all_plans, build_plan, compute_order, one_f_one_b, warmup_count
 from .schedule import (
     GPipeSchedule,
     InterleavedPipelineSchedule,
@@ -28,6 +22,7 @@ from .schedule import (
     make_schedule,
 )
 from .simulate import render, simulate
+from .steps import PlanError
 
 __all__ = ["GPipeSchedule", "InterleavedPipelineSchedule", "PipelineChunks", "PipelineSchedule",
            "PipelineStage",

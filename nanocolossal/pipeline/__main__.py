@@ -9,8 +9,9 @@ simulating it. No processes are started.
 import argparse
 import sys
 
-from .plan import SCHEDULES, PlanError, all_plans, v_shaped
+from .plan import SCHEDULES, all_plans
 from .simulate import render, simulate
+from .steps import PlanError, v_shaped
 
 
 def main(argv=None) -> int:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..context import gpc
-from .plan import Transfer, stage_rank
+from .steps import Transfer, stage_rank
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.uint8, torch.bool]

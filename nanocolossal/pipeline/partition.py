@@ -31,7 +31,7 @@ from torch import nn
 
 from ..context import gpc
 from ..logging import get_dist_logger
-from .plan import stage_rank, v_shaped, virtual_stage
+from .steps import stage_rank, v_shaped, virtual_stage
 from .tied import tie_across_stages
 
 

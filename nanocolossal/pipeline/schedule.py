@@ -42,31 +42,23 @@ from torch import nn
 from ..context import gpc
 from ..extensions import Extension, synchronising
 from .p2p import StageComm
-from .plan import (
-    SCHEDULES,
+from .plan import SCHEDULES, build_plan, check_sizes
+from .split_backward import SplitBackward
+from .steps import (
     Comm,
     Compute,
     PlanError,
     Transfer,
-    build_plan,
-    check_sizes,
     handed_over,
     stage_rank,
     step_label,
     v_shaped,
     virtual_stage,
 )
-from .split_backward import SplitBackward
-
-
-def _check(name: str, M: int, V: int) -> None:
-    try:
-        check_sizes(name, gpc.pipeline_size, M, V)
-    except PlanError as e:
-        raise PlanError(f"[rank {gpc.rank}] {e}") from None
 
 
 class _Schedule:
+    """A pipeline schedule: its name picks the plan (plan.py), forward_backward_step runs it."""
     name = ""
 
     def __init__(self, num_microbatches: int, tensor_shape: Optional[Sequence[int]] = None,
@@ -77,6 +69,57 @@ class _Schedule:
         self.max_in_flight = 0  # most micro-batches whose activations were held at once (last call)
         # (step, start, end) wall times
         self.recorder: Optional[Callable[[str, float, float], None]] = None
+
+    def forward_backward_step(self, model: Any, batch: Any, criterion: Optional[Callable] = None,
+                              forward_only: bool = False, return_loss: bool = True,
+                              loss_scale: float = 1.0, extensions: Sequence[Extension] = ()):
+        """Run one batch through the pipeline -> (output, label, loss); see the module docstring."""
+        chunks = list(model) if isinstance(model, (nn.ModuleList, list, tuple)) else [model]
+        self._check_call(chunks)
+        x_mb, y_mb, labels = self._split(batch)
+        run = _Run(self, chunks, criterion, not forward_only, loss_scale, x_mb, y_mb, extensions)
+        self._check_criterion(run, criterion, forward_only, return_loss)
+        for i, step in self._steps(run.plan):  # (each step's wall time to the recorder)
+            if isinstance(step, Comm):
+                run.exchange(self._comm, step, f"{self.name} step {i} of {len(run.plan)}")
+            elif step.kind == "F":
+                run.forward(step)
+            else:
+                run.backward(step, i)
+        self._end(run)
+        loss = run.reported_loss()
+        if not any(run.is_last):
+            return None, None, loss
+        return torch.cat(run.outputs), labels, loss
+
+    def _split(self, batch: Any) -> tuple[list, list, torch.Tensor]:
+        """M near-equal micro-batches (sizes differ by at most one: a last batch of 13 with M = 4
+        gives 4, 3, 3, 3), so any batch of at least M samples can run."""
+        inputs, labels = batch
+        M = self.num_microbatches
+        self._check_batch_size(len(inputs))
+        inputs = inputs.to(gpc.device, non_blocking=True)
+        labels = labels.to(gpc.device, non_blocking=True)
+        x_mb, y_mb = list(inputs.tensor_split(M)), list(labels.tensor_split(M))
+        if self._comm is None:  # made at the first batch, when the pipeline group exists
+            self._comm = StageComm(self.tensor_shape, v_shape=v_shaped(self.name))
+        self._comm.sizes = [len(x) for x in x_mb]  # a new micro-batch size: new activation shapes
+        return x_mb, y_mb, labels
+
+    def _end(self, run: "_Run") -> None:
+        """The plan is done: nothing left held or undelivered, the last sends waited for; the
+        most activations held at once kept for `max_in_flight`."""
+        assert not run.held and not run.outbox and not run.inbox, "plan left work undone"
+        self._comm.flush(f"the end of a {self.name} batch")
+        self.max_in_flight = run.max_in_flight
+
+    def _steps(self, plan: list) -> Iterator[tuple[int, Any]]:
+        """The plan's steps in order; each one's wall time to the recorder (Engine.trace)."""
+        for i, step in enumerate(plan):
+            started = time.time()
+            yield i, step
+            if self.recorder:
+                self.recorder(_label(step, self.num_chunks), started, time.time())
 
     def plan(self, rank: Optional[int] = None, stages: Optional[int] = None,
              forward_only: bool = False) -> list:
@@ -92,53 +135,6 @@ class _Schedule:
         P = gpc.pipeline_size
         return stage_rank(P * self.num_chunks - 1, P, v_shaped(self.name))
 
-    def _split(self, batch: Any) -> tuple[list, list, torch.Tensor]:
-        """M near-equal micro-batches (sizes differ by at most one: a last batch of 13 with M = 4
-        gives 4, 3, 3, 3), so any batch of at least M samples can run."""
-        inputs, labels = batch
-        n, M = len(inputs), self.num_microbatches
-        if n < M:
-            raise ValueError(f"[rank {gpc.rank}] batch size {n} is smaller than "
-                             f"NUM_MICRO_BATCHES={M}; use batches of at least {M} samples (or "
-                             f"drop_last=True in the dataloader)")
-        inputs = inputs.to(gpc.device, non_blocking=True)
-        labels = labels.to(gpc.device, non_blocking=True)
-        x_mb, y_mb = list(inputs.tensor_split(M)), list(labels.tensor_split(M))
-        self._comm.sizes = [len(x) for x in x_mb]  # a new micro-batch size: new activation shapes
-        return x_mb, y_mb, labels
-
-    def forward_backward_step(self, model: Any, batch: Any, criterion: Optional[Callable] = None,
-                              forward_only: bool = False, return_loss: bool = True,
-                              loss_scale: float = 1.0, extensions: Sequence[Extension] = ()):
-        """Run one batch through the pipeline -> (output, label, loss); see the module docstring."""
-        chunks = list(model) if isinstance(model, (nn.ModuleList, list, tuple)) else [model]
-        self._check_call(chunks)
-        x_mb, y_mb, labels = self._split(batch)
-        run = _Run(self, chunks, criterion, not forward_only, loss_scale, x_mb, y_mb, extensions)
-        self._check_criterion(run, criterion, forward_only, return_loss)
-        for i, step in self._steps(run.plan):
-            if isinstance(step, Comm):
-                run.exchange(self._comm, step, f"{self.name} step {i} of {len(run.plan)}")
-            elif step.kind == "F":
-                run.forward(step)
-            else:
-                run.backward(step, i)
-        assert not run.held and not run.outbox and not run.inbox, "plan left work undone"
-        self._comm.flush(f"the end of a {self.name} batch")
-        self.max_in_flight = run.max_in_flight
-        loss = run.reported_loss()
-        if not any(run.is_last):
-            return None, None, loss
-        return torch.cat(run.outputs), labels, loss
-
-    def _steps(self, plan: list) -> Iterator[tuple[int, Any]]:
-        """The plan's steps in order; each one's wall time to the recorder (Engine.trace)."""
-        for i, step in enumerate(plan):
-            started = time.time()
-            yield i, step
-            if self.recorder:
-                self.recorder(_label(step, self.num_chunks), started, time.time())
-
     # -- misuse, said before anything is sent --------------------------------------------------
     def _check_call(self, chunks: list) -> None:
         M, V = self.num_microbatches, self.num_chunks
@@ -147,8 +143,6 @@ class _Schedule:
             raise ValueError(f"[rank {gpc.rank}] {self.name} schedule expects {V} model chunk(s), "
                              f"got {len(chunks)}; build the model with build_pipeline_model(..., "
                              f"num_chunks={V})")
-        if self._comm is None:
-            self._comm = StageComm(self.tensor_shape, v_shape=v_shaped(self.name))
 
     def _check_criterion(self, run: "_Run", criterion: Optional[Callable], forward_only: bool,
                          return_loss: bool) -> None:
@@ -156,11 +150,12 @@ class _Schedule:
             raise ValueError(f"[rank {gpc.rank}] the last pipeline stage needs a criterion to "
                              f"compute the loss")
 
-
-def _label(step, V: int) -> str:
-    if isinstance(step, Comm):
-        return "send/recv " + ", ".join(f"{t.what}{t.mb}" for t in step.sends + step.recvs)
-    return step_label(step, V)
+    def _check_batch_size(self, n: int) -> None:
+        M = self.num_microbatches
+        if n < M:
+            raise ValueError(f"[rank {gpc.rank}] batch size {n} is smaller than "
+                             f"NUM_MICRO_BATCHES={M}; use batches of at least {M} samples (or "
+                             f"drop_last=True in the dataloader)")
 
 
 class _Run:
@@ -202,21 +197,6 @@ class _Run:
         self.loss_dtype: Optional[torch.dtype] = None  # known on the last stage only
         self.max_in_flight = 0
 
-    def _part(self, chunk: int) -> int:
-        return virtual_stage(chunk, gpc.pipeline_rank, self.P, self.v_shape)
-
-    def _deliver(self, t: Transfer, x: torch.Tensor) -> None:
-        """To the outbox for the next communication step, or, where both parts are on this rank
-        (zbv's bottom of the V), straight to the inbox: a hand-over, no message."""
-        (self.inbox if handed_over(t, self.P, self.v_shape) else self.outbox)[t] = x
-
-    def exchange(self, comm: StageComm, step: Comm, where: str) -> None:
-        """Post this step's sends and receives together (p2p.py); integer activations' gradients
-        are never sent."""
-        sends = {t: self.outbox.pop(t) for t in step.sends if t not in self.no_grad}
-        recvs = [t for t in step.recvs if t not in self.no_grad]
-        self.inbox.update(comm.exchange(sends, recvs, where))
-
     def forward(self, step: Compute) -> None:
         c, m, v = step.chunk, step.mb, self._part(step.chunk)
         x = self.x_mb[m] if v == 0 else self._receive(v, m)
@@ -234,6 +214,46 @@ class _Run:
         if self.training:
             self.held[(c, m)] = (x, backward_from, extra)
             self.max_in_flight = max(self.max_in_flight, len(self.held))
+
+    def backward(self, step: Compute, index: int) -> None:
+        """B: the whole backward, or where the plan splits it (zero_bubble, zbv) the input's
+        gradient only (split_backward.py), held for W; W: then the weights' gradients."""
+        c, m, v = step.chunk, step.mb, self._part(step.chunk)
+        # extensions: a chunk's gradients are averaged once, during its last backward (DDP)
+        with synchronising(self.extensions, c, last=index == self.last_backward[c]):
+            if step.kind == "W":
+                self.held.pop((c, m)).weight_grads()
+                return
+            x, backward_from, extra = self.held.pop((c, m))
+            roots, grads = _roots(backward_from, self._output_grad(backward_from, v, m, c),
+                                  extra, self.loss_scale)
+            if self.split:  # the graph stays held until W
+                weights = [p for p in self.chunks[c].parameters() if p.requires_grad]
+                split = SplitBackward(roots, grads, x if x.requires_grad else None, weights)
+                split.input_grad()
+                self.held[(c, m)] = split
+            elif roots:
+                torch.autograd.backward(roots, grads)
+        sent = Transfer("grad", v, v - 1, m)
+        if v > 0 and sent not in self.no_grad:
+            if x.grad is None:
+                raise_ignored_input(v, m)
+            self._deliver(sent, x.grad)
+
+    def exchange(self, comm: StageComm, step: Comm, where: str) -> None:
+        """Post this step's sends and receives together (p2p.py); integer activations' gradients
+        are never sent."""
+        sends = {t: self.outbox.pop(t) for t in step.sends if t not in self.no_grad}
+        recvs = [t for t in step.recvs if t not in self.no_grad]
+        self.inbox.update(comm.exchange(sends, recvs, where))
+
+    def _part(self, chunk: int) -> int:
+        return virtual_stage(chunk, gpc.pipeline_rank, self.P, self.v_shape)
+
+    def _deliver(self, t: Transfer, x: torch.Tensor) -> None:
+        """To the outbox for the next communication step, or, where both parts are on this rank
+        (zbv's bottom of the V), straight to the inbox: a hand-over, no message."""
+        (self.inbox if handed_over(t, self.P, self.v_shape) else self.outbox)[t] = x
 
     def _receive(self, v: int, m: int) -> torch.Tensor:
         """Micro-batch m's activation from part v - 1; while training it needs a gradient, unless
@@ -254,6 +274,15 @@ class _Run:
         if not output.is_floating_point():
             self.no_grad.add(Transfer("grad", v + 1, v, m))
         return output
+
+    def _output_grad(self, backward_from: torch.Tensor, v: int, m: int,
+                     c: int) -> Optional[torch.Tensor]:
+        """The last stage starts from its loss times the AMP loss scale; the others from the
+        gradient the next stage sent back (none for an integer output)."""
+        if self.is_last[c]:
+            return torch.full_like(backward_from, self.loss_scale)
+        back = Transfer("grad", v + 1, v, m)
+        return None if back in self.no_grad else self.inbox.pop(back)
 
     def _loss(self, output: torch.Tensor, m: int) -> Optional[torch.Tensor]:
         """Micro-batch m's part of the batch's mean loss, added to the reported loss."""
@@ -291,40 +320,6 @@ class _Run:
             dist.all_reduce(both, group=gpc.pipeline_group)
         return both[0].to(dtypes[int(both[1])] or torch.get_default_dtype())
 
-    def backward(self, step: Compute, index: int) -> None:
-        """B: the whole backward, or where the plan splits it (zero_bubble, zbv) the input's
-        gradient only (split_backward.py), held for W; W: then the weights' gradients."""
-        c, m, v = step.chunk, step.mb, self._part(step.chunk)
-        # extensions: a chunk's gradients are averaged once, during its last backward (DDP)
-        with synchronising(self.extensions, c, last=index == self.last_backward[c]):
-            if step.kind == "W":
-                self.held.pop((c, m)).weight_grads()
-                return
-            x, backward_from, extra = self.held.pop((c, m))
-            roots, grads = _roots(backward_from, self._output_grad(backward_from, v, m, c),
-                                  extra, self.loss_scale)
-            if self.split:  # the graph stays held until W
-                weights = [p for p in self.chunks[c].parameters() if p.requires_grad]
-                split = SplitBackward(roots, grads, x if x.requires_grad else None, weights)
-                split.input_grad()
-                self.held[(c, m)] = split
-            elif roots:
-                torch.autograd.backward(roots, grads)
-        sent = Transfer("grad", v, v - 1, m)
-        if v > 0 and sent not in self.no_grad:
-            if x.grad is None:
-                raise_ignored_input(v, m)
-            self._deliver(sent, x.grad)
-
-    def _output_grad(self, backward_from: torch.Tensor, v: int, m: int,
-                     c: int) -> Optional[torch.Tensor]:
-        """The last stage starts from its loss times the AMP loss scale; the others from the
-        gradient the next stage sent back (none for an integer output)."""
-        if self.is_last[c]:
-            return torch.full_like(backward_from, self.loss_scale)
-        back = Transfer("grad", v + 1, v, m)
-        return None if back in self.no_grad else self.inbox.pop(back)
-
 
 def _roots(output: torch.Tensor, grad: Optional[torch.Tensor], extra: Optional[torch.Tensor],
            loss_scale: float) -> tuple[list, list]:
@@ -351,6 +346,12 @@ def raise_ignored_input(v: int, m: int) -> None:
         f"needs no gradient (integer ids, or .detach())")
 
 
+def _label(step, V: int) -> str:
+    if isinstance(step, Comm):
+        return "send/recv " + ", ".join(f"{t.what}{t.mb}" for t in step.sends + step.recvs)
+    return step_label(step, V)
+
+
 class GPipeSchedule(_Schedule):
     """All forwards, then all backwards (GPipe): the memory baseline."""
     name = "gpipe"
@@ -363,13 +364,13 @@ class PipelineSchedule(_Schedule):
 
 class ZeroBubbleSchedule(_Schedule):
     """ZB-H1: 1F1B with each backward split into B (the input's gradient, sent on at once) and
-    W (the weights' gradient, deferred into the bubble); see plan.py."""
+    W (the weights' gradient, deferred into the bubble); see zero_bubble.py."""
     name = "zero_bubble"
 
 
 class ZBVSchedule(_Schedule):
     """ZB-V: two chunks per rank placed in a V (chunk 0 down the ranks, chunk 1 back up), each
-    backward split into B and W; see plan.py."""
+    backward split into B and W; see zero_bubble.py."""
     name = "zbv"
 
     def __init__(self, num_microbatches: int, tensor_shape: Optional[Sequence[int]] = None,
@@ -400,3 +401,10 @@ def make_schedule(name: str, num_microbatches: int, num_chunks: int = 1,
     schedules = {"gpipe": GPipeSchedule, "1f1b": PipelineSchedule,
                  "zero_bubble": ZeroBubbleSchedule}
     return schedules[name](num_microbatches, tensor_shape)
+
+
+def _check(name: str, M: int, V: int) -> None:
+    try:
+        check_sizes(name, gpc.pipeline_size, M, V)
+    except PlanError as e:
+        raise PlanError(f"[rank {gpc.rank}] {e}") from None

@@ -7,27 +7,28 @@ on a cluster. It also counts the activations each rank holds (GPipe: M; 1F1B: P 
 which holds them until W: P; ZB-V: 2P chunks', P micro-batches').
 
 `timeline` gives each compute step its earliest start under costs (forward f, input gradient b,
-weight gradient w, an unsplit backward b + w; communication free) and `render` draws it, as in
-plan.py's docstring; the bubble it measures is the formula's (`bubble_formula`): (P - 1) /
-(V * M + P - 1), ZB-H1's (P - 1)(f + b - w) idle per rank and ZB-V's (P - 1) f.
+weight gradient w, an unsplit backward b + w; communication free; zero_bubble.py's
+`earliest_starts`) and `render` draws it, as in the docstrings of plan.py and zero_bubble.py;
+the bubble it measures is the formula's (`bubble_formula`): (P - 1) / (V * M + P - 1), ZB-H1's
+(P - 1)(f + b - w) idle per rank and ZB-V's (P - 1) f.
 """
 from __future__ import annotations
 
-from .plan import (
+from .plan import compute_order
+from .steps import (
     Comm,
     Compute,
     PlanError,
     Step,
     Transfer,
     chunk_name,
-    compute_order,
-    earliest_starts,
     handed_over,
     stage_rank,
     step_label,
     v_shaped,
     virtual_stage,
 )
+from .zero_bubble import earliest_starts
 
 
 class DeadlockError(RuntimeError):

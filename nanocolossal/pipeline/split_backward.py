@@ -1,6 +1,6 @@
 """One backward in two steps: B, the gradient of a stage's input, now; W, its weights', later.
 
-Zero-bubble schedules (plan.py) need them apart: the previous stage waits for B, nobody waits
+Zero-bubble schedules (zero_bubble.py) need them apart: the previous stage waits for B, nobody waits
 for W. Autograd's graph of one micro-batch, from the stage's output back to its input x:
 
     out -- Addmm3 -- Relu -- Addmm2 -- Relu -- Addmm1 -- x     the spine: B walks it (dX only)

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..context import gpc
 from ..extensions import Extension
-from .plan import stage_rank
+from .steps import stage_rank
 
 Tied = list[tuple[nn.Parameter, Optional[dist.ProcessGroup]]]
 
@@ -79,8 +79,8 @@ def sum_tied_gradients(tied: Tied) -> None:
 
 
 class TiedGradients(Extension):
-    """The sum above, after a batch's last backward. ZeRO level 2 holds pieces of gradients, not
-    whole ones: its optimizer sums those itself (zero/optimizer.py), and `summing` is that."""
+    """The sum above, after a batch's last backward. ZeRO level 2 holds segments of gradients,
+    not whole ones: its optimizer sums those itself (zero/optimizer.py), and `summing` is that."""
 
     def __init__(self, tied: Tied, summing: Optional[Callable[[Tied], None]] = None) -> None:
         self.tied, self.summing = tied, summing or sum_tied_gradients

@@ -6,7 +6,7 @@ under AMP O2), level 3 also the parameters
 (sharded_model.py: the gather / free / reduce-scatter timeline; sharded_params.py: the shards;
 unit_order.py: which modules are units, and every rank gathers the same; state_dict.py: the
 model's state_dict made whole). state.py: checkpoints, the plain optimizer's state put together
-from every rank's pieces; load.py: a rank reads only the files with its own. comm.py: the
+from every rank's segments; load.py: a rank reads only the files with its own. comm.py: the
 collectives ZeRO adds; settings.py: the zero=dict(...) config; offload.py: masters and optimizer
 state in CPU memory, the step on the CPU (offload='cpu').
 Turned on by the config:

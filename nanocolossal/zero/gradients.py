@@ -89,11 +89,11 @@ class ShardKeepingDDP(DistributedDataParallel):
             p.grad = None
 
     def _finish(self) -> None:
-        """End of backward: every bucket reduced, keep my shard's pieces, free the buckets."""
+        """End of backward: every bucket reduced, keep my shard's segments, free the buckets."""
         for bucket in self._reduced_buckets():
             used = bucket.flags() > 0
             for i, p in enumerate(bucket.params):
-                if used[i]:  # no rank computed one: my pieces keep grad=None
+                if used[i]:  # no rank computed one: my segments keep grad=None
                     self.sharded_optimizer.receive_grad(p, bucket.view(i))
             bucket.buffer = bucket.wire = bucket.work = None
             bucket.filled = [False] * len(bucket.params)

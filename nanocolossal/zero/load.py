@@ -1,7 +1,7 @@
-"""Loading a ZeRO checkpoint: each rank reads only the piece files that overlap its shard.
+"""Loading a ZeRO checkpoint: each rank reads only the shard files that overlap its shard.
 
-A save by N data ranks leaves N piece files beside the stage's file (state.py): file q holds
-the pieces of shard q of every flat buffer, and the stage file lists them -- for each q, its
+A save by N data ranks leaves N shard files beside the stage's file (state.py): file q holds
+the segments of shard q of every flat buffer, and the stage file lists them -- for each q, its
 (index, lo, hi): a parameter's index and a range of its flattened elements. A rank of a job of
 M data ranks needs the elements of its own segments, so it reads just the files that meet them:
 
@@ -11,17 +11,18 @@ M data ranks needs the elements of its own segments, so it reads just the files 
     N = 2      M = 4       file r // 2, or two where a cut falls inside my shard
     N          M = 1       every file
 
-and, for each of its segments and each piece of the same parameter, copies what they share:
+and, for each of its segments and each saved segment of the same parameter, copies what they
+share:
 
-    my segment    [lo ........................ hi)          of parameter i
-    a piece            [plo ........ phi)                    of parameter i, from file q
-    copied             [max(lo, plo), min(hi, phi))         to mine at max(lo, plo) - lo
+    my segment       [lo ........................ hi)       of parameter i
+    a saved segment       [slo ........ shi)                 of parameter i, from file q
+    copied                [max(lo, slo), min(hi, shi))      to mine at max(lo, slo) - lo
 
 So no rank holds a tensor it does not own, even while loading: the optimizer state (AdamW: 8
-bytes an element), the O2 masters and, at level 3, the parameters arrive as my pieces only.
+bytes an element), the O2 masters and, at level 3, the parameters arrive as my segments only.
 The plain route (complete_zero_state: every file merged into whole tensors, then cut) stays for
 whoever needs the whole: merge_checkpoint, a load into plain data parallelism or without an
-optimizer, a level-3 save loaded at level 1-2, or a save older than the pieces list.
+optimizer, a level-3 save loaded at level 1-2, or a save older than the segments list.
 """
 from __future__ import annotations
 
@@ -45,13 +46,14 @@ def files_to_read(saved: list[list], mine: list[Key]) -> list[int]:
     wanted: dict[int, list[tuple[int, int]]] = {}
     for index, lo, hi in mine:
         wanted.setdefault(index, []).append((lo, hi))
-    return [q for q, pieces in enumerate(saved)
-            if any(lo < phi and plo < hi
-                   for index, plo, phi in pieces for lo, hi in wanted.get(index, []))]
+    return [q for q, segments in enumerate(saved)
+            if any(lo < shi and slo < hi
+                   for index, slo, shi in segments for lo, hi in wanted.get(index, []))]
 
 
 class _Mine:
-    """My segments' tensors, filled piece by piece, counting the elements each received."""
+    """My segments' tensors, filled from the saved segments, counting the elements each
+    received."""
 
     def __init__(self, mine: list[Key]) -> None:
         self.at: dict[int, list[Key]] = {}  # parameter index -> my segments of it
@@ -59,51 +61,51 @@ class _Mine:
             self.at.setdefault(key[0], []).append(key)
         self.filled: dict[tuple, int] = {}
 
-    def place(self, into: dict, name: str, index: int, plo: int, phi: int,
+    def place(self, into: dict, name: str, index: int, slo: int, shi: int,
               value: torch.Tensor) -> None:
-        """Copy what piece [plo, phi) of parameter `index` shares with each of my segments
-        into into[segment][name]."""
+        """Copy what saved segment [slo, shi) of parameter `index` shares with each of my
+        segments into into[segment][name]."""
         for key in self.at.get(index, []):
             lo, hi = key[1], key[2]
-            a, b = max(lo, plo), min(hi, phi)
+            a, b = max(lo, slo), min(hi, shi)
             if a < b:
                 slot = into.setdefault(key, {})
                 if name not in slot:
                     slot[name] = torch.zeros(hi - lo, dtype=value.dtype)
-                slot[name][a - lo: b - lo] = value[a - plo: b - plo]
+                slot[name][a - lo: b - lo] = value[a - slo: b - slo]
                 count = (id(into), key, name)
                 self.filled[count] = self.filled.get(count, 0) + b - a
 
     def check(self, files: list[Path]) -> None:
-        """Every tensor begun got all its elements: else a file lacks pieces."""
+        """Every tensor begun got all its elements: else a file lacks segments."""
         for (_, (index, lo, hi), name), n in self.filled.items():
             if n != hi - lo:
                 raise RuntimeError(
-                    f"[rank {gpc.rank}] the ZeRO piece files {[f.name for f in files]} hold "
+                    f"[rank {gpc.rank}] the ZeRO shard files {[f.name for f in files]} hold "
                     f"{n} of the {hi - lo} elements [{lo}, {hi}) of parameter {index}'s {name}; "
                     f"a file is incomplete: resume from an older checkpoint")
 
 
 def my_state(opt: ShardedOptimizer, saved: dict, parts: list[dict], files: list[Path]) -> dict:
     """From the files read: the state of my segments, as the optimizer's load_state_dict takes
-    it -- {"optimizer": {"mine": {key: {exp_avg: piece, ..., step}}, ...}, "masters": {key:
-    piece}, "params": {key: piece}}, each key one of my segments (index, lo, hi)."""
+    it -- {"optimizer": {"mine": {key: {exp_avg: values, ..., step}}, ...}, "masters": {key:
+    values}, "params": {key: values}}, each key one of my segments (index, lo, hi)."""
     mine = _Mine([(s.index, s.lo, s.hi) for b in opt.buffers for s in b.segments])
     state: dict[Key, dict] = {}
-    extra: dict[Key, dict] = {}  # {"master": piece, "param": piece}
+    extra: dict[Key, dict] = {}  # {"master": values, "param": values}
     for part in parts:
-        for index, pieces in part["state"].items():
-            for plo, phi, values in pieces:
+        for index, segments in part["state"].items():
+            for slo, shi, values in segments:
                 for k, v in values.items():
                     if per_element(k, v):
-                        mine.place(state, k, index, plo, phi, v)
+                        mine.place(state, k, index, slo, shi, v)
                 for key in mine.at.get(index, []):  # per-parameter scalars (step): as they are
                     if key in state:
                         state[key].update({k: v for k, v in values.items()
                                            if not per_element(k, v)})
         for name in ("master", "param"):
-            for index, plo, phi, value in part[name + "s"]:
-                mine.place(extra, name, index, plo, phi, value)
+            for index, slo, shi, value in part[name + "s"]:
+                mine.place(extra, name, index, slo, shi, value)
     mine.check(files)
     return {"optimizer": {"mine": state, "param_groups": saved["param_groups"]},
             "scaler": saved["scaler"], "zero": saved["zero"],
@@ -111,17 +113,20 @@ def my_state(opt: ShardedOptimizer, saved: dict, parts: list[dict], files: list[
             "params": {k: v["param"] for k, v in extra.items() if "param" in v}}
 
 
-def read_my_pieces(state: dict, file: Path, opt: Any, trusted: bool = False) -> Optional[dict]:
-    """`state`, a stage file just read, with my pieces from the files that hold them; None
+def read_my_segments(state: dict, file: Path, opt: Any, trusted: bool = False) -> Optional[dict]:
+    """`state`, a stage file just read, with my segments from the files that hold them; None
     where the plain route is needed (see the module's docstring)."""
     saved = state.get("optimizer")
-    if not (isinstance(opt, ShardedOptimizer) and isinstance(saved, dict) and "pieces" in saved):
+    if not (isinstance(opt, ShardedOptimizer) and isinstance(saved, dict)):
+        return None
+    listed = saved.get("segments", saved.get("pieces"))  # ("pieces": its name in older saves)
+    if listed is None:
         return None
     if saved["shapes"] != [list(s) for s in opt.shapes] or (saved["param_names"]
                                                             and opt.level < 3):
         return None  # another model (the plain route says what differs), or whole parameters
     mine = [(s.index, s.lo, s.hi) for b in opt.buffers for s in b.segments]
-    files = [zero_path(file, q) for q in files_to_read(saved["pieces"], mine)]
+    files = [zero_path(file, q) for q in files_to_read(listed, mine)]
     parts = [checkpoint_files.read_file(f, "cpu", trusted) for f in files]
     check_one_save([describe_save(state, file)] + [describe_save(p, f)
                                                   for p, f in zip(parts, files)])
@@ -130,14 +135,14 @@ def read_my_pieces(state: dict, file: Path, opt: Any, trusted: bool = False) -> 
 
 def load_model_entries(model: nn.Module, entries: dict, strict: bool) -> None:
     """model.load_state_dict(entries), where a level-3 save's parameters are None: those come
-    as pieces with the optimizer's state; strict still refuses any other missing key."""
-    pieces = {k for k, v in entries.items() if v is None}
-    if not pieces:  # (any model: an interleaved pipeline's chunk list returns nothing)
+    as segments with the optimizer's state; strict still refuses any other missing key."""
+    sharded = {k for k, v in entries.items() if v is None}
+    if not sharded:  # (any model: an interleaved pipeline's chunk list returns nothing)
         model.load_state_dict(entries, strict=strict)
         return
     result = model.load_state_dict({k: v for k, v in entries.items() if v is not None},
                                    strict=False)
-    missing = set(result.missing_keys) - pieces
+    missing = set(result.missing_keys) - sharded
     if strict and (missing or result.unexpected_keys):
         raise RuntimeError(f"[rank {gpc.rank}] loading the model: missing keys {sorted(missing)},"
                            f" unexpected keys {sorted(result.unexpected_keys)}")

@@ -13,8 +13,8 @@ ones, and each rank makes fp32 masters only of the segments in its shard:
     Adam states     [ shard 0 ]       [ shard 1 ]           [ shard N-1 ]       8 Psi/N
 
     backward  half gradients (x loss scale S) averaged by DDP (level 1) or reduce-scattered,
-              my shard's half pieces kept (level 2)
-    unscale   my half pieces -> fp32 master gradients, x 1/S, inf/nan check all-reduced (MAX)
+              my shard's half segments kept (level 2)
+    unscale   my half segments -> fp32 master gradients, x 1/S, inf/nan check all-reduced (MAX)
               over the whole job: an overflow on any rank skips the step everywhere
     step      the inner optimizer steps my fp32 master segments; each is copied (rounded) into
               its half segment of the flat buffer; one all-gather gives everyone the new model
@@ -34,7 +34,7 @@ shard: each gradient element is in exactly one shard, so the norm's squares add 
 
 Checkpoints: state_dict() returns what one process's O2 MixedPrecisionOptimizer returns -- the
 plain optimizer state and "masters", one whole fp32 tensor per half parameter in its order --
-gathered from every rank's pieces; load_state_dict() keeps my pieces: any data size, or one
+gathered from every rank's segments; load_state_dict() keeps mine: any data size, or one
 process's O2. O3 (half parameters, no masters: nothing fp32 to shard) is refused (settings.py).
 """
 from __future__ import annotations
@@ -54,11 +54,11 @@ from .state import saved_master
 
 def attach_masters(buffer: FlatBuffer, offload: Optional[Offload] = None) -> None:
     """Half segments are stepped through fp32 masters: segment.param becomes the master the inner
-    optimizer updates, segment.view the model's piece it is copied into. With offload every
+    optimizer updates, segment.view the model's segment it is copied into. With offload every
     segment has one, on the CPU (offload.py)."""
     half = buffer.data.dtype in (torch.float16, torch.bfloat16)
     for s in buffer.segments:
-        s.view = s.param if half or offload else None  # an fp32 piece is its own master
+        s.view = s.param if half or offload else None  # an fp32 segment is its own master
         if offload is not None:
             s.param = offload.master(s.view)
         elif half:
@@ -98,7 +98,7 @@ class MixedShardedOptimizer(ShardedOptimizer):
         """The segments one process's O2 keeps masters of (offload also masters fp32 ones)."""
         return [s for s in self._mastered() if s.view.dtype != s.param.dtype]
 
-    def home(self, s: Any) -> nn.Parameter:  # gradients onto the model's pieces
+    def home(self, s: Any) -> nn.Parameter:  # gradients onto the model's segments
         return s.param if s.view is None else s.view
 
     def _grads_to_masters(self) -> None:
@@ -132,7 +132,7 @@ class MixedShardedOptimizer(ShardedOptimizer):
         return [i for i, p in enumerate(self.model_params)
                 if p.dtype in (torch.float16, torch.bfloat16)]
 
-    def master_pieces(self) -> list:
+    def master_segments(self) -> list:
         return [(s.index, s.lo, s.hi, s.param.detach().cpu()) for s in self._halves()]
 
     def load_state_dict(self, state: dict) -> None:
@@ -144,11 +144,11 @@ class MixedShardedOptimizer(ShardedOptimizer):
                 if master is not None:
                     s.param.copy_(master)
                     s.view.copy_(s.param)
-                else:  # saved without O2, or an fp32 piece: masters of the loaded model
+                else:  # saved without O2, or an fp32 segment: masters of the loaded model
                     s.param.copy_(s.view)
 
 
 class MixedParamShardedOptimizer(MixedShardedOptimizer, ParamShardedOptimizer):
     """ZeRO level 3 around an O2 MixedPrecisionOptimizer: half parameters sharded by unit, fp32
     masters for my shard only -- the paper's (2 + 2 + 12) Psi / N. (Its buffers keep only my
-    shard, sharded_params.py; the masters are of pieces of that shard.)"""
+    shard, sharded_params.py; the masters are of the segments of that shard.)"""

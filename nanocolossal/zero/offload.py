@@ -19,10 +19,10 @@ In the step, after the copy-out (bytes; fp32 -- under O2 the device's are half, 
     level 3   device 4 Psi/N (my parameter shard)                        CPU 16 Psi/N
 against 8 Psi + 8 Psi/N, 4 Psi + 12 Psi/N and 16 Psi/N on the device without offload
 (optimizer.py; DDP's buckets apart): the 12 Psi/N of masters and state have left the device.
-Every segment (optimizer.py: my piece of a parameter) gets a master here, an fp32 one too: the
-step writes the master, and the model's piece (`view`, on the device) is a copy of it. A model
+Every segment (optimizer.py: my part of a parameter) gets a master here, an fp32 one too: the
+step writes the master, and the model's segment (`view`, on the device) is a copy of it. A model
 loaded after initialize (a pretrained one) reaches the fp32 masters at the next step (mixed.py),
-as without offload, where the model's pieces are what the optimizer steps.
+as without offload, where the model's segments are what the optimizer steps.
 
 One step, on CUDA (one stream; "H2D" / "D2H" the copies over PCIe):
 
@@ -32,7 +32,7 @@ One step, on CUDA (one stream; "H2D" / "D2H" the copies over PCIe):
     step       on the CPU: unscale and the inf/nan check, clipping's squares, the user's
                optimizer (its type and settings: foreach=True for foreach kernels, torch's
                default on the CPU being a loop over tensors) on the masters and their state
-    copy-in    H2D each master into its piece of the model (non_blocking, from pinned memory:
+    copy-in    H2D each master into its segment of the model (non_blocking, from pinned memory:
                the host returns at once); the all-gather (levels 1-2) and the next forward are
                queued behind them on the same stream, so they read the new values
 
@@ -59,7 +59,7 @@ class Offload:
         self.pin = torch.cuda.is_available()  # pinned pages: the DMA engine copies them async
 
     def master(self, view: torch.Tensor) -> nn.Parameter:
-        """The master of the model's piece `view`: fp32 (float64 stays float64), on the CPU."""
+        """The master of the model's segment `view`: fp32 (float64 stays float64), on the CPU."""
         dtype = torch.float64 if view.dtype == torch.float64 else torch.float32
         master = torch.empty(view.shape, dtype=dtype, device=self.device, pin_memory=self.pin)
         return nn.Parameter(master.copy_(view.detach()))
@@ -79,7 +79,7 @@ class Offload:
             m.grad, v.grad = grad, None  # the device shard is freed: the CPU has it now
 
     def copy_in(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
-        """Each updated master into the model's piece (non_blocking: the host does not wait)."""
+        """Each updated master into the model's segment (non_blocking: the host does not wait)."""
         with torch.no_grad():
             torch._foreach_copy_([v for v, _ in pairs], [m for _, m in pairs], non_blocking=True)
 

@@ -11,13 +11,14 @@ biggest part (Adam: two fp32 numbers per parameter) and each rank only needs *it
 
 How: the parameters of each param group (per dtype and device) are copied into one flat buffer,
 padded to a multiple of N, and the model's parameters become views of it. Shard r is the r-th
-of N equal slices. Rank r steps only the parameter pieces ("segments") that fall in its slice:
-a parameter may straddle two shards, so it has a segment on each. The inner torch optimizer is
-built on the segments -- one per parameter piece, not one flat tensor, so a parameter that got
-no gradient anywhere keeps grad=None and is skipped exactly as one process skips it (no weight
-decay, no momentum, no step count). Only element-wise optimizers can step a piece of a parameter
-(SGD, Adam, AdamW, RMSprop, Adagrad); LAMB or LARS need the whole parameter's norm and are
-refused. After the step, one all-gather per flat buffer gives everyone the updated parameters.
+of N equal parts. Rank r steps only the segments of parameters that fall in its shard: a
+parameter may straddle two shards, so it has a segment on each. The inner torch optimizer is
+built on the segments -- one Parameter each, not one flat tensor, so a parameter that got no
+gradient anywhere keeps grad=None and is skipped exactly as one process skips it (no weight
+decay, no momentum, no step count). Only element-wise optimizers can step a segment of a
+parameter (SGD, Adam, AdamW, RMSprop, Adagrad); LAMB or LARS need the whole parameter's norm and
+are refused. After the step, one all-gather per flat buffer gives everyone the updated
+parameters.
 
     level 1: backward -> DDP all-reduce (every rank: all averaged gradients)
              step     -> take my shard of the gradients (views), step it, all-gather parameters
@@ -38,7 +39,7 @@ Traffic per step, per rank (elements): DDP's all-reduce is a reduce-scatter + an
 the all-reduce by a reduce-scatter: Psi (N-1)/N + Psi (N-1)/N = the same 2 Psi as DDP -- but a
 reduce-scatter hands rank r the r-th N-th of what it is given, and a bucket (parameters in
 backward's order) does not fall on shard boundaries, so gradients.py all-reduces each bucket
-(2 Psi) and keeps its pieces: level 2 moves 3 Psi (N-1)/N, as level 1 does. Level 3 shards each
+(2 Psi) and keeps its segments: level 2 moves 3 Psi (N-1)/N, as level 1 does. Level 3 shards each
 unit on its own, so there each unit's gradients are reduce-scattered (sharded_model.py; on gloo,
 whose reduce-scatter is slower than its all-reduce, an all-reduce stands in: zero/comm.py).
 
@@ -47,10 +48,10 @@ stage and tensor slice (gpc.gradient_group): each shards what it holds -- a tens
 stays split, ZeRO cuts my slice further. Clipping adds every rank's shard squares over that group,
 then the stages' and tensor ranks' sums (a replicated weight counted once). A weight two stages
 share (pipeline/tied.py) steps with the sum of both stages' gradients: at level 2 each data rank
-holds pieces of it, which are put together, summed across the stages and cut again.
+holds segments of it, which are put together, summed across the stages and cut again.
 
 Checkpoints: each rank writes its segments' state to a file of its own (state.py); merged, they
-are a plain optimizer's state_dict. Loading, a rank reads the files holding its pieces (load.py).
+are a plain optimizer's state_dict. Loading, a rank reads the files holding its segments (load.py).
 
 fp16: the scaler's overflow check is agreed job-wide (amp.py). AMP O1 keeps fp32 parameters;
 O2 (half parameters, fp32 masters) shards the masters too: mixed.py, the paper's formulas.
@@ -71,11 +72,11 @@ from ..config import ConfigError
 from ..context import gpc
 from .comm import gather_shards
 from .settings import check_optimizer
-from .state import SCALAR_STATE, gather_plain_state, keep_my_pieces
+from .state import SCALAR_STATE, gather_plain_state, keep_my_segments
 
 
 class Segment:
-    """The piece [lo, hi) of parameter `index` (flattened) that this rank steps: a view of the
+    """The segment [lo, hi) of parameter `index` (flattened) that this rank steps: a view of the
     flat buffer wrapped as the Parameter the inner optimizer updates."""
 
     def __init__(self, index: int, lo: int, hi: int, param: nn.Parameter) -> None:
@@ -98,17 +99,17 @@ class FlatBuffer:
             p.data = self.data[at: at + n].view_as(p)  # the parameter now lives in the buffer
         at = dict(zip(indices, self.offsets))
         self.segments = [Segment(i, lo, hi, nn.Parameter(self.data[at[i] + lo: at[i] + hi]))
-                         for i, lo, hi in self.pieces_of(rank)]
+                         for i, lo, hi in self.shard_segments(rank)]
 
-    def pieces_of(self, rank: int) -> list[tuple[int, int, int]]:
-        """(index, lo, hi): the pieces [lo, hi) of parameters (flattened) in shard `rank`."""
+    def shard_segments(self, rank: int) -> list[tuple[int, int, int]]:
+        """(index, lo, hi): the segments [lo, hi) of parameters (flattened) in shard `rank`."""
         begin, end = rank * self.shard, (rank + 1) * self.shard
-        pieces = []
+        segments = []
         for index, at, n in zip(self.indices, self.offsets, self.numels):
             lo, hi = max(begin, at), min(end, at + n)
-            if lo < hi:  # a piece of this parameter lies in the shard
-                pieces.append((index, lo - at, hi - at))
-        return pieces
+            if lo < hi:  # a segment of this parameter lies in the shard
+                segments.append((index, lo - at, hi - at))
+        return segments
 
     def all_gather(self, group: Optional[dist.ProcessGroup], rank: int) -> None:
         """Everyone's updated shard into everyone's flat buffer (so into the model)."""
@@ -181,15 +182,15 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         return s.param
 
     def receive_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """Level 2: add my pieces of `param`'s averaged gradient (a transient bucket slot) to
+        """Level 2: add my segments of `param`'s averaged gradient (a transient bucket slot) to
         what earlier backwards of this step left there, as .grad accumulates in one process."""
         for s in self.segments_of[param]:
-            home, piece = self.home(s), grad.reshape(-1)[s.lo:s.hi]
-            home.grad = piece.clone() if home.grad is None else home.grad.add_(piece)
+            home, averaged = self.home(s), grad.reshape(-1)[s.lo:s.hi]
+            home.grad = averaged.clone() if home.grad is None else home.grad.add_(averaged)
 
     def _collect_grads(self) -> None:
-        """Level 1: my pieces of the gradients DDP averaged (views: no copy). A parameter no
-        rank computed a gradient for has none, so its pieces have none either."""
+        """Level 1: my segments of the gradients DDP averaged (views: no copy). A parameter no
+        rank computed a gradient for has none, so its segments have none either."""
         for p, segments in self.segments_of.items():
             for s in segments:
                 self.home(s).grad = None if p.grad is None else p.grad.reshape(-1)[s.lo:s.hi]
@@ -256,10 +257,10 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     def half_indices(self) -> list[int]:
         return []  # parameters with fp32 masters (O2: mixed.py)
 
-    def master_pieces(self) -> list:
+    def master_segments(self) -> list:
         return []
 
-    def param_pieces(self) -> list:
+    def param_segments(self) -> list:
         return []  # level 3 (sharded_params.py): my shard of the parameters themselves
 
     def param_names(self) -> list[list[str]]:
@@ -278,5 +279,5 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         return gather_plain_state(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """Keep this rank's pieces of a plain (unsplit) optimizer state: any data size."""
-        keep_my_pieces(self, state)
+        """Keep this rank's segments of a plain (unsplit) optimizer state: any data size."""
+        keep_my_segments(self, state)

@@ -5,7 +5,7 @@ overlap_communication=True, offload=None|'cpu'). Colossal-AI v0.1's
 zero=dict(model_config=dict(...), optimizer_config=dict(...)) is level 3 here, read by
 compat/zero_v01.py.
 
-check_optimizer: what initialize refuses -- an optimizer that cannot step pieces of parameters.
+check_optimizer: what initialize refuses -- an optimizer that cannot step segments of parameters.
 """
 from __future__ import annotations
 
@@ -104,9 +104,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer, mixed: MixedPrecisionOptim
     if type(optimizer) not in ELEMENTWISE:
         raise ConfigError(
             f"[rank {gpc.rank}] zero: {type(optimizer).__name__} is not an element-wise optimizer "
-            f"we can step piece by piece (each rank steps only slices of parameters, so an update "
-            f"that needs a whole parameter -- LAMB's or LARS's trust ratio -- would be wrong); use "
-            f"one of {', '.join(c.__name__ for c in ELEMENTWISE)}, or remove zero")
+            f"we can step segment by segment (each rank steps only parts of parameters, so an "
+            f"update that needs a whole parameter -- LAMB's or LARS's trust ratio -- would be "
+            f"wrong); use one of {', '.join(c.__name__ for c in ELEMENTWISE)}, or remove zero")
     if mixed.master_pairs():  # (whole-model masters: mixed.py's classes make shards of them)
         raise TypeError(f"[rank {gpc.rank}] {type(mixed).__name__} holds O2's fp32 masters of "
                         f"the whole model; shard it with zero.mixed's MixedShardedOptimizer "

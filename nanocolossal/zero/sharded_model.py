@@ -65,7 +65,7 @@ autograd computes the next unit's; at most one in flight (overlap_communication=
 at once, nothing is prefetched).
 
 Checkpoints: model.state_dict() gathers every unit (collective, state_dict.py); save and load do
-not (my pieces, state.py and load.py); load_state_dict of full tensors keeps my slice.
+not (my segments, state.py and load.py); load_state_dict of full tensors keeps my shard.
 """
 from __future__ import annotations
 
@@ -261,7 +261,7 @@ class ShardedModel:
             self._finish_pending()
 
     def _finish_pending(self) -> None:
-        """Wait; add my shard's pieces of the averaged gradients to the optimizer's segments."""
+        """Wait; add my shard of the averaged gradients to the optimizer's segments."""
         for b, mine, used, works in self._pending:
             for work in works:
                 work.wait()
@@ -270,9 +270,9 @@ class ShardedModel:
                 i = where[s.index]
                 if used[i] > 0:  # (my shard begins at rank x shard in the unit's buffer)
                     at = b.offsets[i] + s.lo - b.rank * b.shard
-                    piece = mine[at: at + s.hi - s.lo]
+                    reduced = mine[at: at + s.hi - s.lo]
                     home = self.optimizer.home(s)  # (O2: the half view; unscale makes fp32)
-                    home.grad = piece.clone() if home.grad is None else home.grad.add_(piece)
+                    home.grad = reduced.clone() if home.grad is None else home.grad.add_(reduced)
         self._pending = []
 
     def _end_backward(self) -> None:

@@ -57,7 +57,7 @@ class ShardedFlatBuffer(FlatBuffer):
         self.local = self.data[begin: begin + self.shard].clone()  # my shard, kept
         self.nbytes = self.data.untyped_storage().nbytes()
         where = dict(zip(indices, self.offsets))
-        for s in self.segments:  # the optimizer steps pieces of `local`, not of `data`
+        for s in self.segments:  # the optimizer steps segments of `local`, not of `data`
             at = where[s.index] + s.lo - begin
             s.param = nn.Parameter(self.local[at: at + s.hi - s.lo])
         self.free()
@@ -139,21 +139,21 @@ class ParamShardedOptimizer(ShardedOptimizer):
     def buffers_of(self, unit: int) -> list[ShardedFlatBuffer]:
         return [b for b in self.buffers if self.unit_of[id(b.params[0])] == unit]
 
-    def param_pieces(self) -> list:
-        """My shard of each parameter, in the model's dtype (a checkpoint's pieces, state.py)."""
+    def param_segments(self) -> list:
+        """My shard of each parameter, in the model's dtype (a checkpoint's segments, state.py)."""
         return [(s.index, s.lo, s.hi, self.home(s).detach().cpu().clone())
                 for b in self.buffers for s in b.segments]
 
     def load_state_dict(self, state: dict) -> None:
-        """As levels 1-2; a state cut to my segments (load.py) also brings my parameter pieces
+        """As levels 1-2; a state cut to my segments (load.py) also brings my parameter segments
         (a plain one leaves them to the model's load_state_dict)."""
         super().load_state_dict(state)
-        pieces = state.get("params") or {}
+        params = state.get("params") or {}
         with torch.no_grad():
             for segment in [s for b in self.buffers for s in b.segments]:
-                piece = pieces.get((segment.index, segment.lo, segment.hi))
-                if piece is not None:
-                    self.home(segment).copy_(piece)
+                values = params.get((segment.index, segment.lo, segment.hi))
+                if values is not None:
+                    self.home(segment).copy_(values)
 
     def shard_bytes(self) -> int:
         """Bytes of parameters this rank keeps between uses: its shard of every buffer."""

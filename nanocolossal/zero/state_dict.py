@@ -6,10 +6,10 @@ own state_dict calls are made whole around torch's:
     state_dict()        gather every unit (collective: every rank calls it), copy the full
                         tensors out, free the units again
     load_state_dict()   gather (when it loads parameters), let torch copy the whole values in,
-                        keep my slice of each as my shard, free
+                        keep my shard of each, free
     keep_vars=True      asks for the Parameters themselves (shapes, marks): nothing is gathered
 
-Checkpoints do not come this way: save and load write and read each rank's pieces (state.py,
+Checkpoints do not come this way: save and load write and read each rank's segments (state.py,
 load.py), so saving a model gathers nothing.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ class FullStateDict:
         self.free_all()
 
     def _before_load(self, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
-        # whole values if it loads parameters (load.py's pieces come through the optimizer)
+        # whole values if it loads parameters (load.py's segments come through the optimizer)
         if any(k.removeprefix(prefix) in self.param_keys for k in state):
             self.gather_all()
 

@@ -94,8 +94,8 @@ MUTATIONS: list[dict] = [
          tests=["tests/test_timer_and_schedulers.py", "-k", "formula or gloo"]),
     # -- metrics, data, loss weights --------------------------------------------------------------
     dict(id="metrics-weight-dropped", idea="metrics", file="nanocolossal/metrics.py",
-         old="packed = torch.tensor([float(v) * w for v in scalars] + [w], dtype=torch.float64)",
-         new="packed = torch.tensor([float(v) for v in scalars] + [w], dtype=torch.float64)",
+         old="*sums, total_weight = all_reduce_sum([float(v) * w for v in scalars] + [w], group)",
+         new="*sums, total_weight = all_reduce_sum([float(v) for v in scalars] + [w], group)",
          bug="all_reduce_mean(weight=) divides the plain sum of the ranks' means by the summed "
              "weights (the weights are forgotten in the numerator)",
          tests=["tests/test_metrics.py", "-k", "all_reduce_mean or accuracy_is_exact or "
@@ -233,10 +233,10 @@ MUTATIONS: list[dict] = [
          tests=["tests/test_vocab_parallel.py", "-k",
                 "tied_table_on_two_ranks or layers_equal_the_plain"]),
     # -- ZeRO ---------------------------------------------------------------------------------
-    dict(id="zero-piece-offset", idea="ZeRO 1/2", file="nanocolossal/zero/optimizer.py",
-         old="                pieces.append((index, lo - at, hi - at))",
-         new="                pieces.append((index, lo, hi))",
-         bug="a shard's pieces are kept at their offsets in the flat buffer, not within their "
+    dict(id="zero-segment-offset", idea="ZeRO 1/2", file="nanocolossal/zero/optimizer.py",
+         old="                segments.append((index, lo - at, hi - at))",
+         new="                segments.append((index, lo, hi))",
+         bug="a shard's segments are kept at their offsets in the flat buffer, not within their "
              "parameter (a wrong shard offset)",
          tests=["tests/test_zero.py", "-k", "on_two_ranks_equals or adamw_equals_one_process"]),
     dict(id="zero2-no-param-gather", idea="ZeRO 1/2", file="nanocolossal/zero/optimizer.py",
@@ -268,11 +268,11 @@ MUTATIONS: list[dict] = [
          file="nanocolossal/zero/sharded_model.py",
          old="                    home = self.optimizer.home(s)  # (O2: the half view; unscale "
              "makes fp32)\n"
-             "                    home.grad = piece.clone() if home.grad is None else "
-             "home.grad.add_(piece)",
+             "                    home.grad = reduced.clone() if home.grad is None else "
+             "home.grad.add_(reduced)",
          new="                    home = self.optimizer.home(s)  # (O2: the half view; unscale "
              "makes fp32)\n"
-             "                    home.grad = piece.clone()",
+             "                    home.grad = reduced.clone()",
          bug="each reduction overwrites my gradient shard instead of adding to it: only the "
              "last backward before a step counts",
          tests=["tests/test_zero3.py", "-k", "gradient_accumulation"]),
@@ -282,13 +282,13 @@ MUTATIONS: list[dict] = [
          new="self.shard = self.numel // size + 1  # padded: N shards of equal size",
          bug="a flat buffer's shard size is numel // N + 1, not ceil(numel / N): where N divides "
              "the buffer, each shard gets an element of padding too many (trains the same; "
-             "gathers N elements more, and a checkpoint's pieces fall in other files)",
+             "gathers N elements more, and a checkpoint's segments fall in other files)",
          tests=["tests/test_zero_traffic.py", "-k", "gloo"]),
     dict(id="zero-offload-no-copy-in", idea="ZeRO offload", file="nanocolossal/zero/offload.py",
          old="            torch._foreach_copy_([v for v, _ in pairs], [m for _, m in pairs], "
              "non_blocking=True)",
          new="            pass  # (the copy of the updated masters back into the model, dropped)",
-         bug="offload steps the CPU masters but never copies them back into the model's pieces: "
+         bug="offload steps the CPU masters but never copies them back into the model's segments: "
              "the model does not move",
          tests=["tests/test_zero_offload.py", "-k", "gloo"]),
     dict(id="zero-v01-placement-cpu-ignored", idea="ZeRO v0.1 config",
