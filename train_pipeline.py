@@ -135,6 +135,8 @@ def build_cifar(args, batch_size: int):
 def main():
     # 1. launch: the config file's keys, some overridden by flags
     args = parse_args()
+    if args.schedule == "zbv" and args.chunks is None:
+        args.chunks = 2  # the V: each rank holds two chunks (as `--show --schedule zbv` assumes)
     config = nc.load_config(args.config, NUM_EPOCHS=args.epochs, BATCH_SIZE=args.batch_size,
                             NUM_MICRO_BATCHES=args.micro_batches, NUM_CHUNKS=args.chunks,
                             PIPELINE_SCHEDULE=args.schedule, MODEL=args.model,

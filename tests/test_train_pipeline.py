@@ -33,11 +33,15 @@ def test_gloo_train_pipeline_1f1b_logs_loss_accuracy_and_writes_a_trace(tmp_path
 
 
 @pytest.mark.timeout(200)
-def test_deep_train_pipeline_interleaved(tmp_path):
+@pytest.mark.parametrize("flags, schedule", [(["--chunks", "2"], "interleaved"),
+                                             (["--schedule", "zbv"], "zbv")],
+                         ids=["interleaved", "zbv"])
+def test_deep_train_pipeline_two_chunks_a_rank(tmp_path, flags, schedule):
     # ResNet-18: the schedule is what is new here, and its 10 layers cut into 2 x 2 chunks as well
-    out = _train(tmp_path, "--chunks", "2", "--partition", "parameters", "--model",
+    # (--schedule zbv takes its two chunks without --chunks)
+    out = _train(tmp_path, *flags, "--partition", "parameters", "--model",
                  "resnet18").replace("\r", "\n")
-    assert "initialize: pipeline interleaved x2 stages, 4 micro-batches, 2 chunk(s)" in out
+    assert f"initialize: pipeline {schedule} x2 stages, 4 micro-batches, 2 chunk(s)" in out
     assert "test accuracy" in out
 
 
