@@ -7,7 +7,8 @@
 #    the explicit formula in bf16), test_lean_step.py (the Engine's step never synchronises),
 #    test_amp.py and test_zero_offload.py (masters pinned on the CPU, the model on the GPU)
 # 2. bench/bench_gpt_gpu.py (GPT-2 small, bf16): without torch.compile, then with it
-#    (bench/results/gpt_gpu.json and gpt_gpu_compile.json)
+#    (bench/results/gpt_gpu.json and gpt_gpu_compile.json); bench/bench_offload_gpu.py (ZeRO
+#    offload's step, reported: bench/results/offload_gpu.json)
 # 3. each goal with its measured figure and PASS or MISS; the exit status is 1 if one missed.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -29,6 +30,8 @@ echo "== 2. bench_gpt_gpu.py"
 plain=$?
 "$PY" bench/bench_gpt_gpu.py --compile --out bench/results/gpt_gpu_compile.json
 compiled=$?
+echo "== 2b. bench_offload_gpu.py (reported, no goal)"
+"$PY" bench/bench_offload_gpu.py || echo "bench_offload_gpu.py failed (exit $?)"
 
 echo "== 3. goals ($((SECONDS - start)) s in all)"
 "$PY" - "$tests" "$plain" "$compiled" <<'EOF'
