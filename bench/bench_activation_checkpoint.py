@@ -6,7 +6,7 @@
 The GPT of train_gpt.py (byte vocabulary, causal blocks, fp32, dropout 0) trains one step
 (forward, backward, SGD) on one process, under each ACTIVATION_CHECKPOINT (none, 'full',
 'selective', 2: every 2nd block) and each attention ('fused', 'explicit'). Peak activation
-bytes are counted from live saved tensors (activation_checkpoint.SavedBytes: what autograd keeps
+bytes are counted from live saved tensors (memory.SavedBytes: what autograd keeps
 for backward, parameters not counted, a tensor saved twice once) over the whole step. The blocks'
 part follows the module docstring: L·A without, L·x + A - x with 'full' (k = 1 micro-batch);
 the embeddings' and the head's saved tensors (the logits) are the same in every mode. Step time:
@@ -23,8 +23,8 @@ import torch
 from common import write_result  # also puts the repository on sys.path
 
 import nanocolossal as nc  # noqa: E402
-from nanocolossal.activation_checkpoint import SavedBytes  # noqa: E402
 from nanocolossal.context import gpc  # noqa: E402
+from nanocolossal.memory import SavedBytes  # noqa: E402
 from train_gpt import gpt  # noqa: E402
 
 MODES = [None, "full", "selective", 2]

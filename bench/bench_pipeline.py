@@ -40,8 +40,8 @@ from common import run_on_ranks, write_result  # also puts the repository on sys
 from torch import nn
 
 import nanocolossal as nc  # noqa: E402
-from nanocolossal.activation_checkpoint import SavedBytes  # noqa: E402
 from nanocolossal.context import gpc  # noqa: E402
+from nanocolossal.memory import SavedBytes  # noqa: E402
 from nanocolossal.pipeline import (  # noqa: E402
     balanced_split,
     build_pipeline_model,

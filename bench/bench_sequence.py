@@ -16,8 +16,9 @@ attention on whole sequences -- one process's, and what Ulysses runs for its h/N
 run here on CPU.
 
 Memory, counted from live tensors: the bytes autograd keeps between forward and backward (every
-tensor saved for backward, each storage once) plus, for the ring, the largest block of scores
-held at once (the ring counts it). Per layer and rank, with s tokens, h heads, width w:
+tensor saved for backward, each storage once) plus, for the explicit ring, the largest tensor
+any op makes meanwhile (memory.LargestMade: one block of scores, made and dropped). Per layer
+and rank, with s tokens, h heads, width w:
 
     one process, explicit   h s^2 (the softmax, saved for backward)  + O(s w)
     Ulysses, explicit       (h/N) s^2: whole sequences, h/N heads    + O(s w / N)
@@ -27,10 +28,10 @@ held at once (the ring counts it). Per layer and rank, with s tokens, h heads, w
 The longest sequence within `budget-mib` per rank is found by running one step at each length
 of a doubling grid and counting -- not extrapolated.
 
-Traffic per layer and step, counted: the ring's K/V and dK/dV blocks (N-1 K/V pairs forward; N-1
-and N dK/dV pairs backward), the all-to-all's elements handed to all_to_all_single (4 s w / N
-each way), both as elements leaving a rank, against tensor/ulysses.py's formulas. Prints a
-table, writes bench/results/sequence.json.
+Traffic per layer and step, counted (traffic.py): the ring's K/V and dK/dV blocks sent (N-1 K/V
+pairs forward; N-1 and N dK/dV pairs backward), the all-to-all's elements handed to
+all_to_all_single (4 s w / N each way), both as elements leaving a rank, against
+tensor/ulysses.py's formulas. Prints a table, writes bench/results/sequence.json.
 """
 import argparse
 import json
@@ -48,8 +49,8 @@ from common import write_result  # also puts the repository on sys.path
 
 import nanocolossal as nc  # noqa: E402
 from nanocolossal.context import gpc  # noqa: E402
+from nanocolossal.memory import LargestMade  # noqa: E402
 from nanocolossal.sequence import split_batch  # noqa: E402
-from nanocolossal.tensor import ring_attention as ring  # noqa: E402
 from nanocolossal.traffic import count_collectives  # noqa: E402
 from train_gpt import gpt  # noqa: E402
 
@@ -112,9 +113,11 @@ def measure(args, n: int, kind: str) -> dict:
     peaks, longest = {}, None
     for s in GRID:  # the longest sequence within the budget: run each length, count
         engine, forward = build(s)
-        ring.reset_counts()
-        saved = saved_bytes(forward)
-        peak = saved + ring.COUNTS["peak_score_elements"] * 4 * (n > 1)  # N=1: scores are saved
+        with LargestMade() as made:
+            saved = saved_bytes(forward)
+        # the explicit ring's score block is made and dropped, never saved (elsewhere: saved)
+        transient = n > 1 and kind == "ring" and args.attention == "explicit"
+        peak = saved + made.most * 4 * transient
         peaks[s] = peak
         if gpc.world_size > 1:  # every rank stops at the same length
             t = torch.tensor([peak], dtype=torch.float64)
@@ -130,19 +133,18 @@ def measure(args, n: int, kind: str) -> dict:
             torch.distributed.barrier()
         start = time.perf_counter()
         engine.zero_grad()
-        ring.reset_counts()
         with count_collectives() as counted:
             engine.backward(forward())
         engine.step()
         if i:  # the first step warms up
             times.append(time.perf_counter() - start)
-    blocks = {k: v // args.depth for k, v in ring.COUNTS.items() if k != "peak_score_elements"}
     block = args.batch * args.seq // n * args.dim  # one K (or V) block of a ring step
-    leaving = {"ring": sum(blocks.values()) * 2 * block,  # every block sent goes to a neighbour
-               "all_to_all": counted["all_to_all_single"] // args.depth * (n - 1) // n}
+    sent = counted["batch_isend_irecv"] // args.depth  # every block sent goes to a neighbour
+    exchanged = counted["all_to_all_single"] // args.depth
+    leaving = {"ring": sent, "all_to_all": exchanged * (n - 1) // n}
     return {"ranks": n, "kind": kind if n > 1 else "one process",
             "longest_seq_in_budget": longest, "peak_bytes_by_seq": peaks,
-            "step_s": statistics.median(times), "blocks_per_layer_step": blocks,
+            "step_s": statistics.median(times), "block_pairs_per_layer_step": sent // (2 * block),
             "elements_leaving_per_layer_step": leaving[kind] if n > 1 else 0}
 
 

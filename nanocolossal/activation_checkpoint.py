@@ -67,9 +67,8 @@ run.
 """
 from __future__ import annotations
 
-import weakref
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -183,52 +182,3 @@ def block_mode(index: Optional[int]) -> Optional[str]:
         raise ValueError(f"[rank {gpc.rank}] ACTIVATION_CHECKPOINT={mode} recomputes one block "
                          f"in {mode}: build each Block with index=i, its place in the stack")
     return "full" if index % mode == mode - 1 else None
-
-
-# -- instrumentation: what autograd holds ---------------------------------------------------------
-
-class SavedBytes:
-    """While entered: the bytes of the tensors autograd keeps for backward (activations), live
-    (`now`) and at most (`peak`). Parameters are not counted; a tensor saved twice counts once
-    (by its data pointer: the micro-batches of one batch are views of one storage, each its own)."""
-
-    def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self.skip = {p.data_ptr() for p in params}
-        self.live: dict[int, list[int]] = {}  # data pointer -> [bytes, times saved]
-        self.now = self.peak = 0
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        ptr = t.data_ptr()
-        if ptr in self.skip:
-            return t
-        if ptr not in self.live:
-            self.live[ptr] = [t.numel() * t.element_size(), 0]
-            self.now += self.live[ptr][0]
-            self.peak = max(self.peak, self.now)
-        self.live[ptr][1] += 1
-        holder = _Holder(t)
-        weakref.finalize(holder, self._release, ptr)  # autograd let go of this saved tensor
-        return holder
-
-    def _release(self, ptr: int) -> None:
-        entry = self.live[ptr]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.now -= entry[0]
-            del self.live[ptr]
-
-    def __enter__(self) -> "SavedBytes":
-        unpack = lambda h: h.t if isinstance(h, _Holder) else h  # noqa: E731
-        self.ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
-        self.ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.ctx.__exit__(*exc)
-
-
-class _Holder:
-    def __init__(self, t: torch.Tensor) -> None:
-        # the data without the graph: a saved output holding its own grad_fn would be a cycle
-        # that only a backward breaks, not dropping the graph (zero-bubble's W runs part of it)
-        self.t = t.detach()

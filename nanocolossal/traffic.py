@@ -37,6 +37,9 @@ ELEMENTS: dict[str, Callable[..., int]] = {
     "reduce_scatter_tensor": lambda output, input, *a, **k: input.numel(),
     "reduce_scatter_single": lambda output, input, *a, **k: input.numel(),
     "all_to_all_single": lambda output, input, *a, **k: input.numel(),
+    # point to point (ring attention, pipeline stages): the elements this rank sends
+    "batch_isend_irecv": lambda ops, *a, **k: sum(op.tensor.numel() for op in ops
+                                                  if op.op is dist.isend),
 }
 
 

@@ -12,10 +12,10 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
-from nanocolossal.activation_checkpoint import SavedBytes
 from nanocolossal.checkpoint_files import strip_prefixes
 from nanocolossal.config import AMP_TYPE, ConfigError, load_config
 from nanocolossal.context import gpc
+from nanocolossal.memory import SavedBytes
 from nanocolossal.moe.settings import moe_model_settings
 from nanocolossal.nn.transformer import Block
 from nanocolossal.pipeline import build_pipeline_model

@@ -88,16 +88,8 @@ import torch.distributed as dist
 from .zigzag import Group, _world, gather_sequence, split_sequence, zigzag_split, zigzag_stripes
 
 __all__ = ["ring_attention", "allgather_attention", "split_sequence", "gather_sequence",
-           "zigzag_split", "causal_rows", "has_fused_kernel", "COUNTS", "reset_counts"]
+           "zigzag_split", "causal_rows", "has_fused_kernel"]
 ALL, FIRST, SECOND = "all", "first", "second"
-
-# Counted as the ring runs, for tests and bench/bench_sequence.py: K/V block pairs sent forward
-# (N-1 per call) and in backward (N-1, plus N dK/dV pairs), and the largest score block held.
-COUNTS = dict(kv_forward=0, kv_backward=0, dkv_backward=0, peak_score_elements=0)
-
-
-def reset_counts() -> None:
-    COUNTS.update(dict.fromkeys(COUNTS, 0))
 
 
 def causal_rows(r: int, s: int, n: int, causal: bool) -> tuple[str, str, bool]:
@@ -157,11 +149,9 @@ def _plain(q, k, v, causal: bool) -> torch.Tensor:
 
 # ---- the ring ----------------------------------------------------------------------------------
 
-def _ring_shift(tensors: list[torch.Tensor], group: Group, tag: int,
-                counter: str) -> tuple[list, list]:
+def _ring_shift(tensors: list[torch.Tensor], group: Group, tag: int) -> tuple[list, list]:
     """Start sending `tensors` to the next rank and receiving the previous rank's; (bufs, works).
-    COUNTS[counter] counts the hops (the tests check the ring's traffic by them)."""
-    COUNTS[counter] += 1
+    (traffic.py counts what it sends: the tests check the ring's hops by it.)"""
     n, r = _world(group)
     g = group if group is not None else dist.group.WORLD
     nxt, prv = dist.get_global_rank(g, (r + 1) % n), dist.get_global_rank(g, (r - 1) % n)
@@ -186,20 +176,19 @@ def _scores(q, k, scale: float, masked: bool, bias=None) -> torch.Tensor:
     s = q @ k.transpose(-2, -1) * scale
     if bias is not None:  # [B, 1, keys, 1]: -inf for a padding key
         s = s + bias.transpose(-2, -1)
-    COUNTS["peak_score_elements"] = max(COUNTS["peak_score_elements"], s.numel())
     if masked:  # the diagonal block: same positions on both sides, plain causal mask
         ahead = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(ahead, float("-inf"))
     return s
 
 
-def _ring(kv: list, group: Group, counter: str):
+def _ring(kv: list, group: Group):
     """Yield (t, kv): at step t the K/V block of rank (r - t) mod N, the next one travelling
     while the caller computes with this one."""
     n, _ = _world(group)
     for t in range(n):
         if t < n - 1:
-            nxt, works = _ring_shift(kv, group, tag=0, counter=counter)
+            nxt, works = _ring_shift(kv, group, tag=0)
         yield t, kv
         if t < n - 1:
             _wait(works)
@@ -245,7 +234,7 @@ class _RingAttention(torch.autograd.Function):
         l = torch.zeros_like(m)  # noqa: E741 -- the paper's name
         acc = torch.zeros_like(q)
         kv = [k, v] + ([bias] if bias is not None else [])  # a padding mask travels with keys
-        for t, kv in _ring(kv, group, "kv_forward"):
+        for t, kv in _ring(kv, group):
             qp, kp, masked = causal_rows(r, (r - t) % n, n, causal)
             got = block(_rows(q, qp), _rows(kv[0], kp), _rows(kv[1], kp), _mask(kv, kp),
                         masked, scale)
@@ -264,7 +253,7 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
         dkv, dworks = None, []
-        for t, kv in _ring([k, v] + ([bias] if bias is not None else []), group, "kv_backward"):
+        for t, kv in _ring([k, v] + ([bias] if bias is not None else []), group):
             qp, kp, masked = causal_rows(r, (r - t) % n, n, causal=ctx.causal)
             dqb, dkb, dvb = grads(_rows(q, qp), _rows(kv[0], kp), _rows(kv[1], kp),
                                   _mask(kv, kp), masked, ctx.scale, _rows(out, qp),
@@ -277,7 +266,7 @@ class _RingAttention(torch.autograd.Function):
                 _wait(dworks)
                 dk, dv = dk + dkv[0], dv + dkv[1]
             if n > 1:  # pass it on; after step N-1 this hop delivers it to its owner
-                dkv, dworks = _ring_shift([dk, dv], group, tag=2, counter="dkv_backward")
+                dkv, dworks = _ring_shift([dk, dv], group, tag=2)
         if n > 1:
             _wait(dworks)
             dk, dv = dkv

@@ -1,0 +1,83 @@
+"""Memory, counted from live tensors: the instruments the tests and benchmarks measure with.
+
+    with SavedBytes(model.parameters()) as saved:    # what autograd keeps for backward
+        loss = model(x).sum()
+    saved.peak                                        # bytes, each storage once
+    with LargestMade() as made:                       # the largest tensor any op returns
+        loss.backward()
+    made.most                                         # elements
+
+SavedBytes sees activations (activation_checkpoint.py's formula, pipeline schedules' in-flight
+micro-batches); LargestMade sees transient tensors no one saves, such as a block of attention
+scores (ring_attention.py: the explicit blocks make one, a fused kernel's tiles are its own
+memory, never a tensor).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class SavedBytes:
+    """While entered: the bytes of the tensors autograd keeps for backward (activations), live
+    (`now`) and at most (`peak`). Parameters are not counted; a tensor saved twice counts once
+    (by its data pointer: the micro-batches of one batch are views of one storage, each its own)."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.skip = {p.data_ptr() for p in params}
+        self.live: dict[int, list[int]] = {}  # data pointer -> [bytes, times saved]
+        self.now = self.peak = 0
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        ptr = t.data_ptr()
+        if ptr in self.skip:
+            return t
+        if ptr not in self.live:
+            self.live[ptr] = [t.numel() * t.element_size(), 0]
+            self.now += self.live[ptr][0]
+            self.peak = max(self.peak, self.now)
+        self.live[ptr][1] += 1
+        holder = _Holder(t)
+        weakref.finalize(holder, self._release, ptr)  # autograd let go of this saved tensor
+        return holder
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[ptr]
+
+    def __enter__(self) -> "SavedBytes":
+        unpack = lambda h: h.t if isinstance(h, _Holder) else h  # noqa: E731
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
+        self.ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.ctx.__exit__(*exc)
+
+
+class _Holder:
+    def __init__(self, t: torch.Tensor) -> None:
+        # the data without the graph: a saved output holding its own grad_fn would be a cycle
+        # that only a backward breaks, not dropping the graph (zero-bubble's W runs part of it)
+        self.t = t.detach()
+
+
+class LargestMade(TorchDispatchMode):
+    """While entered: the most elements of any tensor an op returns (`most`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.most = max([self.most, *sizes])
+        return out
