@@ -9,7 +9,6 @@ parallel=dict(moe=dict(size=EP)), NUM_EXPERTS, MOE_TOP_K, MOE_CAPACITY_FACTOR, M
 A transformer Block takes an MoE layer in its MLP's place with `Block(..., moe=dict(...))`.
 """
 from .balance import load_balancing_loss
-from .dispatch import CommCounter
 from .experts import ExpertMLP, LocalExperts, expert_parameters
 from .grads import (
     MoeGradientHandler,
@@ -23,7 +22,7 @@ from .layer import MoeLayer, moe_aux_loss, moe_layers
 from .placement import Placement
 from .router import Router, Routing, assign_slots, expert_capacity
 
-__all__ = ["CommCounter", "ExpertMLP", "LocalExperts", "MoeGradientHandler", "MoeGroups",
+__all__ = ["ExpertMLP", "LocalExperts", "MoeGradientHandler", "MoeGroups",
            "MoeLayer", "Placement",
            "Router", "Routing", "allreduce_expert_gradients", "allreduce_moe_gradients",
            "assign_slots", "build_moe_groups", "expert_capacity", "expert_parameters",

@@ -21,7 +21,8 @@ to rank j, where it lands as slice r. E = 4 experts, EP = 2 ranks, L = E/EP = 2 
 
 Every rank sends E*C*d elements per all-to-all (C*d*(EP-1)*L of them to other ranks). With
 capacity C = ceil(cf * T / E) that is about cf * T * d: a rank's tokens x the model width, the
-same as one all-reduce of activations, whatever E is. `CommCounter` counts what is sent.
+same as one all-reduce of activations, whatever E is (traffic.py counts it: the tests and
+bench/bench_moe.py check it against this formula).
 
 When EP > E (experts replicated), ranks exchange only within their block of E (placement.py):
 the split sizes give C*d elements to each rank of the block and none to the others.
@@ -33,38 +34,19 @@ exchanges into the experts, the tokens and (through the combine weights) the rou
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
 from ..tensor.comm import exchange
 from .placement import Group, Placement, group_size
 
 
-@dataclass
-class CommCounter:
-    """What one all-to-all sent, summed over calls (forward only; backward sends the same)."""
-
-    calls: int = 0
-    elements: int = 0         # the whole send buffer, this rank's own slice included: E*C*d
-    remote_elements: int = 0  # what left this rank for other ranks
-
-    def add(self, elements: int, remote: int) -> None:
-        self.calls, self.elements, self.remote_elements = (
-            self.calls + 1, self.elements + elements, self.remote_elements + remote)
-
-
-def all_to_all(x: torch.Tensor, placement: Placement, group: Group,
-               counter: Optional[CommCounter] = None) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, placement: Placement, group: Group) -> torch.Tensor:
     """Exchange the [G, L, C, d] slices of `x` within this rank's block (G = placement.block
     ranks, L experts each): slice j goes to the block's j-th rank, arriving as this rank's slice.
     Differentiable; a group of one returns `x` itself."""
-    per_rank = x.numel() // placement.block
-    if counter is not None:
-        counter.add(x.numel(), x.numel() - per_rank)
     if group_size(group) == 1:
         return x
+    per_rank = x.numel() // placement.block
     splits = placement.split_sizes(per_rank)  # in and out alike: slice j <-> slice r
     return exchange(x, group, splits, splits).view_as(x)
 

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .dispatch import CommCounter, all_to_all, from_buffer, to_buffer
+from .dispatch import all_to_all, from_buffer, to_buffer
 from .experts import LocalExperts
 from .placement import Group, placement_for
 from .router import CAPACITY_FACTOR_EVAL, CAPACITY_FACTOR_TRAIN, MIN_CAPACITY, Router, Routing
@@ -63,7 +63,6 @@ class MoeLayer(nn.Module):
         self.experts = LocalExperts(d_model, d_hidden, self.placement)
         self.aux_loss: Optional[torch.Tensor] = None
         self.routing: Optional[Routing] = None
-        self.comm = {"dispatch": CommCounter(), "combine": CommCounter()}
 
     @property
     def num_experts(self) -> int:
@@ -76,9 +75,8 @@ class MoeLayer(nn.Module):
         p, c, d = self.placement, routing.capacity, tokens.shape[-1]
         buffer = to_buffer(tokens, token, slot, p.num_experts * c)
         # [E, C, d] is [G, L, C, d]: slice j holds the slots of ep rank j's experts
-        received = all_to_all(buffer.view(p.block, p.num_local, c, d), p, self.ep_group,
-                              self.comm["dispatch"])
-        results = all_to_all(self.experts(received), p, self.ep_group, self.comm["combine"])
+        received = all_to_all(buffer.view(p.block, p.num_local, c, d), p, self.ep_group)
+        results = all_to_all(self.experts(received), p, self.ep_group)
         out = from_buffer(results.view(-1, d), token, slot, weight, tokens.shape[0])
         self.aux_loss, self.routing = routing.aux_loss, routing
         return out.view_as(x)
