@@ -98,7 +98,7 @@ class MixedShardedOptimizer(ShardedOptimizer):
         """The segments one process's O2 keeps masters of (offload also masters fp32 ones)."""
         return [s for s in self._mastered() if s.view.dtype != s.param.dtype]
 
-    def home(self, s: Any) -> nn.Parameter:  # gradients onto the model's segments
+    def grad_target(self, s: Any) -> nn.Parameter:  # gradients onto the model's segments
         return s.param if s.view is None else s.view
 
     def _grads_to_masters(self) -> None:

@@ -177,7 +177,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         return (p.dtype, p.device)
 
     # -- gradients in ---------------------------------------------------------------------
-    def home(self, s: Segment) -> nn.Parameter:
+    def grad_target(self, s: Segment) -> nn.Parameter:
         """Where the gradient of segment `s` arrives (under O2, mixed.py: its half view)."""
         return s.param
 
@@ -185,15 +185,15 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         """Level 2: add my segments of `param`'s averaged gradient (a transient bucket slot) to
         what earlier backwards of this step left there, as .grad accumulates in one process."""
         for s in self.segments_of[param]:
-            home, averaged = self.home(s), grad.reshape(-1)[s.lo:s.hi]
-            home.grad = averaged.clone() if home.grad is None else home.grad.add_(averaged)
+            target, averaged = self.grad_target(s), grad.reshape(-1)[s.lo:s.hi]
+            target.grad = averaged.clone() if target.grad is None else target.grad.add_(averaged)
 
     def _collect_grads(self) -> None:
         """Level 1: my segments of the gradients DDP averaged (views: no copy). A parameter no
         rank computed a gradient for has none, so its segments have none either."""
         for p, segments in self.segments_of.items():
             for s in segments:
-                self.home(s).grad = None if p.grad is None else p.grad.reshape(-1)[s.lo:s.hi]
+                self.grad_target(s).grad = None if p.grad is None else p.grad.reshape(-1)[s.lo:s.hi]
 
     def overflow_flag(self) -> torch.Tensor:
         if self.level == 1 and self._flag is None:

@@ -165,7 +165,7 @@ class ShardedModel:
 
     def _gather(self, unit: _Unit, async_op: bool = False) -> None:
         if self.size > 1 and not all(b.gathered for b in unit.buffers):
-            self.unit_order.saw(self.order.index(unit), unit.name)
+            self.unit_order.record_gather(self.order.index(unit), unit.name)
         unit.gather(self.group, async_op)
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -271,8 +271,11 @@ class ShardedModel:
                 if used[i] > 0:  # (my shard begins at rank x shard in the unit's buffer)
                     at = b.offsets[i] + s.lo - b.rank * b.shard
                     reduced = mine[at: at + s.hi - s.lo]
-                    home = self.optimizer.home(s)  # (O2: the half view; unscale makes fp32)
-                    home.grad = reduced.clone() if home.grad is None else home.grad.add_(reduced)
+                    target = self.optimizer.grad_target(s)  # (O2: the half view)
+                    if target.grad is None:
+                        target.grad = reduced.clone()
+                    else:  # accumulation: earlier backwards of this step left theirs
+                        target.grad.add_(reduced)
         self._pending = []
 
     def _end_backward(self) -> None:

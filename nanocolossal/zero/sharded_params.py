@@ -141,7 +141,7 @@ class ParamShardedOptimizer(ShardedOptimizer):
 
     def param_segments(self) -> list:
         """My shard of each parameter, in the model's dtype (a checkpoint's segments, state.py)."""
-        return [(s.index, s.lo, s.hi, self.home(s).detach().cpu().clone())
+        return [(s.index, s.lo, s.hi, self.grad_target(s).detach().cpu().clone())
                 for b in self.buffers for s in b.segments]
 
     def load_state_dict(self, state: dict) -> None:
@@ -153,7 +153,7 @@ class ParamShardedOptimizer(ShardedOptimizer):
             for segment in [s for b in self.buffers for s in b.segments]:
                 values = params.get((segment.index, segment.lo, segment.hi))
                 if values is not None:
-                    self.home(segment).copy_(values)
+                    self.grad_target(segment).copy_(values)
 
     def shard_bytes(self) -> int:
         """Bytes of parameters this rank keeps between uses: its shard of every buffer."""

@@ -23,10 +23,10 @@ def sum_sharded_tied_gradients(optimizer: ShardedOptimizer, tied: Tied) -> None:
         segments = optimizer.segments_of.get(param, [])  # none: this optimizer does not step it
         whole = torch.zeros(param.numel() + 1, dtype=param.dtype, device=param.device)
         for s in segments:
-            if optimizer.home(s).grad is not None:
-                whole[s.lo:s.hi] = optimizer.home(s).grad
+            if optimizer.grad_target(s).grad is not None:
+                whole[s.lo:s.hi] = optimizer.grad_target(s).grad
                 whole[-1] = 1
         dist.all_reduce(whole, group=optimizer.group)  # the data ranks' segments: the whole
         dist.all_reduce(whole, group=group)            # the stages' wholes: the sum
         for s in segments:
-            optimizer.home(s).grad = whole[s.lo:s.hi].clone() if whole[-1] else None
+            optimizer.grad_target(s).grad = whole[s.lo:s.hi].clone() if whole[-1] else None

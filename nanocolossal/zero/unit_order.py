@@ -131,7 +131,7 @@ class UnitOrder:
         self.group, self.debug = group, debug
         self.fingerprint, self.names = 0, deque(maxlen=8)  # (names: the last few, for errors)
 
-    def saw(self, index: int, name: str) -> None:
+    def record_gather(self, index: int, name: str) -> None:
         """Unit number `index` (named `name`) is about to be gathered."""
         if self.debug and not same_everywhere(index, self.group, gpc.device):
             raise RuntimeError(f"[rank {gpc.rank}] zero level 3: this rank gathers unit {name!r} "

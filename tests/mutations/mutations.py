@@ -266,13 +266,8 @@ MUTATIONS: list[dict] = [
                 "on_two_ranks_equals or adamw_equals_one_process or clipping"]),
     dict(id="zero3-accumulation-overwrites", idea="ZeRO 3 x accumulation",
          file="nanocolossal/zero/sharded_model.py",
-         old="                    home = self.optimizer.home(s)  # (O2: the half view; unscale "
-             "makes fp32)\n"
-             "                    home.grad = reduced.clone() if home.grad is None else "
-             "home.grad.add_(reduced)",
-         new="                    home = self.optimizer.home(s)  # (O2: the half view; unscale "
-             "makes fp32)\n"
-             "                    home.grad = reduced.clone()",
+         old="                        target.grad.add_(reduced)",
+         new="                        target.grad = reduced.clone()",
          bug="each reduction overwrites my gradient shard instead of adding to it: only the "
              "last backward before a step counts",
          tests=["tests/test_zero3.py", "-k", "gradient_accumulation"]),
