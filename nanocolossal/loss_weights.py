@@ -78,7 +78,7 @@ def counted_targets(target: torch.Tensor, ignore_index: int = -100,
     return (weight.to(target.device)[target.masked_fill(~counted, 0)] * counted).sum()
 
 
-def counts_targets(criterion: Any) -> bool:
+def weighs_by_targets(criterion: Any) -> bool:
     """Does this criterion's mean divide by counted targets (so its pieces need weights)?"""
     mean = getattr(criterion, "reduction", None) in ("mean", True)
     return mean and hasattr(criterion, "ignore_index")
@@ -232,7 +232,7 @@ class CountedTargets(Extension):
 
     def weigh_micro_batches(self, criterion: Any, labels: list,
                             training: bool) -> Optional[MicroBatchLoss]:
-        if not counts_targets(criterion):
+        if not weighs_by_targets(criterion):
             return None
         spans = getattr(criterion, "spans_sequence", False)
         counts = target_counts(criterion, labels)

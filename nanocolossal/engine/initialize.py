@@ -52,7 +52,7 @@ from ..ddp import BroadcastBuffers, DdpSync, DistributedDataParallel
 from ..extensions import Extension
 from ..gradient_handler import DataParallelGradientHandler
 from ..logging import get_dist_logger
-from ..loss_weights import CountedTargets, counts_targets, weighed_ranks
+from ..loss_weights import CountedTargets, weighed_ranks, weighs_by_targets
 from ..moe import MoeGradientHandler, moe_layers
 from ..moe.settings import moe_aux_weight
 from ..pipeline.moe_aux import MoeAuxLoss
@@ -239,7 +239,7 @@ def extend_loss(model: nn.Module, forward_module: nn.Module, criterion: Any,
     each piece by them (loss_weights.py); MoE layers add MOE_AUX_WEIGHT x their load-balancing
     loss (pipeline/moe_aux.py). In this order: the aux loss is not weighed."""
     extensions: list[Extension] = []
-    if counts_targets(criterion):
+    if weighs_by_targets(criterion):
         optimizer.loss_ranks = weighed_ranks(criterion)  # fp16: the G of the weights (amp.py)
         accumulation = gpc.config.get("gradient_accumulation", 1)
         extensions.append(CountedTargets(criterion, (forward_module, model), accumulation))
