@@ -71,7 +71,7 @@ from ..zero.tied import sum_sharded_tied_gradients
 from .checks import check_batches_fill_micro_batches, check_tensor_parallel_model, pipeline_schedule
 from .engine import Engine, PipelineEngine
 
-Did = Optional[str]  # what a step did, for the log line (None: nothing)
+LogNote = Optional[str]  # what a step did, for the log line (None: nothing)
 
 
 def check_inputs(model: nn.Module, loaders: dict[str, Any]) -> Any:
@@ -87,14 +87,14 @@ def check_inputs(model: nn.Module, loaders: dict[str, Any]) -> Any:
     return schedule
 
 
-def apply_sync_bn(model: nn.Module) -> tuple[nn.Module, Did]:
+def apply_sync_bn(model: nn.Module) -> tuple[nn.Module, LogNote]:
     if not gpc.config.get("sync_bn"):
         return model, None
     return convert_sync_batchnorm(model), "SyncBN"
 
 
 def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Optional[Callable]
-              ) -> tuple[nn.Module, MixedPrecisionOptimizer, Optional[Callable], Did]:
+              ) -> tuple[nn.Module, MixedPrecisionOptimizer, Optional[Callable], LogNote]:
     fp16 = gpc.config.get("fp16")
     if fp16 is None:  # fp32: no scaling, the same interface
         return model, MixedPrecisionOptimizer(optimizer), criterion, None
@@ -133,7 +133,7 @@ def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Opt
 
 
 def apply_zero(model: nn.Module, optimizer: MixedPrecisionOptimizer
-               ) -> tuple[MixedPrecisionOptimizer, Did]:
+               ) -> tuple[MixedPrecisionOptimizer, LogNote]:
     """zero=dict(level=1|2|3, ...): the optimizer flattens the parameters into N shards and
     keeps the state of this rank's (after AMP: it shards the final parameters). Level 3 cuts them
     per unit and installs the gather / free / reduce-scatter hooks on the model."""
@@ -175,7 +175,7 @@ def describe_zero(sharded: ShardedOptimizer) -> str:
 
 
 def apply_moe(model: nn.Module, optimizer: MixedPrecisionOptimizer
-              ) -> tuple[Optional[MoeGradientHandler], float, Did]:
+              ) -> tuple[Optional[MoeGradientHandler], float, LogNote]:
     """MoE layers: (the gradient handler that reduces experts over their holders, or None on
     one rank; MOE_AUX_WEIGHT for the Engine's loss; what was done)."""
     layers = moe_layers(model)
@@ -194,7 +194,7 @@ def apply_moe(model: nn.Module, optimizer: MixedPrecisionOptimizer
 
 def wrap_data_parallel(model: nn.Module, pipelined: bool,
                        optimizer: Optional[MixedPrecisionOptimizer] = None, moe: Any = None
-                       ) -> tuple[list[nn.Module], list[Extension], Did]:
+                       ) -> tuple[list[nn.Module], list[Extension], LogNote]:
     """What forward runs through -- the model, or DDP around it; for a pipeline stage one DDP per
     chunk -- and the extensions that synchronise: DDP's (no_sync but on the last backward), or
     the gradient handler the config asks for instead, which averages after the group's last
@@ -270,7 +270,7 @@ def split_labels(criterion: Any) -> list[Extension]:
 
 def build_engine(model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Any,
                  parts: list[nn.Module], extensions: list[Extension],
-                 schedule: Any) -> tuple[Engine, Did]:
+                 schedule: Any) -> tuple[Engine, LogNote]:
     cfg = gpc.config
     clip, accumulation = cfg.get("clip_grad_norm", 0.0), cfg.get("gradient_accumulation", 1)
     if schedule is not None:
@@ -283,7 +283,7 @@ def build_engine(model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion
     return engine, ", ".join(d for d in did if d) or None
 
 
-def describe_layout(schedule: Any) -> Did:
+def describe_layout(schedule: Any) -> LogNote:
     """The parallel layout, first in the log line."""
     parts = []
     if gpc.sequence_size > 1:
