@@ -15,8 +15,10 @@ The opt levels (as apex):
     O3  fp16 everything, no master weights                           (speed baseline)
 Model outputs come back in fp32 so the loss is computed in full precision -- except under the
 Engine at O1, which runs the criterion under autocast too (torch's recipe; Colossal-AI's
-TorchAMPLoss): autocast computes log-softmax and the losses in fp32 anyway, and no fp32 copy of
-the output (GPT logits: b x s x V x 4 bytes) is held through backward (autocast_loss).
+TorchAMPLoss): autocast computes torch's losses (cross_entropy, nll_loss, mse_loss, ...) in fp32
+anyway, and no fp32 copy of the output (GPT logits: b x s x V x 4 bytes) is held through backward
+(autocast_loss). What autocast keeps in half stays half in a criterion of your own, though: a
+log_softmax on a CPU (on CUDA it is an fp32 op) -- upcast there, or use torch's loss.
 
     from nanocolossal import amp                # apex: from apex import amp
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
@@ -84,17 +86,26 @@ class _Autocast:
     """Enter autocast before the model's forward and leave it after (even if forward raises)."""
 
     def __init__(self, device_type: str, dtype: torch.dtype, output_fp32: bool = True) -> None:
-        self.device_type, self.dtype, self.active = device_type, dtype, []
+        self.device_type, self.dtype = device_type, dtype
         self.output_fp32 = output_fp32
 
     def enter(self, module, args) -> None:
         ctx = torch.autocast(self.device_type, dtype=self.dtype)
         ctx.__enter__()
-        self.active.append(ctx)
+        _entered(module).append(ctx)
 
     def exit(self, module, args, output) -> Any:
-        self.active.pop().__exit__(None, None, None)
+        # the innermost autocast first, whichever hook entered it: a module hooked twice (a
+        # criterion or model passed to two initialize calls) runs its exit hooks in the order of
+        # its enter hooks, and leaving the outer autocast first would leave autocast on after
+        # the forward (each restores the state it found)
+        _entered(module).pop().__exit__(None, None, None)
         return _upcast_halves(output) if self.output_fp32 else output
+
+
+def _entered(module: nn.Module) -> list:
+    """The autocasts that the module's hooks entered and did not leave yet, innermost last."""
+    return module.__dict__.setdefault("_amp_autocasts", [])
 
 
 def _all_reduced(t: torch.Tensor, group: Any) -> torch.Tensor:

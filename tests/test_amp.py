@@ -58,8 +58,9 @@ def test_gloo_amp_bf16_on_two_data_ranks_tracks_one_process():
                      msg=lambda m: f"rank {rank}: {m}")
 
 
-def _o1_worker(rank, world_size, port, x, y, as_function):
-    nc.launch(dict(fp16=dict(mode=AMP_TYPE.TORCH, dtype="bfloat16")), rank=rank,
+def _o1_worker(rank, world_size, port, x, y, as_function, dtype):
+    # fp16: a loss scale of 1, so that the gradients compare as they are
+    nc.launch(dict(fp16=dict(mode=AMP_TYPE.TORCH, dtype=dtype, init_scale=1.0)), rank=rank,
               world_size=world_size, host="127.0.0.1", port=port)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -70,11 +71,49 @@ def _o1_worker(rank, world_size, port, x, y, as_function):
     return output.dtype, loss, [p.grad for p in engine.model.parameters()]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("as_function", [False, True], ids=["module", "function"])
-def test_o1_engine_runs_the_loss_under_autocast_and_keeps_no_fp32_output(as_function):
-    """O1 under the Engine: the output stays bf16 as autocast made it (no fp32 copy of the logits
+def test_o1_engine_runs_the_loss_under_autocast_and_keeps_no_fp32_output(as_function, dtype):
+    """O1 under the Engine: the output stays half as autocast made it (no fp32 copy of the logits
     held through backward), the criterion runs under autocast, which computes cross-entropy in
     fp32: the loss and gradients are those of the fp32 loss on the cast output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with torch.autocast("cpu", dtype=getattr(torch, dtype)):
+        out = model(x)
+    loss = nn.functional.cross_entropy(out.float(), y)
+    loss.backward()
+    got_dtype, engine_loss, grads = run_ranks(_o1_worker, 1, x, y, as_function, dtype)[0]
+    assert got_dtype == getattr(torch, dtype)
+    assert engine_loss.dtype == torch.float32
+    assert_close(engine_loss, loss.detach(), rtol=0, atol=0)
+    assert_close(grads, [p.grad for p in model.parameters()], rtol=0, atol=0)
+
+
+def _reused_criterion_worker(rank, world_size, port, x, y):
+    nc.launch(dict(fp16=dict(mode=AMP_TYPE.TORCH, dtype="bfloat16")), rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    criterion = nn.CrossEntropyLoss()
+    for _ in range(2):  # two engines, one criterion object
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                   criterion, verbose=False)
+    _, _, loss = engine.execute_schedule((x, y))
+    grads = [p.grad.clone() for p in engine.model.parameters()]
+    engine.step()
+    after = torch.is_autocast_enabled("cpu"), nn.Linear(4, 3)(x).dtype  # what runs next
+    return loss, grads, after
+
+
+@pytest.mark.timeout(60)
+def test_o1_criterion_shared_by_two_engines_leaves_autocast_off_after_the_loss():
+    """A criterion object passed to two initialize calls: the second engine's loss and gradients
+    are one process's, and autocast is off after the step (before: the criterion's two autocast
+    hooks left in the order they entered, and autocast stayed on for whatever ran next -- an
+    evaluation, another fp32 model: its Linear computed in bf16)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
@@ -82,11 +121,23 @@ def test_o1_engine_runs_the_loss_under_autocast_and_keeps_no_fp32_output(as_func
         out = model(x)
     loss = nn.functional.cross_entropy(out.float(), y)
     loss.backward()
-    dtype, engine_loss, grads = run_ranks(_o1_worker, 1, x, y, as_function)[0]
-    assert dtype == torch.bfloat16
-    assert engine_loss.dtype == torch.float32
+    engine_loss, grads, after = run_ranks(_reused_criterion_worker, 1, x, y)[0]
+    assert after == (False, torch.float32)
     assert_close(engine_loss, loss.detach(), rtol=0, atol=0)
     assert_close(grads, [p.grad for p in model.parameters()], rtol=0, atol=0)
+
+
+def test_a_model_prepared_twice_for_o1_leaves_autocast_off_after_its_forward():
+    """amp.initialize twice on one model (two initialize calls): its autocasts are left innermost
+    first, so autocast is off after the forward and the next fp32 model computes in fp32."""
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        amp.initialize(model, optimizer, "O1", dtype=torch.bfloat16)
+    out = model(torch.randn(2, 4))
+    assert out.dtype == torch.float32  # the apex-style output cast
+    assert not torch.is_autocast_enabled("cpu")
+    assert nn.Linear(4, 3)(torch.randn(2, 4)).dtype == torch.float32
 
 
 def _grad_scaler_sequence(pattern, **kwargs) -> list[float]:
