@@ -113,13 +113,10 @@ def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Opt
     if kwargs is None:
         off = "off (enabled=False)" if fp16.get("enabled") is False else "in float32 on this CPU"
         return model, MixedPrecisionOptimizer(optimizer), criterion, f"{name} {off}"
-    # O1 with a criterion: the loss runs under autocast, the output needs no fp32 copy (amp.py)
-    loss_in_autocast = opt_level == "O1" and criterion is not None
-    if loss_in_autocast:
-        dtype = kwargs.get("dtype", torch.float16)
-        criterion = amp.autocast_loss(criterion, gpc.device.type, dtype)
+    # O1 with a criterion: the loss runs under autocast, the output needs no fp32 copy (amp.py);
     # else one process casts only the model's output to fp32: here the last stage's last chunk
     # (a TENSOR_SHAPE fixes every stage boundary at fp32, skipping the dtype handshake: keep all)
+    loss_in_autocast = opt_level == "O1" and criterion is not None
     chunks = len(model) if isinstance(model, nn.ModuleList) else 1
     P, v_shape = gpc.pipeline_size, getattr(model, "v_shape", False)
     last = [virtual_stage(c, gpc.pipeline_rank, P, v_shape) == P * chunks - 1
@@ -129,6 +126,9 @@ def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Opt
                for is_last in last]
     model, optimizer = amp.initialize(model, optimizer, opt_level, device_type=gpc.device.type,
                                       outputs=outputs, **kwargs)
+    if loss_in_autocast:  # (after amp.initialize's checks: a refused config hooks nothing)
+        dtype = kwargs.get("dtype", torch.float16)
+        criterion = amp.autocast_loss(criterion, gpc.device.type, dtype)
     return model, optimizer, criterion, name
 
 
