@@ -5,6 +5,7 @@ install used in development hid it. Here the wheel is built, installed into a cl
 editable finder, no source tree on the path: torch & co. come from the test venv through a
 .pth line) and every module is imported from there.
 """
+import os
 import pkgutil
 import shutil
 import subprocess
@@ -54,7 +55,9 @@ def test_wheel_in_a_clean_venv_imports_every_module(tmp_path):
     code = ("import importlib, nanocolossal, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
             "print(nanocolossal.__file__)")
-    out = subprocess.run([str(python), "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a checkout on the path
+    out = subprocess.run([str(python), "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env=clean)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith(str(site)), (
         f"imported from {out.stdout.strip()}, not the wheel"
