@@ -38,7 +38,7 @@ from torch import nn
 import nanocolossal as nc  # noqa: E402
 from nanocolossal.context import gpc  # noqa: E402
 from nanocolossal.tensor import layers_1d, layers_2d  # noqa: E402
-from nanocolossal.tensor.base import shard  # noqa: E402
+from nanocolossal.tensor.base import slice_of  # noqa: E402
 
 
 class Counter:
@@ -105,7 +105,7 @@ def main() -> None:
                                 {"0": ColwiseParallel(), "2": RowwiseParallel()})
     models = {"ours 1d": ours_1d, "torch 1d": theirs, "ours 2d": ours_2d}
     inputs = {"ours 1d": lambda x: x, "torch 1d": lambda x: x,
-              "ours 2d": lambda x: shard(x, [(0, "row"), (1, "col")])}
+              "ours 2d": lambda x: slice_of(x, [(0, "row"), (1, "col")])}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
 
     # the same batches on every rank (tensor parallel: one replica)

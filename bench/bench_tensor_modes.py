@@ -50,7 +50,7 @@ from nanocolossal.context import gpc  # noqa: E402
 from nanocolossal.ddp import DistributedDataParallel  # noqa: E402
 from nanocolossal.run import main as run  # noqa: E402
 from nanocolossal.tensor import layers_1d, layers_2d, layers_3d  # noqa: E402
-from nanocolossal.tensor.base import shard  # noqa: E402
+from nanocolossal.tensor.base import slice_of  # noqa: E402
 from nanocolossal.traffic import count_collectives  # noqa: E402
 
 MODES = {  # name: (parallel.tensor, input blocks)
@@ -113,7 +113,7 @@ def measure(mode: str, args) -> dict:
         model = DistributedDataParallel(model, process_group=gpc.data_group)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
-    mine = lambda x: shard(x.chunk(gpc.data_size)[gpc.data_rank], cut).clone()  # noqa: E731
+    mine = lambda x: slice_of(x.chunk(gpc.data_size)[gpc.data_rank], cut).clone()  # noqa: E731
     batches = [mine(torch.randn(b, d, generator=g)).requires_grad_() for _ in range(args.steps + 1)]
 
     def step(x):

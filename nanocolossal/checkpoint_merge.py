@@ -31,7 +31,7 @@ from .checkpoint_files import (  # noqa: F401 -- re-exported: the files, then me
     zero_path,
 )
 from .context import gpc
-from .tensor.base import POSITION, shard
+from .tensor.base import POSITION, slice_of
 from .zero.state import assemble, assemble_params
 
 
@@ -77,7 +77,7 @@ def _load_all(paths: list[PathLike], trusted: bool) -> list[dict]:
 
 # -- merging ------------------------------------------------------------------------------------
 def _rebuild(blocks: dict[int, torch.Tensor], splits: list, size: int, q: int) -> torch.Tensor:
-    """Undo tensor/base.shard offline: concatenate the tensor ranks' blocks of one parameter
+    """Undo tensor/base.slice_of offline: concatenate the tensor ranks' blocks of one parameter
     (q: the side of the 2d/2.5d grid or 3d cube)."""
     def build(todo: list, fixed: dict) -> torch.Tensor:
         if not todo:  # a block every rank with these coordinates holds alike
@@ -175,5 +175,5 @@ def load_plain_state_dict(model: nn.Module, state_dict: dict) -> None:
     for own_key, key in zip(own, strip_prefixes(own)):  # the module's keys, the plain ones
         if key not in state_dict:
             raise KeyError(f"[rank {gpc.rank}] the plain state_dict has no {key!r}")
-        sliced[own_key] = shard(state_dict[key], layout[key])
+        sliced[own_key] = slice_of(state_dict[key], layout[key])
     unwrap(model).load_state_dict(sliced)

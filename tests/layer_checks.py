@@ -20,7 +20,7 @@ from nanocolossal.context import gpc
 from nanocolossal.generate import generate
 from nanocolossal.nn.transformer import Block
 from nanocolossal.sequence import token_positions
-from nanocolossal.tensor.base import shard, unshard
+from nanocolossal.tensor.base import gather_slices, slice_of
 
 B, S, D, V = 8, 2, 8, 16
 
@@ -53,7 +53,7 @@ def train_small_model(rank, world_size, port, config, xs, ys, save=None):
 
 def gathered(model):
     """A model's parameters, each gathered whole from the tensor ranks' blocks."""
-    return {name: unshard(p.detach(), getattr(p, "tensor_splits", []))
+    return {name: gather_slices(p.detach(), getattr(p, "tensor_splits", []))
             for name, p in model.named_parameters()}
 
 
@@ -64,7 +64,8 @@ def _same(got, want, what):
 def _grads_equal(name, tp, plain):
     params = dict(tp.named_parameters())
     for key, p in plain.named_parameters():
-        _same(unshard(params[key].grad, params[key].tensor_splits), p.grad, f"{name}.{key} grad")
+        whole = gather_slices(params[key].grad, params[key].tensor_splits)
+        _same(whole, p.grad, f"{name}.{key} grad")
 
 
 def _built(make_tp, make_plain):
@@ -79,15 +80,15 @@ def _check(name, make_tp, make_plain, x, in_splits, out_splits):
     tp, plain = _built(make_tp, make_plain)
     floating = x.is_floating_point()
     x_plain = x.clone().requires_grad_(floating)
-    x_tp = shard(x, in_splits).clone().requires_grad_(floating)
+    x_tp = slice_of(x, in_splits).clone().requires_grad_(floating)
     y_plain, y_tp = plain(x_plain), tp(x_tp)
     g = torch.Generator().manual_seed(11)
     dy = torch.randn(y_plain.shape, generator=g, dtype=y_plain.dtype)
     y_plain.backward(dy)
-    y_tp.backward(shard(dy, out_splits))
-    _same(unshard(y_tp.detach(), out_splits), y_plain.detach(), f"{name} output")
+    y_tp.backward(slice_of(dy, out_splits))
+    _same(gather_slices(y_tp.detach(), out_splits), y_plain.detach(), f"{name} output")
     if floating:
-        _same(unshard(x_tp.grad, in_splits), x_plain.grad, f"{name} input grad")
+        _same(gather_slices(x_tp.grad, in_splits), x_plain.grad, f"{name} input grad")
     _grads_equal(name, tp, plain)
     return name
 
@@ -96,15 +97,15 @@ def _classifier_and_loss(activation, batch):
     tp, plain = _built(lambda: col_nn.Classifier(D, 3), lambda: nn.Linear(D, 3))
     g = torch.Generator().manual_seed(5)
     x, target = torch.randn(B, D, generator=g, dtype=torch.float64), torch.arange(B) % 3
-    x_plain, x_tp = x.clone().requires_grad_(), shard(x, activation).clone().requires_grad_()
+    x_plain, x_tp = x.clone().requires_grad_(), slice_of(x, activation).clone().requires_grad_()
     want = nn.functional.cross_entropy(plain(x_plain), target)
     logits = tp(x_tp)
-    _same(unshard(logits.detach(), batch), plain(x).detach(), "classifier logits")
+    _same(gather_slices(logits.detach(), batch), plain(x).detach(), "classifier logits")
     loss = col_nn.CrossEntropyLoss()(logits, target)
     want.backward()
     loss.backward()
     _same(loss.detach(), want.detach(), "classifier loss")
-    _same(unshard(x_tp.grad, activation), x_plain.grad, "classifier input grad")
+    _same(gather_slices(x_tp.grad, activation), x_plain.grad, "classifier input grad")
     _grads_equal("classifier", tp, plain)
     return "classifier + loss"
 
@@ -131,12 +132,12 @@ def _vocab_parallel(vocab_logits):
     logits_plain = plain(ids) @ plain.weight.t()
     want = nn.functional.cross_entropy(logits_plain.reshape(-1, V), target.reshape(-1))
     logits = tp(ids)
-    _same(unshard(logits.detach(), vocab_logits), logits_plain.detach(), "vocab logits")
+    _same(gather_slices(logits.detach(), vocab_logits), logits_plain.detach(), "vocab logits")
     loss = col_nn.VocabParallelCrossEntropyLoss()(logits, target)
     want.backward()
     loss.backward()
     _same(loss.detach(), want.detach(), "vocab loss")
-    _same(unshard(tp.tok.weight.grad, tp.tok.weight.tensor_splits), plain.weight.grad,
+    _same(gather_slices(tp.tok.weight.grad, tp.tok.weight.tensor_splits), plain.weight.grad,
           "tied table grad")
     return "vocab embedding + classifier + loss"
 
@@ -264,4 +265,5 @@ def embedding_padding(rank, world_size, port, config):
     ids = torch.arange(B).remainder(3).repeat(S, 1).t()  # [B, S], id 0 among them
     layer(ids).pow(2).sum().backward()
     splits = getattr(layer.weight, "tensor_splits", [])
-    return unshard(layer.weight.detach(), splits)[0], unshard(layer.weight.grad, splits)[0]
+    weight = gather_slices(layer.weight.detach(), splits)[0]
+    return weight, gather_slices(layer.weight.grad, splits)[0]

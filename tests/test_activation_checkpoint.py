@@ -19,7 +19,7 @@ from nanocolossal.memory import SavedBytes
 from nanocolossal.moe.settings import moe_model_settings
 from nanocolossal.nn.transformer import Block
 from nanocolossal.pipeline import build_pipeline_model
-from nanocolossal.tensor.base import shard
+from nanocolossal.tensor.base import slice_of
 from nanocolossal.utils import checkpoint
 
 sys.path.insert(0, str(ROOT))
@@ -108,7 +108,7 @@ def _train(rank, world, port, config, model=None, reference=None):
         splits = {k: getattr(p, "tensor_splits", [])
                   for k, p in strip_prefixes(dict(engine.model.named_parameters(
                       remove_duplicate=False))).items()}
-        out["reference"] = {k: shard(reference[k], splits.get(k, [])) for k in out["state"]}
+        out["reference"] = {k: slice_of(reference[k], splits.get(k, [])) for k in out["state"]}
     return out
 
 

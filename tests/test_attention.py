@@ -16,7 +16,7 @@ from torch.testing import assert_close
 import nanocolossal as nc
 from nanocolossal.context import gpc
 from nanocolossal.nn.transformer import Attention, Block
-from nanocolossal.tensor.base import shard
+from nanocolossal.tensor.base import slice_of
 
 sys.path.insert(0, str(ROOT))
 from train_gpt import gpt  # noqa: E402
@@ -121,7 +121,7 @@ def _tensor_parallel_block(rank, world_size, port, x, upstream, expected):
     out.backward(upstream)
     assert_close(out.detach(), expected["out"], msg="output")
     for name, p in block.named_parameters():
-        assert_close(p.grad, shard(expected[name], getattr(p, "tensor_splits", [])),
+        assert_close(p.grad, slice_of(expected[name], getattr(p, "tensor_splits", [])),
                      msg=lambda m, n=name: f"[rank {rank}] d {n}: {m}")
     return block.attn.attention
 

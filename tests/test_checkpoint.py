@@ -25,7 +25,7 @@ from nanocolossal.checkpoint import (
 )
 from nanocolossal.context import gpc
 from nanocolossal.pipeline import build_pipeline_model
-from nanocolossal.tensor.base import shard
+from nanocolossal.tensor.base import slice_of
 from nanocolossal.trainer import Trainer, hooks
 
 try:
@@ -230,7 +230,7 @@ def _grid_model(seed=0):
                           nc.nn.Linear(12, 4), nc.nn.Classifier(4, 6))
     with torch.no_grad():
         gamma = torch.arange(1.0, 13.0) + seed
-        model[2].weight.copy_(shard(gamma, getattr(model[2].weight, "tensor_splits", [])))
+        model[2].weight.copy_(slice_of(gamma, getattr(model[2].weight, "tensor_splits", [])))
     return model
 
 

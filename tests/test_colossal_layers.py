@@ -18,7 +18,7 @@ from torch.testing import assert_close
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
 from nanocolossal.context import gpc
-from nanocolossal.tensor.base import PatchEmbedding, shard
+from nanocolossal.tensor.base import PatchEmbedding, slice_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,22 +85,22 @@ def _compare(name, make, make_plain, x, x_cut, y_cut, call=None):
     for key, p in mine_params.items():
         whole = plain.get_parameter(key)
         assert p.dtype == whole.dtype, f"{name}: {key} dtype"
-        assert torch.equal(p.detach(), shard(whole.detach(), p.tensor_splits)), f"{name}: {key}"
+        assert torch.equal(p.detach(), slice_of(whole.detach(), p.tensor_splits)), f"{name}: {key}"
     grads = x.is_floating_point()
-    mine_x = shard(x, x_cut).clone().requires_grad_(grads)
+    mine_x = slice_of(x, x_cut).clone().requires_grad_(grads)
     whole_x = x.clone().requires_grad_(grads)
     y = call(layer, mine_x) if call else layer(mine_x)
     whole_y = plain(whole_x)
-    assert_close(y, shard(whole_y, y_cut), msg=lambda m: f"{name}: {m}")
+    assert_close(y, slice_of(whole_y, y_cut), msg=lambda m: f"{name}: {m}")
     upstream = torch.linspace(-1.0, 1.0, whole_y.numel(), dtype=whole_y.dtype)
     upstream = upstream.reshape(whole_y.shape)
-    (y * shard(upstream, y_cut)).sum().backward()
+    (y * slice_of(upstream, y_cut)).sum().backward()
     (whole_y * upstream).sum().backward()
     if grads:
-        assert_close(mine_x.grad, shard(whole_x.grad, x_cut), msg=lambda m: f"{name}: {m}")
+        assert_close(mine_x.grad, slice_of(whole_x.grad, x_cut), msg=lambda m: f"{name}: {m}")
     for key, p in mine_params.items():
         whole = plain.get_parameter(key).grad
-        assert_close(p.grad, shard(whole, p.tensor_splits), msg=lambda m: f"{name} {key}: {m}")
+        assert_close(p.grad, slice_of(whole, p.tensor_splits), msg=lambda m: f"{name} {key}: {m}")
 
 
 def _add_skipped_bias(layer, x):
@@ -111,16 +111,16 @@ def _add_skipped_bias(layer, x):
 
 def _compare_loss(name, loss_fn, kwargs, logits, target, logit_cut, loss_cut):
     """The loss of my logits block (and all the targets) against F.cross_entropy on all."""
-    mine = shard(logits, logit_cut).clone().requires_grad_()
+    mine = slice_of(logits, logit_cut).clone().requires_grad_()
     whole = logits.clone().requires_grad_()
     loss = loss_fn(mine, target)
     ref = F.cross_entropy(whole.reshape(-1, whole.shape[-1]), target.reshape(-1), **kwargs)
     ref = ref.reshape(target.shape) if ref.dim() else ref
-    assert_close(loss, shard(ref, loss_cut), msg=lambda m: f"{name}: {m}")
+    assert_close(loss, slice_of(ref, loss_cut), msg=lambda m: f"{name}: {m}")
     upstream = torch.linspace(0.5, 1.5, ref.numel()).reshape(ref.shape)
-    (loss * shard(upstream, loss_cut)).sum().backward()
+    (loss * slice_of(upstream, loss_cut)).sum().backward()
     (ref * upstream).sum().backward()
-    assert_close(mine.grad, shard(whole.grad, logit_cut), msg=lambda m: f"{name}: {m}")
+    assert_close(mine.grad, slice_of(whole.grad, logit_cut), msg=lambda m: f"{name}: {m}")
 
 
 def _launch(rank, world_size, port, mode):
@@ -194,13 +194,13 @@ def _stream_chunks():
     calls, all_reduce = [], dist.all_reduce
     dist.all_reduce = lambda *a, **k: calls.append(1) or all_reduce(*a, **k)
     try:
-        y = layer(shard(x, COL))
+        y = layer(slice_of(x, COL))
     finally:
         dist.all_reduce = all_reduce
     assert_close(y, plain(x))
     assert len(calls) == 4, f"{len(calls)} all-reduces"
     with pytest.raises(RuntimeError, match="stream_chunk_num"):
-        layer.train()(shard(x, COL))
+        layer.train()(slice_of(x, COL))
 
 
 def _dropout_masks():

@@ -43,7 +43,7 @@ from nanocolossal.metrics import Accuracy
 from nanocolossal.moe.settings import moe_model_settings
 from nanocolossal.pipeline import build_pipeline_model
 from nanocolossal.sequence import split_batch
-from nanocolossal.tensor.base import shard
+from nanocolossal.tensor.base import slice_of
 from nanocolossal.trainer import Trainer, hooks
 
 sys.path.insert(0, str(ROOT))
@@ -704,7 +704,7 @@ def _tensor_worker(rank, world_size, port, mode, size, mechanism, sync_bn, expec
     splits = {name: getattr(p, "tensor_splits", []) for name, p in engine.model.named_parameters()}
     for name, value in engine.model.state_dict().items():  # (ZeRO 3: gathered, collective)
         # my slice of one process's parameter (buffers and replicated parameters: all of it)
-        assert_close(value, shard(expected[name], splits.get(name, [])),
+        assert_close(value, slice_of(expected[name], splits.get(name, [])),
                      msg=lambda m: f"[rank {rank}] {name}: {m}")
         checked.append(name)
     test = nc.get_dataloader(_dataset(8, seed=9, images=True), batch_size=2, pad=False)
@@ -948,7 +948,7 @@ def _report(model, expected, norms, rank, losses=None):
     layout = tensor_layout(model)
     diffs = {}
     for key, value in strip_prefixes(_layout_state(model)).items():
-        want = shard(expected[key], layout[key])
+        want = slice_of(expected[key], layout[key])
         diffs[key] = (float("inf") if value.shape != want.shape else
                       (value - want).abs().max().item() / (1 + want.abs().max().item()))
     return {"diffs": diffs, "norms": norms, "rank": rank, "losses": losses}

@@ -24,7 +24,7 @@ from nanocolossal.context import gpc
 from nanocolossal.moe import moe_aux_loss
 from nanocolossal.pipeline import build_pipeline_model
 from nanocolossal.sequence import split_batch
-from nanocolossal.tensor.base import shard
+from nanocolossal.tensor.base import slice_of
 from nanocolossal.trainer import hooks
 
 sys.path.insert(0, str(ROOT))
@@ -151,7 +151,7 @@ def _diffs(engine, expected):
     """This rank's parameters against its slice of one process's, relative."""
     layout, diffs = tensor_layout(engine.model), {}
     for key, value in strip_prefixes(engine.model.state_dict()).items():
-        want = shard(expected[key], layout[key])
+        want = slice_of(expected[key], layout[key])
         diffs[key] = (value - want).abs().max().item() / (1 + want.abs().max().item())
     return diffs
 

@@ -15,7 +15,7 @@ import nanocolossal.nn as col_nn
 from nanocolossal.checkpoint import load_checkpoint, save_checkpoint
 from nanocolossal.context import gpc
 from nanocolossal.tensor import layers_1d, layers_2d
-from nanocolossal.tensor.base import PatchEmbedding, shard, sharded_dropout, unshard
+from nanocolossal.tensor.base import PatchEmbedding, gather_slices, sharded_dropout, slice_of
 from nanocolossal.tensor.summa import summa_matmul
 
 pytestmark = pytest.mark.timeout(120)
@@ -108,31 +108,31 @@ def _check_layer(name, make_tp, make_plain, kind, in_splits, out_splits):
     # the initialisation contract: shard == slice of the plain layer
     for key, p in plain.named_parameters():
         assert torch.equal(params[key],
-                           shard(p.detach(), params[key].tensor_splits)), f"{name}.{key} init"
+                           slice_of(p.detach(), params[key].tensor_splits)), f"{name}.{key} init"
     for module in (plain, tp):  # same perturbation in both, drawn full and sliced
         g = torch.Generator().manual_seed(3)
         with torch.no_grad():
             for key, p in module.named_parameters():
                 full = torch.randn(dict(plain.named_parameters())[key].shape, generator=g) * 0.1
-                p.add_(shard(full, getattr(p, "tensor_splits", [])))
+                p.add_(slice_of(full, getattr(p, "tensor_splits", [])))
     x = _inputs("seq" if kind == "seq2" else kind)
     if kind == "seq2":
         x = torch.cat([x, x.flip(0)], dim=-1)
     floating = x.is_floating_point()
     x_plain = x.clone().requires_grad_(floating)
-    x_tp = shard(x, in_splits).clone().requires_grad_(floating)
+    x_tp = slice_of(x, in_splits).clone().requires_grad_(floating)
     y_plain = plain(x_plain)
     y_tp = tp(x_tp)
     dy = torch.randn(y_plain.shape, generator=torch.Generator().manual_seed(11))
     y_plain.backward(dy)
-    y_tp.backward(shard(dy, out_splits))
-    assert_close(unshard(y_tp.detach(), out_splits), y_plain.detach(),
+    y_tp.backward(slice_of(dy, out_splits))
+    assert_close(gather_slices(y_tp.detach(), out_splits), y_plain.detach(),
                  msg=lambda m: f"{name} output: {m}")
     if floating:
-        assert_close(unshard(x_tp.grad, in_splits), x_plain.grad,
+        assert_close(gather_slices(x_tp.grad, in_splits), x_plain.grad,
                      msg=lambda m: f"{name} input grad: {m}")
     for key, p in plain.named_parameters():
-        got = unshard(params[key].grad, params[key].tensor_splits)
+        got = gather_slices(params[key].grad, params[key].tensor_splits)
         assert_close(got, p.grad, msg=lambda m: f"{name}.{key} grad: {m}")
     return name
 
@@ -147,11 +147,11 @@ def _layers_worker(rank, world_size, port, mode):
         target = torch.arange(B) % C
         plain_logits = logits.clone().requires_grad_()
         nn.functional.cross_entropy(plain_logits, target).backward()
-        mine = shard(logits, [(0, "row")]).clone().requires_grad_()
+        mine = slice_of(logits, [(0, "row")]).clone().requires_grad_()
         loss = col_nn.CrossEntropyLoss()(mine, target)
         loss.backward()
         assert_close(loss, nn.functional.cross_entropy(logits, target))
-        assert_close(unshard(mine.grad, [(0, "row")]), plain_logits.grad)
+        assert_close(gather_slices(mine.grad, [(0, "row")]), plain_logits.grad)
         done.append("loss")
     return done
 
@@ -230,18 +230,18 @@ def _loss_case(name, kwargs, logits, target, upstream):
     kwargs = {k: torch.tensor(v) if k == "weight" else v for k, v in kwargs.items()}
     plain_logits = logits.clone().requires_grad_()
     want = nn.functional.cross_entropy(plain_logits, target, **kwargs)
-    mine = shard(logits, [(0, "row")]).clone().requires_grad_()  # this grid row's samples
+    mine = slice_of(logits, [(0, "row")]).clone().requires_grad_()  # this grid row's samples
     loss = col_nn.CrossEntropyLoss(**kwargs)(mine, target)
     if kwargs.get("reduction") == "none":  # this row's samples' losses, laid out as the logits
-        assert_close(unshard(loss.detach(), [(0, "row")]), want.detach(),
+        assert_close(gather_slices(loss.detach(), [(0, "row")]), want.detach(),
                      msg=lambda m: f"{name} losses: {m}")
         want.backward(upstream)
-        loss.backward(shard(upstream, [(0, "row")]))
+        loss.backward(slice_of(upstream, [(0, "row")]))
     else:
         assert_close(loss.detach(), want.detach(), msg=lambda m: f"{name} loss: {m}")
         want.backward()
         loss.backward()
-    assert_close(unshard(mine.grad, [(0, "row")]), plain_logits.grad,
+    assert_close(gather_slices(mine.grad, [(0, "row")]), plain_logits.grad,
                  msg=lambda m: f"{name} logits gradient: {m}")
 
 
@@ -281,15 +281,15 @@ def _summa_worker(rank, world_size, port):
     dy = torch.randn(4, 10, generator=g)
     (x_plain @ w_plain).backward(dy)
     # my blocks, stored transposed: x's [in/q, b/q] block and w's [in/q, out/q] block
-    x_t = shard(x.t(), [(1, "row"), (0, "col")]).clone(memory_format=torch.contiguous_format)
-    w_io = shard(w, [(0, "row"), (1, "col")]).clone(memory_format=torch.contiguous_format)
+    x_t = slice_of(x.t(), [(1, "row"), (0, "col")]).clone(memory_format=torch.contiguous_format)
+    w_io = slice_of(w, [(0, "row"), (1, "col")]).clone(memory_format=torch.contiguous_format)
     x_t.requires_grad_(), w_io.requires_grad_()
     assert not x_t.t().is_contiguous() and not w_io.t().is_contiguous()
     y = summa_matmul(x_t.t(), w_io.t())
-    y.backward(shard(dy, GRID))
-    assert_close(unshard(y.detach(), GRID), (x @ w), msg=lambda m: f"output: {m}")
-    assert_close(unshard(x_t.grad.t(), GRID), x_plain.grad, msg=lambda m: f"x grad: {m}")
-    assert_close(unshard(w_io.grad, [(0, "row"), (1, "col")]), w_plain.grad,
+    y.backward(slice_of(dy, GRID))
+    assert_close(gather_slices(y.detach(), GRID), (x @ w), msg=lambda m: f"output: {m}")
+    assert_close(gather_slices(x_t.grad.t(), GRID), x_plain.grad, msg=lambda m: f"x grad: {m}")
+    assert_close(gather_slices(w_io.grad, [(0, "row"), (1, "col")]), w_plain.grad,
                  msg=lambda m: f"w grad: {m}")
     return True
 
@@ -348,9 +348,9 @@ def _layernorm_half_worker(rank, world_size, port, dtype):
         dy = (torch.randn(4, 16, generator=g) * 50).to(dtype)
         torch.manual_seed(0)
         mine = layers_2d.LayerNorm2D(16).to(dtype)
-        y32, dx32 = (shard(t, cut) for t in run(nn.LayerNorm(16), x.float(), dy.float()))
-        y_torch, dx_torch = (shard(t, cut) for t in run(nn.LayerNorm(16).to(dtype), x, dy))
-        y_ours, dx_ours = run(mine, shard(x, cut), shard(dy, cut))
+        y32, dx32 = (slice_of(t, cut) for t in run(nn.LayerNorm(16), x.float(), dy.float()))
+        y_torch, dx_torch = (slice_of(t, cut) for t in run(nn.LayerNorm(16).to(dtype), x, dy))
+        y_ours, dx_ours = run(mine, slice_of(x, cut), slice_of(dy, cut))
         cases.append((error(y_ours, y32), error(dx_ours, dx32), error(y_torch, y32),
                       error(dx_torch, dx32), bool(dx_ours.isfinite().all())))
     return cases

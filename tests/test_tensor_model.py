@@ -15,7 +15,7 @@ from nanocolossal.amp import AMP_TYPE
 from nanocolossal.checkpoint import load_plain_state_dict, merge_checkpoint, save_checkpoint
 from nanocolossal.context import gpc
 from nanocolossal.pipeline import build_pipeline_model
-from nanocolossal.tensor.base import shard, unshard
+from nanocolossal.tensor.base import gather_slices, slice_of
 
 sys.path.insert(0, str(ROOT))
 from train_tensor import vit  # noqa: E402
@@ -37,7 +37,7 @@ def _lesson_worker(rank, world_size, port, xs, ys):
         engine.backward(engine.criterion(engine(x), y))
         engine.step()
     # each rank holds a block of every weight on the 2 x 2 grid: gather the whole tensors
-    return {name: unshard(p.detach(), getattr(p, "tensor_splits", []))
+    return {name: gather_slices(p.detach(), getattr(p, "tensor_splits", []))
             for name, p in engine.model.named_parameters()}
 
 
@@ -121,7 +121,7 @@ def _layout_worker(rank, world_size, port, parallel, expected, norms, initial, p
         )
     checked = []
     for name, p in engine.model.state_dict(keep_vars=True).items():  # the plain model's keys
-        assert_close(p.detach(), shard(expected[name], getattr(p, "tensor_splits", [])),
+        assert_close(p.detach(), slice_of(expected[name], getattr(p, "tensor_splits", [])),
                      msg=lambda m: f"[rank {rank}] {name}: {m}")
         checked.append(name)
     save_checkpoint(path, 0, engine.model, step=STEPS)  # one file per (stage, tensor rank)
@@ -253,7 +253,7 @@ def _amp_worker(rank, world_size, port, parallel, opt_level, dtype, reference=No
     compared = {}
     for name, p in engine.model.named_parameters():
         splits = getattr(p, "tensor_splits", [])
-        want = shard(reference[name], splits)
+        want = slice_of(reference[name], splits)
         compared[name] = (float((p.float() - want).abs().max()),
                           float((p.float() - initial[name].float()).abs().max()))
     return losses, dtypes, compared

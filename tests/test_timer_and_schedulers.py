@@ -20,7 +20,7 @@ from nanocolossal.context import gpc
 from nanocolossal.nn import lr_scheduler as S
 from nanocolossal.nn import lr_scheduler as nc_sched
 from nanocolossal.pipeline import build_pipeline_model
-from nanocolossal.tensor.base import unshard
+from nanocolossal.tensor.base import gather_slices
 from nanocolossal.trainer import Trainer, hooks
 from nanocolossal.utils import MultiTimer
 
@@ -247,8 +247,8 @@ def _full_state(engine):
     from the tensor ranks' slices (a collective of the tensor group)."""
     kept = strip_prefixes(engine.model.state_dict(keep_vars=True))  # (for the splits)
     state = strip_prefixes(engine.model.state_dict())  # (ZeRO 3: gathered)
-    return {k: unshard(v.detach(), list(getattr(kept[k], "tensor_splits", []))).double().clone()
-            for k, v in state.items()}
+    splits = {k: list(getattr(kept[k], "tensor_splits", [])) for k in state}
+    return {k: gather_slices(v.detach(), splits[k]).double().clone() for k, v in state.items()}
 
 
 def _train(rank, world, port, config, sched, dtype=torch.float64, save=None, load=None,

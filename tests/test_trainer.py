@@ -18,7 +18,7 @@ from nanocolossal.context import gpc
 from nanocolossal.data import DistributedSampler
 from nanocolossal.metrics import Accuracy
 from nanocolossal.pipeline import build_pipeline_model
-from nanocolossal.tensor.base import shard
+from nanocolossal.tensor.base import slice_of
 from nanocolossal.trainer import Trainer, hooks
 
 sys.path.insert(0, str(ROOT))
@@ -583,7 +583,7 @@ def _gpt_worker(rank, world, port, config, how, expected):
                        hooks.SaveCheckpointHook(how["path"], interval=1000, lr_scheduler=sched)])
     layout = tensor_layout(engine.model)
     state = strip_prefixes(engine.model.state_dict())
-    diffs = {k: _max_rel(v, shard(expected[k], layout[k])) for k, v in state.items()}
+    diffs = {k: _max_rel(v, slice_of(expected[k], layout[k])) for k, v in state.items()}
     return dict(diffs=diffs, state=_state(engine.model), losses=record.values, lrs=record.lrs,
                 step=trainer.cur_step)
 

@@ -10,7 +10,7 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
-from nanocolossal.tensor.base import shard, unshard
+from nanocolossal.tensor.base import gather_slices, slice_of
 from nanocolossal.tensor.vocab_parallel import (
     VocabParallelClassifier1D,
     VocabParallelCrossEntropyLoss1D,
@@ -50,7 +50,7 @@ def _lesson_worker(rank, world_size, port, xs, ys):
         engine.zero_grad()
         engine.backward(engine.criterion(engine(x), y))
         engine.step()
-    return {name: unshard(p.detach(), getattr(p, "tensor_splits", []))  # gather my rows
+    return {name: gather_slices(p.detach(), getattr(p, "tensor_splits", []))  # gather my rows
             for name, p in engine.model.named_parameters()}
 
 
@@ -96,20 +96,20 @@ def _worker(rank, world_size, port, mode):
     torch.manual_seed(0)
     emb, cls = Embedding(V, D), Classifier(D, V)
     tied = Classifier(D, V, bias=False, weight=emb.weight)
-    assert torch.equal(emb.weight, shard(plain_emb.weight.detach(), weights))
-    assert torch.equal(cls.weight, shard(plain_cls.weight.detach(), weights))
+    assert torch.equal(emb.weight, slice_of(plain_emb.weight.detach(), weights))
+    assert torch.equal(cls.weight, slice_of(plain_cls.weight.detach(), weights))
     for kwargs in LOSSES:
         for layer in (emb, cls, tied, plain_emb, plain_cls):
             layer.zero_grad()
         h, plain_h = emb(ids), plain_emb(ids)
-        assert_close(h, shard(plain_h, hidden))
+        assert_close(h, slice_of(plain_h, hidden))
         logits = cls(h) + tied(h)  # an untied and a tied head, as a model could have both
         plain_logits = plain_cls(plain_h) + F.linear(plain_h, plain_emb.weight)
-        assert_close(logits, shard(plain_logits, logit_cut))
+        assert_close(logits, slice_of(plain_logits, logit_cut))
         loss = Loss(**kwargs)(logits, target)
         plain_loss = F.cross_entropy(plain_logits.reshape(-1, V), target.reshape(-1), **kwargs)
         if kwargs.get("reduction") == "none":  # per token, [B, S] as the target: this rank's
-            plain_loss = shard(plain_loss.reshape(target.shape), loss_cut)
+            plain_loss = slice_of(plain_loss.reshape(target.shape), loss_cut)
         assert_close(loss, plain_loss, msg=lambda m: f"{kwargs}: {m}")
         upstream = torch.arange(1.0, loss.numel() + 1).reshape(loss.shape)  # 'none': any dloss
         (loss * upstream).sum().backward()
@@ -122,13 +122,13 @@ def _worker(rank, world_size, port, mode):
         for mine, plain, splits in ((emb.weight, plain_emb.weight, weights),
                                     (cls.weight, plain_cls.weight, weights),
                                     (cls.bias, plain_cls.bias, bias)):
-            assert_close(mine.grad, shard(plain.grad, splits), msg=lambda m: f"{kwargs}: {m}")
+            assert_close(mine.grad, slice_of(plain.grad, splits), msg=lambda m: f"{kwargs}: {m}")
     # predictions from split logits: the whole vocabulary's argmax, ties to the lowest id (the
     # first maximum, as torch.argmax) even across ranks; float64 logits are not rounded
     ties = plain_logits.detach().double().round(decimals=0)
     ties[0, 0] = 1e-12 * torch.arange(V, dtype=torch.float64)  # the last id wins by a hair
-    rows = shard(ties.argmax(-1), loss_cut)  # this rank's rows: [B, S], or its batch block
-    assert_close(cls.predictions(shard(ties, logit_cut)), rows, rtol=0, atol=0)
+    rows = slice_of(ties.argmax(-1), loss_cut)  # this rank's rows: [B, S], or its batch block
+    assert_close(cls.predictions(slice_of(ties, logit_cut)), rows, rtol=0, atol=0)
     assert (ties.max(-1, keepdim=True).values == ties).sum(-1).max() > 1, "some rows tie"
     return (logits.numel(), plain_logits.numel())
 
@@ -189,7 +189,7 @@ def _tied_worker(rank, world_size, port, mode, vocab_parallel):
     assert head.weight is emb.weight
     assert_close(loss, plain_loss)
     splits = getattr(emb.weight, "tensor_splits", [])
-    assert_close(emb.weight.grad, shard(plain_emb.weight.grad, splits))
+    assert_close(emb.weight.grad, slice_of(plain_emb.weight.grad, splits))
     return type(emb).__name__, type(head).__name__
 
 
@@ -219,7 +219,7 @@ def _edges_worker(rank, world_size, port, mode):
     ids[1, :2] = V - 1  # the padding row is looked up
     emb(ids).square().sum().backward()
     plain(ids).square().sum().backward()
-    assert_close(emb.weight.grad, shard(plain.weight.grad, weights))
+    assert_close(emb.weight.grad, slice_of(plain.weight.grad, weights))
     head = Classifier(D, V)
     logits = head(emb(ids))
     loss = Loss(ignore_index=-100)(logits, torch.full_like(target, -100))

@@ -29,7 +29,7 @@ from nanocolossal.checkpoint import (
     read_file,
     save_checkpoint,
 )
-from nanocolossal.tensor.base import shard
+from nanocolossal.tensor.base import slice_of
 from nanocolossal.trainer import Trainer, hooks
 
 pytestmark = pytest.mark.timeout(120)
@@ -302,7 +302,7 @@ def _tensor_worker(rank, world_size, port, parallel, path, plain):
     state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
     if plain is not None:  # my slice of the plain model, whole (gathered) in memory
         for key, value in state.items():
-            assert_close(value, shard(plain[key], splits[key]),
+            assert_close(value, slice_of(plain[key], splits[key]),
                          msg=lambda m: f"[rank {rank}] {key}: {m}")
     return state
 

@@ -647,8 +647,8 @@ def _o2_tensor_worker(rank, world_size, port, config, steps, ref=None):
     splits = {k: getattr(p, "tensor_splits", []) for k, p in engine.model.named_parameters()}
     dtypes = {k: v.dtype for k, v in engine.model.state_dict().items()}
     if ref is not None:  # my slice of one process's tensors (shard needs this job's gpc)
-        from nanocolossal.tensor.base import shard
-        ref = {k: shard(v, splits.get(k, [])) for k, v in ref.items()}
+        from nanocolossal.tensor.base import slice_of
+        ref = {k: slice_of(v, splits.get(k, [])) for k, v in ref.items()}
     return state, ref, norms, took, dtypes
 
 

@@ -31,7 +31,7 @@ from nanocolossal.checkpoint import load_checkpoint, merge_checkpoint, save_chec
 from nanocolossal.config import ConfigError
 from nanocolossal.context import gpc
 from nanocolossal.pipeline import build_pipeline_model
-from nanocolossal.tensor.base import shard
+from nanocolossal.tensor.base import slice_of
 from nanocolossal.trainer import Trainer, hooks
 
 pytestmark = pytest.mark.timeout(120)
@@ -330,7 +330,7 @@ def _pipeline_tensor_worker(rank, world_size, port, level, chunks, expected):
     splits = {name: getattr(p, "tensor_splits", []) for chunk in chunks
               for name, p in chunk.named_parameters()}
     for name, value in engine.model.state_dict().items():
-        assert_close(value, shard(expected[name], splits.get(name, [])),
+        assert_close(value, slice_of(expected[name], splits.get(name, [])),
                      msg=lambda m: f"[rank {rank}] {name}: {m}")
         checked.append(name)
     return checked, norms
@@ -385,7 +385,7 @@ def _zero3_tensor_worker(rank, world_size, port, mode, path, first, last, save, 
         save_checkpoint(path, 1, engine.model, engine.optimizer)
     splits = {name: getattr(p, "tensor_splits", []) for name, p in engine.model.named_parameters()}
     for name, value in engine.model.state_dict().items():  # ZeRO 3: gathered (collective)
-        assert_close(value, shard(expected[name], splits.get(name, [])),
+        assert_close(value, slice_of(expected[name], splits.get(name, [])),
                      msg=lambda m: f"[rank {rank}] {name}: {m}")
     return norms
 
@@ -515,7 +515,7 @@ def _lm_worker(rank, world_size, port, level, expected, norms):
     state = engine.model.state_dict()  # ZeRO 3: gathered (collective)
     assert set(state) == set(expected)
     for name, value in state.items():
-        assert_close(value, shard(expected[name], splits.get(name, [])),
+        assert_close(value, slice_of(expected[name], splits.get(name, [])),
                      msg=lambda m: f"[rank {rank}] {name}: {m}")
 
 

@@ -1,13 +1,13 @@
-"""What every tensor-parallel layer shares: how a shard is made, and how it is marked.
+"""What every tensor-parallel layer shares: how a slice is made, and how it is marked.
 
-Initialisation contract: a sharded layer first builds the *plain* layer, drawing exactly the
-random numbers the plain layer draws, then keeps its slice. Under the same torch seed the
-shards are therefore exactly slices of the unsplit model, so a checkpoint or a test can
-compare shard to slice, and one process and any layout start from the same weights.
+Initialisation contract: a tensor-parallel layer first builds the *plain* layer, drawing
+exactly the random numbers the plain layer draws, then keeps its slice (`slice_of`). Under the
+same torch seed a rank's parameters are therefore exactly slices of the unsplit model, so a
+checkpoint or a test can compare them, and one process and any layout start from the same weights.
 
 Each parameter records how it was cut (`tensor_splits`, which also lets checkpoints merge
 and re-split it) and how many tensor ranks hold an identical copy (`tensor_replicas`): 1 for
-a true shard, T for a replicated parameter (1d LayerNorm, a row-parallel bias), q for a 2d
+a true slice, T for a replicated parameter (1d LayerNorm, a row-parallel bias), q for a 2d
 parameter split along the row but replicated down the column. A global gradient norm then
 counts each element once: sum of (local squares / tensor_replicas) over the tensor group.
 """
@@ -55,7 +55,7 @@ def axis_group(axis: str):
             "x": gpc.tensor_x_group, "y": gpc.tensor_y_group, "z": gpc.tensor_z_group}[axis]
 
 
-def shard(full: torch.Tensor, splits: Splits) -> torch.Tensor:
+def slice_of(full: torch.Tensor, splits: Splits) -> torch.Tensor:
     """This rank's block of `full` (a plain tensor) for the given splits."""
     for dim, axis in splits:
         index, parts = _axis(axis)
@@ -67,8 +67,8 @@ def shard(full: torch.Tensor, splits: Splits) -> torch.Tensor:
     return full
 
 
-def unshard(local: torch.Tensor, splits: Splits) -> torch.Tensor:
-    """The whole tensor from every rank's block: shard's inverse (a tensor-group collective)."""
+def gather_slices(local: torch.Tensor, splits: Splits) -> torch.Tensor:
+    """The whole tensor from every rank's block: slice_of's inverse (a tensor-group collective)."""
     for dim, axis in reversed(splits):
         if _axis(axis)[1] == 1:  # (2.5d's depth 1: no group)
             continue
@@ -81,7 +81,7 @@ def unshard(local: torch.Tensor, splits: Splits) -> torch.Tensor:
 
 def keep_slice(full: torch.Tensor, splits: Splits) -> nn.Parameter:
     """A Parameter holding this rank's block of `full`, marked with how it was cut."""
-    param = nn.Parameter(shard(full.detach(), splits).clone())
+    param = nn.Parameter(slice_of(full.detach(), splits).clone())
     param.tensor_splits = list(splits)
     parts = 1
     for _, axis in splits:
@@ -91,7 +91,7 @@ def keep_slice(full: torch.Tensor, splits: Splits) -> nn.Parameter:
 
 
 def reinitialize(param: nn.Parameter, fill, **fans) -> None:
-    """Refill a shard as `fill` (a Colossal-AI initializer, `fill(tensor, fan_in=, fan_out=)`)
+    """Refill a slice as `fill` (a Colossal-AI initializer, `fill(tensor, fan_in=, fan_out=)`)
     would fill the plain layer's whole tensor: draw the whole tensor -- every rank the same
     random numbers, as one process -- and keep this rank's block. Filling the block alone would
     draw other numbers and break the contract above."""
@@ -101,7 +101,7 @@ def reinitialize(param: nn.Parameter, fill, **fans) -> None:
     full = torch.empty(shape, dtype=param.dtype, device=param.device)
     with torch.no_grad():
         fill(full, **fans)
-        param.copy_(shard(full, getattr(param, "tensor_splits", [])))
+        param.copy_(slice_of(full, getattr(param, "tensor_splits", [])))
 
 
 def check_tied_shape(weight: nn.Parameter, expected: torch.Size, in_features: int,
