@@ -28,6 +28,9 @@ M under GPipe) holds at its peak, in saved tensors,
     'full'                   k·L·x + A - x        (the recomputation's input is the kept x)
     saved                    (k·L - 1)·(A - x)    ~ 94% of k·L·A for large k·L (A/x ~ 16)
 
+(bench/bench_activation_checkpoint.py, k·L = 4 blocks: (L·x + A - x) / L·A = 0.28 of the bytes;
+the head's logits, never checkpointed, come on top of both.)
+
 for one more forward per block (~1/3 more compute: a backward costs about two forwards).
 
 ACTIVATION_CHECKPOINT in the config, read by nn/transformer.py's Block (block_mode):

@@ -84,7 +84,8 @@ class Config(dict):
     def __delattr__(self, name: str) -> None:
         del self[name]
 
-    def update(self, other: Mapping[str, Any] = (), **kwargs: Any) -> None:  # type: ignore[override]
+    def update(self, other: Mapping[str, Any] = (),  # type: ignore[override]
+               **kwargs: Any) -> None:
         for key, value in {**dict(other), **kwargs}.items():
             self[key] = value
 

@@ -60,8 +60,10 @@ def sum_gradients(params: list[nn.Parameter], group: Optional[dist.ProcessGroup]
 
 
 class DataParallelGradientHandler(Extension):
-    """All-reduce (average) the gradients of `model` over the data-parallel group, after
-    backward: after the last backward of each accumulation group (extensions.py: end_group)."""
+    """All-reduce (average) the gradients of `model` over the gradient group (the data ranks,
+    times the sequence ranks under sequence parallelism), after the last backward of each
+    accumulation group (extensions.py: end_group). It broadcasts the parameters once, as torch's
+    DDP does, so that it also works on a model nobody made equal (initialize already did)."""
 
     def __init__(self, model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
         self.model = model

@@ -220,8 +220,9 @@ class LogMetricByEpochHook(BaseHook):
 
     def after_train_epoch(self, trainer) -> None:
         if self._due(trainer):
-            self.logger.info(f"epoch {trainer.cur_epoch + 1} train: "
-                             f"{_format(trainer.states['metrics']['train'])}{_timing(trainer.timer)}")
+            metrics = _format(trainer.states["metrics"]["train"])
+            self.logger.info(f"epoch {trainer.cur_epoch + 1} train: {metrics}"
+                             f"{_timing(trainer.timer)}")
 
     def after_test_epoch(self, trainer) -> None:
         if self._due(trainer):

@@ -3,7 +3,7 @@
 `parallel=dict(pipeline=P, tensor=dict(size=N, mode='sequence'))` (Colossal-AI's spelling): the
 N ranks of a tensor group become a *sequence group*. Each holds the whole model (parameters
 replicated) and, of every sequence in its data rank's batch, a zig-zag share of the tokens
-(tensor/ring_attention.py explains the zig-zag). N = 2, a sequence of 8 tokens in 2N stripes:
+(tensor/zigzag.py explains the zig-zag). N = 2, a sequence of 8 tokens in 2N stripes:
 
     tokens         t0 t1 | t2 t3 | t4 t5 | t6 t7
     rank 0 holds   t0 t1                   t6 t7      stripes 0 and 3

@@ -184,7 +184,7 @@ class PipelineEngine(Engine):
                  clip_grad_norm: float = 0.0, extensions: Sequence[Extension] = ()) -> None:
         super().__init__(model, optimizer, criterion, clip_grad_norm=clip_grad_norm,
                          extensions=extensions)
-        self.schedule = schedule  # GPipe / 1F1B / interleaved
+        self.schedule = schedule  # GPipe / 1F1B / interleaved / ZB-H1 / ZB-V
         self.chunks = chunks      # what the schedule runs (DDP-wrapped per chunk)
 
     def set_schedule(self, schedule: Any) -> None:

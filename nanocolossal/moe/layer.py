@@ -21,8 +21,8 @@ ranks like any other parameter's.
 
 The load-balancing loss of the last forward is `layer.aux_loss`; `moe_aux_loss(model)` sums it
 over a model's MoE layers, for the training loop to add with its weight. The last routing is
-`layer.routing` (drops, dispatch mask), and `layer.comm["dispatch" | "combine"]` count the
-elements each all-to-all sent.
+`layer.routing` (drops, dispatch mask); traffic.py's `count_collectives()` counts the elements
+each all-to-all sends.
 """
 from __future__ import annotations
 

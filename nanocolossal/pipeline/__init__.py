@@ -18,6 +18,7 @@ from .schedule import (
     GPipeSchedule,
     InterleavedPipelineSchedule,
     PipelineSchedule,
+    ZBVSchedule,
     ZeroBubbleSchedule,
     make_schedule,
 )
@@ -25,10 +26,9 @@ from .simulate import render, simulate
 from .steps import PlanError
 
 __all__ = ["GPipeSchedule", "InterleavedPipelineSchedule", "PipelineChunks", "PipelineSchedule",
-           "PipelineStage",
-           "PlanError", "all_plans", "balanced_split", "build_pipeline_model", "build_plan",
-           "ZeroBubbleSchedule", "compute_order", "make_schedule", "one_f_one_b", "render",
-           "simulate", "warmup_count"]
+           "PipelineStage", "PlanError", "ZBVSchedule", "ZeroBubbleSchedule", "all_plans",
+           "balanced_split", "build_pipeline_model", "build_plan", "compute_order",
+           "make_schedule", "one_f_one_b", "render", "simulate", "warmup_count"]
 
 
 def check_pipeline_schedule(cfg: Config) -> None:

@@ -79,8 +79,8 @@ def sum_tied_gradients(tied: Tied) -> None:
 
 
 class TiedGradients(Extension):
-    """The sum above, after a batch's last backward. ZeRO level 2 holds segments of gradients,
-    not whole ones: its optimizer sums those itself (zero/optimizer.py), and `summing` is that."""
+    """The sum above, after a batch's last backward. ZeRO levels 2-3 hold segments of gradients,
+    not whole ones: zero/tied.py sums those (sum_sharded_tied_gradients), and `summing` is that."""
 
     def __init__(self, tied: Tied, summing: Optional[Callable[[Tied], None]] = None) -> None:
         self.tied, self.summing = tied, summing or sum_tied_gradients

@@ -41,7 +41,7 @@ def reduce_scatter_shard(full: torch.Tensor, group: Optional[dist.ProcessGroup],
                          async_op: bool = False) -> tuple:
     """(work, mine): my 1/N of `full` summed over the group -- a reduce-scatter, `full` cut into
     N equal shards, shard r to rank r: Psi (N-1)/N sent per rank, half an all-reduce. Where an
-    all-reduce stands in (ALL_REDUCE_INSTEAD) it all-reduces and keeps my slice: 2x the traffic.
+    all-reduce stands in (ALL_REDUCE_INSTEAD) it all-reduces and keeps my shard: 2x the traffic.
     `mine` is ready after work.wait() (work is None when done)."""
     group = group or dist.group.WORLD
     n, me = dist.get_world_size(group), dist.get_rank(group)

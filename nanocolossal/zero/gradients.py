@@ -93,7 +93,7 @@ class ShardKeepingDDP(DistributedDataParallel):
         for bucket in self._reduced_buckets():
             used = bucket.flags() > 0
             for i, p in enumerate(bucket.params):
-                if used[i]:  # no rank computed one: my segments keep grad=None
+                if used[i]:  # (a gradient no rank computed: my segments keep grad=None)
                     self.sharded_optimizer.receive_grad(p, bucket.view(i))
             bucket.buffer = bucket.wire = bucket.work = None
             bucket.filled = [False] * len(bucket.params)

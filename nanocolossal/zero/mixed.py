@@ -12,8 +12,8 @@ ones, and each rank makes fp32 masters only of the segments in its shard:
     fp32 masters    [ shard 0 ]       [ shard 1 ]           [ shard N-1 ]       4 Psi/N
     Adam states     [ shard 0 ]       [ shard 1 ]           [ shard N-1 ]       8 Psi/N
 
-    backward  half gradients (x loss scale S) averaged by DDP (level 1) or reduce-scattered,
-              my shard's half segments kept (level 2)
+    backward  half gradients (x loss scale S) averaged by DDP (level 1) or all-reduced in
+              buckets, my shard's half segments kept (level 2, gradients.py)
     unscale   my half segments -> fp32 master gradients, x 1/S, inf/nan check all-reduced (MAX)
               over the whole job: an overflow on any rank skips the step everywhere
     step      the inner optimizer steps my fp32 master segments; each is copied (rounded) into

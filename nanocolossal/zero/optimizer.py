@@ -81,6 +81,9 @@ class Segment:
 
     def __init__(self, index: int, lo: int, hi: int, param: nn.Parameter) -> None:
         self.index, self.lo, self.hi, self.param = index, lo, hi, param
+        # the model's own view of the segment where `param` is a master apart from it (O2,
+        # offload: mixed.py); None where the segment is its own master
+        self.view: Optional[nn.Parameter] = None
 
 
 class FlatBuffer:

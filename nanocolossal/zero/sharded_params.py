@@ -2,11 +2,11 @@
 while gathered (sharded_model.py decides when).
 
 Levels 1-2 (optimizer.py) flatten the parameters of each param group into one padded flat
-buffer and the model's parameters are views of it; rank r steps the r-th of N equal slices.
+buffer and the model's parameters are views of it; rank r steps the r-th of N equal shards.
 Level 3 keeps exactly that layout, cut once more by *unit* (unit_order.py: a module that runs,
 e.g. one block of a ModuleList), and changes who holds the buffer:
 
-    between uses    local = my slice (a copy, ceil(numel/N) elements), the only one I keep;
+    between uses    local = my shard (a copy, ceil(numel/N) elements), the only one I keep;
                     the full buffer's storage is resized to 0 bytes, and every parameter points at
                     one shared NaN element (right shape, stride 0): shapes stay readable
                     (checkpoint layouts, optimizer state_dict), and a stray read (outside the
@@ -90,8 +90,8 @@ class ShardedFlatBuffer(FlatBuffer):
         self.data.untyped_storage().resize_(0)
         self.gathered = False
 
-    def keep_my_slice(self) -> None:
-        """After the full buffer was written (a loaded state_dict): my slice becomes my shard."""
+    def keep_my_shard(self) -> None:
+        """After the full buffer was written (a loaded state_dict): keep only my shard of it."""
         if self.gathered:  # (a load that brought no parameters gathered nothing)
             self.local.copy_(self.data[self.rank * self.shard: (self.rank + 1) * self.shard])
 

@@ -64,5 +64,5 @@ class FullStateDict:
 
     def _after_load(self, module: nn.Module, incompatible: Any) -> None:
         for b in self.buffers:
-            b.keep_my_slice()
+            b.keep_my_shard()
         self.free_all()
