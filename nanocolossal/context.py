@@ -10,7 +10,7 @@ innermost, so a tensor group (which talks every layer) is consecutive ranks -- o
                   data_rank 0    ranks 0 1    ->   ranks 2 3        pipeline groups {0,2} {1,3}
                   data_rank 1    ranks 4 5    ->   ranks 6 7        pipeline groups {4,6} {5,7}
                                  ^ tensor group {0,1}
-                                 data groups (same stage, same shard): {0,4} {1,5} {2,6} {3,7}
+                                 data groups (same stage, same slice): {0,4} {1,5} {2,6} {3,7}
 
 With T = 1 this is `data_rank * P + pipeline_rank`. For mode='2d' the T = q * q tensor
 ranks form a q x q grid, tensor_rank = row * q + col: a *row group* (same row, every col)

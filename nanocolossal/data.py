@@ -1,4 +1,4 @@
-"""Data for data parallelism: each replica sees its own shard of every epoch.
+"""Data for data parallelism: each replica sees its own share of every epoch.
 
 DistributedSampler shuffles the whole index list with one seed (seed + epoch) that every
 rank shares, then deals it out like cards:
@@ -8,10 +8,10 @@ rank shares, then deals it out like cards:
     rank 1          2     4     3  (7)          indices[1::3]  + padding
     rank 2            9     1     6  (2)        indices[2::3]  + padding
 
-Training wants equal shards (every rank must run the same number of steps, or the
+Training wants equal shares (every rank must run the same number of steps, or the
 all-reduces stop matching), so by default the list is padded by repeating its start
 (`pad=True`, exactly torch's sampler) or cut (`drop_last=True`). Evaluation wants every
-sample exactly once, so `pad=False` gives uneven, non-overlapping shards; counts summed
+sample exactly once, so `pad=False` gives uneven, non-overlapping shares; counts summed
 over ranks (metrics.Accuracy) are then exact. Call `set_epoch(e)` each epoch (the Trainer
 does) or every epoch repeats the same order.
 
@@ -88,11 +88,11 @@ def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024,
                    add_sampler: bool = True,
                    drop_last: bool = False, pin_memory: bool = False, pad: bool = True,
                    **kwargs) -> DataLoader:
-    """A DataLoader giving this data-parallel rank its shard; `batch_size` is per rank.
+    """A DataLoader giving this data-parallel rank its share; `batch_size` is per rank.
 
-    With `add_sampler` a DistributedSampler shards the data over the data-parallel ranks (one
-    shard when alone) and shuffles with seed + epoch; `pad=False` makes exact, uneven evaluation
-    shards. Without it, a plain DataLoader shuffles with a generator seeded by `seed`.
+    With `add_sampler` a DistributedSampler splits the data over the data-parallel ranks (one
+    share when alone) and shuffles with seed + epoch; `pad=False` makes exact, uneven evaluation
+    shares. Without it, a plain DataLoader shuffles with a generator seeded by `seed`.
     """
     pin_memory = pin_memory and torch.cuda.is_available()  # pinning without a GPU only warns
     # also with one replica: each epoch's order is a function of seed + epoch, so resumable

@@ -19,7 +19,7 @@ All of them then do the same three things (`_launch`):
 
        rank = data_rank * (P * T) + pipeline_rank * T + tensor_rank
 
-   data      D ranks, P * T apart: one per replica, same stage and shard; averages gradients
+   data      D ranks, P * T apart: one per replica, same stage and slice; averages gradients
    pipeline  P ranks, T apart: one replica's stages; passes activations and their gradients
    tensor    T consecutive ranks: one stage of one replica; runs every layer's collectives
    row, col  mode='2d' only: the T = q * q tensor ranks as a q x q grid (tensor_rank =

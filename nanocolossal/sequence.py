@@ -11,7 +11,7 @@ replicated) and, of every sequence in its data rank's batch, a zig-zag share of 
 
 Who does what, layer by layer:
 
-    data        data ranks shard the batch as ever; the N ranks of a sequence group load the
+    data        data ranks split the batch as ever; the N ranks of a sequence group load the
                 same samples and keep their tokens (SequenceSplitLoader: dim 1 of every tensor)
     embedding   a token's position is its place in the whole sequence (token_positions)
     LayerNorm,  per token: the local tokens alone, unchanged

@@ -13,7 +13,7 @@ from ..pipeline.steps import v_shaped
 
 
 def check_tensor_parallel_model(model: nn.Module) -> None:
-    """Plain torch layers would silently compute on shards as if they were whole tensors. Under
+    """Plain torch layers would silently compute on slices as if they were whole tensors. Under
     2d, 2.5d and 3d the activations are blocks of the batch and of the features, so a plain
     LayerNorm or a BatchNorm (SyncBN too) would normalise one block as if it were the whole."""
     def plain_layer(m: nn.Module) -> bool:

@@ -22,7 +22,7 @@ length (a shorter last group still divides by N, as Hugging Face Accelerate does
 
 Clipping (clip_grad_norm): the global norm of the unscaled gradients -- after the data-parallel
 average every data rank holds the same gradients, and ranks holding *other* parameters
-(pipeline stages, tensor shards, MoE experts) add their squares once.
+(pipeline stages, tensor slices, MoE experts) add their squares once.
 
 Everything else a feature needs from the loop comes through its extensions (extensions.py),
 called at the places marked `# extensions:` below -- what the loss weighs or adds, when a
@@ -210,7 +210,7 @@ class PipelineEngine(Engine):
             # its micro-batches accumulate inside the schedule)
             self._micro += 1
             # replicas start the batch with the same BatchNorm statistics. Not when evaluating:
-            # ranks may run different numbers of batches (uneven shards), see eval()
+            # ranks may run different numbers of batches (uneven shares), see eval()
             self._sync_buffers()
         output, label, loss = self.schedule.forward_backward_step(
             self.chunks, batch, self._criterion, forward_only, return_loss,

@@ -16,8 +16,8 @@ column-parallel (output split), the next row-parallel (input split, output whole
 model written as pairs -- attention's qkv and output projection, the MLP's two layers --
 communicates once per pair; `parallel="column"|"row"` says it explicitly instead. 3d alternates
 the same way, between the cube's two activation layouts (tensor/cube.py). Dropout
-follows the same state: after a column-parallel Linear the activation is sharded and each rank
-draws its own mask; elsewhere masks are shared (2d, 2.5d, 3d: every activation is sharded).
+follows the same state: after a column-parallel Linear the activation is split and each rank
+draws its own mask; elsewhere masks are shared (2d, 2.5d, 3d: every activation is split).
 
 `Embedding` and `Classifier` pick the vocabulary-parallel layers, as Colossal-AI does, when the
 table has more than `VOCAB_PARALLEL_LIMIT` rows: there the rows, not the features, are worth
@@ -286,7 +286,7 @@ def CrossEntropyLoss(**kwargs) -> nn.Module:
 
 
 class Dropout(nn.Dropout):
-    """torch's Dropout, with a per-tensor-rank mask where the activation is sharded."""
+    """torch's Dropout, with a per-tensor-rank mask where the activation is split."""
 
     def __init__(self, p: float = 0.5, sharded: bool | None = None) -> None:
         super().__init__(p)

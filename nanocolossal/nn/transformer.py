@@ -25,7 +25,7 @@ The ring's blocks follow the same choice (ring_attention's table says where a fu
 They agree to rounding (tests/test_attention.py: equal in float64, forward and gradients).
 Dropout on the attention weights: the fused kernel draws its mask from torch's default
 generator. Where the heads are split over tensor ranks (1d, 2d) each rank's mask must differ
-(nn/layers.py's Dropout draws it from a per-rank generator), so a sharded attention dropout
+(nn/layers.py's Dropout draws it from a per-rank generator), so a split attention dropout
 that is on takes the explicit path; without dropout (the default) every layout runs fused.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ replicas.py). They stay equal if both step with the one-process gradient, the su
     stage P-1    E.grad = dL/dE through the classifier        --+  the stages holding E
     both         the same gradient, the same optimizer step: identical copies
 
-(Megatron's "embedding group".) One group per (data rank, tensor rank), so each tensor shard is
+(Megatron's "embedding group".) One group per (data rank, tensor rank), so each tensor slice is
 summed with its own counterpart. Clipping counts such a parameter once: each copy adds its
 squares divided by its number of copies (`pipeline_copies`).
 

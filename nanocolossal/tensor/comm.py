@@ -5,24 +5,24 @@ is needed. Each collective's backward is its *conjugate*: what the gradients nee
 every rank ends with the gradient one process would compute for its slice.
 
     op           forward            backward           used where
-    copy_to      identity           all-reduce (sum)   a replicated input enters sharded math
-    reduce_from  all-reduce (sum)   identity           sharded partial sums become replicated
-    gather       all-gather (dim)   keep my slice      sharded -> replicated (output)
-    split        keep my slice      all-gather (dim)   replicated -> sharded (input)
-    group_sum    all-reduce (sum)   all-reduce (sum)   a replicated statistic of sharded values
-                                                       feeds sharded math (LayerNorm2D)
+    copy_to      identity           all-reduce (sum)   a replicated input enters split math
+    reduce_from  all-reduce (sum)   identity           split partial sums become replicated
+    gather       all-gather (dim)   keep my slice      split -> replicated (output)
+    split        keep my slice      all-gather (dim)   replicated -> split (input)
+    group_sum    all-reduce (sum)   all-reduce (sum)   a replicated statistic of split values
+                                                       feeds split math (LayerNorm2D)
     exchange     all-to-all         the reverse        blocks change owners: tokens to their
                                     all-to-all         experts (moe/dispatch.py), heads to
                                                        their ranks (tensor/ulysses.py)
-    all_gather   all-gather (dim)   reduce-scatter     a shard enters math that differs per
+    all_gather   all-gather (dim)   reduce-scatter     a slice enters math that differs per
                                     (dim)              rank (3d: each rank its own product)
-    reduce_scatter  reduce-scatter  all-gather (dim)   partial sums end as shards (3d)
+    reduce_scatter  reduce-scatter  all-gather (dim)   partial sums end as slices (3d)
                  (dim)
 
 copy_to / reduce_from are Megatron's `f` and `g`. Why the backwards: after `copy_to`, each
-rank's sharded math yields only its part of dL/dx, so the parts are summed. After
+rank's split math yields only its part of dL/dx, so the parts are summed. After
 `reduce_from` every rank computes the same thing from the replicated sum, so each already
-holds the whole dL/dy. `group_sum` feeds *sharded* math again, hence sums in both directions.
+holds the whole dL/dy. `group_sum` feeds *split* math again, hence sums in both directions.
 `exchange` moves each block to one new owner and nothing is summed: the gradient of a block
 goes back to where the block came from, the same all-to-all with the split sizes swapped.
 `all_gather` differs from `gather` in what follows it: after `gather` every rank computes the
@@ -158,7 +158,7 @@ def reduce_from(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def group_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """All-reduce forward and backward: a sum over shards that feeds sharded math again."""
+    """All-reduce forward and backward: a sum over slices that feeds split math again."""
     return _GroupSum.apply(x, group) if _size(group) > 1 else x
 
 

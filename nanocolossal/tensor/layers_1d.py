@@ -34,7 +34,7 @@ from .comm import copy_to, gather, reduce_from, split
 
 
 class ColumnLinear1D(nn.Module):
-    """y_j = x W_j^T + b_j: output features split; input replicated, output sharded."""
+    """y_j = x W_j^T + b_j: output features split; input replicated, output split."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
@@ -62,7 +62,7 @@ class ColumnLinear1D(nn.Module):
 
 
 class RowLinear1D(nn.Module):
-    """y = sum_j x_j W_j^T + b: input features split; input sharded, output replicated."""
+    """y = sum_j x_j W_j^T + b: input features split; input split, output replicated."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
