@@ -183,8 +183,6 @@ def on_load(hook: Callable[[], None]) -> None:
 
 # the parallel table's keys: each a layout axis (context.py)
 _PARALLEL_KEYS = ("pipeline", "data", "tensor", "sequence", "moe")
-# DistributedDataParallel's, by config
-_DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "compress")
 
 
 def is_positive_int(value: Any) -> bool:
@@ -287,30 +285,6 @@ def validate_config(cfg: Config) -> None:
     parallel_settings(cfg)
     for check in _CHECKS:  # each feature's own section (zero/settings.py, amp_settings.py, ...)
         check(cfg)
-    ddp = cfg.get("ddp", {})
-    if not isinstance(ddp, Mapping):
-        raise ConfigError(f"ddp must be a dict of {', '.join(_DDP_OPTIONS)}; got {ddp!r}")
-    unknown = sorted(set(ddp) - set(_DDP_OPTIONS))
-    if unknown:
-        raise ConfigError(f"ddp must be a dict of {', '.join(_DDP_OPTIONS)}; got {ddp!r} "
-                          f"(unknown: {', '.join(unknown)})")
-    if ddp.get("compress") not in (None, "bf16", "fp16"):
-        raise ConfigError(f"ddp.compress must be None, 'bf16' or 'fp16', got {ddp['compress']!r}")
-    handlers = cfg.get("gradient_handler")
-    if handlers is not None:
-        entries = handlers if isinstance(handlers, (list, tuple)) else [handlers]
-        extra = sorted({k for h in entries if isinstance(h, Mapping) for k in h} - {"type"})
-        if extra:
-            raise ConfigError(f"gradient_handler entries take only type, e.g. "
-                              f"[dict(type='DataParallelGradientHandler')] (unknown: "
-                              f"{', '.join(extra)})")
-        types = [h.get("type") if isinstance(h, Mapping) else h for h in entries]
-        # both all-reduce over gpc.gradient_group: data ranks, times sequence ranks if any
-        if types not in (["DataParallelGradientHandler"], ["SequenceParallelGradientHandler"]):
-            raise ConfigError(f"gradient_handler {types} is not supported; use "
-                              f"[dict(type='DataParallelGradientHandler')] (or leave it out for "
-                              f"overlapped DDP)")
-
     for key in ("gradient_accumulation", "NUM_MICRO_BATCHES", "NUM_CHUNKS", "BATCH_SIZE",
                 "NUM_EPOCHS"):
         value = cfg.get(key)
