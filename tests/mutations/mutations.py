@@ -94,8 +94,8 @@ MUTATIONS: list[dict] = [
          tests=["tests/test_timer_and_schedulers.py", "-k", "formula or gloo"]),
     # -- metrics, data, loss weights --------------------------------------------------------------
     dict(id="metrics-weight-dropped", idea="metrics", file="nanocolossal/metrics.py",
-         old="packed = torch.tensor([float(v) * w for v in scalars] + [w], dtype=torch.float64)",
-         new="packed = torch.tensor([float(v) for v in scalars] + [w], dtype=torch.float64)",
+         old="all_reduce_sum([float(v) * w for v in scalars] + [w], group)",
+         new="all_reduce_sum([float(v) for v in scalars] + [w], group)",
          bug="all_reduce_mean(weight=) divides the plain sum of the ranks' means by the summed "
              "weights (the weights are forgotten in the numerator)",
          tests=["tests/test_metrics.py", "-k", "all_reduce_mean or accuracy_is_exact or "
