@@ -107,16 +107,16 @@ def _expected_files(level, saved_by, loaded_by, rank):
     return sorted(files)
 
 
-def test_gloo_zero_resume_reads_only_my_own_piece_file_and_trains_on_as_one_process(tmp_path):
-    """The lesson: 2 ZeRO-2 ranks train 2 steps and save (each rank writes the piece file of its
-    shard); 2 ranks load it back. Each rank opens its own piece file only, loads exactly what
+def test_gloo_zero_resume_reads_only_my_own_shard_file_and_trains_on_as_one_process(tmp_path):
+    """The lesson: 2 ZeRO-2 ranks train 2 steps and save (each rank writes its shard file);
+    2 ranks load it back. Each rank opens its own shard file only, loads exactly what
     merging every file gives, and a third step ends where one process's 3 steps end."""
     path = str(tmp_path / "ckpt.pt")
     run_ranks(_job, 2, 2, path, False, 0, 2, True, timeout=60)  # steps 0-1, then save
-    merged = merge_checkpoint(path)  # the plain route: every piece file, whole tensors
+    merged = merge_checkpoint(path)  # the plain route: every shard file, whole tensors
     for rank, (read, (_, loaded), after) in enumerate(run_ranks(_job, 2, 2, path, True, 2, 3,
                                                                  False, timeout=60)):
-        assert read == [rank], f"rank {rank} opened the piece files {read}"
+        assert read == [rank], f"rank {rank} opened the shard files {read}"
         assert_close(loaded, merged, rtol=0, atol=0)
         assert_close(after, _one_process(3), rtol=0, atol=1e-6)
 
