@@ -8,7 +8,7 @@
 For each mutation the repository (nanocolossal/, tests/, the scripts and configs the tests
 import; not .git, .venv or data) is copied into a fresh temporary folder, `old` is replaced by
 `new` there (a mutation whose `old` is not found exactly once is STALE: the code moved on, fix
-the table), and `python -m pytest -x -q -p no:cacheprovider <tests>` runs in that folder with
+the table), and `python -m pytest -x -q -n 0 -p no:cacheprovider <tests>` runs in that folder with
 PYTHONPATH pointing at it, under a wall-clock limit. The working tree is never touched.
 
     CAUGHT   the tests failed: the suite notices this bug
@@ -71,7 +71,8 @@ def first_failure(output: str) -> str:
 def run_tests(repo: Path, tests: list[str], limit: float) -> tuple[str, float, str, str]:
     """(status, seconds, catching test, output tail) of pytest on `tests` inside `repo`."""
     env = dict(os.environ, PYTHONPATH=str(repo), PYTHONDONTWRITEBYTECODE="1")
-    argv = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    argv = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",
+            *tests]  # (-n 0: in order, in one process; the first failure is the catching test)
     start = time.monotonic()
     proc = subprocess.Popen(argv, cwd=repo, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
