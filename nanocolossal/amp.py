@@ -49,7 +49,7 @@ from .config import AMP_TYPE  # owned by the config (it names the modes)
 from .context import gpc
 from .logging import get_dist_logger
 from .nest import map_tensors
-from .tensor.base import replicas
+from .tensor.base import tensor_holders
 
 # nc.amp.X: this file's names, and the loss scaler's and the config's that users reach from here
 __all__ = ["AMP_TYPE", "OPT_LEVELS", "DynamicLossScaler", "MixedPrecisionOptimizer",
@@ -286,7 +286,7 @@ class MixedPrecisionOptimizer:
     def holders(self, param: nn.Parameter) -> int:
         """Ranks of the model group holding this exact parameter: the tensor ranks that replicate
         it, times the pipeline stages that share it (a tied weight)."""
-        return replicas(param) * getattr(param, "pipeline_copies", 1)
+        return tensor_holders(param) * getattr(param, "pipeline_copies", 1)
 
     def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
                        **kwargs: Any) -> float:

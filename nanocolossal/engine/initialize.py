@@ -205,9 +205,9 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
     # stage's last (DdpSync keeps every other chunk's DDP in no_sync meanwhile)
     earlier = [[p for q in parts[:i] for p in q.parameters()] for i in range(len(parts))]
     zero = gpc.config.get("zero", {})
-    replicas = [BroadcastBuffers(parts)] if gpc.gradient_size > 1 else []
+    buffer_sync = [BroadcastBuffers(parts)] if gpc.gradient_size > 1 else []
     if isinstance(optimizer, ParamShardedOptimizer):  # its hooks reduce the gradients
-        return [model], replicas, None
+        return [model], buffer_sync, None
     if isinstance(optimizer, ShardedOptimizer) and optimizer.level == 2:
         # (a pipeline stage syncs buffers once per batch, not per micro-batch: DdpSync)
         wrapped = [ShardKeepingDDP(part, optimizer, zero.get("reduce_bucket_size_mb", 25),
@@ -217,10 +217,10 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
     if gpc.gradient_size == 1:
         return parts, [], None
     if moe is not None:  # experts are not replicated over the data ranks: apply_moe's handler
-        return parts, [moe, *replicas], None
+        return parts, [moe, *buffer_sync], None
     if gpc.config.get("gradient_handler"):  # Colossal-AI's all-reduce after backward
         did = f"gradient handler x{gpc.gradient_size}"
-        return parts, [DataParallelGradientHandler(model), *replicas], did
+        return parts, [DataParallelGradientHandler(model), *buffer_sync], did
     options = dict(gpc.config.get("ddp", {}))  # bucket_cap_mb, gradient_as_bucket_view, compress
     if "reduce_bucket_size_mb" in zero:
         options.setdefault("bucket_cap_mb", zero.reduce_bucket_size_mb)

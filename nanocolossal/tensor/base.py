@@ -126,7 +126,7 @@ def tied(weight: nn.Parameter, own: nn.Parameter) -> nn.Parameter:
     return weight
 
 
-def replicas(param: torch.Tensor) -> int:
+def tensor_holders(param: torch.Tensor) -> int:
     """Tensor ranks holding this exact parameter (unmarked parameters are replicated on all)."""
     if gpc.sequence_size > 1:  # sequence ranks split the tokens, not the weights
         return 1
