@@ -236,9 +236,7 @@ class _Run:
                 torch.autograd.backward(roots, grads)
         sent = Transfer("grad", v, v - 1, m)
         if v > 0 and sent not in self.no_grad:
-            if x.grad is None:
-                raise_ignored_input(v, m)
-            self._deliver(sent, x.grad)
+            self._deliver(sent, input_gradient(x, v, m))
 
     def exchange(self, comm: StageComm, step: Comm, where: str) -> None:
         """Post this step's sends and receives together (p2p.py); integer activations' gradients
@@ -335,10 +333,13 @@ def _roots(output: torch.Tensor, grad: Optional[torch.Tensor], extra: Optional[t
     return roots, grads
 
 
-def raise_ignored_input(v: int, m: int) -> None:
-    """A floating input no gradient reached: zeros sent back would give the earlier stage's
-    parameters zero gradients where one process leaves them None, and momentum or weight decay
-    would still move them -- a silent difference, so it is an error."""
+def input_gradient(x: torch.Tensor, v: int, m: int) -> torch.Tensor:
+    """The gradient of part v's input, to send back. A floating input no gradient reached is an
+    error: zeros sent back would give the earlier stage's parameters zero gradients where one
+    process leaves them None, and momentum or weight decay would still move them -- a silent
+    difference."""
+    if x.grad is not None:
+        return x.grad
     raise RuntimeError(
         f"[rank {gpc.rank}] pipeline part {v} did not use its input in micro-batch {m}: no "
         f"gradient flows back to part {v - 1}, whose parameters one process would leave without "
