@@ -96,22 +96,23 @@ def total_count(counts: torch.Tensor) -> torch.Tensor:
     (gpc.gradient_group): one all-reduce of one number."""
     total = counts.sum()
     if gpc.gradient_size > 1:
-        _debug_check()
-        try:
-            dist.all_reduce(total, group=gpc.gradient_group)
-        except RuntimeError as e:  # a peer stopped: say which collective, and where to look
-            raise peer_failed("the all-reduce of the loss's target count (loss_weights.py)",
-                              gpc.gradient_group, e) from e
+        _checked_all_reduce(total)
     return total
 
 
-def _debug_check() -> None:
-    """debug=True: every data rank is here, not in another collective (ZeRO 3 checks its gathers
-    the same way, so a unit only some ranks run is named instead of mis-paired collectives)."""
+def _checked_all_reduce(total: torch.Tensor) -> None:
+    """total summed over the gradient group, with its misuse named: debug=True first checks that
+    every data rank is here, not in another collective (ZeRO 3 checks its gathers the same way);
+    a peer that stopped is named with this collective."""
     if gpc.config.get("debug") and not same_everywhere(-1, gpc.gradient_group, gpc.device):
         raise RuntimeError(f"[rank {gpc.rank}] the loss's target count (loss_weights.py) is "
                            f"all-reduced here while another data rank runs another collective: "
                            f"every data rank must call engine.criterion alike")
+    try:
+        dist.all_reduce(total, group=gpc.gradient_group)
+    except RuntimeError as e:  # a peer stopped: say which collective, and where to look
+        raise peer_failed("the all-reduce of the loss's target count (loss_weights.py)",
+                          gpc.gradient_group, e) from e
 
 
 def weighed_ranks(criterion: Any) -> int:
