@@ -108,7 +108,10 @@ class DistributedDataParallel(nn.Module):
 
         skip = {id(q) for q in reduced_elsewhere}  # another pipeline chunk's DDP reduces them
         params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
-        self._frozen = [p for p in module.parameters() if not p.requires_grad]  # checks.py
+        frozen = [p for p in module.parameters() if not p.requires_grad]
+        if frozen:  # one unfrozen since would never be averaged: refused (checks.py)
+            self.register_forward_pre_hook(
+                lambda *_: check_still_frozen(module, frozen) if torch.is_grad_enabled() else None)
         self.buckets = self._make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next_launch = 0           # buckets are launched strictly in order
@@ -137,8 +140,6 @@ class DistributedDataParallel(nn.Module):
         training = self.training and torch.is_grad_enabled()
         if self.broadcast_buffers and training and self.require_sync:
             self.sync_buffers()
-        if self._frozen and torch.is_grad_enabled():  # unfrozen since: never averaged
-            check_still_frozen(self.module, self._frozen)
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled():  # the all-reduce even if no parameter here gets a gradient
             map_tensors(lambda t: t.register_hook(self._queue_finish) if t.requires_grad else t,
