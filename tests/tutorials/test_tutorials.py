@@ -1,8 +1,7 @@
 """The tutorials' own code (the Engine/Trainer and pipeline tutorials), with only `colossalai` ->
-`nanocolossal` changed (and `.cuda()` removed), run as torchrun would run it on 2 CPU ranks
-(pooled ranks with torchrun's environment, dist_helpers.run_script: `launch_from_torch` under
-the real torchrun is test_launch.py's) for one epoch on tiny CIFAR-10 files in torchvision's
-real format, whose test set leaves a last batch smaller than the others.
+`nanocolossal` changed (and `.cuda()` removed), run under torchrun on 2 CPU ranks for one epoch
+on tiny CIFAR-10 files in torchvision's real format, whose test set leaves a last batch smaller
+than the others.
 
 Diff engine_resnet.py / trainer_resnet.py / pipeline_resnet.py against the tutorials to see that
 nothing else changed. These start ResNets, so they are marked slow and sit outside `-k gloo`.
@@ -16,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cifar_files import write_cifar  # noqa: E402
-from dist_helpers import run_script  # noqa: E402
+from dist_helpers import free_port, run_cmd  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -24,10 +23,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 def _run(tmp_path, tutorial, env=None):
     shutil.copy(HERE / tutorial, tmp_path / tutorial)
-    variables = [f"{name}={value}" for name, value in (env or {}).items()]
-    out = run_script(HERE / "run_tutorial.py", [*variables, tutorial], nproc=2, cwd=tmp_path,
-                     timeout=280)
-    return out.replace("\r", "\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(HERE / "run_tutorial.py"), tutorial]
+    result = run_cmd(cmd, timeout=280, cwd=tmp_path, env=env)
+    out = result.stdout.replace("\r", "\n")
+    assert result.returncode == 0, out
+    return out
 
 
 @pytest.fixture
