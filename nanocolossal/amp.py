@@ -45,6 +45,7 @@ from .amp_scaler import (
     unscale_and_check_fused,
     unscale_grads,
 )
+from .clip import clip_, group_norm, weighted_squares
 from .config import AMP_TYPE  # owned by the config (it names the modes)
 from .context import gpc
 from .logging import get_dist_logger
@@ -106,14 +107,6 @@ class _Autocast:
 def _entered(module: nn.Module) -> list:
     """The autocasts that the module's hooks entered and did not leave yet, innermost last."""
     return module.__dict__.setdefault("_amp_autocasts", [])
-
-
-def _all_reduced(t: torch.Tensor, group: Any) -> torch.Tensor:
-    """t summed over `group`, reduced on gpc.device (NCCL reduces no CPU tensor: ZeRO offload's
-    squares are on the CPU), back on t's device."""
-    on = t.to(gpc.device)
-    dist.all_reduce(on, group=group)
-    return on.to(t.device)
 
 
 class MixedPrecisionOptimizer:
@@ -233,19 +226,17 @@ class MixedPrecisionOptimizer:
             halves = [p for p, _ in self._master_pairs]
             torch._foreach_copy_(halves, [m for _, m in self._master_pairs])
 
-    # -- the global norm, each element counted once, clipped ------------------------------------
+    # -- the global norm, each element counted once, clipped (clip.py) ----------------------
     def clip_grad_norm_(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
-                        spread: Optional[tuple[dict[int, float], Any]] = None) -> torch.Tensor:
+                        split_over: Optional[tuple[dict[int, float], Any]] = None
+                        ) -> torch.Tensor:
         """Clip unscaled gradients to the global norm of the whole model; returns the norm as a
         0-d tensor (inf where a gradient overflowed: then nothing is clipped).
 
         `group`: the ranks holding the *other* parts of the model (pipeline stages, tensor
-        slices). A parameter held identically by k tensor ranks (or k pipeline stages: a tied
-        weight) adds its squares / k, so each element counts once. `spread` = (weight by
-        id(param), group): parameters spread over another group -- ZeRO's segments over the data
-        ranks, MoE experts over the expert-parallel ranks (moe/grads.py) -- add their squares x
-        weight (1 / their holders there), summed over that group, then with the rest over
-        `group`."""
+        slices). `split_over` = (weight by id(param), group): parameters split over another
+        group -- ZeRO's segments over the data ranks, MoE's experts over the expert-parallel
+        ranks (moe/grads.py) -- add their squares x weight, summed over that group first."""
         found = self.overflow_flag()[0] > 0
         # float32 sums (half gradients overflow), float64 for a float64 model (a float32
         # coefficient would round its clipped gradients)
@@ -253,35 +244,17 @@ class MixedPrecisionOptimizer:
         acc = torch.float64 if float64 else torch.float32
         params = [p for p in self.params() if p.grad is not None]
         device = params[0].grad.device if params else gpc.device
-        weight_of, spread_group = spread or ({}, None)
-        # the model's own squares, and those of the spread parameters
-        sq = [self._squares([p for p in params if id(p) not in weight_of], {}, acc, device),
-              self._squares([p for p in params if id(p) in weight_of], weight_of, acc, device)]
-        # the spread parameters first over their group (a pipeline stage's experts), then the
-        # whole over `group`: each stage's experts count once, in their stage's part
-        if spread_group is not None and dist.get_world_size(spread_group) > 1:
-            sq[1] = _all_reduced(sq[1], spread_group)
-        total = sq[0] + sq[1]
-        if group is not None and dist.get_world_size(group) > 1:
-            total = _all_reduced(total, group)
-        total = total.sqrt()
-        # same formula as torch.nn.utils.clip_grad_norm_
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        if params:  # a step that will be skipped keeps its gradients as they are
-            coef = torch.where(found, torch.ones_like(coef), coef)
-            torch._foreach_mul_([p.grad for p in params], coef.to(device))
-        return torch.where(found, torch.full_like(total, math.inf), total)
-
-    def _squares(self, params: list[nn.Parameter], weight_of: dict[int, float],
-                 acc: torch.dtype, device: torch.device) -> torch.Tensor:
-        """sum_p |grad_p|^2 x weight_p / holders_p, in `acc` on `device` (0 without any)."""
-        if not params:
-            return torch.zeros((), device=device, dtype=acc)
-        norms = torch._foreach_norm([p.grad for p in params])
-        # built on the host, sent without waiting (a blocking copy would wait for the device)
-        weights = torch.tensor([weight_of.get(id(p), 1.0) / self.holders(p) for p in params],
-                               dtype=acc).to(device, non_blocking=True)
-        return (torch.stack(norms).to(acc) ** 2 * weights).sum()
+        weight_of, split_group = split_over or ({}, None)
+        own = [p for p in params if id(p) not in weight_of]
+        split = [p for p in params if id(p) in weight_of]
+        norm = group_norm(
+            weighted_squares([p.grad for p in own], [1 / self.holders(p) for p in own],
+                             acc, device),
+            weighted_squares([p.grad for p in split],
+                             [weight_of[id(p)] / self.holders(p) for p in split], acc, device),
+            group, split_group)
+        clip_([p.grad for p in params], max_norm, norm, keep=found)
+        return torch.where(found, torch.full_like(norm, math.inf), norm)
 
     def holders(self, param: nn.Parameter) -> int:
         """Ranks of the model group holding this exact parameter: the tensor ranks that replicate

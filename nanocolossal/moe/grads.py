@@ -166,4 +166,4 @@ class MoeGradientHandler(Extension):
         self.handle_gradient()
 
     def clip_options(self) -> dict:
-        return {"spread": self.norm}
+        return {"split_over": self.norm}

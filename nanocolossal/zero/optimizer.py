@@ -216,8 +216,8 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         """The norm of all gradients: each rank adds the squares of its shard (each element
         is in exactly one shard; padding has no gradient), summed over the data group; then
         with the other pipeline stages' and tensor ranks' sums over `group`."""
-        mine = {id(p): 1.0 for p in self.params()}  # every segment is spread over the data group
-        return super().clip_grad_norm_(max_norm, group, spread=(mine, self.group))
+        mine = {id(p): 1.0 for p in self.params()}  # every segment is split over the data group
+        return super().clip_grad_norm_(max_norm, group, split_over=(mine, self.group))
 
     # -- the step ---------------------------------------------------------------------------
     @property

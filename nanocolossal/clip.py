@@ -1,0 +1,76 @@
+"""Gradient clipping by the global norm, when the model is held by many ranks.
+
+One process (torch.nn.utils.clip_grad_norm_):
+
+    norm = sqrt( sum_p |g_p|^2 )          g_p  <-  g_p * min(1, max_norm / (norm + 1e-6))
+
+Every rank must clip by the norm of the *whole* model, so every element of every gradient must
+count exactly once, wherever it lives:
+
+    who holds g_p                                 what its rank adds, and where the sum runs
+    data-parallel replicas (same averaged g_p)    |g_p|^2 on each; no sum (they agree already)
+    another pipeline stage / tensor slice         |g_p|^2, summed over the model group
+    k ranks of the model group, identically       |g_p|^2 / k (a LayerNorm every tensor rank
+      (tensor-replicated, tied across stages)       holds, a tied embedding on 2 stages)
+    one rank of another group (ZeRO's segments    |g_p|^2 x w_p, summed over that group first,
+      over the data ranks, MoE's experts over       then with the rest over the model group
+      the expert-parallel ranks)                    (w_p = 1 / its holders there)
+
+`group_norm` is that table; `clip_` scales by the one coefficient. Both stay on the device: the
+norm is a 0-d tensor nobody waits for (the Engine's `last_grad_norm` reads it when asked).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .context import gpc
+
+
+def one_process_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The naive version: the norm of every gradient in one process."""
+    return torch.stack([g.norm() for g in grads]).norm()
+
+
+def weighted_squares(grads: list[torch.Tensor], weights: list[float], acc: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+    """sum_p |g_p|^2 x w_p, accumulated in `acc` on `device` (0 without gradients)."""
+    if not grads:
+        return torch.zeros((), device=device, dtype=acc)
+    norms = torch._foreach_norm(grads)
+    # built on the host, sent without waiting (a blocking copy would wait for the device)
+    w = torch.tensor(weights, dtype=acc).to(device, non_blocking=True)
+    return (torch.stack(norms).to(acc) ** 2 * w).sum()
+
+
+def summed(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """t summed over `group` (unchanged without one). Reduced on gpc.device -- NCCL sums no CPU
+    tensor, and ZeRO offload's squares are on the CPU -- and brought back to t's device."""
+    if group is None or dist.get_world_size(group) == 1:
+        return t
+    on = t.to(gpc.device)
+    dist.all_reduce(on, group=group)
+    return on.to(t.device)
+
+
+def group_norm(model_part: torch.Tensor, split_part: torch.Tensor,
+               model_group: Optional[dist.ProcessGroup],
+               split_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """The global norm from this rank's two sums of weighted squares: the parameters split over
+    `split_group` summed there first (a pipeline stage's experts count once, in that stage's
+    part), then everything over `model_group` (the other stages and tensor slices)."""
+    total = model_part + summed(split_part, split_group)
+    return summed(total, model_group).sqrt()
+
+
+def clip_(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor,
+          keep: Optional[torch.Tensor] = None) -> None:
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), torch's coefficient; by 1 where
+    `keep` (a 0-d bool on the device: a step about to be skipped keeps its gradients)."""
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    if keep is not None:
+        coef = torch.where(keep, torch.ones_like(coef), coef)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
