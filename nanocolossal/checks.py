@@ -175,11 +175,11 @@ def check_still_frozen(model: nn.Module, frozen: list,
                            f"and freeze it with lr=0")
 
 
-def ready_twice(model: nn.Module, param: nn.Parameter) -> RuntimeError:
+def ready_twice(model: nn.Module, param: nn.Parameter, who: str,
+                other: str = "") -> RuntimeError:
     """A parameter's gradient hook fired twice in one backward (reentrant checkpointing of a
-    layer used twice): its first gradient is already in a bucket being averaged."""
-    who, other = ("zero", "") if "zero" in gpc.config else \
-        ("DistributedDataParallel", ", or the gradient_handler, which averages after backward")
+    layer used twice): its first gradient is already in a bucket being averaged. `who` reduces
+    the buckets; `other`: another way out it offers."""
     return RuntimeError(f"[rank {gpc.rank}] {who}: {_name(model, param)} got a second gradient "
                         f"in one backward after its first was handed to the reduction (a layer "
                         f"used twice, each use checkpointed by nc.utils.checkpoint or by "

@@ -120,6 +120,9 @@ class DistributedDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     bucket_class = _Bucket  # ZeRO level 2 (zero/gradients.py) uses buckets that come and go
+    # who the errors name, and the other way out they offer (ZeRO names itself)
+    name = "DistributedDataParallel"
+    other_way = ", or the gradient_handler, which averages after backward"
 
     def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
         buckets, current, size = [], [], 0
@@ -152,7 +155,7 @@ class DistributedDataParallel(nn.Module):
         self._queue_finish()
         bucket, i = self._where[param]
         if bucket.filled[i]:
-            raise ready_twice(self.module, param)
+            raise ready_twice(self.module, param, self.name, self.other_way)
         self._write_slot(bucket, i)
         bucket.filled[i] = True
         bucket.ready += 1

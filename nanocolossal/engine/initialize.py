@@ -229,6 +229,9 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
     shown = "".join(f", {k}={v}" for k, v in options.items() if k != "broadcast_buffers")
     wrapped = [DistributedDataParallel(part, reduced_elsewhere=skip, **options)
                for part, skip in zip(parts, earlier)]
+    if isinstance(optimizer, ShardedOptimizer):  # level 1: DDP, named in errors as zero
+        for ddp in wrapped:
+            ddp.name, ddp.other_way = "zero", ""
     did = f"{'data parallel' if pipelined else 'DDP'} x{gpc.gradient_size}{shown}"
     return wrapped, [DdpSync(wrapped, pipelined)], did
 

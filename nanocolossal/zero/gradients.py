@@ -63,6 +63,7 @@ class ShardKeepingDDP(DistributedDataParallel):
     `optimizer`'s segments."""
 
     bucket_class = _TransientBucket
+    name, other_way = "zero", ""
 
     def __init__(self, module: nn.Module, optimizer: ShardedOptimizer,
                  bucket_cap_mb: float = 25, overlap_communication: bool = True,
