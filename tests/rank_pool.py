@@ -29,7 +29,8 @@ from pathlib import Path
 # (Windows has no fork server: there the ranks are spawned, each importing torch itself.)
 if "forkserver" in mp.get_all_start_methods():
     _CTX = mp.get_context("forkserver")
-    _CTX.set_forkserver_preload(["torch", "torch.distributed", "torchvision", "tqdm",
+    # pytest too: every test module a rank unpickles its job from imports it (about a second)
+    _CTX.set_forkserver_preload(["torch", "torch.distributed", "torchvision", "tqdm", "pytest",
                                  "nanocolossal", "nanocolossal.trainer"])
 else:
     _CTX = mp.get_context("spawn")
