@@ -17,5 +17,11 @@ def _single_thread_and_clean_context():
     gpc.destroy()
 
 
+def pytest_collection_modifyitems(items):
+    """The tutorials' ResNets (marked slow) first: under `-n 2` they then run beside the short
+    tests instead of side by side at the end, where each waited on the other's cores."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # a stable sort
+
+
 def pytest_sessionfinish():
     gc.freeze()  # the interpreter's exit then skips a sweep over torch's objects (about 0.4 s)

@@ -18,7 +18,9 @@ def _train(tmp_path, *args):
 
 @pytest.mark.timeout(200)
 def test_gloo_train_pipeline_1f1b_logs_loss_accuracy_and_writes_a_trace(tmp_path):
-    out = _train(tmp_path, "--trace", str(tmp_path / "trace.json")).replace("\r", "\n")
+    # the main job's flags on ResNet-18 (ResNet-50's build: test_model_choices_are_flat_...)
+    out = _train(tmp_path, "--trace", str(tmp_path / "trace.json"), "--model",
+                 "resnet18").replace("\r", "\n")
     assert "initialize: pipeline 1f1b x2 stages, 4 micro-batches" in out
     assert re.search(r"epoch 1 train: .*loss [0-9.]+",
                      out) and re.search(r"epoch 1 test: loss [0-9.]+, accuracy", out)
