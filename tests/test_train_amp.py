@@ -12,14 +12,14 @@ import nanocolossal as nc
 
 
 def _train(tmp_path, *args):
-    args = ["--synthetic-size", "32", "--batch-size", "8", "--epochs", "2", "--model",
+    args = ["--synthetic-size", "16", "--batch-size", "4", "--epochs", "2", "--model",
             "resnet18", "--data", str(tmp_path), *args]
     return run_script(ROOT / "train_amp.py", args, nproc=2, cwd=tmp_path)
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """2 epochs of 2 steps (32 images / (8 per rank x 2 ranks)) by the Engine loop, never
+    """2 epochs of 2 steps (16 images / (4 per rank x 2 ranks)) by the Engine loop, never
     stopped: the reference for both loops, since the Trainer must train exactly alike."""
     path = tmp_path_factory.mktemp("straight")
     out = _train(path, "--checkpoint", "straight.pt")
