@@ -6,14 +6,14 @@ Y = X W^T (X [M, K] activations, W [N, K] in torch's layout), the block product
     Y_(x, y) = sum_z X_(x, z) W_(y, z)^T        (M in q blocks by x, K by z, N by y)
 
 puts the term for (x, y, z) on rank (x, y, z): each rank multiplies one pair of blocks and the
-z axis sums them. Nobody stores a whole block: X_(x, z) is cut in q pieces along M over the y
-axis, W_(y, z) in q pieces along K over the x axis, so every rank holds 1/q^3 of X, W and Y:
+z axis sums them. Nobody stores a whole block: X_(x, z) is cut in q slices along M over the y
+axis, W_(y, z) in q slices along K over the x axis, so every rank holds 1/q^3 of X, W and Y:
 
     step                           collective            along   elements per rank
-    X_(x, z)  from its q pieces    all-gather (dim M)    y       M K / q^2
-    W_(y, z)  from its q pieces    all-gather (dim K)    x       N K / q^2
+    X_(x, z)  from its q slices    all-gather (dim M)    y       M K / q^2
+    W_(y, z)  from its q slices    all-gather (dim K)    x       N K / q^2
     P = X_(x, z) W_(y, z)^T        local                         M N K / q^3 flops
-    Y_(x, y) piece z = sum_z P     reduce-scatter (dim M) z      M N / q^2
+    Y_(x, y) slice z = sum_z P     reduce-scatter (dim M) z      M N / q^2
 
 Backward runs the conjugates (tensor/comm.py): dY gathered along z, dX = dY W reduce-scattered
 along y, dW = dY^T X reduce-scattered along x: the same three sizes again. Per Linear and rank:
@@ -60,7 +60,7 @@ def row_splits() -> list[tuple[int, str]]:
 
 def cube_matmul(x: torch.Tensor, w: torch.Tensor, gather: Group, scatter: Group) -> torch.Tensor:
     """x [M/q^2, ..., K/q] @ w [N/q, K/q^2]^T on the cube -> [M/q^2, ..., N/q]: the input's
-    batch blocks gathered over `gather`, the weight's pieces over the x axis, the partial
+    batch blocks gathered over `gather`, the weight's slices over the x axis, the partial
     products summed and scattered by batch over `scatter` (autograd gives the backward above)."""
     x, w = autocast_operands(x, w)
     x_block = all_gather(x, 0, gather)              # X_(x, z): my batch block x, hidden z

@@ -22,7 +22,7 @@ The vocabulary-parallel embedding, with E cut as the classifier's weight (so the
 rank (x, y, z) gathers E's block (vocabulary y, hidden z) along x, looks up batch block x of
 the ids in it (zeros outside its vocabulary), and the y axis sums and scatters the result by
 batch: block (x, y), hidden z -- layout A. Its backward sums E's gradient over x and keeps each
-rank's piece (the all-gather's conjugate).
+rank's slice (the all-gather's conjugate).
 """
 from __future__ import annotations
 
