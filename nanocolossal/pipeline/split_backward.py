@@ -7,11 +7,11 @@ for W. Autograd's graph of one micro-batch, from the stage's output back to its 
              |                 |                 |
            W3, b3            W2, b2            W1, b1          W: one step off the spine each
 
-The naive split is two backwards, `inputs=[x]` then `inputs=weights`; but the second walks the
-spine again to reach W1, so the activations' gradients are computed twice. Here B records, with
-a pre-hook, the gradient arriving at every spine node that has an edge off the spine, and W
-starts at those nodes with `inputs=` the weights below them: each weight gradient is computed
-once and nothing twice, so B + W cost one ordinary backward.
+The naive split is two backwards, `inputs=[x]` then `inputs=weights` (`TwoBackwards`); but the
+second walks the spine again to reach W1, so the activations' gradients are computed twice.
+`SplitBackward` records in B, with a pre-hook, the gradient arriving at every spine node that
+has an edge off the spine, and W starts at those nodes with `inputs=` the weights below them:
+each weight gradient is computed once and nothing twice, so B + W cost one ordinary backward.
 
 W's last call starts at the output itself (with the weights nearest to it, a short walk), so
 what hooks the output for the end of a backward (DDP's averaging) sees one, as usual. A weight
@@ -26,8 +26,26 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
+class TwoBackwards:
+    """The naive split: B and W as two ordinary backwards from the roots. Exact, but W walks the
+    spine again, so the activations' gradients are computed twice (three Linears: 4/3 of one
+    backward's FLOPs, counted in test_pipeline_plan.py)."""
+
+    def __init__(self, roots: list, grads: list, x: Optional[torch.Tensor],
+                 weights: list) -> None:
+        self.roots, self.grads, self.x, self.weights = roots, grads, x, weights
+
+    def input_grad(self) -> None:
+        if self.x is not None and self.roots:
+            torch.autograd.backward(self.roots, self.grads, inputs=[self.x], retain_graph=True)
+
+    def weight_grads(self) -> None:
+        torch.autograd.backward(self.roots, self.grads, inputs=self.weights)
+
+
 class SplitBackward:
-    """The backward of `roots` (with `grads`) into input `x` (None: none) and `weights`."""
+    """The same split, each gradient computed once: the backward of `roots` (with `grads`) into
+    input `x` (None: none) and `weights`."""
 
     def __init__(self, roots: list, grads: list, x: Optional[torch.Tensor],
                  weights: list) -> None:
