@@ -162,11 +162,8 @@ class MixedPrecisionOptimizer:
         the device: the flag is read (step) only where the host must decide."""
         if self._flag is not None:
             return self._flag
-        if self._loaded:  # else this step would write the old masters over the loaded weights
-            with torch.no_grad():
-                for model_param, master in self._master_pairs:
-                    master.copy_(model_param.detach())
-            self._loaded = False
+        if self._loaded:  # model.load_state_dict since the last step (follow_loads)
+            self._masters_from_model()
         self._grads_to_masters()
         grads = [p.grad for p in self.params() if p.grad is not None]
         found = torch.zeros(1, device=grads[0].device if grads else gpc.device,
@@ -275,6 +272,14 @@ class MixedPrecisionOptimizer:
 
     def _model_loaded(self, module: nn.Module, incompatible: Any) -> None:
         self._loaded = True
+
+    def _masters_from_model(self) -> None:
+        """The loaded weights become the masters: else the step would write the old masters
+        over them."""
+        with torch.no_grad():
+            for model_param, master in self._master_pairs:
+                master.copy_(model_param.detach())
+        self._loaded = False
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(),
