@@ -8,8 +8,8 @@ This file is what that path needed once it met real clusters, each piece for a f
   own (`_agent_store`).
 - a rank whose rank 0 never came up would wait *twice* the timeout (torch's client tries again
   after its first timeout) and then print a C++ trace per try: it first polls rank 0's port
-  itself, every 20 ms, and once rank 0 has just begun to listen gives its store 100 ms before
-  pinging it -- a ping in the store's first milliseconds can wait 5 s for its answer
+  itself, every 20 ms, and once rank 0 has just begun to listen gives its store 100-150 ms
+  before pinging it -- a ping in the store's first milliseconds can wait 5 s for its answer
   (`_wait_for_rank0`).
 - torch's errors say "EADDRINUSE" or "timed out", as text (their types say little): `_explain`
   matches that text and says what to change -- another port, start the other ranks, agree on
@@ -22,6 +22,7 @@ This file is what that path needed once it met real clusters, each piece for a f
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 import time
@@ -91,10 +92,12 @@ def _wait_for_rank0(where: str, timeout: timedelta) -> None:
             refused = True
             time.sleep(0.02)  # every 20 ms: a job's start waits for this poll
     if refused:
-        # rank 0 has only just begun to listen: a client whose ping reaches torch's store in its
-        # first milliseconds can wait 5 s for the answer (2 cores, back-to-back launches of 2
-        # ranks: 3 of 80 at once, 1 of 200 after 50 ms, none of 200 after 100 ms)
-        time.sleep(0.1)
+        # rank 0 has only just begun to listen: a ping that reaches torch's store in its first
+        # milliseconds, or with the other ranks' at once, can wait 5 s for its answer. Measured
+        # on 2 cores, back-to-back launches stalled so: 2 ranks 3 of 80 at once, none of 150
+        # after this wait; 4 ranks 2 of 120 after it; 8 ranks 9 of 40 at once, 7 of 40 after it
+        # (1 of 40 with torch's own retries, which an absent rank 0 would make twice as long)
+        time.sleep(0.1 + random.uniform(0, 0.05))
 
 
 def _explain(error: Exception, rank: int, world_size: int, timeout: timedelta,
