@@ -8,9 +8,7 @@ This file is what that path needed once it met real clusters, each piece for a f
   own (`_agent_store`).
 - a rank whose rank 0 never came up would wait *twice* the timeout (torch's client tries again
   after its first timeout) and then print a C++ trace per try: it first polls rank 0's port
-  itself, every 20 ms, and once rank 0 has just begun to listen gives its store 100-150 ms
-  before pinging it -- a ping in the store's first milliseconds can wait 5 s for its answer
-  (`_wait_for_rank0`).
+  itself, every 20 ms (`_wait_for_rank0`).
 - torch's errors say "EADDRINUSE" or "timed out", as text (their types say little): `_explain`
   matches that text and says what to change -- another port, start the other ranks, agree on
   world_size.
@@ -22,7 +20,6 @@ This file is what that path needed once it met real clusters, each piece for a f
 from __future__ import annotations
 
 import os
-import random
 import socket
 import sys
 import time
@@ -81,23 +78,18 @@ def _wait_for_rank0(where: str, timeout: timedelta) -> None:
     twice the timeout (and the error would say once); polling first keeps the wait to one."""
     host, port = where.rsplit(":", 1)
     deadline = time.monotonic() + timeout.total_seconds()
-    refused = False
     while True:
         try:
             with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
-                break
+                return
         except OSError:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nothing listened at {where} (timed out)") from None
-            refused = True
-            time.sleep(0.02)  # every 20 ms: a job's start waits for this poll
-    if refused:
-        # rank 0 has only just begun to listen: a ping that reaches torch's store in its first
-        # milliseconds, or with the other ranks' at once, can wait 5 s for its answer. Measured
-        # on 2 cores, back-to-back launches stalled so: 2 ranks 3 of 80 at once, none of 150
-        # after this wait; 4 ranks 2 of 120 after it; 8 ranks 9 of 40 at once, 7 of 40 after it
-        # (1 of 40 with torch's own retries, which an absent rank 0 would make twice as long)
-        time.sleep(0.1 + random.uniform(0, 0.05))
+            # every 20 ms: a job's start waits for this poll. Not much faster: a client that
+            # reaches torch's store within ms of its start can stall 5 s (measured on 2 cores,
+            # back-to-back launches: 7 in 150 at 20 ms, 2-5 at 100 ms; in the test suite none
+            # of 353 at 20 ms, whose launches then took 9 s in all against 30 s at 100 ms)
+            time.sleep(0.02)
 
 
 def _explain(error: Exception, rank: int, world_size: int, timeout: timedelta,
