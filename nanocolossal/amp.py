@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from functools import wraps
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .amp_casts import Autocast, autocast_loss, cast_io, is_norm
 from .amp_scaler import (
     DynamicLossScaler,
     make_scaler,
@@ -49,64 +49,12 @@ from .clip import clip_, group_norm, weighted_squares
 from .config import AMP_TYPE  # owned by the config (it names the modes)
 from .context import gpc
 from .logging import get_dist_logger
-from .nest import map_tensors
 from .tensor.base import tensor_holders
 
 # nc.amp.X: this file's names, and the loss scaler's and the config's that users reach from here
 __all__ = ["AMP_TYPE", "OPT_LEVELS", "DynamicLossScaler", "MixedPrecisionOptimizer",
            "autocast_loss", "initialize", "make_scaler", "scale_loss", "unscale_and_check",
            "unscale_and_check_fused", "unscale_grads"]
-
-
-def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating-point tensor in a (nested) tensor/list/tuple/dict."""
-    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, obj)
-
-
-def _upcast_halves(obj: Any) -> Any:
-    """fp16/bf16 tensors to fp32 (autocast leaves a float64 model in float64: so do we)."""
-    halves = (torch.float16, torch.bfloat16)
-    return map_tensors(lambda t: t.float() if t.dtype in halves else t, obj)
-
-
-def _is_norm(module: nn.Module) -> bool:
-    """torch's normalisation layers, and ours that say they are one (tensor/layers_2d.py)."""
-    return (isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm))
-            or getattr(module, "is_normalization", False))
-
-
-def _cast_io(module: nn.Module, input_dtype: torch.dtype,
-             output_dtype: Optional[torch.dtype]) -> None:
-    """Hooks that cast a module's floating inputs and outputs (None: outputs as they are)."""
-    module.register_forward_pre_hook(lambda m, args: _cast_floats(args, input_dtype))
-    if output_dtype is not None:
-        module.register_forward_hook(lambda m, args, out: _cast_floats(out, output_dtype))
-
-
-class _Autocast:
-    """Enter autocast before the model's forward and leave it after (even if forward raises)."""
-
-    def __init__(self, device_type: str, dtype: torch.dtype, output_fp32: bool = True) -> None:
-        self.device_type, self.dtype = device_type, dtype
-        self.output_fp32 = output_fp32
-
-    def enter(self, module, args) -> None:
-        ctx = torch.autocast(self.device_type, dtype=self.dtype)
-        ctx.__enter__()
-        _entered(module).append(ctx)
-
-    def exit(self, module, args, output) -> Any:
-        # the innermost autocast first, whichever hook entered it: a module hooked twice (a
-        # criterion or model passed to two initialize calls) runs its exit hooks in the order of
-        # its enter hooks, and leaving the outer autocast first would leave autocast on after
-        # the forward (each restores the state it found)
-        _entered(module).pop().__exit__(None, None, None)
-        return _upcast_halves(output) if self.output_fp32 else output
-
-
-def _entered(module: nn.Module) -> list:
-    """The autocasts that the module's hooks entered and did not leave yet, innermost last."""
-    return module.__dict__.setdefault("_amp_autocasts", [])
 
 
 class MixedPrecisionOptimizer:
@@ -357,17 +305,17 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
     parts = model if isinstance(model, nn.ModuleList) else [model]
     for part, is_output in zip(parts, outputs or [True] * len(parts)):
         if opt_level == "O1":
-            autocast = _Autocast(device_type, dtype, output_fp32=is_output)
+            autocast = Autocast(device_type, dtype, output_fp32=is_output)
             part.register_forward_pre_hook(autocast.enter)
             part.register_forward_hook(autocast.exit, always_call=True)
         elif opt_level in ("O2", "O3"):
             part.to(dtype)
             if keep_norms:  # normalisation statistics need fp32's precision
                 for module in part.modules():
-                    if _is_norm(module):
+                    if is_norm(module):
                         module.float()
-                        _cast_io(module, torch.float32, dtype)
-            _cast_io(part, dtype, torch.float32 if is_output else None)
+                        cast_io(module, torch.float32, dtype)
+            cast_io(part, dtype, torch.float32 if is_output else None)
     mixed = opt_level != "O0"  # O0 is the fp32 reference
     needs_scaling = mixed and dtype == torch.float16  # fp32 and bf16 have the range to need none
     scaler = make_scaler(loss_scale, **scaler_kwargs) if needs_scaling else None
@@ -377,24 +325,6 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
                                               check_finite=check_finite)
     mixed_optimizer.follow_loads(model)
     return model, mixed_optimizer
-
-
-def autocast_loss(criterion: Callable, device_type: str, dtype: torch.dtype) -> Callable:
-    """The criterion run under autocast, its loss returned in fp32 (O1 under the Engine, whose
-    model output then stays as autocast made it). A module keeps its identity (hooks, as the
-    model's): the features that read its reduction or ignore_index still find them."""
-    autocast = _Autocast(device_type, dtype, output_fp32=True)
-    if isinstance(criterion, nn.Module):
-        criterion.register_forward_pre_hook(autocast.enter)
-        criterion.register_forward_hook(autocast.exit, always_call=True)
-        return criterion
-
-    @wraps(criterion)
-    def under_autocast(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type, dtype=dtype):
-            loss = criterion(*args, **kwargs)
-        return _upcast_halves(loss)
-    return under_autocast
 
 
 @contextmanager
