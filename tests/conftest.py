@@ -1,7 +1,14 @@
 import gc
+import os
 
-import dist_helpers
-import pytest
+# torch's store looks up the name of every peer it meets (a reverse DNS query for 127.0.0.1 as
+# an IPv6-mapped address, which /etc/hosts does not answer). Where the DNS server drops one such
+# query, glibc waits its default 5 s before asking again, and the whole job waits with it: about
+# one launch in 40 on the CI machines. Asking again after 1 s is enough.
+os.environ.setdefault("RES_OPTIONS", "timeout:1")
+
+import dist_helpers  # noqa: E402
+import pytest  # noqa: E402
 
 dist_helpers.start_server()  # before `import torch` here, so the two imports run side by side
 import torch  # noqa: E402
