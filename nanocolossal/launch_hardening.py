@@ -9,6 +9,8 @@ This file is what that path needed once it met real clusters, each piece for a f
 - a rank whose rank 0 never came up would wait *twice* the timeout (torch's client tries again
   after its first timeout) and then print a C++ trace per try: it first polls rank 0's port
   itself, every 20 ms (`_wait_for_rank0`).
+- a job of one process meets nobody: its store is in memory (no port, no socket, no name
+  lookups, which a DNS server that drops queries would make wait 5 s).
 - torch's errors say "EADDRINUSE" or "timed out", as text (their types say little): `_explain`
   matches that text and says what to change -- another port, start the other ranks, agree on
   world_size.
@@ -45,7 +47,10 @@ def init_process_group(backend: str, init_method: str, rank: int, world_size: in
 
     `where` is host:port, for messages (and for polling rank 0)."""
     try:
-        store = _agent_store(timeout) if init_method == "env://" else None
+        if world_size == 1:  # a job of one process meets nobody: no socket, no port to wait on
+            store = dist.HashStore()
+        else:
+            store = _agent_store(timeout) if init_method == "env://" else None
         if store is None and rank != 0:
             _wait_for_rank0(where, timeout)
         meet = dict(store=store) if store is not None else dict(init_method=init_method)
@@ -85,11 +90,7 @@ def _wait_for_rank0(where: str, timeout: timedelta) -> None:
         except OSError:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nothing listened at {where} (timed out)") from None
-            # every 20 ms: a job's start waits for this poll. Not much faster: a client that
-            # reaches torch's store within ms of its start can stall 5 s (measured on 2 cores,
-            # back-to-back launches: 7 in 150 at 20 ms, 2-5 at 100 ms; in the test suite none
-            # of 353 at 20 ms, whose launches then took 9 s in all against 30 s at 100 ms)
-            time.sleep(0.02)
+            time.sleep(0.02)  # every 20 ms: a job's start waits for this poll
 
 
 def _explain(error: Exception, rank: int, world_size: int, timeout: timedelta,

@@ -184,6 +184,17 @@ def test_gloo_launch_port_already_in_use():
     assert not dist.is_initialized()
 
 
+def test_gloo_launch_of_one_process_opens_no_port():
+    """One process meets nobody: its store is in memory, so even a busy port does not stop it."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        nc.launch({}, rank=0, world_size=1, host="127.0.0.1", port=busy.getsockname()[1])
+        store = dist.distributed_c10d._get_default_store()
+        assert isinstance(getattr(store, "underlying_store", store), dist.HashStore)
+        assert dist.get_world_size() == 1
+
+
 def test_deep_launch_without_rank0_times_out_with_a_clear_error(capfd):
     start = time.monotonic()
     with pytest.raises(nc.LaunchError,
