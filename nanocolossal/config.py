@@ -215,8 +215,9 @@ def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[i
         raise ConfigError(f"parallel must be a dict such as dict(pipeline=2), got {parallel!r}")
     unknown = set(parallel) - set(_PARALLEL_KEYS)
     if unknown:
-        raise ConfigError(f"unknown parallel key(s) {sorted(unknown)}; supported: pipeline, "
-                          f"tensor, moe (data size is world // (pipeline * tensor))")
+        raise ConfigError(f"unknown parallel key(s) {sorted(unknown)}; supported: "
+                          f"{', '.join(_PARALLEL_KEYS)} (data size is world // (pipeline * "
+                          f"tensor) unless given)")
     if "sequence" in parallel and _parallel_size(parallel["sequence"], "sequence") > 1:
         raise ConfigError("sequence parallelism is written parallel=dict(tensor=dict(size=N, "
                           "mode='sequence')), as Colossal-AI: the sequence ranks take the tensor "
@@ -228,11 +229,11 @@ def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[i
     # (attention: sequence.py checks it)
     extra = {"2.5d": ("depth",), "sequence": ("attention",)}.get(mode, ())
     T = _parallel_size(tensor, "tensor", ("size", "mode", *extra))
-    if T == 1:
-        mode = None
-    elif mode not in TENSOR_MODES:
+    if (T > 1 or mode is not None) and mode not in TENSOR_MODES:  # a typo even at size 1
         raise ConfigError(f"parallel.tensor needs mode='1d', '2d', '2.5d', '3d' or 'sequence' "
                           f"(got {mode!r}), e.g. tensor=dict(size={T}, mode='1d')")
+    if T == 1:
+        mode = None
     depth = 1
     if mode in ("2d", "2.5d", "3d"):
         depth = grid_shape(T, mode, tensor.get("depth") if mode == "2.5d" else 1)[1]

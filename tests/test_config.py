@@ -89,7 +89,10 @@ def test_config_file_that_raises_is_reported(tmp_path):
      r"tensor=dict\(size=N, mode='sequence'\).*not with a 1d/2d tensor split"),
     ({"parallel": {"sequence": 2, "tensor": {"size": 2, "mode": "1d"}}},
      "remove parallel.sequence"),
-    ({"parallel": {"pipline": 2}}, r"unknown parallel key\(s\) \['pipline'\]"),
+    ({"parallel": {"pipline": 2}}, r"unknown parallel key\(s\) \['pipline'\]; supported: "
+     r"pipeline, data, tensor, sequence, moe"),
+    ({"parallel": {"tensor": {"size": 1, "mode": "1-d"}}},
+     r"parallel.tensor needs mode='1d', .* \(got '1-d'\)"),
     ({"parallel": {"tensor": {"size": 2, "mode": "sequence", "attention": "bogus", "foo": 3}}},
      r"unknown parallel.tensor key\(s\) \['foo'\]; parallel.tensor understands "
      r"size, mode, attention"),
