@@ -33,15 +33,17 @@ through its schedule (`execute_schedule`), one optimizer step per batch.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from ..amp import MixedPrecisionOptimizer
 from ..context import gpc
 from ..extensions import Extension, synchronising, with_extensions
 from ..nest import map_tensors
+
+if TYPE_CHECKING:  # only named: the optimizer is whatever initialize wrapped (amp.py's wrapper)
+    from ..amp import MixedPrecisionOptimizer
 
 
 def _to_device(obj: Any) -> Any:
