@@ -12,7 +12,8 @@ S doubles. So unscaling also *checks*: it reports whether any gradient holds an 
 
 Unscaling is shown twice: first the plain loop (one gradient at a time), then torch's fused
 kernel, which does the same for a whole list in one launch (tested equal). bfloat16 has fp32's
-range and needs no scaling (amp.py decides when a scaler is used).
+range and needs no scaling (amp.py decides when a scaler is used), only the check: it reads the
+gradients and writes none.
 """
 from __future__ import annotations
 
@@ -110,14 +111,28 @@ def unscale_and_check_fused(grads: list[torch.Tensor], found_inf: torch.Tensor,
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
+def find_non_finite(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """Only the check, for gradients nothing scaled (bf16): set `found_inf` to 1 if any gradient
+    holds an inf or a NaN. Each gradient is read once and written never: the largest |g| of
+    each (one fused launch per list) is inf or NaN exactly when the gradient holds one."""
+    largest = torch._foreach_norm(grads, float("inf"))
+    if largest:
+        bad = torch.stack([m.to(found_inf.device, torch.float32) for m in largest])
+        found_inf.copy_(bad.isfinite().all().logical_not().reshape(1))
+
+
 def unscale_grads(grads: list[torch.Tensor], loss_scale: float) -> torch.Tensor:
     """Multiply every gradient by 1/loss_scale in place; returns a one-element tensor that is 1
     if any of them held an inf or a NaN, else 0.
 
-    One fused launch per (device, dtype) group, the plain loop where no fused kernel exists."""
+    One fused launch per (device, dtype) group, the plain loop where no fused kernel exists.
+    A scale of 1 has nothing to undo: the check alone, which writes no gradient."""
     device = grads[0].device if grads else gpc.device
     # fp32 whatever the default dtype: torch's fused kernel takes no other
     found_inf = torch.zeros(1, device=device, dtype=torch.float32)
+    if loss_scale == 1.0:
+        find_non_finite(grads, found_inf)
+        return found_inf
     inv_scale = torch.full((1,), 1.0 / loss_scale, device=device, dtype=torch.float32)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in grads:

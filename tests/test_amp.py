@@ -7,6 +7,7 @@ from dist_helpers import ROOT, run_ranks
 from run_records import record_run, record_steps
 from torch import nn
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
@@ -423,6 +424,36 @@ def test_unscale_grads_flags_once_and_unscales_every_dtype_and_shape():
     for a, b in zip(grads, loop):
         assert_close(a, b, equal_nan=True)
     assert amp.unscale_grads([torch.ones(2)], loss_scale=4.0).item() == 0.0
+
+
+@pytest.mark.parametrize("bad", [None, float("inf"), float("-inf"), float("nan")])
+def test_unscale_grads_with_nothing_scaled_only_checks_and_writes_no_gradient(bad):
+    """bf16 trains unscaled (scale 1): the check must still see an inf or a NaN in any gradient
+    of any dtype, and it must not pass over the gradients writing them (a second pass over every
+    gradient each step, for nothing)."""
+    grads = [torch.randn(5, 3), torch.randn(7).bfloat16(), torch.tensor(2.0).half()]
+    if bad is not None:
+        grads[1][4] = bad
+    before = [g.clone() for g in grads]
+    with WritesTo(grads) as writes:
+        assert amp.unscale_grads(grads, loss_scale=1.0).tolist() == [float(bad is not None)]
+    assert writes.ops == []
+    for g, kept in zip(grads, before):
+        assert_close(g, kept, equal_nan=True)
+
+
+class WritesTo(TorchDispatchMode):
+    """Records the in-place ops (name ending in `_`) that take one of `tensors` as an argument."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.ids, self.ops = {id(t) for t in tensors}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
+        if func._schema.name.endswith("_") and any(id(a) in self.ids for a in flat):
+            self.ops.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
 
 
 # Clipping under a loss scaler: clip_grad_norm unscales the gradients, and the step after it must
