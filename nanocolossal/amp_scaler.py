@@ -115,10 +115,11 @@ def find_non_finite(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
     """Only the check, for gradients nothing scaled (bf16): set `found_inf` to 1 if any gradient
     holds an inf or a NaN. Each gradient is read once and written never: the largest |g| of
     each (one fused launch per list) is inf or NaN exactly when the gradient holds one."""
+    if not grads:  # a rank whose shard holds no gradient this step has nothing to find
+        return
     largest = torch._foreach_norm(grads, float("inf"))
-    if largest:
-        bad = torch.stack([m.to(found_inf.device, torch.float32) for m in largest])
-        found_inf.copy_(bad.isfinite().all().logical_not().reshape(1))
+    bad = torch.stack([m.to(found_inf.device, torch.float32) for m in largest])
+    found_inf.copy_(bad.isfinite().all().logical_not().reshape(1))
 
 
 def unscale_grads(grads: list[torch.Tensor], loss_scale: float) -> torch.Tensor:

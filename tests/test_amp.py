@@ -440,6 +440,7 @@ def test_unscale_grads_with_nothing_scaled_only_checks_and_writes_no_gradient(ba
     assert writes.ops == []
     for g, kept in zip(grads, before):
         assert_close(g, kept, equal_nan=True)
+    assert amp.unscale_grads([], loss_scale=1.0).tolist() == [0.0]  # a shard with no gradient
 
 
 class WritesTo(TorchDispatchMode):
