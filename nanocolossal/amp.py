@@ -302,20 +302,20 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
     device_type = device_type or next(model.parameters()).device.type
     keep_norms = opt_level == "O2" if keep_batchnorm_fp32 is None else keep_batchnorm_fp32
     # a ModuleList (pipeline chunks) has no forward of its own: each chunk gets the hooks
-    parts = model if isinstance(model, nn.ModuleList) else [model]
-    for part, is_output in zip(parts, outputs or [True] * len(parts)):
+    chunks = model if isinstance(model, nn.ModuleList) else [model]
+    for chunk, is_output in zip(chunks, outputs or [True] * len(chunks)):
         if opt_level == "O1":
             autocast = Autocast(device_type, dtype, output_fp32=is_output)
-            part.register_forward_pre_hook(autocast.enter)
-            part.register_forward_hook(autocast.exit, always_call=True)
+            chunk.register_forward_pre_hook(autocast.enter)
+            chunk.register_forward_hook(autocast.exit, always_call=True)
         elif opt_level in ("O2", "O3"):
-            part.to(dtype)
+            chunk.to(dtype)
             if keep_norms:  # normalisation statistics need fp32's precision
-                for module in part.modules():
+                for module in chunk.modules():
                     if is_norm(module):
                         module.float()
                         cast_io(module, torch.float32, dtype)
-            cast_io(part, dtype, torch.float32 if is_output else None)
+            cast_io(chunk, dtype, torch.float32 if is_output else None)
     mixed = opt_level != "O0"  # O0 is the fp32 reference
     needs_scaling = mixed and dtype == torch.float16  # fp32 and bf16 have the range to need none
     scaler = make_scaler(loss_scale, **scaler_kwargs) if needs_scaling else None

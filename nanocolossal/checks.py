@@ -105,8 +105,8 @@ def check_consistency(model: nn.Module, train_dataloader: Iterable,
                           if mine["config"].get(k) != other["config"].get(k))
             raise RuntimeError(f"[rank {gpc.rank}] the config differs between rank {gpc.rank} and "
                                f"rank {r} in {keys}; start every rank with the same config file")
-        same_part = (other["stage"], other["experts"]) == (mine["stage"], mine["experts"])
-        if same_part and other["model"] != mine["model"]:
+        holds_the_same = (other["stage"], other["experts"]) == (mine["stage"], mine["experts"])
+        if holds_the_same and other["model"] != mine["model"]:
             raise RuntimeError(f"[rank {gpc.rank}] the model (stage {gpc.pipeline_rank}) differs "
                                f"between rank {gpc.rank} and rank {r}: parameter names, shapes or "
                                f"dtypes do not match; build the same model with the same arguments "

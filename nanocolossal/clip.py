@@ -55,13 +55,13 @@ def summed(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     return on.to(t.device)
 
 
-def group_norm(model_part: torch.Tensor, split_part: torch.Tensor,
+def group_norm(model_squares: torch.Tensor, split_squares: torch.Tensor,
                model_group: Optional[dist.ProcessGroup],
                split_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """The global norm from this rank's two sums of weighted squares: the parameters split over
     `split_group` summed there first (a pipeline stage's experts count once, in that stage's
-    part), then everything over `model_group` (the other stages and tensor slices)."""
-    total = model_part + summed(split_part, split_group)
+    sum), then everything over `model_group` (the other stages and tensor slices)."""
+    total = model_squares + summed(split_squares, split_group)
     return summed(total, model_group).sqrt()
 
 

@@ -25,7 +25,7 @@ For mode='sequence' the T ranks of a "tensor" group split every *sequence* inste
 averaged together with the data ranks' -- over the *gradient group*, every rank of a stage.
 Without sequence parallelism the gradient group is the data group.
 
-Gradients are all-reduced in the data group; activations travel along the pipeline group;
+Gradients are all-reduced in the gradient group; activations travel along the pipeline group;
 every layer's collectives run in the tensor group (or its rows and columns).
 `torch.distributed.new_group` must be called by *every* rank for *every* group in the same
 order, even for groups a rank is not in, so `init` builds all of them from `layout()`, a

@@ -277,15 +277,15 @@ class DdpSync(Extension):
     @contextmanager
     def sync(self, chunk: int, last: bool) -> Iterator[None]:
         with ExitStack() as waiting:
-            for i, part in enumerate(self.chunks):
+            for i, ddp in enumerate(self.chunks):
                 if not (last and i == chunk):
-                    waiting.enter_context(part.no_sync())
+                    waiting.enter_context(ddp.no_sync())
             yield
 
     def sync_buffers(self) -> None:
         if self.pipelined:  # (unpipelined, DDP broadcasts them itself: forward and eval())
-            for part in self.chunks:
-                part.sync_buffers()
+            for ddp in self.chunks:
+                ddp.sync_buffers()
 
 
 class BroadcastBuffers(Extension):

@@ -78,7 +78,7 @@ def launch_from_torch(config: ConfigLike, backend: Optional[str] = None, seed: i
     """
     install_user_error_hook()
     if allow_single_process and not any(var in os.environ for var in _TORCHRUN_VARS.values()):
-        # Port 0: the OS picks a free one; nobody else needs to find it.
+        # nobody else joins: launch_hardening meets in memory, no port is opened
         _launch(config, 0, 1, 0, "tcp://127.0.0.1:0", "127.0.0.1 (single process)", backend, seed,
                 timeout)
         return

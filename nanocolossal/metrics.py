@@ -9,8 +9,10 @@ the 75% a mean of ratios gives. So Accuracy keeps integer *counts* and all-reduc
     rank 1: correct=1, total=2  /
 
 Integers sum exactly, so the result is bit-identical to one process on the whole set.
-With pipelines only the last stage sees outputs, so the default group is then the whole
-world: other stages add zero counts and every rank (rank 0 logs) learns the result.
+With pipelines only the last stage sees outputs, and with tensor parallelism several tensor
+ranks hold each output, so with either the default group is the whole world: other stages add
+zero counts, every sample is counted equally often (the ratio is exact), and every rank (rank 0
+logs) learns the result.
 `compute()` and `all_reduce_mean()` are collectives: every rank of the group must call them.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ afterwards is the same on every replica:
     experts (parallel.moe)   from the first of the data ranks holding the same experts
                              (moe/grads.py); a rank holding different experts keeps its own
     tied weights             a weight pipeline stages share (pipeline/tied.py: the embedding
-                             and the classifier), on the last stage from the first
+                             and the classifier): the last stage's copy from the first stage's
 """
 from __future__ import annotations
 

@@ -218,6 +218,6 @@ class PipelineEngine(Engine):
             self.chunks, batch, self._criterion, forward_only, return_loss,
             loss_scale=self.optimizer.backward_scale, extensions=self.extensions)
         if label is not None:  # the labels of each micro-batch's output, in order
-            parts = label.tensor_split(self.schedule.num_microbatches)
-            label = torch.cat([self._output_labels(part) for part in parts])
+            per_micro_batch = label.tensor_split(self.schedule.num_microbatches)
+            label = torch.cat([self._output_labels(mb) for mb in per_micro_batch])
         return output, label, loss

@@ -200,35 +200,35 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
     the gradient handler the config asks for instead, which averages after the group's last
     backward (and whose replicas broadcast their buffers, as do ZeRO level 3's). ZeRO level 2
     keeps only its shard of DDP's averaged buckets; level 1 is DDP with zero's bucket size."""
-    parts = list(model) if pipelined and isinstance(model, nn.ModuleList) else [model]
+    chunks = list(model) if pipelined and isinstance(model, nn.ModuleList) else [model]
     # a weight two chunks of a stage share is reduced by the first: its last backward is the
     # stage's last (DdpSync keeps every other chunk's DDP in no_sync meanwhile)
-    earlier = [[p for q in parts[:i] for p in q.parameters()] for i in range(len(parts))]
+    earlier = [[p for q in chunks[:i] for p in q.parameters()] for i in range(len(chunks))]
     zero = gpc.config.get("zero", {})
-    buffer_sync = [BroadcastBuffers(parts)] if gpc.gradient_size > 1 else []
+    buffer_sync = [BroadcastBuffers(chunks)] if gpc.gradient_size > 1 else []
     if isinstance(optimizer, ParamShardedOptimizer):  # its hooks reduce the gradients
         return [model], buffer_sync, None
     if isinstance(optimizer, ShardedOptimizer) and optimizer.level == 2:
         # (a pipeline stage syncs buffers once per batch, not per micro-batch: DdpSync)
-        wrapped = [ShardKeepingDDP(part, optimizer, zero.get("reduce_bucket_size_mb", 25),
+        wrapped = [ShardKeepingDDP(chunk, optimizer, zero.get("reduce_bucket_size_mb", 25),
                                    zero.get("overlap_communication", True), not pipelined, skip)
-                   for part, skip in zip(parts, earlier)]
+                   for chunk, skip in zip(chunks, earlier)]
         return wrapped, [DdpSync(wrapped, pipelined)], "bucketed gradients, my shard kept"
     if gpc.gradient_size == 1:
-        return parts, [], None
+        return chunks, [], None
     if moe is not None:  # experts are not replicated over the data ranks: apply_moe's handler
-        return parts, [moe, *buffer_sync], None
+        return chunks, [moe, *buffer_sync], None
     if gpc.config.get("gradient_handler"):  # Colossal-AI's all-reduce after backward
         did = f"gradient handler x{gpc.gradient_size}"
-        return parts, [DataParallelGradientHandler(model), *buffer_sync], did
+        return chunks, [DataParallelGradientHandler(model), *buffer_sync], did
     options = dict(gpc.config.get("ddp", {}))  # bucket_cap_mb, gradient_as_bucket_view, compress
     if "reduce_bucket_size_mb" in zero:
         options.setdefault("bucket_cap_mb", zero.reduce_bucket_size_mb)
     if pipelined:  # the engine syncs buffers once per batch, not on every micro-batch's forward
         options["broadcast_buffers"] = False
     shown = "".join(f", {k}={v}" for k, v in options.items() if k != "broadcast_buffers")
-    wrapped = [DistributedDataParallel(part, reduced_elsewhere=skip, **options)
-               for part, skip in zip(parts, earlier)]
+    wrapped = [DistributedDataParallel(chunk, reduced_elsewhere=skip, **options)
+               for chunk, skip in zip(chunks, earlier)]
     if isinstance(optimizer, ShardedOptimizer):  # level 1: DDP, named in errors as zero
         for ddp in wrapped:
             ddp.name, ddp.other_way = "zero", ""
@@ -272,15 +272,15 @@ def split_labels(criterion: Any) -> list[Extension]:
 
 
 def build_engine(model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Any,
-                 parts: list[nn.Module], extensions: list[Extension],
+                 chunks: list[nn.Module], extensions: list[Extension],
                  schedule: Any) -> tuple[Engine, LogNote]:
     cfg = gpc.config
     clip, accumulation = cfg.get("clip_grad_norm", 0.0), cfg.get("gradient_accumulation", 1)
     if schedule is not None:
-        engine: Engine = PipelineEngine(model, optimizer, criterion, schedule, parts, clip,
+        engine: Engine = PipelineEngine(model, optimizer, criterion, schedule, chunks, clip,
                                         extensions)
     else:
-        engine = Engine(model, optimizer, criterion, parts[0], accumulation, clip, extensions)
+        engine = Engine(model, optimizer, criterion, chunks[0], accumulation, clip, extensions)
     did = [f"gradient accumulation x{accumulation}" if accumulation > 1 else "",
            f"clip_grad_norm={clip}" if clip else ""]
     return engine, ", ".join(d for d in did if d) or None
@@ -288,16 +288,16 @@ def build_engine(model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion
 
 def describe_layout(schedule: Any) -> LogNote:
     """The parallel layout, first in the log line."""
-    parts = []
+    described = []
     if gpc.sequence_size > 1:
         kind = {"ring": "ring attention", "all_to_all": "all-to-all attention, Ulysses"}
-        parts.append(f"sequence parallel x{gpc.sequence_size} ({kind[sequence_attention()]})")
+        described.append(f"sequence parallel x{gpc.sequence_size} ({kind[sequence_attention()]})")
     elif gpc.tensor_size > 1:
-        parts.append(f"tensor parallel {gpc.tensor_mode} x{gpc.tensor_size}")
+        described.append(f"tensor parallel {gpc.tensor_mode} x{gpc.tensor_size}")
     if schedule is not None:
-        parts.append(f"pipeline {schedule.name} x{gpc.pipeline_size} stages, "
+        described.append(f"pipeline {schedule.name} x{gpc.pipeline_size} stages, "
                      f"{schedule.num_microbatches} micro-batches, {schedule.num_chunks} chunk(s)")
-    return ", ".join(parts) or None
+    return ", ".join(described) or None
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -314,14 +314,14 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer, zero = apply_zero(model, optimizer)
     moe, aux_weight, moe_did = apply_moe(model, optimizer)
     pipelined = schedule is not None
-    parts, synchronising, data = wrap_data_parallel(model, pipelined, optimizer, moe)
+    chunks, synchronising, data = wrap_data_parallel(model, pipelined, optimizer, moe)
     # the loop calls them in this order (extensions.py): the loss's wrappers nest in it, and
     # end_group averages over the data ranks before it sums tied copies over the stages
-    front = model if pipelined else parts[0]  # what the engine's forward runs through
+    front = model if pipelined else chunks[0]  # what the engine's forward runs through
     extensions = [*extend_loss(model, front, criterion, optimizer, aux_weight),
                   *synchronising, *sum_tied_weights(model, optimizer, pipelined),
                   *split_labels(criterion)]
-    engine, engine_did = build_engine(model, optimizer, criterion, parts, extensions, schedule)
+    engine, engine_did = build_engine(model, optimizer, criterion, chunks, extensions, schedule)
     if verbose:
         did = [d for d in (describe_layout(schedule), sync_bn, mixed, zero, moe_did, data,
                            engine_did) if d]

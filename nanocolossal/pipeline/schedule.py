@@ -20,8 +20,9 @@ rank's plan:
 
 Activations are kept only from a micro-batch's forward to its backward (its W where split), so
 rank r holds at most as many as its plan has in flight (P - r for 1F1B, M for GPipe, P for
-ZB-H1). The mean loss is summed over the stages, so every stage can log it; outputs and labels
-come back on the rank that holds the last part (`output_rank`: the last, or 0 under zbv).
+ZB-H1). The last stage computes the loss; summed over the stages (the others add zero, or a
+chunk's own loss), it reaches every stage, which can log it. Outputs and labels come back on the
+rank that holds the last part (`output_rank`: the last, or 0 under zbv).
 
 Features reach the executor through its extensions (extensions.py), at the places marked
 `# extensions:` -- with data parallelism each chunk's gradients are averaged during its last

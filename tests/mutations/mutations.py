@@ -72,8 +72,8 @@ MUTATIONS: list[dict] = [
              "scaled up to it",
          tests=["tests/test_amp.py", "-k", "clip and not gloo"]),
     dict(id="clip-split-part-not-summed", idea="clip", file="nanocolossal/clip.py",
-         old="total = model_part + summed(split_part, split_group)",
-         new="total = model_part + split_part",
+         old="total = model_squares + summed(split_squares, split_group)",
+         new="total = model_squares + split_squares",
          bug="the squares of parameters split over another group (ZeRO's segments, MoE's "
              "experts) are not summed over it: each rank clips by a different, smaller norm",
          tests=["tests/test_clip.py"]),
