@@ -7,6 +7,7 @@ editable finder, no source tree on the path: torch & co. come from the test venv
 """
 import os
 import pkgutil
+import re
 import shutil
 import subprocess
 import sys
@@ -62,3 +63,31 @@ def test_wheel_in_a_clean_venv_imports_every_module(tmp_path):
     assert out.stdout.strip().startswith(str(site)), (
         f"imported from {out.stdout.strip()}, not the wheel"
     )
+
+
+def test_the_readme_reading_order_names_files_that_exist_with_their_line_counts():
+    """The README's reading order is how a learner finds the code: every file it names exists
+    and has the number of lines it states (a name without a folder is in the row's last named
+    folder, or at the top). Regenerate the counts with `wc -l` when a file changes."""
+    package = ROOT / "nanocolossal"
+    lines = (ROOT / "README.md").read_text().splitlines()
+    rows = lines[lines.index("| file | lines | what it teaches |") + 2:]
+    checked = 0
+    for row in rows:
+        if not row.startswith("| `"):
+            break
+        names_cell, counts_cell = row.split(" | ")[:2]
+        folder, stated = "", [int(n) for n in counts_cell.split(", ")]
+        counted = []
+        for name in re.findall(r"`([^`]+)`", names_cell):
+            if "/" in name.rstrip("/"):
+                folder = str(Path(name).parent)
+            elif folder and (package / folder / name).exists():
+                name = f"{folder}/{name}"
+            path = package / name
+            files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+            assert path.exists(), f"README names {name}, which does not exist"
+            counted.append(sum(len(f.read_text().splitlines()) for f in files))
+        assert counted == stated, f"README row {names_cell}: stated {stated}, counted {counted}"
+        checked += 1
+    assert checked > 20
