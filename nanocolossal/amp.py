@@ -45,7 +45,7 @@ from .amp_scaler import (
     unscale_and_check_fused,
     unscale_grads,
 )
-from .clip import clip_, group_norm, weighted_squares
+from .clip import clip_, global_norm
 from .config import AMP_TYPE  # owned by the config (it names the modes)
 from .context import gpc
 from .logging import get_dist_logger
@@ -188,16 +188,7 @@ class MixedPrecisionOptimizer:
         float64 = any(p.dtype == torch.float64 for p in self.params())
         acc = torch.float64 if float64 else torch.float32
         params = [p for p in self.params() if p.grad is not None]
-        device = params[0].grad.device if params else gpc.device
-        weight_of, split_group = split_over or ({}, None)
-        own = [p for p in params if id(p) not in weight_of]
-        split = [p for p in params if id(p) in weight_of]
-        norm = group_norm(
-            weighted_squares([p.grad for p in own], [1 / self.holders(p) for p in own],
-                             acc, device),
-            weighted_squares([p.grad for p in split],
-                             [weight_of[id(p)] / self.holders(p) for p in split], acc, device),
-            group, split_group)
+        norm = global_norm(params, self.holders, group, split_over, acc)
         clip_([p.grad for p in params], max_norm, norm, keep=found)
         return torch.where(found, torch.full_like(norm, math.inf), norm)
 

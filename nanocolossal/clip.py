@@ -16,15 +16,17 @@ count exactly once, wherever it lives:
       over the data ranks, MoE's experts over       then with the rest over the model group
       the expert-parallel ranks)                    (w_p = 1 / its holders there)
 
-`group_norm` is that table; `clip_` scales by the one coefficient. Both stay on the device: the
-norm is a 0-d tensor nobody waits for (the Engine's `last_grad_norm` reads it when asked).
+`global_norm` is that table (`group_norm` adds its two sums); `clip_` scales by the one
+coefficient. Both stay on the device: the norm is a 0-d tensor nobody waits for (the Engine's
+`last_grad_norm` reads it when asked).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .context import gpc
 
@@ -63,6 +65,24 @@ def group_norm(model_squares: torch.Tensor, split_squares: torch.Tensor,
     sum), then everything over `model_group` (the other stages and tensor slices)."""
     total = model_squares + summed(split_squares, split_group)
     return summed(total, model_group).sqrt()
+
+
+def global_norm(params: list[nn.Parameter], holders: Callable[[nn.Parameter], int],
+                model_group: Optional[dist.ProcessGroup],
+                split_over: Optional[tuple[dict[int, float], Optional[dist.ProcessGroup]]],
+                acc: torch.dtype) -> torch.Tensor:
+    """The table above for the gradients of `params`: each weighed by 1 / its holders in the
+    model group; those in `split_over` = (weight by id(param), group) also by their weight,
+    summed over that group first."""
+    device = params[0].grad.device if params else gpc.device
+    weight_of, split_group = split_over or ({}, None)
+    own = [p for p in params if id(p) not in weight_of]
+    split = [p for p in params if id(p) in weight_of]
+    own_squares = weighted_squares([p.grad for p in own], [1 / holders(p) for p in own], acc,
+                                   device)
+    split_squares = weighted_squares([p.grad for p in split],
+                                     [weight_of[id(p)] / holders(p) for p in split], acc, device)
+    return group_norm(own_squares, split_squares, model_group, split_group)
 
 
 def clip_(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor,

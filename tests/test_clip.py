@@ -23,14 +23,20 @@ def _lesson_worker(rank, world_size, port, max_norm):
               world_size=world_size, host="127.0.0.1", port=port)
     full = _whole_model_grads()
     t, d = gpc.tensor_rank, gpc.data_rank
-    own = [full["AB"[t]].clone(), full["C"].clone()]
-    split = [full["DE"[t]].chunk(2)[d].clone()]
-    norm = clip.group_norm(
-        clip.weighted_squares(own, [1.0, 1 / 2], torch.float64, gpc.device),  # C: 2 holders
-        clip.weighted_squares(split, [1.0], torch.float64, gpc.device),
-        model_group=gpc.other_parts_group, split_group=gpc.data_group)
-    clip.clip_(own + split, max_norm, norm)
-    return norm, own, split
+    own = [_param(full["AB"[t]]), _param(full["C"])]
+    split = [_param(full["DE"[t]].chunk(2)[d])]
+    holders = {id(own[1]): 2}  # C: both tensor ranks hold it
+    norm = clip.global_norm(own + split, lambda p: holders.get(id(p), 1),
+                            model_group=gpc.other_parts_group,
+                            split_over=({id(split[0]): 1.0}, gpc.data_group), acc=torch.float64)
+    clip.clip_([p.grad for p in own + split], max_norm, norm)
+    return norm, [p.grad for p in own], [p.grad for p in split]
+
+
+def _param(grad):
+    p = torch.nn.Parameter(torch.zeros_like(grad))
+    p.grad = grad.clone()
+    return p
 
 
 def test_gloo_global_norm_and_clip_equal_one_process():
