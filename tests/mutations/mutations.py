@@ -78,8 +78,8 @@ MUTATIONS: list[dict] = [
              "experts) are not summed over it: each rank clips by a different, smaller norm",
          tests=["tests/test_clip.py"]),
     dict(id="clip-replicas-counted-twice", idea="clip x tensor parallel",
-         file="nanocolossal/amp.py",
-         old="[1 / self.holders(p) for p in own]",
+         file="nanocolossal/clip.py",
+         old="[1 / holders(p) for p in own]",
          new="[1.0 for p in own]",
          bug="a parameter every tensor rank holds alike (a LayerNorm, a row-parallel bias) adds "
              "its squares once per copy to the global gradient norm",
