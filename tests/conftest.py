@@ -1,11 +1,13 @@
 import gc
 import os
 
-# torch's store looks up the name of every peer it meets (a reverse DNS query for 127.0.0.1 as
-# an IPv6-mapped address, which /etc/hosts does not answer). Where the DNS server drops one such
-# query, glibc waits its default 5 s before asking again, and the whole job waits with it: about
-# one launch in 40 on the CI machines. Asking again after 1 s is enough.
-os.environ.setdefault("RES_OPTIONS", "timeout:1")
+# torch's store client looks up the name of the store it meets (a reverse DNS query for
+# 127.0.0.1 as an IPv6-mapped address, which /etc/hosts does not answer). Where the DNS server
+# drops such a query, glibc waits its default 5 s before asking again, and the whole job waits
+# with it: on the CI machines a few launches in a hundred. Here a dropped query fails after 1 s,
+# and torch then stops looking names up in that process (it logs one warning), so each pooled
+# rank waits once at most.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 import dist_helpers  # noqa: E402
 import pytest  # noqa: E402
