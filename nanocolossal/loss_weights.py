@@ -115,11 +115,10 @@ def _checked_all_reduce(total: torch.Tensor) -> None:
                           gpc.gradient_group, e) from e
 
 
-def weighed_ranks(criterion: Any) -> int:
+def weighed_ranks(spans_sequence: bool) -> int:
     """G: the pieces the gradients' average divides by -- the ranks averaging gradients, or the
     sequence groups among them where the criterion's mean spans one (nn/layers.py)."""
-    spans = getattr(criterion, "spans_sequence", False)
-    return gpc.gradient_size // (gpc.sequence_size if spans else 1)
+    return gpc.gradient_size // (gpc.sequence_size if spans_sequence else 1)
 
 
 def _piece_counts(counts: torch.Tensor, spans_sequence: bool) -> torch.Tensor:
@@ -136,8 +135,7 @@ def piece_weights(counts: torch.Tensor, spans_sequence: bool = False,
     """weight_p = W_p * G / W for this rank's pieces; W counted now, unless given (an
     accumulation group's, counted ahead)."""
     total = total_count(counts) if total is None else total
-    ranks = gpc.gradient_size // (gpc.sequence_size if spans_sequence else 1)  # G
-    return _piece_counts(counts, spans_sequence) * ranks / total
+    return _piece_counts(counts, spans_sequence) * weighed_ranks(spans_sequence) / total
 
 
 def batch_shares(counts: torch.Tensor, spans_sequence: bool = False) -> torch.Tensor:

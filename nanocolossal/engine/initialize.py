@@ -243,7 +243,8 @@ def extend_loss(model: nn.Module, forward_module: nn.Module, criterion: Any,
     loss (pipeline/moe_aux.py). In this order: the aux loss is not weighed."""
     extensions: list[Extension] = []
     if weighs_by_targets(criterion):
-        optimizer.loss_ranks = weighed_ranks(criterion)  # fp16: the G of the weights (amp.py)
+        # fp16: the G of the weights (amp.py)
+        optimizer.loss_ranks = weighed_ranks(getattr(criterion, "spans_sequence", False))
         accumulation = gpc.config.get("gradient_accumulation", 1)
         extensions.append(CountedTargets(criterion, (forward_module, model), accumulation))
     if aux_weight:

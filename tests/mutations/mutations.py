@@ -124,7 +124,7 @@ MUTATIONS: list[dict] = [
              "sample report one too few",
          tests=["tests/test_data.py"]),
     dict(id="loss-weights-forget-G", idea="loss weights", file="nanocolossal/loss_weights.py",
-         old="return _piece_counts(counts, spans_sequence) * ranks / total",
+         old="return _piece_counts(counts, spans_sequence) * weighed_ranks(spans_sequence) / total",
          new="return _piece_counts(counts, spans_sequence) / total",
          bug="a piece's loss weight W_p / W forgets the factor G that the average over G ranks "
              "divides by again",
