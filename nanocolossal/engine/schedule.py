@@ -1,5 +1,5 @@
 """`colossalai.engine.schedule`: the pipeline schedules, by the tutorials' import path (see
-pipeline/schedule.py)."""
-from ..pipeline.schedule import GPipeSchedule, InterleavedPipelineSchedule, PipelineSchedule
+pipeline/schedules.py)."""
+from ..pipeline.schedules import GPipeSchedule, InterleavedPipelineSchedule, PipelineSchedule
 
 __all__ = ["GPipeSchedule", "InterleavedPipelineSchedule", "PipelineSchedule"]

@@ -14,7 +14,7 @@
 from ..config import Config, ConfigError, register_check
 from .partition import PipelineChunks, PipelineStage, balanced_split, build_pipeline_model
 from .plan import SCHEDULES, all_plans, build_plan, compute_order, one_f_one_b, warmup_count
-from .schedule import (
+from .schedules import (
     GPipeSchedule,
     InterleavedPipelineSchedule,
     PipelineSchedule,

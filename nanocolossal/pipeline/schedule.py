@@ -43,7 +43,7 @@ from torch import nn
 from ..context import gpc
 from ..extensions import Extension, synchronising
 from .p2p import StageComm
-from .plan import SCHEDULES, build_plan, check_sizes
+from .plan import build_plan, check_sizes
 from .split_backward import SplitBackward
 from .steps import (
     Comm,
@@ -58,7 +58,7 @@ from .steps import (
 )
 
 
-class _Schedule:
+class Schedule:
     """A pipeline schedule: its name picks the plan (plan.py), forward_backward_step runs it."""
     name = ""
 
@@ -139,7 +139,7 @@ class _Schedule:
     # -- misuse, said before anything is sent --------------------------------------------------
     def _check_call(self, chunks: list) -> None:
         M, V = self.num_microbatches, self.num_chunks
-        _check(self.name, M, V)
+        check_on_this_pipeline(self.name, M, V)
         if len(chunks) != V:
             raise ValueError(f"[rank {gpc.rank}] {self.name} schedule expects {V} model chunk(s), "
                              f"got {len(chunks)}; build the model with build_pipeline_model(..., "
@@ -162,7 +162,7 @@ class _Schedule:
 class _Run:
     """The state of one forward_backward_step: what is held, sent and received."""
 
-    def __init__(self, schedule: _Schedule, chunks: list, criterion: Optional[Callable],
+    def __init__(self, schedule: Schedule, chunks: list, criterion: Optional[Callable],
                  training: bool, loss_scale: float, x_mb: list, y_mb: list,
                  extensions: Sequence[Extension]) -> None:
         P, V = gpc.pipeline_size, schedule.num_chunks
@@ -354,58 +354,8 @@ def _label(step, V: int) -> str:
     return step_label(step, V)
 
 
-class GPipeSchedule(_Schedule):
-    """All forwards, then all backwards (GPipe): the memory baseline."""
-    name = "gpipe"
-
-
-class PipelineSchedule(_Schedule):
-    """Non-interleaved 1F1B: warm-up forwards, one-forward-one-backward, cool-down backwards."""
-    name = "1f1b"
-
-
-class ZeroBubbleSchedule(_Schedule):
-    """ZB-H1: 1F1B with each backward split into B (the input's gradient, sent on at once) and
-    W (the weights' gradient, deferred into the bubble); see zero_bubble.py."""
-    name = "zero_bubble"
-
-
-class ZBVSchedule(_Schedule):
-    """ZB-V: two chunks per rank placed in a V (chunk 0 down the ranks, chunk 1 back up), each
-    backward split into B and W; see zero_bubble.py."""
-    name = "zbv"
-
-    def __init__(self, num_microbatches: int, tensor_shape: Optional[Sequence[int]] = None,
-                 num_chunks: int = 2):
-        super().__init__(num_microbatches, tensor_shape, num_chunks)
-
-
-class InterleavedPipelineSchedule(_Schedule):
-    """Interleaved 1F1B over `num_chunks` model chunks per rank (Megatron's virtual pipeline)."""
-    name = "interleaved"
-
-    def __init__(self, num_microbatches: int, num_chunks: int,
-                 tensor_shape: Optional[Sequence[int]] = None):
-        super().__init__(num_microbatches, tensor_shape, num_chunks)
-
-
-def make_schedule(name: str, num_microbatches: int, num_chunks: int = 1,
-                  tensor_shape: Optional[Sequence[int]] = None) -> _Schedule:
-    """A schedule by name: 'gpipe', '1f1b', 'interleaved', 'zero_bubble' or 'zbv'."""
-    # launched: check against the real pipeline now, not at the first batch
-    if gpc.pipeline_size > 1:
-        _check(name, num_microbatches, num_chunks)
-    elif name not in SCHEDULES:
-        raise PlanError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
-    if name in ("interleaved", "zbv"):
-        chunked = InterleavedPipelineSchedule if name == "interleaved" else ZBVSchedule
-        return chunked(num_microbatches, tensor_shape=tensor_shape, num_chunks=num_chunks)
-    schedules = {"gpipe": GPipeSchedule, "1f1b": PipelineSchedule,
-                 "zero_bubble": ZeroBubbleSchedule}
-    return schedules[name](num_microbatches, tensor_shape)
-
-
-def _check(name: str, M: int, V: int) -> None:
+def check_on_this_pipeline(name: str, M: int, V: int) -> None:
+    """The plan's sizes against the launched pipeline, the error naming this rank."""
     try:
         check_sizes(name, gpc.pipeline_size, M, V)
     except PlanError as e:
