@@ -1,35 +1,11 @@
 """gpc: the global parallel context -- who am I, who are my peers, which groups do I talk in.
 
-W processes hold D data-parallel replicas of a P-stage pipeline whose every stage is split
-over T tensor-parallel ranks: W = D * P * T. Ranks are laid out as in Colossal-AI, tensor
-innermost, so a tensor group (which talks every layer) is consecutive ranks -- on one node:
-
-    rank = data_rank * (P * T) + pipeline_rank * T + tensor_rank
-
-    W = 8, P = 2, T = 2, D = 2   pipeline_rank 0   pipeline_rank 1
-                  data_rank 0    ranks 0 1    ->   ranks 2 3        pipeline groups {0,2} {1,3}
-                  data_rank 1    ranks 4 5    ->   ranks 6 7        pipeline groups {4,6} {5,7}
-                                 ^ tensor group {0,1}
-                                 data groups (same stage, same slice): {0,4} {1,5} {2,6} {3,7}
-
-With T = 1 this is `data_rank * P + pipeline_rank`. For mode='2d' the T = q * q tensor
-ranks form a q x q grid, tensor_rank = row * q + col: a *row group* (same row, every col)
-splits the hidden dimension, a *column group* (same col, every row) splits the batch.
-mode='2.5d' stacks `depth` such grids, tensor_rank = grid_depth * q * q + row * q + col: rows
-and columns are each grid's own, and a *depth group* (same row and col, every grid) holds the
-same weight blocks for different samples. mode='3d' is a q x q x q cube, tensor_rank =
-cube_x * q * q + cube_y * q + cube_z, with one group along each axis (tensor/cube.py says what
-each axis splits).
-For mode='sequence' the T ranks of a "tensor" group split every *sequence* instead
-(sequence.py): they hold the same parameters and different tokens, so their gradients are
-averaged together with the data ranks' -- over the *gradient group*, every rank of a stage.
-Without sequence parallelism the gradient group is the data group.
+Who is who -- the rank arithmetic, W = D * P * T, and which ranks form each group -- is
+layout.py's; gpc creates those groups on every rank and answers for this one: `gpc.data_rank`,
+`gpc.pipeline_group`, `gpc.tensor_row_group`, ...
 
 Gradients are all-reduced in the gradient group; activations travel along the pipeline group;
 every layer's collectives run in the tensor group (or its rows and columns).
-`torch.distributed.new_group` must be called by *every* rank for *every* group in the same
-order, even for groups a rank is not in, so `init` builds all of them from `layout()`, a
-pure function that the tests check for many shapes without starting a process.
 
 Before `launch`, gpc describes one process (rank 0 of 1, CPU) so single-process code works.
 `gpc.destroy()` ends a job: the groups, gpc's fields, and what other modules remember for the
@@ -40,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -48,109 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .config import Config, ConfigError, moe_size, parallel_settings
-
-
-@dataclass
-class Layout:
-    """Every group of a job as lists of global ranks, in the order new_group must be called."""
-    data: list[list[int]] = field(default_factory=list)      # same (pipeline, tensor) rank
-    pipeline: list[list[int]] = field(default_factory=list)  # same (data, tensor) rank, stage order
-    tensor: list[list[int]] = field(default_factory=list)    # one stage of one replica
-    row: list[list[int]] = field(default_factory=list)       # 2d: same grid row (splits hidden)
-    col: list[list[int]] = field(default_factory=list)       # 2d: same grid column (splits batch)
-    depth: list[list[int]] = field(default_factory=list)     # 2.5d: same row and column, each grid
-    batch: list[list[int]] = field(default_factory=list)     # 2.5d: same column, each grid and row
-    cube_x: list[list[int]] = field(default_factory=list)    # 3d: same (y, z), every x
-    cube_y: list[list[int]] = field(default_factory=list)    # 3d: same (x, z), every y
-    cube_z: list[list[int]] = field(default_factory=list)    # 3d: same (x, y), every z
-    plane_xy: list[list[int]] = field(default_factory=list)  # 3d: same z, every (x, y)
-    plane_xz: list[list[int]] = field(default_factory=list)  # 3d: same y, every (x, z)
-    model: list[list[int]] = field(default_factory=list)     # one whole model replica: P * T ranks
-    gradient: list[list[int]] = field(default_factory=list)  # same parameters: average grads here
-    ep: list[list[int]] = field(default_factory=list)        # moe: EP consecutive data ranks
-    # moe: for each G dividing EP, the data ranks with equal data_rank % G (hold the same experts)
-    expert_data: dict[int, list[list[int]]] = field(default_factory=dict)
-
-
-def coordinates(rank: int, P: int, T: int) -> tuple[int, int, int]:
-    """(data_rank, pipeline_rank, tensor_rank) of a global rank."""
-    data_rank, rest = divmod(rank, P * T)
-    pipeline_rank, tensor_rank = divmod(rest, T)
-    return data_rank, pipeline_rank, tensor_rank
-
-
-def data_size(world: int, P: int, T: int) -> int:
-    """D = world / (P * T) replicas, or a ConfigError that says what to launch instead."""
-    if world % (P * T) != 0:
-        raise ConfigError(f"world size {world} is not divisible by pipeline x tensor = {P} x {T} = "
-                          f"{P * T}; launch a multiple of {P * T} processes or change parallel")
-    return world // (P * T)
-
-
-def layout(world: int, P: int = 1, T: int = 1, mode: Optional[str] = None,
-           ep: int = 1, depth: int = 1) -> Layout:
-    """The groups of a world of `world` ranks with P stages, T tensor ranks (2.5d: `depth`
-    grids) and expert parallelism EP (pure function)."""
-    D = data_size(world, P, T)
-    rank = lambda d, p, t: d * P * T + p * T + t  # noqa: E731 -- the formula, read as such
-    out = Layout()
-    out.data = [[rank(d, p, t) for d in range(D)] for p in range(P) for t in range(T)]
-    out.pipeline = [[rank(d, p, t) for p in range(P)] for d in range(D) for t in range(T)]
-    out.tensor = [[rank(d, p, t) for t in range(T)] for d in range(D) for p in range(P)]
-    out.model = [[rank(d, p, t) for p in range(P) for t in range(T)] for d in range(D)]
-    out.gradient = out.data  # sequence: every (data, sequence) rank of a stage, below
-    if mode == "sequence":
-        out.gradient = [[rank(d, p, t) for d in range(D) for t in range(T)] for p in range(P)]
-    if mode in ("2d", "2.5d"):
-        q = math.isqrt(T // depth)
-        at = lambda k, r, c: k * q * q + r * q + c  # noqa: E731 -- grid k, row r, column c
-        for group in out.tensor:
-            out.row += [[group[at(k, r, c)] for c in range(q)] for k in range(depth)
-                        for r in range(q)]
-            out.col += [[group[at(k, r, c)] for r in range(q)] for k in range(depth)
-                        for c in range(q)]
-            if depth > 1:
-                out.depth += [[group[at(k, r, c)] for k in range(depth)] for r in range(q)
-                              for c in range(q)]
-                out.batch += [[group[at(k, r, c)] for k in range(depth) for r in range(q)]
-                              for c in range(q)]
-    if mode == "3d":
-        q = round(T ** (1 / 3))
-        at = lambda x, y, z: x * q * q + y * q + z  # noqa: E731 -- the cube's coordinates
-        for group in out.tensor:
-            pairs = [(a, b) for a in range(q) for b in range(q)]
-            out.cube_x += [[group[at(i, a, b)] for i in range(q)] for a, b in pairs]
-            out.cube_y += [[group[at(a, i, b)] for i in range(q)] for a, b in pairs]
-            out.cube_z += [[group[at(a, b, i)] for i in range(q)] for a, b in pairs]
-            out.plane_xy += [[group[at(a, b, z)] for a, b in pairs] for z in range(q)]
-            out.plane_xz += [[group[at(a, y, b)] for a, b in pairs] for y in range(q)]
-    out.ep, out.expert_data = moe_layout(out.data, ep)
-    return out
-
-
-def moe_layout(data: list[list[int]], ep: int) -> tuple[list[list[int]], dict]:
-    """Expert parallelism inside each data group (ranks in data-rank order): EP groups are EP
-    consecutive data ranks; an expert of a layer whose exchange block is G = min(E, EP) ranks
-    is held by the data ranks with equal data_rank % G -- one group list per G dividing EP.
-    `data` has one group per pipeline stage (and tensor rank), so under a pipeline every stage
-    has its own expert groups: a stage's experts only ever meet the same stage's replicas.
-
-        D = 4, EP = 2:  ep [0 1] [2 3];  G=2: [0 2] [1 3];  G=1: [0 1 2 3]"""
-    if ep == 1:
-        return [], {}
-    eps = [ranks[i:i + ep] for ranks in data for i in range(0, len(ranks), ep)]
-    blocks = [g for g in range(1, ep + 1) if ep % g == 0]
-    return eps, {g: [ranks[i::g] for ranks in data for i in range(g)] for g in blocks}
-
-
-def check_moe_world(ep: int, data_size: int, world_size: int) -> None:
-    """EP divides the data-parallel size D: expert groups are carved out of the data ranks."""
-    if data_size % ep:
-        raise ConfigError(f"parallel.moe size {ep} does not divide the data-parallel size "
-                          f"{data_size} (world size {world_size}): expert parallelism is carved "
-                          f"out of the data ranks; launch a multiple of {ep} processes "
-                          f"(e.g. {ep * (data_size // ep + 1)}), or use a moe size dividing "
-                          f"{data_size}")
+from .layout import check_moe_world, coordinates, data_size, layout
 
 
 class ParallelContext:

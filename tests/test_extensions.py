@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent / "nanocolossal"
 LEAN = {"engine/engine.py": {"context", "extensions", "nest"},
         "pipeline/schedule.py": {"context", "extensions", "nest", "p2p", "plan",
                                  "split_backward", "steps"},
-        "config.py": set(), "context.py": {"config"}, "logging.py": {"context"},
+        "config.py": set(), "layout.py": {"config"}, "context.py": {"config", "layout"},
+        "logging.py": {"context"},
         "checks.py": {"config", "context"}}
 
 

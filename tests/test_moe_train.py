@@ -262,7 +262,7 @@ def test_gloo_moe_bad_configs_say_what_to_change():
 def test_moe_groups_are_carved_out_of_the_data_ranks():
     """context.layout's moe groups (a pure function): EP groups of consecutive data ranks, and
     per exchange block G the data ranks holding the same experts (data_rank % G)."""
-    from nanocolossal.context import layout
+    from nanocolossal.layout import layout
     groups = layout(8, ep=4)
     assert groups.ep == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert groups.expert_data == {1: [list(range(8))], 2: [[0, 2, 4, 6], [1, 3, 5, 7]],

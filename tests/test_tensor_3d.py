@@ -28,7 +28,7 @@ import nanocolossal as nc
 import nanocolossal.nn as col_nn
 from nanocolossal.checkpoint import merge_checkpoint
 from nanocolossal.checkpoint_merge import load_plain_state_dict
-from nanocolossal.context import layout
+from nanocolossal.layout import layout
 from nanocolossal.trainer import Trainer, hooks
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,7 +6,8 @@ import math
 import pytest
 
 from nanocolossal.config import ConfigError
-from nanocolossal.context import ParallelContext, coordinates, layout
+from nanocolossal.context import ParallelContext
+from nanocolossal.layout import coordinates, layout
 
 
 def _modes(T):

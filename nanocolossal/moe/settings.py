@@ -15,7 +15,7 @@ the Engine (`moe_aux_weight`):
     MOE_AUX_WEIGHT = 0.01        # the load-balancing loss's weight in the training loss
 
 Expert parallelism is carved out of the data-parallel ranks, so EP must divide the data size D
-(checked at launch, context.check_moe_world: the world size is not known before). A pipeline
+(checked at launch, layout.check_moe_world: the world size is not known before). A pipeline
 composes (each stage's expert groups are carved out of that stage's data ranks, and every stage's
 load-balancing loss joins its backward per micro-batch: pipeline/moe_aux.py). What does not
 compose is refused here, by name: tensor parallelism 1d/2d and sequence parallelism (the
