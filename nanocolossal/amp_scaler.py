@@ -115,6 +115,7 @@ def find_non_finite(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
     """Only the check, for gradients nothing scaled (bf16): set `found_inf` to 1 if any gradient
     holds an inf or a NaN. Each gradient is read once and written never: the largest |g| of
     each (one fused launch per list) is inf or NaN exactly when the gradient holds one."""
+    grads = [g for g in grads if g.numel()]  # (an empty tensor has no largest element)
     if not grads:  # a rank whose shard holds no gradient this step has nothing to find
         return
     largest = torch._foreach_norm(grads, float("inf"))

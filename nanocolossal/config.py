@@ -226,6 +226,7 @@ def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[i
     P = _parallel_size(parallel.get("pipeline", 1), "pipeline")
     tensor = parallel.get("tensor", 1)
     mode = tensor.get("mode") if isinstance(tensor, Mapping) else None
+    mode = mode if mode is None or isinstance(mode, str) else repr(mode)  # a list: named, refused
     # (attention: sequence.py checks it)
     extra = {"2.5d": ("depth",), "sequence": ("attention",)}.get(mode, ())
     T = _parallel_size(tensor, "tensor", ("size", "mode", *extra))

@@ -441,6 +441,9 @@ def test_unscale_grads_with_nothing_scaled_only_checks_and_writes_no_gradient(ba
     for g, kept in zip(grads, before):
         assert_close(g, kept, equal_nan=True)
     assert amp.unscale_grads([], loss_scale=1.0).tolist() == [0.0]  # a shard with no gradient
+    empty = [torch.zeros(0), torch.zeros(0, 4).bfloat16()]  # a zero-size parameter's gradient
+    assert amp.unscale_grads(empty, loss_scale=1.0).tolist() == [0.0]
+    assert amp.unscale_grads(empty + grads, loss_scale=1.0).tolist() == [float(bad is not None)]
 
 
 class WritesTo(TorchDispatchMode):

@@ -93,6 +93,8 @@ def test_config_file_that_raises_is_reported(tmp_path):
      r"pipeline, data, tensor, sequence, moe"),
     ({"parallel": {"tensor": {"size": 1, "mode": "1-d"}}},
      r"parallel.tensor needs mode='1d', .* \(got '1-d'\)"),
+    ({"parallel": {"tensor": {"size": 2, "mode": ["1d"]}}},
+     r"parallel.tensor needs mode='1d', .* \(got \"\['1d'\]\"\)"),
     ({"parallel": {"tensor": {"size": 2, "mode": "sequence", "attention": "bogus", "foo": 3}}},
      r"unknown parallel.tensor key\(s\) \['foo'\]; parallel.tensor understands "
      r"size, mode, attention"),
