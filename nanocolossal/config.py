@@ -226,7 +226,8 @@ def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[i
     P = _parallel_size(parallel.get("pipeline", 1), "pipeline")
     tensor = parallel.get("tensor", 1)
     mode = tensor.get("mode") if isinstance(tensor, Mapping) else None
-    mode = mode if mode is None or isinstance(mode, str) else repr(mode)  # a list: named, refused
+    if mode is not None and not isinstance(mode, str):
+        raise ConfigError(f"parallel.tensor mode must be a string such as '1d', got {mode!r}")
     # (attention: sequence.py checks it)
     extra = {"2.5d": ("depth",), "sequence": ("attention",)}.get(mode, ())
     T = _parallel_size(tensor, "tensor", ("size", "mode", *extra))

@@ -94,7 +94,7 @@ def test_config_file_that_raises_is_reported(tmp_path):
     ({"parallel": {"tensor": {"size": 1, "mode": "1-d"}}},
      r"parallel.tensor needs mode='1d', .* \(got '1-d'\)"),
     ({"parallel": {"tensor": {"size": 2, "mode": ["1d"]}}},
-     r"parallel.tensor needs mode='1d', .* \(got \"\['1d'\]\"\)"),
+     r"parallel.tensor mode must be a string such as '1d', got \['1d'\]"),
     ({"parallel": {"tensor": {"size": 2, "mode": "sequence", "attention": "bogus", "foo": 3}}},
      r"unknown parallel.tensor key\(s\) \['foo'\]; parallel.tensor understands "
      r"size, mode, attention"),
