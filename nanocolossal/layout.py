@@ -132,10 +132,12 @@ def moe_layout(data: list[list[int]], ep: int) -> tuple[list[list[int]], dict]:
 
 
 def check_moe_world(ep: int, data_size: int, world_size: int) -> None:
-    """EP divides the data-parallel size D: expert groups are carved out of the data ranks."""
+    """EP divides the data-parallel size D: expert groups are carved out of the data ranks.
+    The world is D x (the pipeline and tensor sizes), so the fix is a multiple of EP x those."""
     if data_size % ep:
+        step = ep * (world_size // data_size)
         raise ConfigError(f"parallel.moe size {ep} does not divide the data-parallel size "
                           f"{data_size} (world size {world_size}): expert parallelism is carved "
-                          f"out of the data ranks; launch a multiple of {ep} processes "
-                          f"(e.g. {ep * (data_size // ep + 1)}), or use a moe size dividing "
+                          f"out of the data ranks; launch a multiple of {step} processes "
+                          f"(e.g. {step * (data_size // ep + 1)}), or use a moe size dividing "
                           f"{data_size}")

@@ -240,6 +240,10 @@ def test_gloo_moe_bad_configs_say_what_to_change():
     with pytest.raises(ConfigError, match=r"parallel.moe size 2 does not divide the data-parallel "
                                           r"size 3 \(world size 3\).*launch a multiple of 2"):
         ParallelContext.parallel_sizes(load_config(moe2), 3)
+    with pytest.raises(ConfigError, match=r"data-parallel size 3 \(world size 6\).*launch a "
+                                          r"multiple of 4 processes \(e.g. 8\)"):
+        ParallelContext.parallel_sizes(load_config({**moe2, "parallel": {"moe": 2,
+                                                                         "pipeline": 2}}), 6)
     cases = {
         "NUM_EXPERTS=3 does not fit parallel.moe size 2": {**moe2, "NUM_EXPERTS": 3},
         r"MOE_CAPACITY_FACTOR must be a number > 0, got 0": {"NUM_EXPERTS": 4,
