@@ -79,17 +79,17 @@ class DistributedDataParallel(nn.Module):
     """Wrap `module` so that backward averages gradients over `process_group` (default: gpc's
     gradient group: the data-parallel ranks, times the sequence ranks if any)."""
 
+    # what ZeRO changes (zero/gradients.py): level 2's buckets come and go; errors name it
+    bucket_class = _Bucket
+    name = "DistributedDataParallel"
+    other_way = ", or the gradient_handler, which averages after backward"  # offered in errors
+
     def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
                  bucket_cap_mb: float = 25, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False, compress: Optional[str] = None,
                  reduced_elsewhere: Collection[nn.Parameter] = ()) -> None:
         super().__init__()
-        if compress not in (None, "bf16", "fp16"):
-            raise ValueError(f"[rank {gpc.rank}] compress must be None, 'bf16' or 'fp16', got "
-                             f"{compress!r}")
-        if not dist.is_initialized():
-            raise RuntimeError("DistributedDataParallel needs a launched job: call "
-                               "nanocolossal.launch* first")
+        _check_arguments(compress)
         self.module = module
         if process_group is None:
             process_group = gpc.gradient_group or dist.group.WORLD  # data (x sequence) ranks
@@ -108,21 +108,13 @@ class DistributedDataParallel(nn.Module):
 
         skip = {id(q) for q in reduced_elsewhere}  # another pipeline chunk's DDP reduces them
         params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
-        frozen = [p for p in module.parameters() if not p.requires_grad]
-        if frozen:  # one unfrozen since would never be averaged: refused (checks.py)
-            self.register_forward_pre_hook(
-                lambda *_: check_still_frozen(module, frozen) if torch.is_grad_enabled() else None)
+        self._refuse_unfreezing([p for p in module.parameters() if not p.requires_grad])
         self.buckets = self._make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next_launch = 0           # buckets are launched strictly in order
         self._callback_queued = False
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-
-    bucket_class = _Bucket  # ZeRO level 2 (zero/gradients.py) uses buckets that come and go
-    # who the errors name, and the other way out they offer (ZeRO names itself)
-    name = "DistributedDataParallel"
-    other_way = ", or the gradient_handler, which averages after backward"
 
     def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
         buckets, current, size = [], [], 0
@@ -186,10 +178,7 @@ class DistributedDataParallel(nn.Module):
                 self._fill_unused(bucket, i)
         wire_dtype = self.wire_dtype or bucket.buffer.dtype
         bucket.wire = bucket.buffer.to(wire_dtype)  # the buffer itself when no compression
-        try:
-            bucket.work = dist.all_reduce(bucket.wire, group=self.process_group, async_op=True)
-        except RuntimeError as e:
-            self._fail(bucket, e)
+        bucket.work = self._all_reduce(bucket)
 
     def _fill_unused(self, bucket: _Bucket, i: int) -> None:
         """A parameter whose hook did not fire in this backward. If it still holds a gradient --
@@ -206,10 +195,7 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets[self._next_launch:]:
             self._launch(bucket)
         for bucket in self.buckets:
-            try:
-                bucket.work.wait()
-            except RuntimeError as e:
-                self._fail(bucket, e)
+            self._wait(bucket)
             yield bucket
         self._next_launch, self._callback_queued = 0, False
 
@@ -259,9 +245,38 @@ class DistributedDataParallel(nn.Module):
         dtype."""
         broadcast_buffers(self.module, self.process_group)
 
+    def _refuse_unfreezing(self, frozen: list[nn.Parameter]) -> None:
+        """A parameter frozen at wrapping has no bucket slot: unfrozen since, it would never be
+        averaged, so the next training forward refuses it (checks.py)."""
+        if frozen:
+            self.register_forward_pre_hook(
+                lambda *_: check_still_frozen(self.module, frozen)
+                if torch.is_grad_enabled() else None)
+
+    def _all_reduce(self, bucket: _Bucket) -> dist.Work:
+        try:
+            return dist.all_reduce(bucket.wire, group=self.process_group, async_op=True)
+        except RuntimeError as e:
+            self._fail(bucket, e)
+
+    def _wait(self, bucket: _Bucket) -> None:
+        try:
+            bucket.work.wait()
+        except RuntimeError as e:
+            self._fail(bucket, e)
+
     def _fail(self, bucket: _Bucket, error: Exception) -> None:
         raise peer_failed(f"DDP gradient all-reduce of bucket {self.buckets.index(bucket) + 1} "
                           f"of {len(self.buckets)}", self.process_group, error) from error
+
+
+def _check_arguments(compress: Optional[str]) -> None:
+    if compress not in (None, "bf16", "fp16"):
+        raise ValueError(f"[rank {gpc.rank}] compress must be None, 'bf16' or 'fp16', got "
+                         f"{compress!r}")
+    if not dist.is_initialized():
+        raise RuntimeError("DistributedDataParallel needs a launched job: call "
+                           "nanocolossal.launch* first")
 
 
 class DdpSync(Extension):

@@ -33,10 +33,10 @@ Zero bubble (ZB-H1, ZB-V; zero_bubble.py) splits each backward in two, B the inp
 and W the weights', and fills the bubble with the W's nobody waits for.
 
 `one_f_one_b` below is 1F1B on one rank as the textbooks draw it, in one screen, and is what the
-executor (schedule.py) runs for 1F1B; `round_plan` is the same loop generalised to GPipe and
-interleaved chunks (a test proves it gives `one_f_one_b`'s plan), and to ZB-H1's order
-(`zero_bubble_order`); ZB-V's order (`zbv_order`) runs with its messages on time (`on_time_plan`).
-`build_plan` picks among the three.
+executor (schedule.py) runs for 1F1B training (evaluation, forwards only, goes by `round_plan`);
+`round_plan` is the same loop generalised to GPipe and interleaved chunks (a test proves it gives
+`one_f_one_b`'s plan), and to ZB-H1's order (`zero_bubble_order`); ZB-V's order (`zbv_order`)
+runs with its messages on time (`on_time_plan`). `build_plan` picks among the three.
 `simulate.py` executes plans symbolically and draws the timelines above:
 `python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--schedule zero_bubble|zbv]`.
 """
@@ -56,43 +56,6 @@ from .steps import (
 from .zero_bubble import on_time_plan, zbv_order, zero_bubble_order
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
-
-
-def check_sizes(schedule: str, P: int, M: int, V: int) -> None:
-    """Raise PlanError for a combination no schedule can run."""
-    if schedule not in SCHEDULES:
-        raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if P < 1 or M < 1 or V < 1:
-        raise PlanError(f"stages, micro-batches and chunks must be >= 1, got P={P}, M={M}, V={V}")
-    if schedule == "zbv" and V != 2:
-        raise PlanError(f"zbv runs two chunks per rank (a V), got NUM_CHUNKS={V}; set "
-                        f"NUM_CHUNKS=2")
-    if schedule not in ("interleaved", "zbv") and V != 1:
-        raise PlanError(f"{schedule} runs one chunk per rank; use the interleaved schedule for "
-                        f"NUM_CHUNKS={V}")
-    if schedule == "interleaved" and P < 2:
-        raise PlanError("the interleaved schedule needs at least 2 pipeline stages")
-    if schedule == "zbv" and M < 2 * P - 1:
-        raise PlanError(f"zbv needs NUM_MICRO_BATCHES >= 2 x pipeline size - 1 = {2 * P - 1} "
-                        f"(rank 0's forwards before micro-batch 0 comes back up the V), got {M}")
-    if schedule == "interleaved" and M % P != 0:
-        raise PlanError(f"the interleaved schedule needs NUM_MICRO_BATCHES a multiple of the "
-                        f"pipeline size: M={M}, P={P}; use M={((M + P - 1) // P) * P}")
-    if M < P:
-        raise PlanError(f"NUM_MICRO_BATCHES={M} is smaller than the pipeline size {P}: stages "
-                        f"would idle most of the time; use at least {P} micro-batches")
-
-
-def warmup_count(schedule: str, P: int, M: int, V: int, rank: int) -> int:
-    """Forwards a rank runs before its first backward."""
-    if schedule == "gpipe":
-        return M * V
-    if schedule in ("1f1b", "zero_bubble"):
-        return min(P - rank - 1, M)
-    # Megatron: with one group of micro-batches interleaving degenerates to all-forward-first
-    if M == P:
-        return M * V
-    return min((P - rank - 1) * 2 + (V - 1) * P, M * V)
 
 
 def one_f_one_b(P: int, M: int, rank: int) -> list[Step]:
@@ -149,6 +112,18 @@ def _interleaved_step(k: int, kind: str, P: int, V: int) -> Compute:
     group, within = divmod(k, P * V)
     chunk = within // P
     return Compute(kind, chunk if kind == "F" else V - 1 - chunk, group * P + within % P)
+
+
+def warmup_count(schedule: str, P: int, M: int, V: int, rank: int) -> int:
+    """Forwards a rank runs before its first backward."""
+    if schedule == "gpipe":
+        return M * V
+    if schedule in ("1f1b", "zero_bubble"):
+        return min(P - rank - 1, M)
+    # Megatron: with one group of micro-batches interleaving degenerates to all-forward-first
+    if M == P:
+        return M * V
+    return min((P - rank - 1) * 2 + (V - 1) * P, M * V)
 
 
 def _rounds(schedule: str, P: int, M: int, V: int, rank: int,
@@ -231,3 +206,30 @@ def round_plan(schedule: str, P: int, M: int, V: int, rank: int,
 def all_plans(schedule: str, P: int, M: int, V: int = 1,
               forward_only: bool = False) -> list[list[Step]]:
     return [build_plan(schedule, P, M, V, r, forward_only) for r in range(P)]
+
+
+# -- the combinations no schedule can run ------------------------------------------------------
+
+def check_sizes(schedule: str, P: int, M: int, V: int) -> None:
+    """Raise PlanError for a combination no schedule can run."""
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if P < 1 or M < 1 or V < 1:
+        raise PlanError(f"stages, micro-batches and chunks must be >= 1, got P={P}, M={M}, V={V}")
+    if schedule == "zbv" and V != 2:
+        raise PlanError(f"zbv runs two chunks per rank (a V), got NUM_CHUNKS={V}; set "
+                        f"NUM_CHUNKS=2")
+    if schedule not in ("interleaved", "zbv") and V != 1:
+        raise PlanError(f"{schedule} runs one chunk per rank; use the interleaved schedule for "
+                        f"NUM_CHUNKS={V}")
+    if schedule == "interleaved" and P < 2:
+        raise PlanError("the interleaved schedule needs at least 2 pipeline stages")
+    if schedule == "zbv" and M < 2 * P - 1:
+        raise PlanError(f"zbv needs NUM_MICRO_BATCHES >= 2 x pipeline size - 1 = {2 * P - 1} "
+                        f"(rank 0's forwards before micro-batch 0 comes back up the V), got {M}")
+    if schedule == "interleaved" and M % P != 0:
+        raise PlanError(f"the interleaved schedule needs NUM_MICRO_BATCHES a multiple of the "
+                        f"pipeline size: M={M}, P={P}; use M={((M + P - 1) // P) * P}")
+    if M < P:
+        raise PlanError(f"NUM_MICRO_BATCHES={M} is smaller than the pipeline size {P}: stages "
+                        f"would idle most of the time; use at least {P} micro-batches")
