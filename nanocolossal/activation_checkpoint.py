@@ -4,8 +4,8 @@ backward (Chen et al. 2016, "Training deep nets with sublinear memory cost"; Col
 
 From a forward to its backward, training holds every tensor an op saved for its gradient: the
 activations. nn/transformer.py's Block of width d with h heads on b sequences of s tokens
-(fp32, fused attention, no dropout) saves A = 4·(16·b·s·d + 4·b·s + b·h·s) bytes, counted from
-live saved tensors on the CPU: each LayerNorm's input and output (the next Linear's input), its
+(fp32, fused attention, no dropout) saves A = 4·(16·b·s·d + 4·b·s + b·h·s) bytes, counted
+from live saved tensors on the CPU: each LayerNorm's input and output (the next Linear's input), its
 mean and 1/std; q, k, v; the attention output and its log-sum-exp; GELU's input and output
 (4·b·s·d each). Explicit attention adds the b·h·s² softmax, dropout a mask per dropout. The
 block's input is only x = 4·b·s·d bytes. `checkpoint(fn, *args)` keeps the inputs, runs fn twice:

@@ -1,8 +1,8 @@
 """Checkpoints that survive crashes and load anywhere.
 
-What is saved: model (keys exactly the plain model's), optimizer (with the AMP loss scaler
-and fp32 master weights), LR scheduler, epoch, anything passed as **extra (e.g. step), and
-the RNG states of every data-parallel rank (tensor-parallel dropout's own generators too), so a
+What is saved: model (keys exactly the plain model's), optimizer (with the AMP loss scaler and
+fp32 master weights), LR scheduler, epoch, anything passed as **extra (e.g. step), and the RNG
+states of every rank of the gradient group (tensor-parallel dropout's own generators too), so a
 resumed run draws the same random numbers (dropout, shuffling, augmentation) as one that never
 stopped.
 

@@ -10,8 +10,8 @@ all-gather at the start of training and fails with the full picture:
     Every rank must run the same number of steps ...
 
 `debug=True` in the config adds TORCH_DISTRIBUTED_DEBUG=DETAIL (torch checks that every
-collective matches across ranks) and a monitored barrier after each epoch, which names the
-ranks that did not arrive instead of waiting silently.
+collective matches across ranks) and a barrier after each epoch; on gloo a monitored one, which
+names the ranks that did not arrive instead of waiting silently (nccl has none: a plain barrier).
 """
 from __future__ import annotations
 

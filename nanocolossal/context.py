@@ -51,9 +51,9 @@ class ParallelContext:
         self.tensor_mode: Optional[str] = None
         self.tensor_group: Optional[dist.ProcessGroup] = None
         self.tensor_ranks: list[int] = [0]
-        self.tensor_row_group: Optional[dist.ProcessGroup] = None   # 2d only
+        self.tensor_row_group: Optional[dist.ProcessGroup] = None   # 2d and 2.5d
         self.tensor_col_group: Optional[dist.ProcessGroup] = None
-        # 2d: my place in the q x q grid
+        # 2d, 2.5d: my place in the q x q grid
         self.grid_row = 0
         self.grid_col = 0
         self.summa_dim = 1

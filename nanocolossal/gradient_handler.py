@@ -3,7 +3,8 @@
     gradient_handler = [dict(type='DataParallelGradientHandler')]     # in the config
 
 selects this instead of the overlapped DistributedDataParallel (ddp.py). The result is the
-same -- every replica ends with the gradients averaged over its data-parallel group -- but
+same -- every replica ends with the gradients averaged over its gradient group (data x sequence
+ranks) -- but
 the all-reduce starts only when backward has finished, so nothing overlaps: the step takes
 backward time + communication time, where DDP hides most of the communication behind
 backward (README: measured difference). It is simpler, and it is what Colossal-AI's

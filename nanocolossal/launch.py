@@ -176,7 +176,7 @@ def get_default_parser() -> argparse.ArgumentParser:
                         help="nccl or gloo (default: nccl with CUDA, else gloo)")
     parser.add_argument("--debug", action="store_true",
                         help="config debug=True: TORCH_DISTRIBUTED_DEBUG=DETAIL and a barrier "
-                             "after each epoch that names ranks that do not arrive")
+                             "after each epoch (on gloo it names ranks that do not arrive)")
     return parser
 
 

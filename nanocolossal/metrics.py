@@ -26,9 +26,8 @@ from .context import gpc
 
 
 def _reduce_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """The group to reduce over (default: data-parallel ranks; every rank with pipeline or tensor
-    parallelism), or None
-    when this process is alone in it."""
+    """The group to reduce over (default: the data ranks; the whole world under a pipeline or
+    tensor parallelism), or None when this process is alone in it."""
     if not gpc.is_initialized:
         return None
     if group is None:
@@ -40,7 +39,7 @@ def _reduce_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGr
 
 
 class Accuracy:
-    """Top-1 accuracy, exact across data-parallel ranks."""
+    """Top-1 accuracy, exact across the ranks (the data ranks, or the world: _reduce_group)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
         self.group = group
@@ -80,7 +79,7 @@ Number = Union[float, int, torch.Tensor]
 def all_reduce_mean(values: Union[Mapping[str, Number], Number],
                     group: Optional[dist.ProcessGroup] = None,
                     weight: Optional[float] = None) -> Union[dict[str, float], float]:
-    """Mean over the ranks of `group` (default: data-parallel) of a scalar or a dict of scalars.
+    """Mean over the ranks of `group` (default: _reduce_group's) of a scalar or a dict of scalars.
 
     With `weight` (e.g. this rank's sample count) the mean is weighted: sum(w*v) / sum(w),
     which is the exact whole-dataset mean when each value is a per-rank mean over w samples.
@@ -95,7 +94,7 @@ def all_reduce_mean(values: Union[Mapping[str, Number], Number],
 
 
 def all_reduce_sum(values: list[float], group: Optional[dist.ProcessGroup] = None) -> list[float]:
-    """Sums over the ranks of `group` (default: data-parallel) of a few scalars, in float64 and
+    """Sums over the ranks of `group` (default: _reduce_group's) of a few scalars, in float64 and
     one collective."""
     packed = torch.tensor(values, dtype=torch.float64)
     group = _reduce_group(group)

@@ -11,18 +11,19 @@ The Engine adds nothing to the maths: `initialize` (initialize.py) has already w
 (SyncBN, AMP, DDP) and the optimizer (loss scaling, fp32 masters, ZeRO); the Engine runs them in
 the right order and owns the two things a loop gets wrong most often:
 
-Gradient accumulation (gradient_accumulation=N): each backward adds loss / N, and only the
-last of the N may average gradients over the data ranks, so communication happens once;
-zero_grad and step only act on the N-th call (the Trainer's per-iteration LR hook steps only
-then too). The result is one step on N times the batch. `engine.accumulating` says a group is
-half done (its gradients live only in memory: the Trainer stops and checkpoints only between
-groups), and `engine.close_group()` makes the next backward the last of its group -- the
+Gradient accumulation (gradient_accumulation=N): each backward adds loss / N, and only the last
+of the N may average gradients over the data ranks, so communication happens once; zero_grad
+acts only on a group's first call and step only on its N-th (the Trainer's per-iteration LR hook
+steps only then too). The result is one step on N times the batch. `engine.accumulating` says a
+group is half done (its gradients live only in memory: the Trainer stops and checkpoints only
+between groups), and `engine.close_group()` makes the next backward the last of its group -- the
 Trainer calls it before an epoch's last batch, so every epoch ends with a step, whatever its
 length (a shorter last group still divides by N, as Hugging Face Accelerate does).
 
-Clipping (clip_grad_norm): the global norm of the unscaled gradients -- after the data-parallel
-average every data rank holds the same gradients, and ranks holding *other* parameters
-(pipeline stages, tensor slices, MoE experts) add their squares once.
+Clipping (clip_grad_norm): the global norm of the unscaled gradients -- each gradient element
+counted once: after the data-parallel average the data ranks hold the same gradients (or, under
+ZeRO 2/3, each its own segment of them), and ranks holding *other* parameters (pipeline stages,
+tensor slices, MoE experts) add their squares once (clip.py).
 
 Everything else a feature needs from the loop comes through its extensions (extensions.py),
 called at the places marked `# extensions:` below -- what the loss weighs or adds, when a

@@ -9,6 +9,7 @@ per token stays that of one or two MLPs. One forward, on every rank:
                                   all-reduce of 2E (+2) numbers over the data-parallel group
       2. pack                     [E, C, d] buffer, tokens in their experts' slots (dispatch.py)
       3. dispatch all-to-all      -> [G, L, C, d]: the slots of my L experts from my G peers
+                                  (the exchange block G = min(E, EP): placement.py)
       4. experts (experts.py)     each local expert on its G*C tokens
       5. combine all-to-all       -> [E, C, d] back on the tokens' own rank
       6. unpack                   out[t] = sum of weight * expert output over t's kept slots;

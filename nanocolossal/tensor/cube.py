@@ -25,11 +25,11 @@ Two layouts of a [batch, ..., hidden] activation follow, each split over two axe
     layout A  batch in q^2 blocks over (x, y) -- block x q + y -- hidden in q over z
     layout B  batch in q^2 blocks over (x, z) -- block x q + z -- hidden in q over y
 
-The product above takes A to B (`gather` y, `scatter` z: a "column" Linear); with y and z
-swapped it takes B back to A (a "row" Linear), its weight [N over z, K over (y, then x)]. A
-transformer's pairs (qkv and output projection, the MLP's two Linears) therefore start and end
-in layout A, where LayerNorm, embeddings and residuals live; attention runs on layout B, heads
-split over y.
+The product above takes A to B (all-gather over y, reduce-scatter over z: a "column" Linear);
+with y and z swapped it takes B back to A (a "row" Linear), its weight [N over z, K over (y,
+then x)]. A transformer's pairs (qkv and output projection, the MLP's two Linears) therefore
+start and end in layout A, where LayerNorm, embeddings and residuals live; attention runs on
+layout B, heads split over y.
 
       q = 2, layout A of X [M, K]:          W [N, K] of a column Linear:
                K block z=0  z=1                       K block z=0       z=1

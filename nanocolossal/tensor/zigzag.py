@@ -11,9 +11,8 @@ communication, so a DataLoader worker can run it); split_sequence and gather_seq
 same over a process group.
 
 A length 2N does not divide is cut into stripes one token apart, the longer ones last (so
-stripe 2N-1, rank 0's, always holds the last token): 10 tokens on N = 2 are stripes of 2, 2, 3, 3,
-and
-both ranks hold 5. Ring attention refuses such a split (its blocks must be equal: `even`);
+stripe 2N-1, rank 0's, always holds the last token): 10 tokens on N = 2 are stripes of 2, 2, 3,
+3, and both ranks hold 5. Ring attention refuses such a split (its blocks must be equal: `even`);
 all-to-all attention takes it, and learns the other ranks' lengths with `share_lengths`.
 """
 from __future__ import annotations
