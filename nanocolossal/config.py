@@ -288,18 +288,12 @@ def validate_config(cfg: Config) -> None:
     parallel_settings(cfg)
     for check in _CHECKS:  # each feature's own section (zero/settings.py, amp_settings.py, ...)
         check(cfg)
-    for key in ("gradient_accumulation", "NUM_MICRO_BATCHES", "NUM_CHUNKS", "BATCH_SIZE",
-                "NUM_EPOCHS"):
+    for key in ("gradient_accumulation", "BATCH_SIZE", "NUM_EPOCHS"):
         value = cfg.get(key)
         if value is not None and not is_positive_int(value):
             raise ConfigError(f"{key} must be a positive integer, got {value!r}")
     if "debug" in cfg and not isinstance(cfg.debug, bool):
         raise ConfigError(f"debug must be True or False, got {cfg.debug!r}")
-    shape = cfg.get("TENSOR_SHAPE")
-    if shape is not None and not (isinstance(shape, (list, tuple))
-                                  and all(map(is_positive_int, shape))):
-        raise ConfigError(f"TENSOR_SHAPE must be a list of positive ints (one micro-batch's "
-                          f"activation), got {shape!r}")
     for key in ("clip_grad_norm", "timeout"):
         value = cfg.get(key)
         positive = isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
