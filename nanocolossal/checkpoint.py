@@ -77,7 +77,7 @@ from .config import ConfigError
 from .context import gpc
 from .logging import get_dist_logger
 from .pipeline.partition import PipelineStage
-from .tensor.base import _axis, grid_side
+from .tensor.base import axis_position, grid_side
 from .zero import ShardedOptimizer
 from .zero.load import load_model_entries, read_my_segments
 from .zero.state import my_segments, skeleton
@@ -106,7 +106,7 @@ def _plain_shapes(model: nn.Module, layout: dict[str, list]) -> dict[str, list[i
     for key, value in strip_prefixes(unwrap(model).state_dict(keep_vars=True)).items():
         shape = list(value.shape)
         for dim, axis in layout[key]:
-            shape[dim] *= _axis(axis)[1]
+            shape[dim] *= axis_position(axis)[1]
         shapes[key] = shape
     return shapes
 

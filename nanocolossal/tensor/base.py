@@ -39,7 +39,7 @@ def grid_side() -> int:
     return gpc.cube_dim if gpc.tensor_mode == "3d" else gpc.summa_dim
 
 
-def _axis(axis: str) -> tuple[int, int]:
+def axis_position(axis: str) -> tuple[int, int]:
     """(my position, number of parts) along an axis of the layout."""
     if axis not in POSITION:
         raise ValueError(f"unknown axis {axis!r}")
@@ -58,7 +58,7 @@ def axis_group(axis: str):
 def slice_of(full: torch.Tensor, splits: Splits) -> torch.Tensor:
     """This rank's block of `full` (a plain tensor) for the given splits."""
     for dim, axis in splits:
-        index, parts = _axis(axis)
+        index, parts = axis_position(axis)
         if full.shape[dim] % parts != 0:
             raise ValueError(f"[rank {gpc.rank}] a dimension of size {full.shape[dim]} does not "
                              f"split over {parts} tensor-parallel ranks ({gpc.tensor_mode}); make "
@@ -70,7 +70,7 @@ def slice_of(full: torch.Tensor, splits: Splits) -> torch.Tensor:
 def gather_slices(local: torch.Tensor, splits: Splits) -> torch.Tensor:
     """The whole tensor from every rank's block: slice_of's inverse (a tensor-group collective)."""
     for dim, axis in reversed(splits):
-        if _axis(axis)[1] == 1:  # (2.5d's depth 1: no group)
+        if axis_position(axis)[1] == 1:  # (2.5d's depth 1: no group)
             continue
         group = axis_group(axis)
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
@@ -85,7 +85,7 @@ def keep_slice(full: torch.Tensor, splits: Splits) -> nn.Parameter:
     param.tensor_splits = list(splits)
     parts = 1
     for _, axis in splits:
-        parts *= _axis(axis)[1]
+        parts *= axis_position(axis)[1]
     param.tensor_replicas = gpc.tensor_size // parts
     return param
 
@@ -97,7 +97,7 @@ def reinitialize(param: nn.Parameter, fill, **fans) -> None:
     draw other numbers and break the contract above."""
     shape = list(param.shape)
     for dim, axis in getattr(param, "tensor_splits", []):
-        shape[dim] *= _axis(axis)[1]
+        shape[dim] *= axis_position(axis)[1]
     full = torch.empty(shape, dtype=param.dtype, device=param.device)
     with torch.no_grad():
         fill(full, **fans)

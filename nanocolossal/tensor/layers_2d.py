@@ -143,13 +143,13 @@ class SplitLabels(Extension):
         return self.split(label)
 
 
-def _along_row(full: torch.Tensor, dim: int) -> nn.Parameter:
+def along_row(full: torch.Tensor, dim: int) -> nn.Parameter:
     """Block `col` of a hidden-dimension vector: split along my row, replicated down my column
     (3d: block z, replicated over the (x, y) plane)."""
     return keep_slice(full, [(dim, blocks().hidden_axis)])
 
 
-def _down_column(p: torch.Tensor) -> torch.Tensor:
+def down_column(p: torch.Tensor) -> torch.Tensor:
     """Replicated down the column (in every grid; 3d: over the plane): sum its batch blocks'
     gradients."""
     return copy_to(p, blocks().batch_group)
@@ -167,14 +167,14 @@ class Linear2D(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         # torch stores [out, in]: block (row i, col j) is W's in-block i, out-block j
         self.weight = keep_slice(full.weight, [(0, "col"), (1, "row")])
-        self.bias = _along_row(full.bias, 0) if bias else None
+        self.bias = along_row(full.bias, 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return add_bias(self.product(x), self.bias_block())
 
     def bias_block(self) -> Optional[torch.Tensor]:
         """The bias block of my output columns, its gradient summed over the batch group."""
-        return _down_column(self.bias) if self.bias is not None else None
+        return down_column(self.bias) if self.bias is not None else None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The SUMMA product without the bias (Colossal-AI's skip_bias_add)."""
@@ -193,8 +193,8 @@ class LayerNorm2D(nn.Module):
         check_divisible(normalized_shape, blocks().parts, "LayerNorm size")
         full = nn.LayerNorm(normalized_shape, eps=eps, bias=bias)
         self.normalized_shape, self.eps = normalized_shape, eps
-        self.weight = _along_row(full.weight, 0)
-        self.bias = _along_row(full.bias, 0) if bias else None
+        self.weight = along_row(full.weight, 0)
+        self.bias = along_row(full.bias, 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, d = blocks().hidden_group, self.normalized_shape
@@ -204,9 +204,9 @@ class LayerNorm2D(nn.Module):
         mean = group_sum(x32.sum(-1, keepdim=True), rows) / d
         centred = x32 - mean
         var = group_sum((centred * centred).sum(-1, keepdim=True), rows) / d
-        y = centred * torch.rsqrt(var + self.eps) * _down_column(self.weight).to(x32.dtype)
+        y = centred * torch.rsqrt(var + self.eps) * down_column(self.weight).to(x32.dtype)
         if self.bias is not None:
-            y = y + _down_column(self.bias).to(x32.dtype)
+            y = y + down_column(self.bias).to(x32.dtype)
         return y.to(x.dtype)  # (the backward runs in float32 too, as torch's kernel's)
 
 
@@ -219,13 +219,13 @@ class PatchEmbedding2D(nn.Module):
         full = PatchEmbedding(img_size, patch_size, in_chans, embed_size)
         self.patch_size = patch_size
         self.proj = nn.Module()  # so the state_dict keys are the plain layer's (proj.weight, ...)
-        self.proj.weight = _along_row(full.proj.weight, 0)
-        self.proj.bias = _along_row(full.proj.bias, 0)
-        self.cls_token = _along_row(full.cls_token, 2)
-        self.pos_embed = _along_row(full.pos_embed, 2)
+        self.proj.weight = along_row(full.proj.weight, 0)
+        self.proj.bias = along_row(full.proj.bias, 0)
+        self.cls_token = along_row(full.cls_token, 2)
+        self.pos_embed = along_row(full.pos_embed, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        params = [_down_column(p) for p in (self.proj.weight, self.proj.bias, self.cls_token,
+        params = [down_column(p) for p in (self.proj.weight, self.proj.bias, self.cls_token,
                                             self.pos_embed)]
         # every column convolves the same images with its own channels: sum their input gradients
         return embed_patches(copy_to(split_batch(x), blocks().hidden_group), *params,
@@ -240,11 +240,11 @@ class Embedding2D(nn.Module):
         super().__init__()
         check_divisible(embedding_dim, blocks().parts, "Embedding dim")
         full = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
-        self.weight = _along_row(full.weight, 1)
+        self.weight = along_row(full.weight, 1)
         self.padding_idx = padding_idx  # every rank holds every row: torch's meaning as is
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(split_batch(ids), _down_column(self.weight),
+        return F.embedding(split_batch(ids), down_column(self.weight),
                            padding_idx=self.padding_idx)
 
 
@@ -256,13 +256,13 @@ class Classifier2D(nn.Module):
         super().__init__()
         check_divisible(in_features, blocks().parts, "Classifier in_features")
         full = nn.Linear(in_features, num_classes, bias=bias)
-        own = _along_row(full.weight, 1)
+        own = along_row(full.weight, 1)
         self.weight = own if weight is None else tied(weight, own)
         self.bias = keep_slice(full.bias, []) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from(F.linear(x, _down_column(self.weight)), blocks().hidden_group)
-        return add_bias(y, _down_column(self.bias) if self.bias is not None else None)
+        y = reduce_from(F.linear(x, down_column(self.weight)), blocks().hidden_group)
+        return add_bias(y, down_column(self.bias) if self.bias is not None else None)
 
 
 class CrossEntropyLoss2D(nn.Module):

@@ -85,7 +85,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .zigzag import Group, _world, gather_sequence, split_sequence, zigzag_split, zigzag_stripes
+from .zigzag import (
+    Group,
+    gather_sequence,
+    size_and_rank,
+    split_sequence,
+    zigzag_split,
+    zigzag_stripes,
+)
 
 __all__ = ["ring_attention", "allgather_attention", "split_sequence", "gather_sequence",
            "zigzag_split", "causal_rows", "has_fused_kernel"]
@@ -130,7 +137,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
                         causal: bool = True) -> torch.Tensor:
     """The naive baseline: every rank gathers the whole K and V and computes its (s/N) x s
     scores at once. Exact and simple (autograd does backward), but memory grows with s."""
-    n, r = _world(group)
+    n, r = size_and_rank(group)
     if n == 1:
         return _plain(q, k, v, causal)
     k_all, v_all = (_GatherSequence.apply(t, -2, group) for t in (k, v))
@@ -152,7 +159,7 @@ def _plain(q, k, v, causal: bool) -> torch.Tensor:
 def _ring_shift(tensors: list[torch.Tensor], group: Group, tag: int) -> tuple[list, list]:
     """Start sending `tensors` to the next rank and receiving the previous rank's; (bufs, works).
     (traffic.py counts what it sends: the tests check the ring's hops by it.)"""
-    n, r = _world(group)
+    n, r = size_and_rank(group)
     g = group if group is not None else dist.group.WORLD
     nxt, prv = dist.get_global_rank(g, (r + 1) % n), dist.get_global_rank(g, (r - 1) % n)
     # contiguous: q/k/v are often transposed views, and a receive needs one dense buffer
@@ -185,7 +192,7 @@ def _scores(q, k, scale: float, masked: bool, bias=None) -> torch.Tensor:
 def _ring(kv: list, group: Group):
     """Yield (t, kv): at step t the K/V block of rank (r - t) mod N, the next one travelling
     while the caller computes with this one."""
-    n, _ = _world(group)
+    n, _ = size_and_rank(group)
     for t in range(n):
         if t < n - 1:
             nxt, works = _ring_shift(kv, group, tag=0)
@@ -227,7 +234,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, group, causal, fused):
-        n, r = _world(group)
+        n, r = size_and_rank(group)
         scale = q.shape[-1] ** -0.5
         block = _fused_block if fused else _explicit_block
         m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device)
@@ -248,7 +255,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, bias, out, lse = ctx.saved_tensors
         group = ctx.group
-        n, r = _world(group)
+        n, r = size_and_rank(group)
         grads = _fused_grads if ctx.fused else _explicit_grads
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
@@ -320,7 +327,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     if not (q.shape == k.shape == v.shape):
         raise ValueError(f"q, k, v must have one shape; got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
-    n, _ = _world(group)
+    n, _ = size_and_rank(group)
     if causal and n > 1 and q.shape[-2] % 2:
         raise ValueError(f"[rank {dist.get_rank()}] causal ring attention needs the zig-zag "
                          f"layout (2 stripes per rank) but the local sequence has odd length "

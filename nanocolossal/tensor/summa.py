@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..context import gpc
 
 
-def _panel(mine: torch.Tensor, owner: int, group: dist.ProcessGroup,
+def panel(mine: torch.Tensor, owner: int, group: dist.ProcessGroup,
            ranks: list[int]) -> torch.Tensor:
     """The owner's block (position `owner` in the group), received by every member.
 
@@ -48,7 +48,7 @@ def _panel(mine: torch.Tensor, owner: int, group: dist.ProcessGroup,
     return buf
 
 
-def _reduce_to(partial: torch.Tensor, owner: int, group: dist.ProcessGroup,
+def reduce_to(partial: torch.Tensor, owner: int, group: dist.ProcessGroup,
                ranks: list[int]) -> torch.Tensor:
     """Sum of every member's `partial`, valid on the member at position `owner`."""
     partial = partial.contiguous()
@@ -65,8 +65,8 @@ class _Summa(torch.autograd.Function):
         q, rows, cols = gpc.summa_dim, gpc.tensor_row_group, gpc.tensor_col_group
         y = x.new_zeros(x.shape[0], w.shape[0])
         for k in range(q):
-            x_ik = _panel(x, k, rows, gpc.tensor_row_ranks)
-            w_kj = _panel(w, k, cols, gpc.tensor_col_ranks)
+            x_ik = panel(x, k, rows, gpc.tensor_row_ranks)
+            w_kj = panel(w, k, cols, gpc.tensor_col_ranks)
             y += x_ik @ w_kj.t()
         return y
 
@@ -77,12 +77,12 @@ class _Summa(torch.autograd.Function):
         dy = dy.contiguous()
         dx, dw = torch.empty_like(x), torch.empty_like(w)
         for k in range(q):
-            w_kj = _panel(w, k, cols, gpc.tensor_col_ranks)
-            total = _reduce_to(dy @ w_kj, k, rows, gpc.tensor_row_ranks)      # -> dX_ik on (i, k)
+            w_kj = panel(w, k, cols, gpc.tensor_col_ranks)
+            total = reduce_to(dy @ w_kj, k, rows, gpc.tensor_row_ranks)      # -> dX_ik on (i, k)
             if gpc.grid_col == k:  # I am (i, k)
                 dx = total
-            x_ik = _panel(x, k, rows, gpc.tensor_row_ranks)
-            total = _reduce_to(dy.t() @ x_ik, k, cols, gpc.tensor_col_ranks)  # -> dW_kj on (k, j)
+            x_ik = panel(x, k, rows, gpc.tensor_row_ranks)
+            total = reduce_to(dy.t() @ x_ik, k, cols, gpc.tensor_col_ranks)  # -> dW_kj on (k, j)
             if gpc.grid_row == k:  # I am (k, j)
                 dw = total
         return dx, dw

@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import exchange
-from .zigzag import Group, _world, share_lengths, zigzag_positions
+from .zigzag import Group, share_lengths, size_and_rank, zigzag_positions
 
 __all__ = ["ulysses_attention", "softmax_attention"]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -69,7 +69,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     the attention on whole sequences (the model's, nn/transformer.py's Attention.attend); by
     default softmax_attention with `causal` and `key_padding_mask` ([B, my tokens], True for a
     padding key). Returns my tokens' output, [B, heads, my tokens, head_dim]."""
-    n, _ = _world(group)
+    n, _ = size_and_rank(group)
     keep = None if key_padding_mask is None else ~key_padding_mask
     if n == 1:
         return (attend or partial(softmax_attention, causal=causal, keep=keep))(q, k, v)

@@ -29,8 +29,8 @@ from torch import nn
 from ..context import gpc
 from .base import add_bias, check_divisible, keep_slice
 from .comm import reduce_from, split
-from .layers_2d import _along_row, _down_column, across_grids, grid_batch, split_batch
-from .summa import _panel, _reduce_to, autocast_operands
+from .layers_2d import across_grids, along_row, down_column, grid_batch, split_batch
+from .summa import autocast_operands, panel, reduce_to
 from .vocab_parallel import (
     VocabParallelCrossEntropyLoss1D,
     check_ids,
@@ -52,8 +52,8 @@ class _SummaABT(torch.autograd.Function):
         rows, cols = gpc.tensor_row_group, gpc.tensor_col_group
         c = x.new_empty(x.shape[0], e.shape[0])
         for m in range(gpc.summa_dim):
-            e_mk = _panel(e, m, cols, gpc.tensor_col_ranks)
-            total = _reduce_to(x @ e_mk.t(), m, rows, gpc.tensor_row_ranks)
+            e_mk = panel(e, m, cols, gpc.tensor_col_ranks)
+            total = reduce_to(x @ e_mk.t(), m, rows, gpc.tensor_row_ranks)
             if gpc.grid_col == m:  # I am (i, m)
                 c = total
         return c
@@ -65,10 +65,10 @@ class _SummaABT(torch.autograd.Function):
         dx, de = torch.zeros_like(x), torch.empty_like(e)
         dc = dc.contiguous()
         for m in range(gpc.summa_dim):
-            dc_im = _panel(dc, m, rows, gpc.tensor_row_ranks)   # dC_im along row i
-            e_mk = _panel(e, m, cols, gpc.tensor_col_ranks)     # E_mk down column k
+            dc_im = panel(dc, m, rows, gpc.tensor_row_ranks)   # dC_im along row i
+            e_mk = panel(e, m, cols, gpc.tensor_col_ranks)     # E_mk down column k
             dx += dc_im @ e_mk                                  # dX_ik = sum_m dC_im E_mk
-            total = _reduce_to(dc_im.t() @ x, m, cols, gpc.tensor_col_ranks)
+            total = reduce_to(dc_im.t() @ x, m, cols, gpc.tensor_col_ranks)
             if gpc.grid_row == m:  # I am (m, k):               dE_mk = sum_i dC_im^T X_ik
                 de = total
         return dx, de
@@ -111,7 +111,7 @@ class VocabParallelClassifier2D(nn.Module):
         full = nn.Linear(in_features, num_classes, bias=bias)
         self.weight = vocab_classifier_weight(keep_slice(full.weight, VOCAB_BLOCKS), weight,
                                               "VocabParallelEmbedding2D", in_features, num_classes)
-        self.bias = _along_row(full.bias, 0) if bias else None  # vocabulary block m, rank (., m)
+        self.bias = along_row(full.bias, 0) if bias else None  # vocabulary block m, rank (., m)
         self.in_features, self.num_classes = in_features, num_classes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +119,7 @@ class VocabParallelClassifier2D(nn.Module):
         x, weight = autocast_operands(x, across_grids(self.weight))
         logits = _SummaABT.apply(x.reshape(-1, x.shape[-1]), weight)
         logits = logits.reshape(*lead, logits.shape[-1])
-        return add_bias(logits, _down_column(self.bias) if self.bias is not None else None)
+        return add_bias(logits, down_column(self.bias) if self.bias is not None else None)
 
     def predictions(self, logits: torch.Tensor) -> torch.Tensor:
         """The predicted class of each row of this rank's batch block (the row's vocabulary)."""

@@ -25,7 +25,7 @@ import torch.distributed as dist
 Group = Optional[dist.ProcessGroup]
 
 
-def _world(group: Group) -> tuple[int, int]:
+def size_and_rank(group: Group) -> tuple[int, int]:
     """(size, my rank) in the group; (1, 0) without torch.distributed."""
     if not dist.is_initialized():
         return 1, 0
@@ -72,7 +72,7 @@ def zigzag_positions(length: int, n: int, r: int) -> torch.Tensor:
 def share_lengths(mine: int, group: Group, device: torch.device) -> list[int]:
     """Every rank's number of tokens, in group order: an all-gather of N integers. Where 2N
     need not divide the length, no rank can tell the others' shares from its own."""
-    n, _ = _world(group)
+    n, _ = size_and_rank(group)
     if n == 1:
         return [mine]
     lengths = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(n)]
@@ -90,12 +90,12 @@ def share_lengths(mine: int, group: Group, device: torch.device) -> list[int]:
 
 def split_sequence(x: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:
     """This rank's zig-zag share of a whole sequence: stripes r and 2N-1-r of 2N along `dim`."""
-    return zigzag_split(x, dim, *_world(group))
+    return zigzag_split(x, dim, *size_and_rank(group))
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:
     """The whole sequence from every rank's zig-zag share (the inverse of split_sequence)."""
-    n, _ = _world(group)
+    n, _ = size_and_rank(group)
     if n == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(n)]
