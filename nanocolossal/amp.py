@@ -45,11 +45,10 @@ from .amp_scaler import (
     unscale_and_check_fused,
     unscale_grads,
 )
-from .clip import clip_, global_norm
+from .clip import clip_, global_norm, model_holders
 from .config import AMP_TYPE  # owned by the config (it names the modes)
 from .context import gpc
 from .logging import get_dist_logger
-from .tensor.base import tensor_holders
 
 # nc.amp.X: this file's names, and the loss scaler's and the config's that users reach from here
 __all__ = ["AMP_TYPE", "OPT_LEVELS", "DynamicLossScaler", "MixedPrecisionOptimizer",
@@ -193,9 +192,8 @@ class MixedPrecisionOptimizer:
         return torch.where(found, torch.full_like(norm, math.inf), norm)
 
     def holders(self, param: nn.Parameter) -> int:
-        """Ranks of the model group holding this exact parameter: the tensor ranks that replicate
-        it, times the pipeline stages that share it (a tied weight)."""
-        return tensor_holders(param) * getattr(param, "pipeline_copies", 1)
+        """Ranks of the model group holding this exact parameter (clip.py)."""
+        return model_holders(param)
 
     def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
                        **kwargs: Any) -> float:
@@ -267,6 +265,14 @@ class MixedPrecisionOptimizer:
     def master_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """O2's (half model parameter, fp32 master) pairs; empty otherwise."""
         return list(self._master_pairs)
+
+    def drop_masters(self) -> None:
+        """O2: the optimizer steps the half model parameters again and the whole-model fp32
+        masters are forgotten (ZeRO makes masters of each rank's shard only: zero/mixed.py)."""
+        half_of = {id(master): p for p, master in self._master_pairs}
+        for group in self.optimizer.param_groups:
+            group["params"] = [half_of.get(id(q), q) for q in group["params"]]
+        self._master_pairs = []
 
     def unscale_(self) -> bool:
         """overflow_flag, read: True if any rank found an inf/nan gradient."""

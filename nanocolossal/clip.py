@@ -36,6 +36,16 @@ def one_process_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([g.norm() for g in grads]).norm()
 
 
+def model_holders(param: nn.Parameter) -> int:
+    """Ranks of the model group holding this exact parameter, read from the marks the features
+    that place it leave: the tensor ranks with an identical copy (`tensor_replicas`, tensor/
+    base.py; unmarked, every tensor rank holds it), times the pipeline stages sharing it
+    (`pipeline_copies`, a tied weight: pipeline/tied.py). Sequence ranks split tokens, not
+    weights: there the norm sums over the stages alone (gpc.other_parts_group), so 1 x copies."""
+    tensor = 1 if gpc.sequence_size > 1 else getattr(param, "tensor_replicas", gpc.tensor_size)
+    return tensor * getattr(param, "pipeline_copies", 1)
+
+
 def weighted_squares(grads: list[torch.Tensor], weights: list[float], acc: torch.dtype,
                      device: torch.device) -> torch.Tensor:
     """sum_p |g_p|^2 x w_p, accumulated in `acc` on `device` (0 without gradients)."""

@@ -78,7 +78,8 @@ def launch_from_torch(config: ConfigLike, backend: Optional[str] = None, seed: i
     """
     install_user_error_hook()
     if allow_single_process and not any(var in os.environ for var in _TORCHRUN_VARS.values()):
-        # nobody else joins: launch_hardening meets in memory, no port is opened
+        # nobody else joins: the one rank meets itself in an in-memory store (a HashStore,
+        # launch_hardening.py), so no port is opened and no name is looked up
         _launch(config, 0, 1, 0, "tcp://127.0.0.1:0", "127.0.0.1 (single process)", backend, seed,
                 timeout)
         return

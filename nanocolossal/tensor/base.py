@@ -126,13 +126,6 @@ def tied(weight: nn.Parameter, own: nn.Parameter) -> nn.Parameter:
     return weight
 
 
-def tensor_holders(param: torch.Tensor) -> int:
-    """Tensor ranks holding this exact parameter (unmarked parameters are replicated on all)."""
-    if gpc.sequence_size > 1:  # sequence ranks split the tokens, not the weights
-        return 1
-    return getattr(param, "tensor_replicas", gpc.tensor_size)
-
-
 def add_bias(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """y + bias in y's dtype: under autocast F.linear casts its bias with its weight, so a split
     Linear adding its bias apart must too (a half y plus an fp32 bias would be fp32)."""

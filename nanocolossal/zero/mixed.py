@@ -74,12 +74,7 @@ class MixedShardedOptimizer(ShardedOptimizer):
                  unit_of: Optional[dict[int, int]] = None,
                  offload: Optional[Offload] = None) -> None:
         self.offload = offload
-        # the optimizer steps the half model parameters again; their whole-model masters are
-        # dropped (each rank makes its shard's, attach_masters)
-        half_of = {id(master): p for p, master in mixed.master_pairs()}
-        for g in mixed.optimizer.param_groups:
-            g["params"] = [half_of.get(id(q), q) for q in g["params"]]
-        mixed._master_pairs = []
+        mixed.drop_masters()  # each rank makes its shard's instead (attach_masters)
         super().__init__(mixed, model, level, group, unit_of)
         # MixedPrecisionOptimizer's (model, master) pairs become (half segment, fp32 segment):
         # its unscale_ reads the half gradients, its step copies the masters back
