@@ -69,7 +69,7 @@ from .checkpoint_merge import (  # noqa: F401 -- re-exported: the offline half o
     read_file,
     save_files,
     strip_prefixes,
-    tensor_layout,
+    tensor_splits_of,
     unwrap,
     zero_path,
 )
@@ -98,14 +98,14 @@ def stage_path(path: PathLike, stage: Optional[int] = None,
     return path.with_name("-".join([path.stem, *parts]) + path.suffix) if parts else path
 
 
-def _plain_shapes(model: nn.Module, layout: dict[str, list]) -> dict[str, list[int]]:
+def _plain_shapes(model: nn.Module, splits: dict[str, list]) -> dict[str, list[int]]:
     """The shape each entry has in the plain model: the local block's, times the parts of each
     split dimension."""
     shapes = {}
     # keep_vars: shapes only, so no gather of ZeRO 3's sharded parameters (not collective)
     for key, value in strip_prefixes(unwrap(model).state_dict(keep_vars=True)).items():
         shape = list(value.shape)
-        for dim, axis in layout[key]:
+        for dim, axis in splits[key]:
             shape[dim] *= axis_position(axis)[1]
         shapes[key] = shape
     return shapes
@@ -181,7 +181,7 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
     # sequence ranks hold replicas too: one of them writes; with experts (parallel.moe) each
     # rank of the first expert-parallel group, whose ranks hold different experts
     if gpc.gradient_rank < gpc.moe_size:
-        layout = tensor_layout(model)
+        splits = tensor_splits_of(model)
         state = {"epoch": epoch, "save_id": save_id[0],
                  "model": model_state,
                  "optimizer": optimizer_state,
@@ -191,7 +191,7 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
                               "layers": _stage_layers(model)},
                  "tensor": {"rank": gpc.tensor_rank, "size": _tensor_split(),
                             "mode": _job_layout()[2], "side": grid_side(),
-                            "splits": layout, "shapes": _plain_shapes(model, layout)},
+                            "splits": splits, "shapes": _plain_shapes(model, splits)},
                  "moe": {"rank": gpc.ep_rank, "size": gpc.moe_size},
                  "cpu_half": cpu_half.stored_choice()}
         atomic_save(state, stage_path(path))
@@ -246,17 +246,17 @@ def _check_compute_type(saved: Optional[str], file: Path) -> None:
 
 
 # -- one layout per file ----------------------------------------------------------------------
-Layout = tuple[int, int, Optional[str], int]  # (pipeline, tensor size, tensor mode, experts)
+LayoutSizes = tuple[int, int, Optional[str], int]  # (pipeline, tensor size, tensor mode, experts)
 
 
-def describe_layout(layout: Layout) -> str:
+def describe_layout(layout: LayoutSizes) -> str:
     """'pipeline 2, tensor 1d x2' -- how a job (or the job that saved a file) is split."""
     pipeline, tensor, mode, experts = layout
     tensor_part = f"tensor {mode} x{tensor}" if tensor > 1 else "no tensor parallelism"
     return f"pipeline {pipeline}, {tensor_part}" + (f", experts x{experts}" if experts > 1 else "")
 
 
-def _saved_layout(state: dict) -> Layout:
+def _saved_layout(state: dict) -> LayoutSizes:
     tensor = state.get("tensor") or {}
     size = tensor.get("size", 1)  # files of one process, or of old versions, record none
     pipeline = (state.get("pipeline") or {}).get("size", 1)
@@ -269,7 +269,7 @@ def _tensor_split() -> int:
     return 1 if gpc.tensor_mode == "sequence" else gpc.tensor_size
 
 
-def _job_layout() -> Layout:
+def _job_layout() -> LayoutSizes:
     return (gpc.pipeline_size, _tensor_split(), gpc.tensor_mode if _tensor_split() > 1 else None,
             gpc.moe_size)
 

@@ -35,7 +35,7 @@ from .tensor.base import POSITION, slice_of
 from .zero.state import assemble, assemble_params
 
 
-def tensor_layout(model: nn.Module) -> dict[str, list]:
+def tensor_splits_of(model: nn.Module) -> dict[str, list]:
     """How each entry of the model's state_dict is cut over tensor ranks (`tensor_splits`), keyed
     exactly as the state_dict is -- the plain model's keys, also for interleaved chunks."""
     entries = strip_prefixes(unwrap(model).state_dict(keep_vars=True))
@@ -169,11 +169,11 @@ def load_plain_state_dict(model: nn.Module, state_dict: dict) -> None:
     """Load a plain (unsplit) state_dict into a model of any layout: each parameter its slice,
     through the model's own load_state_dict (ZeRO level 3's hooks gather, then keep my shard)."""
     state_dict = strip_prefixes(state_dict)
-    layout = tensor_layout(model)
+    splits = tensor_splits_of(model)
     own = unwrap(model).state_dict(keep_vars=True)  # (keep_vars: no gather at ZeRO level 3)
     sliced = {}
     for own_key, key in zip(own, strip_prefixes(own)):  # the module's keys, the plain ones
         if key not in state_dict:
             raise KeyError(f"[rank {gpc.rank}] the plain state_dict has no {key!r}")
-        sliced[own_key] = slice_of(state_dict[key], layout[key])
+        sliced[own_key] = slice_of(state_dict[key], splits[key])
     unwrap(model).load_state_dict(sliced)

@@ -36,7 +36,7 @@ import nanocolossal.nn as col_nn
 from nanocolossal import amp
 from nanocolossal.amp import AMP_TYPE
 from nanocolossal.checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
-from nanocolossal.checkpoint_merge import load_plain_state_dict, strip_prefixes, tensor_layout
+from nanocolossal.checkpoint_merge import load_plain_state_dict, strip_prefixes, tensor_splits_of
 from nanocolossal.config import ConfigError
 from nanocolossal.context import gpc
 from nanocolossal.metrics import Accuracy
@@ -897,7 +897,7 @@ def _lm_loss(logits, y):
 # -- a GPT worker for every layout ---------------------------------------------------------------
 
 def _splits(engine):
-    return tensor_layout(engine.model)
+    return tensor_splits_of(engine.model)
 
 
 def _gpt_worker(rank, world_size, port, config, first, last, save, load, merged, expected,
@@ -945,7 +945,7 @@ def _report(model, expected, norms, rank, losses=None):
     if expected is None:  # one process's reference run: the whole state
         return {"state": strip_prefixes(_layout_state(model)), "norms": norms, "rank": rank,
                 "losses": losses}
-    layout = tensor_layout(model)
+    layout = tensor_splits_of(model)
     diffs = {}
     for key, value in strip_prefixes(_layout_state(model)).items():
         want = slice_of(expected[key], layout[key])

@@ -18,7 +18,7 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
-from nanocolossal.checkpoint_merge import strip_prefixes, tensor_layout
+from nanocolossal.checkpoint_merge import strip_prefixes, tensor_splits_of
 from nanocolossal.config import AMP_TYPE
 from nanocolossal.context import gpc
 from nanocolossal.moe import moe_aux_loss
@@ -149,7 +149,7 @@ def _worker(rank, world_size, port, config, pattern, weighted, expected):
 
 def _diffs(engine, expected):
     """This rank's parameters against its slice of one process's, relative."""
-    layout, diffs = tensor_layout(engine.model), {}
+    layout, diffs = tensor_splits_of(engine.model), {}
     for key, value in strip_prefixes(engine.model.state_dict()).items():
         want = slice_of(expected[key], layout[key])
         diffs[key] = (value - want).abs().max().item() / (1 + want.abs().max().item())

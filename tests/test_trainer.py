@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
-from nanocolossal.checkpoint_merge import strip_prefixes, tensor_layout
+from nanocolossal.checkpoint_merge import strip_prefixes, tensor_splits_of
 from nanocolossal.config import AMP_TYPE
 from nanocolossal.context import gpc
 from nanocolossal.data import DistributedSampler
@@ -581,7 +581,7 @@ def _gpt_worker(rank, world, port, config, how, expected):
     trainer.fit(train, how["epochs"], max_steps=how.get("max_steps"),
                 hooks=[hooks.LossHook(), hooks.LRSchedulerHook(sched, by_epoch=False), record,
                        hooks.SaveCheckpointHook(how["path"], interval=1000, lr_scheduler=sched)])
-    layout = tensor_layout(engine.model)
+    layout = tensor_splits_of(engine.model)
     state = strip_prefixes(engine.model.state_dict())
     diffs = {k: _max_rel(v, slice_of(expected[k], layout[k])) for k, v in state.items()}
     return dict(diffs=diffs, state=_state(engine.model), losses=record.values, lrs=record.lrs,

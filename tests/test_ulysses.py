@@ -21,7 +21,7 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 from nanocolossal.config import AMP_TYPE, ConfigError
-from nanocolossal.engine.initialize import describe_layout
+from nanocolossal.engine.initialize import layout_note
 from nanocolossal.nn.transformer import Attention
 from nanocolossal.tensor.ulysses import ulysses_attention
 from nanocolossal.tensor.zigzag import split_sequence, zigzag_split
@@ -224,7 +224,7 @@ def test_config_refuses_heads_all_to_all_cannot_split_and_unknown_kinds():
 def _refusals(rank, world_size, port):
     nc.launch({"parallel": {"tensor": A2A}}, rank=rank, world_size=world_size,
               host="127.0.0.1", port=port)
-    said = {"log": describe_layout(None)}
+    said = {"log": layout_note(None)}
     for case, call in {
         "heads": lambda: Attention(WIDTH, heads=3),
         "shares": lambda: ulysses_attention(*(torch.zeros(1, 2, 4 + 2 * rank, 2),) * 3),

@@ -287,7 +287,7 @@ def build_engine(model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion
     return engine, ", ".join(d for d in did if d) or None
 
 
-def describe_layout(schedule: Any) -> LogNote:
+def layout_note(schedule: Any) -> LogNote:
     """The parallel layout, first in the log line."""
     described = []
     if gpc.sequence_size > 1:
@@ -324,7 +324,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
                   *split_labels(criterion)]
     engine, engine_did = build_engine(model, optimizer, criterion, chunks, extensions, schedule)
     if verbose:
-        did = [d for d in (describe_layout(schedule), sync_bn, mixed, zero, moe_did, data,
+        did = [d for d in (layout_note(schedule), sync_bn, mixed, zero, moe_did, data,
                            engine_did) if d]
         get_dist_logger().info(f"initialize: {', '.join(did) or 'plain fp32, single process'}")
     return engine, split_loader(train_dataloader), split_loader(test_dataloader), lr_scheduler
