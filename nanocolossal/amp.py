@@ -83,7 +83,7 @@ class MixedPrecisionOptimizer:
         # bools and ints, or tensors on the device where the optimizer skips on its own (step)
         self._last_skipped: Union[bool, torch.Tensor] = False
         self._skipped: Union[int, torch.Tensor] = 0
-        self.loss_ranks = 1  # G where the engine weighs a counted loss: see backward_scale
+        self.weighed_ranks = 1  # G where the engine weighs a counted loss: see backward_scale
 
     def params(self) -> Iterator[nn.Parameter]:
         """The parameters the optimizer updates (fp32 masters under O2)."""
@@ -260,7 +260,7 @@ class MixedPrecisionOptimizer:
     def backward_scale(self) -> float:
         """What backward multiplies by and unscale_ divides by: the loss scale / G where a rank's
         counted loss carries G x its share (loss_weights.py): one process's half gradients."""
-        return self.loss_scale / self.loss_ranks if self.scaler is not None else 1.0
+        return self.loss_scale / self.weighed_ranks if self.scaler is not None else 1.0
 
     def master_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """O2's (half model parameter, fp32 master) pairs; empty otherwise."""

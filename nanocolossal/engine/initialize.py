@@ -244,7 +244,7 @@ def extend_loss(model: nn.Module, forward_module: nn.Module, criterion: Any,
     extensions: list[Extension] = []
     if weighs_by_targets(criterion):
         # fp16: the G of the weights (amp.py)
-        optimizer.loss_ranks = weighed_ranks(getattr(criterion, "spans_sequence", False))
+        optimizer.weighed_ranks = weighed_ranks(getattr(criterion, "spans_sequence", False))
         accumulation = gpc.config.get("gradient_accumulation", 1)
         extensions.append(CountedTargets(criterion, (forward_module, model), accumulation))
     if aux_weight:
