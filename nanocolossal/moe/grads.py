@@ -47,7 +47,7 @@ from ..extensions import Extension
 from ..gradient_handler import sum_gradients
 from .experts import expert_parameters
 from .layer import moe_layers
-from .placement import Group, check_sizes, group_size, rank_prefix
+from .placement import Group, check_expert_sizes, group_size, rank_prefix
 
 
 @dataclass
@@ -66,7 +66,7 @@ def build_moe_groups(ep_size: int, num_experts: int,
 
     data_ranks: every data-parallel group's global ranks, in data-rank order (default: the
     whole world is one data group)."""
-    check_sizes(num_experts, ep_size)
+    check_expert_sizes(num_experts, ep_size)
     if data_ranks is None:
         data_ranks = [list(range(dist.get_world_size()))]
     block = min(num_experts, ep_size)

@@ -37,7 +37,7 @@ def group_size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def check_sizes(num_experts: int, ep_size: int) -> None:
+def check_expert_sizes(num_experts: int, ep_size: int) -> None:
     """E and EP must nest: one divides the other."""
     if num_experts < 1 or ep_size < 1:
         raise ValueError(f"{rank_prefix()} num_experts={num_experts} and expert-parallel size "
@@ -60,7 +60,7 @@ class Placement:
     ep_rank: int
 
     def __post_init__(self) -> None:
-        check_sizes(self.num_experts, self.ep_size)
+        check_expert_sizes(self.num_experts, self.ep_size)
 
     @property
     def block(self) -> int:

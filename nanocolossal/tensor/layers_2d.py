@@ -100,7 +100,7 @@ def batch_blocks() -> int:
     return blocks().batch_parts if gpc.tensor_mode in ("2d", "2.5d", "3d") else 1
 
 
-def split_batch(x: torch.Tensor) -> torch.Tensor:
+def batch_block(x: torch.Tensor) -> torch.Tensor:
     """This rank's block of a batch that every tensor rank holds whole (inputs, labels): the
     grid row's (2.5d: block grid_depth * q + row of depth * q; 3d: block x * q + y)."""
     layout = blocks()
@@ -137,7 +137,7 @@ class SplitLabels(Extension):
     logits are in another layout)."""
 
     def __init__(self, criterion=None) -> None:
-        self.split = getattr(criterion, "output_targets", split_batch)
+        self.split = getattr(criterion, "output_targets", batch_block)
 
     def output_labels(self, label: torch.Tensor) -> torch.Tensor:
         return self.split(label)
@@ -228,7 +228,7 @@ class PatchEmbedding2D(nn.Module):
         params = [down_column(p) for p in (self.proj.weight, self.proj.bias, self.cls_token,
                                             self.pos_embed)]
         # every column convolves the same images with its own channels: sum their input gradients
-        return embed_patches(copy_to(split_batch(x), blocks().hidden_group), *params,
+        return embed_patches(copy_to(batch_block(x), blocks().hidden_group), *params,
                              self.patch_size)
 
 
@@ -244,7 +244,7 @@ class Embedding2D(nn.Module):
         self.padding_idx = padding_idx  # every rank holds every row: torch's meaning as is
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(split_batch(ids), down_column(self.weight),
+        return F.embedding(batch_block(ids), down_column(self.weight),
                            padding_idx=self.padding_idx)
 
 
@@ -293,7 +293,7 @@ class CrossEntropyLoss2D(nn.Module):
         self.register_buffer("weight", weight)  # moves with .to(device), as torch's loss
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        losses = F.cross_entropy(logits, split_batch(target), self.weight,
+        losses = F.cross_entropy(logits, batch_block(target), self.weight,
                                  ignore_index=self.ignore_index, reduction="none",
                                  label_smoothing=self.label_smoothing)
         if self.reduction == "none":

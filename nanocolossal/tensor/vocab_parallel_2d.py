@@ -29,7 +29,7 @@ from torch import nn
 from ..context import gpc
 from .base import add_bias, check_divisible, keep_slice
 from .comm import reduce_from, split
-from .layers_2d import across_grids, along_row, down_column, grid_batch, split_batch
+from .layers_2d import across_grids, along_row, batch_block, down_column, grid_batch
 from .summa import autocast_operands, panel, reduce_to
 from .vocab_parallel import (
     VocabParallelCrossEntropyLoss1D,
@@ -131,5 +131,5 @@ class VocabParallelCrossEntropyLoss2D(VocabParallelCrossEntropyLoss1D):
     and counted over the column group; takes the *whole* batch's targets, as CrossEntropyLoss2D."""
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self._loss(logits, split_batch(target), gpc.tensor_row_group, gpc.tensor_row_rank,
+        return self._loss(logits, batch_block(target), gpc.tensor_row_group, gpc.tensor_row_rank,
                           gpc.tensor_batch_group)
