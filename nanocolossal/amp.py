@@ -139,24 +139,31 @@ class MixedPrecisionOptimizer:
             skipped: Union[bool, torch.Tensor] = False
             self._step()
         elif self.scaler is None and getattr(self.optimizer, "_step_supports_amp_scaling", False):
-            skipped = flag[0] > 0
-            self.optimizer.found_inf = flag.reshape(())
-            try:
-                self._step()
-            finally:
-                del self.optimizer.found_inf
+            skipped = self._step_deciding_on_device(flag)
         else:
-            skipped = bool(flag.item())
+            skipped = bool(flag.item())  # the host decides: one read of the flag
             if not skipped:
                 self._step()
-            elif self.scaler is None:  # a scaler's back-off says it all; here, say it
-                get_dist_logger().warning(f"non-finite gradient on some rank: step "
-                                          f"{self.skipped_steps + 1} skipped on every rank")
             if self.scaler is not None:
                 self.scaler.update(skipped)
         self._flag = None
-        self._last_skipped, self._skipped = skipped, self._skipped + skipped
+        self._count_skipped(skipped)
         return not skipped if isinstance(skipped, bool) else skipped.logical_not()
+
+    def _step_deciding_on_device(self, flag: torch.Tensor) -> torch.Tensor:
+        """torch's fused optimizers take the flag as their `found_inf` and skip on the device."""
+        self.optimizer.found_inf = flag.reshape(())
+        try:
+            self._step()
+        finally:
+            del self.optimizer.found_inf
+        return flag[0] > 0
+
+    def _count_skipped(self, skipped: Union[bool, torch.Tensor]) -> None:
+        if skipped is True and self.scaler is None:  # a scaler's back-off says it; here, say it
+            get_dist_logger().warning(f"non-finite gradient on some rank: step "
+                                      f"{self.skipped_steps + 1} skipped on every rank")
+        self._last_skipped, self._skipped = skipped, self._skipped + skipped
 
     def _step(self) -> None:
         """The optimizer's step; O2: the updated masters copied into the half model."""

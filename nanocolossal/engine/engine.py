@@ -90,11 +90,7 @@ class Engine:
         passes them, reading the group's batches ahead), for the features that weigh a
         micro-step by what the whole group holds (loss_weights.py: its counted targets). Call
         it between groups."""
-        if self.accumulating or len(labels) > self.gradient_accumulation:
-            raise RuntimeError(f"[rank {gpc.rank}] engine.count_targets takes the labels of one "
-                               f"whole group (at most gradient_accumulation="
-                               f"{self.gradient_accumulation}, got {len(labels)}): call it "
-                               f"before the group's first backward")
+        self._check_whole_group(labels)
         for extension in self.extensions:  # extensions: counted targets (loss_weights.py)
             extension.group_labels(labels)
 
@@ -170,6 +166,13 @@ class Engine:
         if not forward_only:
             self.backward(loss)
         return output, self._output_labels(_to_device(label)), loss
+
+    def _check_whole_group(self, labels: Sequence[Any]) -> None:
+        if self.accumulating or len(labels) > self.gradient_accumulation:
+            raise RuntimeError(f"[rank {gpc.rank}] engine.count_targets takes the labels of one "
+                               f"whole group (at most gradient_accumulation="
+                               f"{self.gradient_accumulation}, got {len(labels)}): call it "
+                               f"before the group's first backward")
 
 
 class PipelineEngine(Engine):
