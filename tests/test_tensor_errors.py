@@ -9,6 +9,7 @@ from torch import nn
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
 from nanocolossal.config import ConfigError
+from nanocolossal.tensor.layers_1d import ColumnLinear1D, RowLinear1D
 
 sys.path.insert(0, str(ROOT))
 from train_tensor import vit  # noqa: E402
@@ -35,6 +36,10 @@ def _errors_worker(rank, world_size, port, mode):
         "plain model": _error(lambda: nc.initialize(plain,
                                                     torch.optim.SGD(plain.parameters(), lr=0.1))),
     }
+    if mode == "1d":  # features that do not fit the split, said before the collective
+        column, row = ColumnLinear1D(8, 4), RowLinear1D(8, 4)
+        out["column input"] = _error(lambda: column(torch.randn(2, 6)))
+        out["row input"] = _error(lambda: row(torch.randn(2, 8)))
     if mode == "2d":
         model = col_nn.PatchEmbedding(8, 4, 3, 8)
         out["batch"] = _error(lambda: model(torch.randn(3, 3, 8, 8)))
@@ -55,6 +60,13 @@ def test_gloo_1d_bad_inputs_are_clear_errors():
         assert out["plain model"].startswith(f"[rank {rank}] parallel.tensor=2 (1d) but the model "
                                              f"has plain torch layers (0, 2), which cannot split")
         assert "build it with nanocolossal.nn layers" in out["plain model"]
+        assert out["column input"] == (f"[rank {rank}] column-parallel Linear(8, 4) got an input "
+                                       f"with 6 features; 1d Linears alternate column/row, so a "
+                                       f"model needs its Linears in pairs (or pass a replicated "
+                                       f"input here)")
+        assert out["row input"] == (f"[rank {rank}] row-parallel Linear(8, 4) expects its input "
+                                    f"split over 2 ranks (4 features), got 8; put a "
+                                    f"column-parallel Linear before it")
 
 
 def test_deep_2d_bad_inputs_are_clear_errors():

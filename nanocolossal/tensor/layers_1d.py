@@ -52,12 +52,7 @@ class ColumnLinear1D(nn.Module):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x W_j^T without the bias (Colossal-AI's skip_bias_add hands the two back apart)."""
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"[rank {gpc.rank}] column-parallel Linear({self.in_features}, "
-                             f"{self.out_features}) got "
-                             f"an input with {x.shape[-1]} features; 1d Linears alternate "
-                             f"column/row, so a model needs its Linears in pairs (or pass a "
-                             f"replicated input here)")
+        _check_column_input(self, x)
         return F.linear(copy_to(x, gpc.tensor_group), self.weight)
 
 
@@ -81,11 +76,7 @@ class RowLinear1D(nn.Module):
         """sum_j x_j W_j^T without the bias. `streams` > 1 computes and reduces it in that many
         parts of the output features (Colossal-AI's stream_chunk_num): same numbers, and on a
         GPU one part's all-reduce can overlap the next part's product."""
-        if x.shape[-1] * gpc.tensor_size != self.in_features:
-            raise ValueError(f"[rank {gpc.rank}] row-parallel Linear({self.in_features}, "
-                             f"{self.out_features}) expects its input split over {gpc.tensor_size} "
-                             f"ranks ({self.in_features // gpc.tensor_size} features), got "
-                             f"{x.shape[-1]}; put a column-parallel Linear before it")
+        _check_row_input(self, x)
         parts = [reduce_from(F.linear(x, w), gpc.tensor_group)
                  for w in self.weight.chunk(streams, dim=0)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
@@ -149,3 +140,21 @@ class Classifier1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from(F.linear(split(x, -1, gpc.tensor_group), self.weight), gpc.tensor_group)
         return add_bias(y, self.bias)
+
+
+# -- inputs that do not fit, said before the collective -----------------------------------------
+
+def _check_column_input(layer: ColumnLinear1D, x: torch.Tensor) -> None:
+    if x.shape[-1] != layer.in_features:
+        raise ValueError(f"[rank {gpc.rank}] column-parallel Linear({layer.in_features}, "
+                         f"{layer.out_features}) got an input with {x.shape[-1]} features; 1d "
+                         f"Linears alternate column/row, so a model needs its Linears in pairs "
+                         f"(or pass a replicated input here)")
+
+
+def _check_row_input(layer: RowLinear1D, x: torch.Tensor) -> None:
+    if x.shape[-1] * gpc.tensor_size != layer.in_features:
+        raise ValueError(f"[rank {gpc.rank}] row-parallel Linear({layer.in_features}, "
+                         f"{layer.out_features}) expects its input split over {gpc.tensor_size} "
+                         f"ranks ({layer.in_features // gpc.tensor_size} features), got "
+                         f"{x.shape[-1]}; put a column-parallel Linear before it")
