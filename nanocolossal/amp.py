@@ -1,11 +1,11 @@
 """Mixed precision: compute in 16 bits, keep what accumulates in 32.
 
-fp16 halves memory traffic and runs on tensor cores, but it has a narrow range: gradients
-below ~6e-8 flush to zero. Loss scaling (amp_scaler.py) lifts them back into range: scale the
-loss by S before backward, divide the gradients by S before the step, and skip the step (and
-lower S) when a gradient overflowed. Every rank must make the same decision, so the overflow
-flag is all-reduced (MAX) over the whole job before anyone steps. bfloat16 has fp32's range,
-so it needs no scaling. (On a CPU, which half type is fast is measured: cpu_half.py.)
+fp16 halves memory traffic and runs on tensor cores, but it has a narrow range: gradients below
+~6e-8 flush to zero. Loss scaling (amp_scaler.py) lifts them back into range: scale the loss by
+S before backward, divide the gradients by S before the step, and skip the step (and lower S)
+when a gradient overflowed. Every rank must make the same decision, so the overflow flag is
+all-reduced (MAX) over the whole job before anyone steps. bfloat16 has fp32's range, so it needs
+no scaling. (On a CPU, which half type is fast is read from its instruction set: cpu_half.py.)
 
 The opt levels (as apex):
     O0  fp32 everything                                              (reference)

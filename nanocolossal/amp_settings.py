@@ -64,7 +64,7 @@ def amp_settings(fp16: Mapping[str, Any], cpu_half: Optional[torch.dtype],
                  on_cpu: bool) -> tuple[str, Optional[dict]]:
     """fp16=dict(mode=AMP_TYPE.X, ...) -> (opt_level, keyword arguments for amp.initialize), or
     (opt_level, None) to stay in float32: `enabled=False`, or on a CPU (`on_cpu`) with no dtype
-    asked for whose measured fast half type `cpu_half` is None."""
+    asked for whose fast half type `cpu_half` (cpu_half.py) is None."""
     check_fp16(fp16)
     fp16 = dict(fp16)
     mode = AMP_TYPE.parse(fp16.pop("mode"))

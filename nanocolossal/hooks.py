@@ -11,8 +11,9 @@
 
 At every point hooks run in ascending `priority`, so metric hooks (0) have filled
 `trainer.states["metrics"]` before the logging hooks (10) print it and the checkpoint hook
-(20) saves. Metrics are all-reduced over the data-parallel ranks: the numbers logged are
-those of the whole dataset, identical on every rank.
+(20) saves. Metrics are all-reduced over the data ranks (the whole world under a pipeline or
+tensor parallelism: metrics.py): the numbers logged are those of the whole dataset, identical on
+every rank.
 """
 from __future__ import annotations
 

@@ -61,7 +61,9 @@ class Accuracy:
         self.total += target.numel()
 
     def compute(self) -> float:
-        """Global correct / global total (a collective over the data-parallel group)."""
+        """Global correct / global total: a collective over _reduce_group's ranks -- the data
+        ranks, or the whole world under a pipeline or tensor parallelism, where every stage and
+        tensor rank must call it."""
         counts = torch.tensor([self.correct, self.total], dtype=torch.int64, device=gpc.device)
         group = _reduce_group(self.group)
         if group is not None:

@@ -100,11 +100,11 @@ def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Opt
         return model, MixedPrecisionOptimizer(optimizer), criterion, None
     if gpc.config.get("zero") is not None:  # Colossal-AI v0.1's optimizer_config scaler keys
         fp16 = type(fp16)({**fp16, **zero_settings(gpc.config)[1]})
-    measure = gpc.device.type == "cpu" and "dtype" not in fp16 and fp16.get("enabled", True)
-    cpu_half = probe.cpu_half_dtype() if measure else None
+    ask_cpu = gpc.device.type == "cpu" and "dtype" not in fp16 and fp16.get("enabled", True)
+    cpu_half = probe.cpu_half_dtype() if ask_cpu else None
     opt_level, kwargs = amp_settings(fp16, cpu_half, gpc.device.type == "cpu")
     name = f"AMP {opt_level} ({AMP_TYPE.parse(fp16.mode).name})"
-    if measure:
+    if ask_cpu:
         get_dist_logger().info(
             f"fp16 on CPU: computing in {str(cpu_half or torch.float32).removeprefix('torch.')}: "
             f"this CPU {'has' if cpu_half else 'lacks'} bfloat16 instructions and no CPU has fast "

@@ -1,7 +1,7 @@
 """Mixture of experts with expert parallelism, on plain torch.distributed.
 
-Reading order: router.py (who goes where, capacity), balance.py (the load-balancing loss over
-the global batch), placement.py (which rank holds which expert), dispatch.py (the two
+Reading order: placement.py (which rank holds which expert), balance.py (the load-balancing
+loss over the global batch), router.py (who goes where, capacity), dispatch.py (the two
 all-to-alls), experts.py, layer.py (MoeLayer puts them together), grads.py (which ranks sum
 which gradients; MoeGradientHandler does it for the Engine), ../pipeline/moe_aux.py (the
 load-balancing loss in the training loss, with or without a pipeline), settings.py (the config:

@@ -6,7 +6,7 @@ Colossal-AI's MoE tutorial writes the expert-parallel size as a parallel entry:
     parallel = dict(moe=dict(size=MOE_MODEL_PARALLEL_SIZE))   # EP; `moe=2` works too
 
 and the model's keys, read by train_gpt.py (`moe_model_settings`: MoeLayer's arguments) and
-the Engine (`moe_aux_weight`):
+`initialize` (`moe_aux_weight`, for the aux-loss extension: pipeline/moe_aux.py):
 
     NUM_EXPERTS = 4              # E, per MoE layer
     MOE_TOP_K = 1                # 1 (Switch) or 2 (GShard)
@@ -16,11 +16,11 @@ the Engine (`moe_aux_weight`):
 
 Expert parallelism is carved out of the data-parallel ranks, so EP must divide the data size D
 (checked at launch, layout.check_moe_world: the world size is not known before). A pipeline
-composes (each stage's expert groups are carved out of that stage's data ranks, and every stage's
-load-balancing loss joins its backward per micro-batch: pipeline/moe_aux.py). What does not
-compose is refused here, by name: tensor parallelism 1d/2d and sequence parallelism (the
-experts' tokens would be split or sharded a second way), and ZeRO (which flattens all
-parameters into one data-parallel shard: experts are not replicated there).
+composes (each stage's expert groups are carved out of that stage's data ranks, and every
+stage's load-balancing loss joins its backward per micro-batch: pipeline/moe_aux.py). What does
+not compose is refused here, by name: tensor parallelism of every mode (1d, 2d, 2.5d, 3d) and
+sequence parallelism (the experts' tokens would be split or sharded a second way), and ZeRO
+(which flattens all parameters into one data-parallel shard: experts are not replicated there).
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def moe_model_settings(cfg: Mapping) -> Optional[dict[str, Any]]:
 
 
 def moe_aux_weight(cfg: Mapping) -> float:
-    """MOE_AUX_WEIGHT: what the Engine adds of the load-balancing loss (0.01 by default)."""
+    """MOE_AUX_WEIGHT: the load-balancing loss's weight in the training loss (0.01 by default)."""
     return _number(cfg, "MOE_AUX_WEIGHT", AUX_WEIGHT, positive=False)
 
 

@@ -7,12 +7,14 @@ here says only which plan and how many chunks per rank.
     zero_bubble   1F1B, each backward split into B and W (ZB-H1)     1 chunk
     zbv           two chunks in a V, backwards split (ZB-V)          2 chunks
 
-`make_schedule(name, M, V)` picks one (initialize does, from the config's PIPELINE_SCHEDULE).
+`make_schedule(name, M, V)` picks one (initialize does, from the config's PIPELINE_SCHEDULE);
+`check_pipeline_config` checks the config's pipeline keys when it is loaded.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from ..config import Config, ConfigError, is_positive_int, register_check
 from ..context import gpc
 from .plan import SCHEDULES
 from .schedule import Schedule, check_on_this_pipeline
@@ -68,3 +70,26 @@ def make_schedule(name: str, num_microbatches: int, num_chunks: int = 1,
     schedules = {"gpipe": GPipeSchedule, "1f1b": PipelineSchedule,
                  "zero_bubble": ZeroBubbleSchedule}
     return schedules[name](num_microbatches, tensor_shape)
+
+
+# -- the config's pipeline keys, checked when a config is loaded (config.py) ----------------------
+
+def check_pipeline_config(cfg: Config) -> None:
+    """PIPELINE_SCHEDULE names one of plan.py's schedules; NUM_MICRO_BATCHES and NUM_CHUNKS are
+    counts; TENSOR_SHAPE is one micro-batch's activation shape (p2p.py)."""
+    schedule = cfg.get("PIPELINE_SCHEDULE")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ConfigError(f"PIPELINE_SCHEDULE must be one of {', '.join(map(repr, SCHEDULES))}, "
+                          f"got {schedule!r}")
+    for key in ("NUM_MICRO_BATCHES", "NUM_CHUNKS"):
+        value = cfg.get(key)
+        if value is not None and not is_positive_int(value):
+            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    shape = cfg.get("TENSOR_SHAPE")
+    if shape is not None and not (isinstance(shape, (list, tuple))
+                                  and all(map(is_positive_int, shape))):
+        raise ConfigError(f"TENSOR_SHAPE must be a list of positive ints (one micro-batch's "
+                          f"activation), got {shape!r}")
+
+
+register_check(check_pipeline_config)  # validate_config runs it when a config is loaded

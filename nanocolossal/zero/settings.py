@@ -66,7 +66,7 @@ def check_zero(cfg: Config) -> None:
     if cfg.get("gradient_handler"):
         raise ConfigError("zero and gradient_handler both say how gradients are reduced; remove "
                           "gradient_handler (zero reduces them itself)")
-    if P > 1 and level == 3:  # 1F1B runs a stage's forward M times before its first backward
+    if P > 1 and level == 3:  # every micro-batch's forward and backward would gather the stage
         raise ConfigError(f"zero level 3 with a pipeline (pipeline={P}) is not supported: a stage "
                           f"would gather its parameters for each of its micro-batches, forward and "
                           f"backward (2M all-gathers a step); use zero level 1 or 2 with a "
