@@ -49,7 +49,8 @@ def axis_position(axis: str) -> tuple[int, int]:
 
 
 def axis_group(axis: str):
-    """The group whose members hold the other parts along `axis`."""
+    """The group whose members hold the other parts along `axis`: along the "col" axis (my
+    column index) lie the ranks of my grid row, so it is tensor_row_group, and vice versa."""
     return {"tensor": gpc.tensor_group, "col": gpc.tensor_row_group,
             "row": gpc.tensor_col_group, "depth": gpc.tensor_depth_group,
             "x": gpc.tensor_x_group, "y": gpc.tensor_y_group, "z": gpc.tensor_z_group}[axis]

@@ -85,7 +85,7 @@ class VocabParallelEmbedding2D(nn.Module):
         check_divisible(embedding_dim, q, "Embedding dim")
         full = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
         self.weight = keep_slice(full.weight, VOCAB_BLOCKS)
-        block = gpc.tensor_col_rank  # my row of the grid: my vocabulary block
+        block = gpc.grid_row  # my row of the grid: my vocabulary block
         self.start, self.end = block * num_embeddings // q, (block + 1) * num_embeddings // q
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
