@@ -76,7 +76,7 @@ from .checkpoint_merge import (  # noqa: F401 -- re-exported: the offline half o
 from .config import ConfigError
 from .context import gpc
 from .logging import get_dist_logger
-from .pipeline.partition import PipelineStage
+from .pipeline.partition import PipelinePart
 from .tensor.base import axis_position, grid_side
 from .zero import ShardedOptimizer
 from .zero.load import load_model_entries, read_my_segments
@@ -290,7 +290,7 @@ def _check_layout(state: dict, file: Path, path: PathLike) -> None:
 def _stage_layers(model: nn.Module) -> Optional[list[list[int]]]:
     """[start, stop) of the layers each of this rank's pipeline parts holds (zbv's rank 0 of 2:
     [[0, 2], [6, 7]]): how the schedule and partition cut the model; None without a pipeline."""
-    parts = [[m.start, m.stop] for m in unwrap(model).modules() if isinstance(m, PipelineStage)]
+    parts = [[m.start, m.stop] for m in unwrap(model).modules() if isinstance(m, PipelinePart)]
     return parts or None
 
 

@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 from ..config import ConfigError
 from ..context import gpc
-from ..pipeline import PipelineChunks, PipelineStage, make_schedule
+from ..pipeline import PipelineChunks, PipelinePart, make_schedule
 from ..pipeline.steps import v_shaped
 
 
@@ -34,7 +34,7 @@ def check_tensor_parallel_model(model: nn.Module) -> None:
 def pipeline_schedule(model: nn.Module):
     """The schedule gpc.config asks for, after checking the model is a pipeline stage."""
     cfg = gpc.config
-    if not isinstance(model, (PipelineStage, PipelineChunks)):
+    if not isinstance(model, (PipelinePart, PipelineChunks)):
         raise ConfigError(f"[rank {gpc.rank}] parallel.pipeline={gpc.pipeline_size} but the model "
                           f"is a whole {type(model).__name__}; pass build_pipeline_model(model) "
                           f"(this rank's "

@@ -11,7 +11,7 @@
 
     python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--chunks 2] [--schedule S]
 """
-from .partition import PipelineChunks, PipelineStage, balanced_split, build_pipeline_model
+from .partition import PipelineChunks, PipelinePart, balanced_split, build_pipeline_model
 from .plan import all_plans, build_plan, compute_order, one_f_one_b, warmup_count
 from .schedules import (
     GPipeSchedule,
@@ -25,6 +25,6 @@ from .simulate import render, simulate
 from .steps import PlanError
 
 __all__ = ["GPipeSchedule", "InterleavedPipelineSchedule", "PipelineChunks", "PipelineSchedule",
-           "PipelineStage", "PlanError", "ZBVSchedule", "ZeroBubbleSchedule", "all_plans",
+           "PipelinePart", "PlanError", "ZBVSchedule", "ZeroBubbleSchedule", "all_plans",
            "balanced_split", "build_pipeline_model", "build_plan", "compute_order",
            "make_schedule", "one_f_one_b", "render", "simulate", "warmup_count"]

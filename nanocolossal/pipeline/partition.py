@@ -35,8 +35,9 @@ from .steps import stage_rank, v_shaped, virtual_stage
 from .tied import tie_across_stages
 
 
-class PipelineStage(nn.Module):
-    """Consecutive layers of the original Sequential, registered under their original indices."""
+class PipelinePart(nn.Module):
+    """One part (of the P x V cuts): consecutive layers of the original Sequential, registered
+    under their original indices. A stage is one part, or V of them (PipelineChunks)."""
 
     def __init__(self, layers: nn.Sequential, start: int, stop: int) -> None:
         super().__init__()
@@ -166,7 +167,7 @@ def build_pipeline_model(layers: nn.Sequential, num_chunks: int = 1,
                          partition: Union[str, Sequence[int]] = "parameters", verbose: bool = False,
                          sample_input: Optional[torch.Tensor] = None,
                          schedule: Optional[str] = None) -> nn.Module:
-    """This rank's part of `layers`: a PipelineStage, or PipelineChunks of num_chunks stages,
+    """This rank's part of `layers`: a PipelinePart, or PipelineChunks of num_chunks parts,
     placed for `schedule` (default: the config's PIPELINE_SCHEDULE; 'zbv' places them in a V)."""
     if not isinstance(layers, nn.Sequential):
         raise TypeError(f"[rank {gpc.rank}] build_pipeline_model needs an "
@@ -188,7 +189,7 @@ def build_pipeline_model(layers: nn.Sequential, num_chunks: int = 1,
                          f"{a:>3}-{b - 1:<5} {n_params:>10,}  {sum(costs[a:b]):>8.3g}{unit}")
         get_dist_logger().info("\n".join(lines))
     parts = [virtual_stage(c, gpc.pipeline_rank, P, v_shape) for c in range(V)]
-    mine = [PipelineStage(layers, starts[k], starts[k] + sizes[k]) for k in parts]
+    mine = [PipelinePart(layers, starts[k], starts[k] + sizes[k]) for k in parts]
     stage = mine[0] if V == 1 else PipelineChunks(mine)
     stage.v_shape = v_shape  # the schedule checks it runs the placement it was built for
     stage.tied = tie_across_stages(layers, starts, sizes, v_shape)  # e.g. embedding = classifier
