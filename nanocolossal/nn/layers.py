@@ -53,13 +53,13 @@ from ..tensor.vocab_parallel_2d import (
 
 GRID = ("2d", "2.5d")  # SUMMA on a grid (2.5d: on each of its stacked grids)
 ALTERNATING = ("1d", "3d")  # Linears alternate column, row, column...
-_state = {"1d_input_is_split": False}  # 1d/3d alternation: does the next Linear get a split
-                                       # input (3d: layout B)?
+# 1d/3d alternation: is the next Linear a row one, its input split (3d: in layout B)?
+_state = {"next_is_row": False}
 
 
 def reset_1d_alternation() -> None:
     """Start the next 1d Linear as column-parallel again (e.g. before building a second model)."""
-    _state["1d_input_is_split"] = False
+    _state["next_is_row"] = False
 
 
 on_destroy(reset_1d_alternation)  # the next job's first 1d Linear is column-parallel
@@ -68,14 +68,14 @@ on_destroy(reset_1d_alternation)  # the next job's first 1d Linear is column-par
 def set_1d_input_is_split(split: bool) -> None:
     """Record whether the activation after the layer just built is split (Colossal-AI's
     set_parallel_input): the next alternating Linear and Dropout follow it."""
-    _state["1d_input_is_split"] = split
+    _state["next_is_row"] = split
 
 
 def alternate(parallel: Optional[str] = None) -> str:
     """'column' or 'row' for the Linear being built (1d, 3d): `parallel` if given, else the
     alternation's next; the next one then follows this one."""
-    row = _state["1d_input_is_split"] if parallel is None else parallel == "row"
-    _state["1d_input_is_split"] = not row
+    row = _state["next_is_row"] if parallel is None else parallel == "row"
+    _state["next_is_row"] = not row
     return "row" if row else "column"
 
 
@@ -83,7 +83,7 @@ def check_3d_layout(layer: str) -> None:
     """Under 3d a column Linear's output is in layout B (tensor/cube.py), which only a row Linear
     takes; LayerNorm, embeddings and classifiers work on layout A. Built between a column Linear
     and its row partner, they would compute on the wrong blocks, silently: refuse."""
-    if gpc.tensor_mode == "3d" and _state["1d_input_is_split"]:
+    if gpc.tensor_mode == "3d" and _state["next_is_row"]:
         raise ValueError(f"[rank {gpc.rank}] {layer} built after a column Linear under 3d "
                          f"tensor parallelism: its input would be the column Linear's output "
                          f"(layout B), where only a row Linear fits; build Linears in column/row "
@@ -95,7 +95,7 @@ def check_3d_side(parallel: Optional[str]) -> None:
     """Under 3d a column Linear takes layout A and a row Linear layout B, whose blocks have the
     same shapes: a Linear(parallel=) against the alternation would compute on the wrong blocks,
     silently (1d's shapes differ and fail). Refuse it."""
-    if parallel is None or (parallel == "row") == _state["1d_input_is_split"]:
+    if parallel is None or (parallel == "row") == _state["next_is_row"]:
         return
     if parallel == "column":
         where = ("after a column Linear: its input would be that Linear's output (layout B), "
@@ -291,7 +291,7 @@ class Dropout(nn.Dropout):
     def __init__(self, p: float = 0.5, sharded: bool | None = None) -> None:
         super().__init__(p)
         if sharded is None:
-            split_1d = gpc.tensor_mode == "1d" and _state["1d_input_is_split"]
+            split_1d = gpc.tensor_mode == "1d" and _state["next_is_row"]
             sharded = gpc.tensor_mode in ("2d", "2.5d", "3d", "sequence") or split_1d  # own mask
         self.sharded = sharded
 

@@ -4,10 +4,10 @@ Each schedule only chooses the order of steps (plan.py); `forward_backward_step`
 rank's plan:
 
     F(c, m)  input = micro-batch m (first stage) or the received activation; run chunk c.
-             The last stage applies the criterion and weights it by the micro-batch's share
-             of the batch (1/M when M divides the batch), so the summed gradients of the M
-             micro-batches are those of the mean loss over the batch.
-    B(c, m)  backward from the loss (last stage, times the AMP loss scale) or from the
+             The stage holding the last part (output_rank) applies the criterion and weighs
+             it by the micro-batch's share of the batch (1/M when M divides the batch), so the
+             summed gradients of the M micro-batches are those of the mean loss over the batch.
+    B(c, m)  backward from the loss (the last part, times the AMP loss scale) or from the
              gradient received from the next stage; the input's gradient is sent back.
              An integer activation (token ids for the next stage's embedding) has no
              gradient: both sides know its dtype, so both drop that transfer. A floating
