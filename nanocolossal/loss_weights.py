@@ -201,10 +201,11 @@ class CountedTargets(Extension):
         self.spans = getattr(criterion, "spans_sequence", False)
         self.modules = modules  # whose training flags say training (either may say eval)
         self.accumulation = accumulation
-        self.group: Optional[tuple[torch.Tensor, int]] = None  # (W, k) of the counted group
+        # (W, k): the accumulation group's counted targets and micro-steps, once counted
+        self.counted_group: Optional[tuple[torch.Tensor, int]] = None
 
     def _weighs(self) -> bool:
-        return ((gpc.gradient_size > 1 or self.group is not None)
+        return ((gpc.gradient_size > 1 or self.counted_group is not None)
                 and all(m.training for m in self.modules) and torch.is_grad_enabled())
 
     def loss(self, compute: Callable, output: Any, label: Any) -> torch.Tensor:
@@ -213,9 +214,9 @@ class CountedTargets(Extension):
         count = target_counts(self.criterion, [label])
         loss = compute(gradient_if_counted(output, count[0]), label)
         step = weigh(loss, piece_weights(count, self.spans)[0], count[0])
-        if self.group is None:
+        if self.counted_group is None:
             return step
-        total, k = self.group
+        total, k = self.counted_group
         group = weigh(loss, piece_weights(count, self.spans, total)[0] * k, count[0])
         return step.detach() + (group - group.detach())
 
@@ -224,10 +225,10 @@ class CountedTargets(Extension):
         if self.accumulation > 1:
             counts = target_counts(self.criterion, [y.to(gpc.device, non_blocking=True)
                                                     for y in labels])
-            self.group = (total_count(counts), len(labels))
+            self.counted_group = (total_count(counts), len(labels))
 
     def end_group(self) -> None:
-        self.group = None  # the next group is counted anew, or weighs 1 / N
+        self.counted_group = None  # the next group is counted anew, or weighs 1 / N
 
     def weigh_micro_batches(self, criterion: Any, labels: list,
                             training: bool) -> Optional[MicroBatchLoss]:
