@@ -265,8 +265,10 @@ class MixedPrecisionOptimizer:
 
     @property
     def backward_scale(self) -> float:
-        """What backward multiplies by and unscale_ divides by: the loss scale / G where a rank's
-        counted loss carries G x its share (loss_weights.py): one process's half gradients."""
+        """What backward multiplies by and unscale_ divides by: the loss scale S, or S / G where
+        the loss is weighed by counted targets (loss_weights.py, set by initialize): there a
+        rank's piece of the loss may carry up to G x its sample share (G: the ranks the gradient
+        average divides by), and dividing S by G keeps its half gradients one process's size."""
         return self.loss_scale / self.weighed_ranks if self.scaler is not None else 1.0
 
     def master_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:

@@ -77,7 +77,11 @@ class _Bucket:
 
 class DistributedDataParallel(nn.Module):
     """Wrap `module` so that backward averages gradients over `process_group` (default: gpc's
-    gradient group: the data-parallel ranks, times the sequence ranks if any)."""
+    gradient group: the data-parallel ranks, times the sequence ranks if any).
+
+    `reduced_elsewhere`: parameters this wrapper leaves alone because another wrapper averages
+    them -- a weight two pipeline chunks of one rank share is averaged by the first chunk's.
+    `bucket_class`, `name` and `other_way` are what ZeRO level 2's subclass changes."""
 
     # what ZeRO changes (zero/gradients.py): level 2's buckets come and go; errors name it
     bucket_class = _Bucket

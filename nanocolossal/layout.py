@@ -118,8 +118,10 @@ def layout(world: int, P: int = 1, T: int = 1, mode: Optional[str] = None,
 
 def moe_layout(data: list[list[int]], ep: int) -> tuple[list[list[int]], dict]:
     """Expert parallelism inside each data group (ranks in data-rank order): EP groups are EP
-    consecutive data ranks; an expert of a layer whose exchange block is G = min(E, EP) ranks
-    is held by the data ranks with equal data_rank % G -- one group list per G dividing EP.
+    consecutive data ranks. A layer of E experts trades tokens within its exchange block, the
+    G = min(E, EP) consecutive ranks that hold all E experts between them (moe/placement.py), so
+    an expert is held by the data ranks with equal data_rank % G -- one group list per G
+    dividing EP.
     `data` has one group per pipeline stage (and tensor rank), so under a pipeline every stage
     has its own expert groups: a stage's experts only ever meet the same stage's replicas.
 
