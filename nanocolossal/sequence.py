@@ -20,7 +20,7 @@ Who does what, layer by layer:
                 (attention='ring', the default), or all-to-all attention (attention='all_to_all',
                 tensor/ulysses.py): all tokens meet for h/N heads per rank
     loss        N x this rank's share of the sequences' loss: its tokens' sum divided by the
-                targets counted on all N ranks (nn/layers.py), so the N ranks' mean is the loss
+                targets counted on all N ranks (sequence_share), so the N ranks' mean is the loss
     gradients   averaged over the gradient group: data x sequence ranks (gpc.gradient_group)
 
 Why averaging is exact. The global batch's loss is the mean over its B*s tokens; each rank's
@@ -48,6 +48,7 @@ from torch import nn
 
 from .config import Config, ConfigError, register_check
 from .context import gpc
+from .loss_weights import counted_targets, mean_over
 from .nest import map_tensors
 from .tensor.zigzag import share_lengths, zigzag_split
 
@@ -81,6 +82,21 @@ def token_positions(ids: torch.Tensor, max_positions: Optional[int] = None) -> t
                          f"{max_positions} tokens (SEQ_LEN) or a model with more positions")
     whole = torch.arange(sum(lengths), device=ids.device)
     return zigzag_split(whole, 0, n, r, even).expand_as(ids)
+
+
+def sequence_share(losses: torch.Tensor, target: torch.Tensor, reduction: str = "mean",
+                   ignore_index: int = -100, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The loss of this rank's tokens (`losses`, per token) as N x its share of the sequences'
+    loss, so that the average over the N sequence ranks (DDP's, the metrics') is the loss of
+    whole sequences. A mean divides by the targets counted on *all* N ranks: padding at the end
+    of sequences falls on some ranks' stripes only, and a mean of per-rank means would weigh it.
+    (nn/layers.py's token cross-entropy calls it.)"""
+    n = gpc.sequence_size
+    if reduction == "sum":
+        return losses.sum() * n
+    count = counted_targets(target, ignore_index, weight).to(losses.dtype)
+    dist.all_reduce(count, group=gpc.sequence_group)
+    return mean_over(losses.sum() * n, count)
 
 
 def split_batch(batch: Any, n: int, r: int, even: bool = True) -> Any:

@@ -31,12 +31,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
 from ..context import gpc, on_destroy
-from ..loss_weights import counted_targets, mean_over
+from ..sequence import sequence_share
 from ..tensor import layers_1d, layers_2d, layers_3d
 from ..tensor.base import PatchEmbedding as _PlainPatchEmbedding
 from ..tensor.base import check_tied_shape, sharded_dropout
@@ -225,18 +224,11 @@ class TokenCrossEntropyLoss(nn.CrossEntropyLoss):
         return loss.reshape(target.shape) if self.reduction == "none" else loss
 
     def _sequence_share(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Under sequence parallelism: N x (my tokens' share of the sequences' loss), so that the
-        average over the N sequence ranks (DDP's, the metrics') is the loss of whole sequences.
-        A mean divides by the weight counted on *all* N ranks: padding at the end of sequences
-        falls on some ranks' chunks only, and a mean of per-rank means would weigh it."""
-        n = gpc.sequence_size
+        """Under sequence parallelism: N x my tokens' share of the sequences' loss
+        (sequence.sequence_share)."""
         losses = F.cross_entropy(logits, target, self.weight, ignore_index=self.ignore_index,
                                  reduction="none", label_smoothing=self.label_smoothing)
-        if self.reduction == "sum":
-            return losses.sum() * n
-        count = counted_targets(target, self.ignore_index, self.weight).to(losses.dtype)
-        dist.all_reduce(count, group=gpc.sequence_group)
-        return mean_over(losses.sum() * n, count)
+        return sequence_share(losses, target, self.reduction, self.ignore_index, self.weight)
 
 
 def PatchEmbedding(img_size: int, patch_size: int, in_chans: int, embed_size: int) -> nn.Module:
