@@ -318,6 +318,13 @@ MUTATIONS: list[dict] = [
          new="return whole[: ids.shape[1]].expand_as(ids)",
          bug="a token's position is its index in this rank's share, not in the whole sequence",
          tests=["tests/test_sequence.py", "-k", "equals_one_process"]),
+    dict(id="sequence-loss-local-count", idea="sequence parallel", file="nanocolossal/sequence.py",
+         old="    dist.all_reduce(count, group=gpc.sequence_group)",
+         new="    pass  # (the count of the other sequence ranks' targets, dropped)",
+         bug="a sequence rank divides its tokens' loss by its own targets, not by the whole "
+             "sequences' count: a mean of per-rank means, which weighs padding",
+         tests=["tests/test_sequence.py::test_gloo_sequence_parallel_on_two_ranks_equals_one_"
+                "process"]),
     # -- experts (MoE) ------------------------------------------------------------------------
     dict(id="moe-capacity-off-by-one", idea="MoE routing", file="nanocolossal/moe/router.py",
          old="    kept = position < capacity",
