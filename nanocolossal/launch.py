@@ -236,8 +236,8 @@ def default_local_rank(rank: int, local_rank: Optional[int] = None, env: Optiona
                        gpus: Optional[int] = None) -> int:
     """This process's rank on its node: given, else the launcher's, else rank % GPUs per node.
 
-    Defaulting to the global rank was wrong on every node but the first: rank 8 of a job on
-    8-GPU nodes would ask for cuda:8."""
+    Not the global rank: on every node but the first that names a device that does not exist
+    (rank 8 of a job on 8-GPU nodes would ask for cuda:8)."""
     if local_rank is not None:
         return local_rank
     env = os.environ if env is None else env

@@ -386,9 +386,9 @@ def _half_keys():
 @pytest.mark.parametrize("into", ["zero3-o2", "one-process-o2"])
 def test_deep_fp32_zero3_checkpoint_into_an_o2_job_resumes_from_the_saved_weights(into, tmp_path):
     """ZeRO 3 fp32 (no AMP) saves after 2 steps; an O2 job loads it: its fp32 masters must be
-    the saved weights (to half rounding), and its next step must start from them (not from the
-    fresh model's weights the masters were made of: the bug this test found, in amp.py's and
-    zero/mixed.py's load_state_dict alike)."""
+    the saved weights (to half rounding), and its next step must start from them, not from the
+    fresh model's weights the masters were made of (amp.py's and zero/mixed.py's
+    load_state_dict alike)."""
     path = tmp_path / "fp32.pt"
     saved_params, _ = run_ranks(_precision_worker, 2, {"zero": dict(level=3)}, path, True,
                                 timeout=60)[0]
