@@ -161,8 +161,8 @@ class MixedPrecisionOptimizer:
 
     def _count_skipped(self, skipped: Union[bool, torch.Tensor]) -> None:
         if skipped is True and self.scaler is None:  # a scaler's back-off says it; here, say it
-            get_dist_logger().warning(f"non-finite gradient on some rank: step "
-                                      f"{self.skipped_steps + 1} skipped on every rank")
+            get_dist_logger().warning(f"non-finite gradient on some rank: this step is skipped on "
+                                      f"every rank ({self.skipped_steps + 1} skipped so far)")
         self._last_skipped, self._skipped = skipped, self._skipped + skipped
 
     def _step(self) -> None:

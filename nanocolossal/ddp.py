@@ -254,7 +254,7 @@ class DistributedDataParallel(nn.Module):
         averaged, so the next training forward refuses it (checks.py)."""
         if frozen:
             self.register_forward_pre_hook(
-                lambda *_: check_still_frozen(self.module, frozen)
+                lambda *_: check_still_frozen(self.module, frozen, self.name)
                 if torch.is_grad_enabled() else None)
 
     def _all_reduce(self, bucket: _Bucket) -> dist.Work:

@@ -376,7 +376,7 @@ def test_every_amp_combination_trains_every_weight(opt_level, dtype, loss_scale,
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
-def test_bf16_skips_a_non_finite_step_without_a_scaler(opt_level, device):
+def test_bf16_skips_a_non_finite_step_without_a_scaler(opt_level, device, capsys):
     model = _net(device)
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level,
                                 dtype=torch.bfloat16)
@@ -387,6 +387,8 @@ def test_bf16_skips_a_non_finite_step_without_a_scaler(opt_level, device):
     assert opt.step() is False and opt.last_step_skipped and opt.skipped_steps == 1
     for key, value in model.named_parameters():
         assert torch.equal(value, before[key]), f"{key} took a non-finite step"
+    assert ("non-finite gradient on some rank: this step is skipped on every rank (1 skipped so "
+            "far)") in capsys.readouterr().out  # no scaler backs off to say it: the log does
     opt.zero_grad()
     opt.backward(model(torch.randn(8, 16, device=device)).sum())
     assert opt.step() is True and not torch.equal(model[3].weight, before["3.weight"])

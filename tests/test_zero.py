@@ -354,6 +354,35 @@ def test_deep_zero_refuses_a_parameter_added_after_initialize(level):
     run_ranks(_added_after_initialize_worker, 2, level, timeout=60)
 
 
+def _unfrozen_after_initialize_worker(rank, world_size, port, level):
+    nc.launch({"zero": dict(level=level)}, rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
+    model = Net()
+    model.side.weight.requires_grad_(False)  # frozen when ZeRO cuts the shards
+    engine, *_ = nc.initialize(model, _adamw(model), nn.CrossEntropyLoss(), verbose=False)
+    xs, ys = _batch(0, world_size * B)
+    x, y = xs[rank * B:(rank + 1) * B], ys[rank * B:(rank + 1) * B]
+    engine.zero_grad()
+    engine.backward(engine.criterion(engine(x), y))
+    engine.step()
+    model.side.weight.requires_grad_(True)  # unfrozen: one process would train it from now on
+    with pytest.raises(RuntimeError) as e:
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        engine.step()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_gloo_zero_refuses_a_parameter_unfrozen_after_initialize(level):
+    """A parameter frozen when ZeRO builds its shards gets no gradient path: unfrozen later it
+    would never train (level 3: never be gathered with a gradient). Every rank says so."""
+    for rank, message in enumerate(run_ranks(_unfrozen_after_initialize_worker, 2, level,
+                                             timeout=60)):
+        assert message.startswith(f"[rank {rank}] zero: side.weight did not require grad when "
+                                  f"zero was built"), message
+
+
 def _log_line_worker(rank, world_size, port, level):
     from nanocolossal.engine.initialize import describe_zero
     return describe_zero(_launch(rank, world_size, port, {"zero": dict(level=level)}).optimizer)
