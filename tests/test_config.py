@@ -132,7 +132,8 @@ def test_config_file_that_raises_is_reported(tmp_path):
     ({"timeout": "10"}, "timeout must be a positive number"),
     ({"PIPELINE_SCHEDULE": "zigzag"}, "PIPELINE_SCHEDULE must be one of 'gpipe', '1f1b', "
      "'interleaved', 'zero_bubble', 'zbv', got 'zigzag'"),
-    ({"TENSOR_SHAPE": (16, "x")}, "TENSOR_SHAPE must be a list of positive ints"),
+    ({"TENSOR_SHAPE": (16, "x")}, "TENSOR_SHAPE must be a non-empty list of positive ints"),
+    ({"TENSOR_SHAPE": ()}, r"TENSOR_SHAPE must be a non-empty list of positive ints .*got \(\)"),
 ])
 def test_unsupported_or_bad_config_is_a_clear_error(config, message):
     with pytest.raises(ConfigError, match=message):

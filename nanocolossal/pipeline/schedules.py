@@ -86,10 +86,10 @@ def check_pipeline_config(cfg: Config) -> None:
         if value is not None and not is_positive_int(value):
             raise ConfigError(f"{key} must be a positive integer, got {value!r}")
     shape = cfg.get("TENSOR_SHAPE")
-    if shape is not None and not (isinstance(shape, (list, tuple))
+    if shape is not None and not (isinstance(shape, (list, tuple)) and shape
                                   and all(map(is_positive_int, shape))):
-        raise ConfigError(f"TENSOR_SHAPE must be a list of positive ints (one micro-batch's "
-                          f"activation), got {shape!r}")
+        raise ConfigError(f"TENSOR_SHAPE must be a non-empty list of positive ints (one "
+                          f"micro-batch's activation), got {shape!r}")
 
 
 register_check(check_pipeline_config)  # validate_config runs it when a config is loaded
