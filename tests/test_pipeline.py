@@ -855,7 +855,7 @@ def test_deep_pipeline_amp_tuple_stage_output_is_a_clear_error():
         run_ranks(_train, 2, "tuple", config, 1, None, [2, 2], timeout=30)
 
 
-# -- zero-bubble schedules x other features: found by breaking them --------------------------------
+# -- zero-bubble schedules x other features ---------------------------------------------------
 
 @pytest.mark.timeout(120)
 def test_deep_zbv_x_ring_sequence_trains_as_one_process():

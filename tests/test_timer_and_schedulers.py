@@ -130,7 +130,8 @@ WARMUP_SCHEDULERS = {
 @pytest.mark.parametrize("edge", list(WARMUP_EDGES))
 @pytest.mark.parametrize("name", list(WARMUP_SCHEDULERS))
 def test_warmup_scheduler_formula_at_the_edges(name, edge):
-    """T <= w once raised: the pipeline tutorial's script crashed on a short trial."""
+    """A run no longer than its warm-up (T <= w, a short trial of the pipeline tutorial's
+    script) follows the formula to its end, as a long one does."""
     total, warmup = WARMUP_EDGES[edge]
     make, expected = WARMUP_SCHEDULERS[name]
     assert _lrs(lambda o: make(o, total, warmup)) == pytest.approx(expected[edge], abs=1e-12)

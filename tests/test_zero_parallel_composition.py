@@ -236,8 +236,8 @@ def test_deep_zero_x_pipeline_x_amp_bf16_x_tied_weight_x_clip_tracks_one_process
 def test_deep_zero_x_interleaved_x_weight_shared_by_two_chunks_of_one_stage_equals_one_process(
         level):
     """partition [2, 2, 3, 1]: parts 0 and 2 (both rank 0) use W; one Parameter in two chunks,
-    reduced once, by the first chunk's DDP / ReduceScatterDDP, in the stage's last backward
-    (ZeRO 2 failed before: both chunks' wrappers reduced W, each dropping the other's part)."""
+    reduced once, by the first chunk's DDP / ShardKeepingDDP, in the stage's last backward
+    (were both chunks' wrappers to reduce W, each would drop the other's part)."""
     states, norms = _one_process(clip=CLIP)
     extra = {"clip_grad_norm": CLIP, **({"zero": {"level": level}} if level else {})}
     results = run_ranks(_pipeline_worker, 4, extra, [2, 2, 3, 1], 2, torch.float64, None,
