@@ -86,7 +86,7 @@ def test_gloo_destroy_forgets_what_the_job_left_in_other_modules(tmp_path, monke
     nc.launch({"debug": True}, rank=0, world_size=1, host="127.0.0.1", port=free_port())
     assert os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
     assert sys.excepthook is launch_hardening._print_user_error
-    layers._state["1d_input_is_split"] = True   # the job built a column-parallel Linear
+    layers._state["next_is_row"] = True   # the job built a column-parallel Linear
     data._announced.add(("CIFAR-10", "/data"))   # and said once that it used a stand-in
     logger = nc.get_dist_logger()
     logger.set_level("WARNING")
@@ -95,7 +95,7 @@ def test_gloo_destroy_forgets_what_the_job_left_in_other_modules(tmp_path, monke
     # (torch's init_process_group wraps sys.excepthook for good: ours is what must be gone)
     assert "TORCH_DISTRIBUTED_DEBUG" not in os.environ
     assert sys.excepthook is not launch_hardening._print_user_error
-    assert layers._state["1d_input_is_split"] is False and not data._announced
+    assert layers._state["next_is_row"] is False and not data._announced
     plain = logging.getLogger("nanocolossal")
     assert plain.level == logging.INFO
     assert not any(isinstance(h, logging.FileHandler) for h in plain.handlers)
