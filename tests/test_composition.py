@@ -108,6 +108,11 @@ TABLE = {  # row: (ranks, config, what a refused row's error says); every row cl
     "all-to-all x data2 x zero2 x accum2": (4, {"parallel": SEQ_A2A, **_zero(2), **ACCUM2},
                                             None),
     "all-to-all x 1f1b": (4, {"parallel": {**PIPE2, **SEQ_A2A}, **PIPE}, None),
+    "ring x accum2": (2, {"parallel": SEQ_RING, **ACCUM2}, None),
+    "ring x interleaved": (4, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE, "NUM_CHUNKS": 2}, None),
+    "ring x 1f1b x data2": (8, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE}, None),
+    "ring x 1f1b x handler": (4, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE, "gradient_handler": [
+        {"type": "SequenceParallelGradientHandler"}]}, None),
     "checkpointing x 1f1b x data2": (4, {"parallel": PIPE2, **PIPE,
                                          "ACTIVATION_CHECKPOINT": "full"}, None),
     "checkpointing x 1d x zero3": (4, {"parallel": T1D, **_zero(3),
