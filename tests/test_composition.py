@@ -9,10 +9,10 @@ for every pair, the test that covers it (many live in the features' own files) o
 cannot be configured. This file fills the cells nothing else covered.
 
 First the table (TABLE): one row per pair (or triple) of layout and feature -- data, ZeRO 1-3,
-accumulation, the gradient handler, GPipe / 1F1B / interleaved, tensor 1d / 2d / 2.5d / 3d, ring and
-all-to-all sequence parallelism, activation checkpointing -- each run by one worker on one GPT
-and compared with one process; a row that cannot be configured checks its refusal. Below it, the
-cells a GPT does not reach: unused branches, frozen parameters, evaluation, resumes.
+accumulation, the gradient handler, GPipe / 1F1B / interleaved, tensor 1d / 2d / 2.5d / 3d, ring
+and all-to-all sequence parallelism, experts, activation checkpointing -- each run by one worker
+on one GPT and compared with one process; a row that cannot be configured checks its refusal.
+Below it, the cells a GPT does not reach: unused branches, frozen parameters, evaluation, resumes.
 
 Each test turns its features on as users do -- a config dict through nc.launch and nc.initialize
 -- and trains a tiny model for a few optimizer steps with SGD, momentum and weight decay (so a
@@ -84,6 +84,7 @@ T2P5D = {"tensor": {"size": 8, "mode": "2.5d", "depth": 2}}
 T3D = {"tensor": {"size": 8, "mode": "3d"}}
 HANDLER_CFG = {"gradient_handler": [{"type": "DataParallelGradientHandler"}]}
 ACCUM2 = {"gradient_accumulation": 2}
+MOE = {"NUM_EXPERTS": 2, "MOE_CAPACITY_FACTOR": 4.0}  # >= E: no token is dropped
 TABLE = {  # row: (ranks, config, what a refused row's error says); every row clips
     "data2 x zero1": (2, _zero(1), None),
     "data2 x zero2 x accum2": (2, {**_zero(2), **ACCUM2}, None),
@@ -113,6 +114,17 @@ TABLE = {  # row: (ranks, config, what a refused row's error says); every row cl
     "ring x 1f1b x data2": (8, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE}, None),
     "ring x 1f1b x handler": (4, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE, "gradient_handler": [
         {"type": "SequenceParallelGradientHandler"}]}, None),
+    # experts: two replicated expert MLPs in the 2nd block (router, aux loss), never dropping
+    "moe x data4 x zero3": (4, {**MOE, **_zero(3)}, None),
+    "moe x interleaved x data2 x zero1": (4, {**MOE, "parallel": PIPE2, **PIPE, "NUM_CHUNKS": 2,
+                                              **_zero(1)}, None),
+    "moe x 1f1b x data2 x zero2": (4, {**MOE, "parallel": PIPE2, **PIPE, **_zero(2)}, None),
+    "moe x zero_bubble x data2 x zero1": (4, {**MOE, "parallel": PIPE2, **PIPE, **ZB, **_zero(1)},
+                                          None),
+    "moe x zbv x data2 x zero1": (4, {**MOE, "parallel": PIPE2, **ZBV, **_zero(1)}, None),
+    "moe x 1d": (4, {**MOE, "parallel": T1D}, "MoE"),
+    "moe x 2d": (4, {**MOE, "parallel": T2D}, "MoE"),
+    "moe x sequence": (4, {**MOE, "parallel": SEQ_RING}, "MoE"),
     "checkpointing x 1f1b x data2": (4, {"parallel": PIPE2, **PIPE,
                                          "ACTIVATION_CHECKPOINT": "full"}, None),
     "checkpointing x 1d x zero3": (4, {"parallel": T1D, **_zero(3),
@@ -129,7 +141,7 @@ TABLE = {  # row: (ranks, config, what a refused row's error says); every row cl
                             "cannot split into zbv's"),
     "zbv x accum2": (2, {"parallel": PIPE2, **ZBV, **ACCUM2}, "micro-batches already accumulate"),
 }
-_REFERENCE: list = []  # one process's (states, norms, losses), computed once
+_REFERENCE: dict = {}  # one process's (state, norms, losses) by model kind, computed once
 
 
 def _refused_worker(rank, world_size, port, config):
@@ -152,12 +164,29 @@ def test_gloo_composition_table_row_trains_as_one_process(row):
         for rank, message in enumerate(run_ranks(_refused_worker, world, config)):
             assert message.startswith(f"[rank {rank}]") and refused in message, message
         return
-    if not _REFERENCE:
-        states, norms = _layout_one_process(_gpt, _tokens)
-        _REFERENCE.append((states[-1], norms, list(LOSSES)))
-    final, norms, losses = _REFERENCE[0]
+    final, norms, losses = _reference(config)
     results = run_ranks(_gpt_worker, world, config, 0, STEPS, None, None, None, final)
     _check(results, final, norms, row, rel=GPT_REL, losses=losses)
+
+
+def _reference(config):
+    """One process's (final state, norms, losses) for the row's model, computed once per kind.
+    With experts, each micro-batch's aux loss is over its own tokens: one process runs the
+    same global micro-batches in turn (data 2 x M micro-batches of the global 8 sequences)."""
+    M = config.get("NUM_MICRO_BATCHES", 1) if "NUM_EXPERTS" in config else 0
+    if M not in _REFERENCE:
+        if M == 0:
+            states, norms = _layout_one_process(_gpt, _tokens)
+            _REFERENCE[M] = (states[-1], norms, list(LOSSES))
+        else:
+            one = {**MOE, "clip_grad_norm": CLIP, **({"gradient_accumulation": M} if M > 1 else {})}
+            perm = [d * 4 + m * (4 // M) + i for m in range(M) for d in (0, 1)
+                    for i in range(4 // M)] if M > 1 else None
+            ref = run_ranks(_gpt_worker, 1, one, 0, STEPS, None, None, None, None, perm,
+                            timeout=60)[0]
+            assert min(ref["norms"]) > CLIP, "every step clips"
+            _REFERENCE[M] = (ref["state"], ref["norms"], ref["losses"])
+    return _REFERENCE[M]
 
 
 # -- models, data and the one-process reference ------------------------------------------------
@@ -1213,57 +1242,6 @@ def test_gloo_frozen_in_tensor_layers_x_branch_unused_later_x_zero_x_accum_x_cli
 
 
 # -- MoE with replicated experts (EP 1) inside the GPT x tensor / sequence / pipeline / ZeRO -----
-
-MOE = {"NUM_EXPERTS": 2, "MOE_CAPACITY_FACTOR": 4.0, "clip_grad_norm": CLIP}  # never drops
-MOE_LAYOUTS = {
-    "data4-zero3": {"zero": {"level": 3}},
-    "interleaved-pipe2-data2-zero1": {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2,
-                                      "NUM_CHUNKS": 2, "zero": {"level": 1}},
-    "pipe2-data2-zero2": {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2,
-                          "zero": {"level": 2}},
-    "zero-bubble-pipe2-data2-zero1": {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2,
-                                      "PIPELINE_SCHEDULE": "zero_bubble", "zero": {"level": 1}},
-    "zbv-pipe2-data2-zero1": {"parallel": {"pipeline": 2}, **ZBV, "zero": {"level": 1}},
-}
-
-
-def _moe_tensor_refused(rank, world_size, port, tensor):
-    nc.launch({**MOE, "parallel": {"tensor": tensor}}, rank=rank, world_size=world_size,
-              host="127.0.0.1", port=port, timeout=60)
-    try:
-        gpt(vocab=VOCAB, seq_len=SEQ, dim=DIM, depth=2, heads=2, mlp_ratio=2,
-            moe=moe_model_settings(gpc.config))
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-@pytest.mark.timeout(300)
-def test_gloo_gpt_moe_replicated_experts_x_pipeline_x_zero_equal_one_process_tensor_refused():
-    """A GPT whose 2nd block's MLP is 2 replicated experts (EP 1: aux loss, router) under
-    data 4 x ZeRO 3, interleaved pipeline x data x ZeRO 1, pipeline x data x ZeRO 2: clipped
-    norms and parameters = one process's (the library on 1 rank: the aux loss is the
-    engine's). Tensor 1d / 2d / sequence with experts are refused by the builder, by name."""
-    # data 2 x 2 micro-batches: data rank d's micro-batch m is samples 4d + 2m, 4d + 2m + 1;
-    # the aux loss of micro-batch m is over both data ranks' (moe_aux.py): one process
-    # accumulates the global micro-batches [0 1 4 5], [2 3 6 7] (M = 2; M = 4: [0 4], [1 5], ..;
-    # data 4 x ZeRO 3: the batch)
-    ref = run_ranks(_gpt_worker, 1, MOE, 0, STEPS, None, None, None, None, timeout=60)[0]
-    ref_micro = {M: run_ranks(_gpt_worker, 1, {**MOE, "gradient_accumulation": M}, 0, STEPS,
-                              None, None, None, None, [d * 4 + m * (4 // M) + i for m in range(M)
-                                                       for d in (0, 1) for i in range(4 // M)],
-                              timeout=60)[0] for M in (2, 4)}
-    assert min(ref["norms"]) > CLIP
-    for case, layout in MOE_LAYOUTS.items():
-        want = ref_micro[layout["NUM_MICRO_BATCHES"]] if "pipe" in case else ref
-        results = run_ranks(_gpt_worker, 4, {**MOE, **layout}, 0, STEPS, None, None, None,
-                            want["state"], timeout=120)
-        _check(results, want["state"], want["norms"], case, rel=1e-9, losses=want["losses"])
-    for tensor in (T1D2, T2D4, {"size": 2, "mode": "sequence"}):
-        for message in run_ranks(_moe_tensor_refused, 4, tensor, timeout=60):
-            assert message and "MoE" in message and tensor["mode"] in message \
-                and "parallel.moe" in message, message
-
 
 # -- a pipeline stage's frozen parameters: the tied table frozen, stage 0 frozen altogether -----
 
