@@ -85,6 +85,7 @@ T3D = {"tensor": {"size": 8, "mode": "3d"}}
 HANDLER_CFG = {"gradient_handler": [{"type": "DataParallelGradientHandler"}]}
 ACCUM2 = {"gradient_accumulation": 2}
 MOE = {"NUM_EXPERTS": 2, "MOE_CAPACITY_FACTOR": 4.0}  # >= E: no token is dropped
+EP2 = {"moe": 2}  # expert parallelism: each of 2 data ranks holds one expert
 TABLE = {  # row: (ranks, config, what a refused row's error says); every row clips
     "data2 x zero1": (2, _zero(1), None),
     "data2 x zero2 x accum2": (2, {**_zero(2), **ACCUM2}, None),
@@ -115,6 +116,11 @@ TABLE = {  # row: (ranks, config, what a refused row's error says); every row cl
     "ring x 1f1b x handler": (4, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE, "gradient_handler": [
         {"type": "SequenceParallelGradientHandler"}]}, None),
     # experts: two replicated expert MLPs in the 2nd block (router, aux loss), never dropping
+    "moe ep2": (2, {**MOE, "parallel": EP2}, None),
+    "moe ep2 x data2 x accum2": (4, {**MOE, "parallel": EP2, **ACCUM2}, None),
+    "moe ep4 (experts replicated) x accum2": (4, {**MOE, "parallel": {"moe": 4}, **ACCUM2}, None),
+    "moe x data2 x zero1": (2, {**MOE, **_zero(1)}, None),
+    "moe x data2 x zero2 x accum2": (2, {**MOE, **_zero(2), **ACCUM2}, None),
     "moe x data4 x zero3": (4, {**MOE, **_zero(3)}, None),
     "moe x interleaved x data2 x zero1": (4, {**MOE, "parallel": PIPE2, **PIPE, "NUM_CHUNKS": 2,
                                               **_zero(1)}, None),
@@ -164,29 +170,34 @@ def test_gloo_composition_table_row_trains_as_one_process(row):
         for rank, message in enumerate(run_ranks(_refused_worker, world, config)):
             assert message.startswith(f"[rank {rank}]") and refused in message, message
         return
-    final, norms, losses = _reference(config)
+    final, norms, losses = _reference(config, world)
     results = run_ranks(_gpt_worker, world, config, 0, STEPS, None, None, None, final)
     _check(results, final, norms, row, rel=GPT_REL, losses=losses)
 
 
-def _reference(config):
+def _reference(config, world):
     """One process's (final state, norms, losses) for the row's model, computed once per kind.
-    With experts, each micro-batch's aux loss is over its own tokens: one process runs the
-    same global micro-batches in turn (data 2 x M micro-batches of the global 8 sequences)."""
-    M = config.get("NUM_MICRO_BATCHES", 1) if "NUM_EXPERTS" in config else 0
-    if M not in _REFERENCE:
-        if M == 0:
+    With experts, each micro-step's aux loss is over its own tokens: one process runs the same
+    global micro-steps in turn -- the D data ranks' m-th micro-batches (of A), m = 0, 1, ..."""
+    key = 0
+    if "NUM_EXPERTS" in config:
+        P = config.get("parallel", {}).get("pipeline", 1)
+        A = config.get("NUM_MICRO_BATCHES", 1) if P > 1 else config.get("gradient_accumulation", 1)
+        key = (world // P, A)
+    if key not in _REFERENCE:
+        if key == 0:
             states, norms = _layout_one_process(_gpt, _tokens)
-            _REFERENCE[M] = (states[-1], norms, list(LOSSES))
+            _REFERENCE[key] = (states[-1], norms, list(LOSSES))
         else:
-            one = {**MOE, "clip_grad_norm": CLIP, **({"gradient_accumulation": M} if M > 1 else {})}
-            perm = [d * 4 + m * (4 // M) + i for m in range(M) for d in (0, 1)
-                    for i in range(4 // M)] if M > 1 else None
+            (D, A), n = key, GLOBAL // (key[0] * key[1])
+            one = {**MOE, "clip_grad_norm": CLIP, **({"gradient_accumulation": A} if A > 1 else {})}
+            perm = [(d * A + m) * n + i for m in range(A) for d in range(D)
+                    for i in range(n)] if A > 1 else None
             ref = run_ranks(_gpt_worker, 1, one, 0, STEPS, None, None, None, None, perm,
                             timeout=60)[0]
             assert min(ref["norms"]) > CLIP, "every step clips"
-            _REFERENCE[M] = (ref["state"], ref["norms"], ref["losses"])
-    return _REFERENCE[M]
+            _REFERENCE[key] = (ref["state"], ref["norms"], ref["losses"])
+    return _REFERENCE[key]
 
 
 # -- models, data and the one-process reference ------------------------------------------------
