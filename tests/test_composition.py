@@ -10,9 +10,10 @@ cannot be configured. This file fills the cells nothing else covered.
 
 First the table (TABLE): one row per pair (or triple) of layout and feature -- data, ZeRO 1-3,
 accumulation, the gradient handler, GPipe / 1F1B / interleaved, tensor 1d / 2d / 2.5d / 3d, ring
-and all-to-all sequence parallelism, experts, activation checkpointing -- each run by one worker
-on one GPT and compared with one process; a row that cannot be configured checks its refusal.
-Below it, the cells a GPT does not reach: unused branches, frozen parameters, evaluation, resumes.
+and all-to-all sequence parallelism, experts, mixed precision (bf16 O1 / O2), activation
+checkpointing -- each run by one worker on one GPT and compared with one process; a row that
+cannot be configured checks its refusal. Below it, the cells a GPT does not reach: unused
+branches, frozen parameters, evaluation, resumes.
 
 Each test turns its features on as users do -- a config dict through nc.launch and nc.initialize
 -- and trains a tiny model for a few optimizer steps with SGD, momentum and weight decay (so a
@@ -86,6 +87,8 @@ HANDLER_CFG = {"gradient_handler": [{"type": "DataParallelGradientHandler"}]}
 ACCUM2 = {"gradient_accumulation": 2}
 MOE = {"NUM_EXPERTS": 2, "MOE_CAPACITY_FACTOR": 4.0}  # >= E: no token is dropped
 EP2 = {"moe": 2}  # expert parallelism: each of 2 data ranks holds one expert
+AMP_O1 = {"fp16": {"mode": AMP_TYPE.TORCH, "dtype": "bfloat16"}}
+AMP_O2 = {"fp16": {"mode": AMP_TYPE.NAIVE, "dtype": "bfloat16"}}
 TABLE = {  # row: (ranks, config, what a refused row's error says); every row clips
     "data2 x zero1": (2, _zero(1), None),
     "data2 x zero2 x accum2": (2, {**_zero(2), **ACCUM2}, None),
@@ -131,6 +134,11 @@ TABLE = {  # row: (ranks, config, what a refused row's error says); every row cl
     "moe x 1d": (4, {**MOE, "parallel": T1D}, "MoE"),
     "moe x 2d": (4, {**MOE, "parallel": T2D}, "MoE"),
     "moe x sequence": (4, {**MOE, "parallel": SEQ_RING}, "MoE"),
+    # mixed precision (bf16 on CPU) against one process under the same AMP settings
+    "O1 x data2 x zero2 x accum2": (2, {**AMP_O1, **_zero(2), **ACCUM2}, None),
+    "O2 x 1f1b x data2": (4, {**AMP_O2, "parallel": PIPE2, **PIPE}, None),
+    "O2 x 1d x zero1": (4, {**AMP_O2, "parallel": T1D, **_zero(1)}, None),
+    "O1 x ring x zero3": (4, {**AMP_O1, "parallel": SEQ_RING, **_zero(3)}, None),
     "checkpointing x 1f1b x data2": (4, {"parallel": PIPE2, **PIPE,
                                          "ACTIVATION_CHECKPOINT": "full"}, None),
     "checkpointing x 1d x zero3": (4, {"parallel": T1D, **_zero(3),
@@ -172,7 +180,8 @@ def test_gloo_composition_table_row_trains_as_one_process(row):
         return
     final, norms, losses = _reference(config, world)
     results = run_ranks(_gpt_worker, world, config, 0, STEPS, None, None, None, final)
-    _check(results, final, norms, row, rel=GPT_REL, losses=losses)
+    rel = BF16["rtol"] if "fp16" in config else GPT_REL  # bf16 rounds sums taken in another order
+    _check(results, final, norms, row, rel=rel, losses=losses)
 
 
 def _reference(config, world):
@@ -180,6 +189,13 @@ def _reference(config, world):
     With experts, each micro-step's aux loss is over its own tokens: one process runs the same
     global micro-steps in turn -- the D data ranks' m-th micro-batches (of A), m = 0, 1, ..."""
     key = 0
+    if "fp16" in config:  # one process under the same AMP settings, on the whole batch
+        key = str(config["fp16"])
+        if key not in _REFERENCE:
+            ref = run_ranks(_gpt_worker, 1, {"fp16": config["fp16"], "clip_grad_norm": CLIP}, 0,
+                            STEPS, None, None, None, None, timeout=60)[0]
+            _REFERENCE[key] = (ref["state"], ref["norms"], ref["losses"])
+        return _REFERENCE[key]
     if "NUM_EXPERTS" in config:
         P = config.get("parallel", {}).get("pipeline", 1)
         A = config.get("NUM_MICRO_BATCHES", 1) if P > 1 else config.get("gradient_accumulation", 1)
@@ -952,7 +968,9 @@ def _gpt_worker(rank, world_size, port, config, first, last, save, load, merged,
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=60)
     torch.manual_seed(0)
     model = gpt(vocab=VOCAB, seq_len=SEQ, dim=DIM, depth=2, heads=2, mlp_ratio=2,
-                moe=moe_model_settings(config)).double()
+                moe=moe_model_settings(config))
+    if "fp16" not in config:  # (mixed precision: the fp32 model AMP expects)
+        model = model.double()
     if gpc.pipeline_size > 1:
         model = build_pipeline_model(model, num_chunks=config.get("NUM_CHUNKS", 1),
                                      partition="uniform")
