@@ -82,6 +82,15 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, 
     raise AssertionError("unreachable")
 
 
+def launch_rank(rank: int, world_size: int, port: int, config: dict | None = None,
+                timeout: float = 30.0) -> None:
+    """Join run_ranks' job as `rank` of `world_size` (127.0.0.1:`port`) under `config`, every
+    collective bounded by `timeout` seconds."""
+    import nanocolossal as nc  # (the ranks import it; the harness alone does not need it)
+    nc.launch(dict(config or {}), rank=rank, world_size=world_size, host="127.0.0.1", port=port,
+              timeout=timeout)
+
+
 _CACHED: dict[tuple, list] = {}
 
 

@@ -26,7 +26,7 @@ import sys
 
 import pytest
 import torch
-from dist_helpers import ROOT, run_ranks
+from dist_helpers import ROOT, launch_rank, run_ranks
 from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close
@@ -299,11 +299,6 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2)
 
 
-def _launch(rank, world_size, port, config, timeout=30):
-    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port,
-              timeout=timeout)
-
-
 def _state(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -371,7 +366,7 @@ def _engine_worker(rank, world_size, port, config, make_model, uses=None, images
     """Train make_model() through nc.initialize(config): each optimizer step is
     gradient_accumulation micro-steps, in which rank r feeds its B samples of the global
     micro-batch (routed through Branchy's `extra` iff (r, m) is in `uses`)."""
-    _launch(rank, world_size, port, config)
+    launch_rank(rank, world_size, port, config)
     model = make_model()
     engine, *_ = nc.initialize(model, _sgd(model.parameters()), col_nn.CrossEntropyLoss(),
                                verbose=False)
@@ -523,7 +518,7 @@ EVAL_CASES = {
 
 
 def _eval_worker(rank, world_size, port, config):
-    _launch(rank, world_size, port, config, timeout=10)  # a collective with no partner: an error
+    launch_rank(rank, world_size, port, config, timeout=10)  # a lone collective: an error
     model = _bn_mlp()
     train = nc.get_dataloader(_dataset(16, seed=1), batch_size=4)  # rank r: samples r, r + 2, ...
     test = nc.get_dataloader(_dataset(9, seed=2), batch_size=4, pad=False)
@@ -586,7 +581,7 @@ TRAIN_SIZE, SHUFFLE_SEED, EPOCHS, ACCUMULATION = 20, 7, 2, 2
 def _trainer_worker(rank, world_size, port, mechanism, path, max_steps, resume):
     config = {"gradient_accumulation": ACCUMULATION, "clip_grad_norm": CLIP, "sync_bn": True,
               **({"gradient_handler": HANDLER} if mechanism == "gradient_handler" else {})}
-    _launch(rank, world_size, port, config)
+    launch_rank(rank, world_size, port, config)
     model = _bn_mlp()
     opt = _sgd(model.parameters())
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
@@ -696,7 +691,7 @@ def _pipeline_micro_batches(data_size, num_micro):
 def _pipeline_worker(rank, world_size, port, case, path):
     extra, make_model, partition, _ = PIPELINE_CASES[case]
     config = {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2, **extra}
-    _launch(rank, world_size, port, config)
+    launch_rank(rank, world_size, port, config)
     stage = build_pipeline_model(make_model(), num_chunks=config.get("NUM_CHUNKS", 1),
                                  partition=partition)
     engine, *_ = nc.initialize(stage, _sgd(stage.parameters()), nn.CrossEntropyLoss(),
@@ -804,7 +799,7 @@ TP_TRAIN, TP_TEST, TP_BATCH = 16, 10, 4  # 4 steps per epoch; test batches 4, 4,
 
 
 def _tensor_pipeline_worker(rank, world_size, port, path, max_steps, resume):
-    _launch(rank, world_size, port, {"parallel": {"pipeline": 2, "tensor": {"size": 2,
+    launch_rank(rank, world_size, port, {"parallel": {"pipeline": 2, "tensor": {"size": 2,
                                                                             "mode": "1d"}},
                                      "NUM_MICRO_BATCHES": 2, "NUM_CHUNKS": 2})
     chunks = build_pipeline_model(_tensor_pipeline_model(), num_chunks=2, partition=[2, 2, 2, 3])

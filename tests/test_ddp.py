@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import run_ranks
+from dist_helpers import launch_rank, run_ranks
 from torch import nn
 from torch.testing import assert_close
 
@@ -73,10 +73,6 @@ def _optimizer(model):
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
 
 
-def _launch(rank, world_size, port):
-    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
-
-
 def _train_step(model, opt, x, y, use_extra):
     opt.zero_grad()
     nn.functional.cross_entropy(model(x, use_extra), y).backward()
@@ -95,7 +91,7 @@ def _reference_step(model, opt, x, y, world_size, extra_ranks):
 
 
 def _equivalence_worker(rank, world_size, port, bucket_cap_mb, extra_ranks, as_view=False):
-    _launch(rank, world_size, port)
+    launch_rank(rank, world_size, port)
     torch.manual_seed(0)
     base = Net()
     ours, theirs, single = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
@@ -139,7 +135,7 @@ def test_deep_ddp_many_buckets_and_unused_parameters(as_view):
 
 
 def _no_sync_worker(rank, world_size, port, k, as_view=False):
-    _launch(rank, world_size, port)
+    launch_rank(rank, world_size, port)
     torch.manual_seed(0)
     model, single = Net(), Net()
     single.load_state_dict(model.state_dict())
@@ -180,7 +176,7 @@ UNUSED_IN_LAST_MICRO_STEP = {
 def _unused_in_last_micro_step_worker(rank, world_size, port, pattern, as_view):
     """Accumulation over 2 micro-steps where "extra" is used in the first and not in the last
     (synchronised) backward: the gradient it accumulated under no_sync must still be averaged."""
-    _launch(rank, world_size, port)
+    launch_rank(rank, world_size, port)
     torch.manual_seed(0)
     base = Net()
     ours, theirs, single = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
@@ -265,7 +261,7 @@ def test_deep_ddp_evaluation_on_uneven_shards_finishes_and_is_exact(grad_enabled
 
 
 def _buffers_worker(rank, world_size, port):
-    _launch(rank, world_size, port)
+    launch_rank(rank, world_size, port)
     torch.manual_seed(rank)  # deliberately different weights on each rank
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
     ddp = DDP(model)
@@ -284,7 +280,7 @@ def test_gloo_ddp_broadcasts_parameters_and_buffers_from_rank0():
 
 
 def _mismatch_worker(rank, world_size, port):
-    _launch(rank, world_size, port)
+    launch_rank(rank, world_size, port)
     model = nn.Linear(4, 4 + rank)  # rank 1 built a different model
     try:
         DDP(model)
@@ -309,7 +305,7 @@ def test_ddp_needs_a_launched_job():
 
 
 def _compress_worker(rank, world_size, port, compress):
-    _launch(rank, world_size, port)
+    launch_rank(rank, world_size, port)
     torch.manual_seed(0)
     base = Net()
     exact, squeezed = copy.deepcopy(base), copy.deepcopy(base)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from dist_helpers import ROOT, run_ranks
+from dist_helpers import ROOT, launch_rank, run_ranks
 from run_records import compare_runs, one_and_layout, record_steps
 from torch.testing import assert_close
 
@@ -53,10 +53,6 @@ def _shard(batches):
     return [(x[mine], y[mine]) for x, y in batches]
 
 
-def _launch(rank, world, port, config):
-    nc.launch(dict(config), rank=rank, world_size=world, host="127.0.0.1", port=port)
-
-
 def _build(config, dtype=torch.float64):
     model = _model(dtype, causal=config.get("CAUSAL", True), heads=config.get("HEADS", 2),
                    attention=config.get("ATTENTION", "fused"))
@@ -71,7 +67,7 @@ def _build(config, dtype=torch.float64):
 def _train(rank, world, port, config, steps=3, dtype=torch.float64, inject=None):
     """`steps` batches through initialize's engine; returns (state, losses, norms, steps taken,
     loss scales) where losses are the global batch's mean (all ranks agree)."""
-    _launch(rank, world, port, config)
+    launch_rank(rank, world, port, config)
     model = _build(config, dtype)
     engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5,
                                                               momentum=0.9),
@@ -171,7 +167,7 @@ def _trainer_run(rank, world, port, config, epochs=2, ckpt=None, max_steps=None,
                  loader_kw=None):
     from nanocolossal.metrics import Accuracy
     from nanocolossal.trainer import Trainer, hooks
-    _launch(rank, world, port, config)
+    launch_rank(rank, world, port, config)
     model = _build(config)
     train_set, test_set = _datasets()
     kw = dict(loader_kw or {})
@@ -251,7 +247,7 @@ def test_deep_trainer_resume_under_pipeline_x_sequence_is_bit_identical(tmp_path
 def _five_calls(rank, world, port, config, start, stop, load=None, save=None):
     """Batches start..stop-1 of one stream with the Engine's five calls (engine(x) directly);
     load a checkpoint first / save one after, with optimizer state."""
-    _launch(rank, world, port, config)
+    launch_rank(rank, world, port, config)
     model = _build(config)
     engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5,
                                                               momentum=0.9),
@@ -300,7 +296,7 @@ def test_deep_checkpoint_moves_between_one_process_and_sequence_with_optimizer_s
 
 def _generate(rank, world, port, config, new=6):
     from nanocolossal.generate import generate
-    _launch(rank, world, port, config)
+    launch_rank(rank, world, port, config)
     model = _build(config)
     engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                col_nn.VocabParallelCrossEntropyLoss(), verbose=False)
@@ -339,7 +335,7 @@ class _Unsized:
 
 def _loader_run(rank, world, port, config, workers):
     from nanocolossal.trainer import Trainer, hooks
-    _launch(rank, world, port, config)
+    launch_rank(rank, world, port, config)
     model = _build(config)
     train_set, _ = _datasets()
     loader = nc.get_dataloader(train_set, batch_size=BATCH // gpc.data_size, drop_last=True,
@@ -398,13 +394,13 @@ def _refusals(rank, world, port):
     }
     for case, config in bad.items():
         try:
-            _launch(rank, world, port, config)
+            launch_rank(rank, world, port, config)
         except Exception as e:  # noqa: BLE001 -- the message is what is tested
             said[case] = f"{type(e).__name__}: {e}"
         else:
             said[case] = "accepted"
         gpc.destroy()
-    _launch(rank, world, port, dict(parallel=SEQ2))
+    launch_rank(rank, world, port, dict(parallel=SEQ2))
     model = _build({})
     engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                        col_nn.VocabParallelCrossEntropyLoss(),
@@ -440,7 +436,7 @@ def _too_long(rank, world, port):
     """Sequences of 20 tokens into a model with 16 positions, split over 2 ranks: rank 0's
     tokens (chunks 0 and 3: positions 0-4, 15-19) are past the table, rank 1's (5-14) are not."""
     import time
-    _launch(rank, world, port, dict(parallel=SEQ2, timeout=3))
+    launch_rank(rank, world, port, dict(parallel=SEQ2, timeout=3))
     model = _build({})
     engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                        col_nn.VocabParallelCrossEntropyLoss(),

@@ -11,7 +11,7 @@ that gets a zero gradient where one process gets none still moves, and a lost op
 """
 import pytest
 import torch
-from dist_helpers import run_ranks
+from dist_helpers import launch_rank, run_ranks
 from test_composition import (
     _tensor_model,
     _tensor_pipeline_model,
@@ -101,10 +101,6 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2)
 
 
-def _launch(rank, world_size, port, config):
-    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=30)
-
-
 def _state(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -147,7 +143,7 @@ def _train_pipeline(engine, first, last):
 
 def _pipeline_engine(rank, world_size, port, extra, partition, chunks, dtype=torch.float64):
     config = {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2, "NUM_CHUNKS": chunks, **extra}
-    _launch(rank, world_size, port, config)
+    launch_rank(rank, world_size, port, config)
     stage = build_pipeline_model(_tied_model(dtype), num_chunks=chunks, partition=partition)
     engine, *_ = nc.initialize(stage, _sgd(stage.parameters()), nn.CrossEntropyLoss(),
                                verbose=False)
@@ -292,7 +288,7 @@ def test_deep_zero_x_pipeline_checkpoint_merges_and_resumes_in_another_data_size
 
 def _zero3_pipeline_worker(rank, world_size, port, zero):
     try:
-        _launch(rank, world_size, port, {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2,
+        launch_rank(rank, world_size, port, {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2,
                                          "zero": zero})
         stage = build_pipeline_model(_tied_model(), partition=[3, 5])
         nc.initialize(stage, _sgd(stage.parameters()), nn.CrossEntropyLoss(), verbose=False)
@@ -319,7 +315,7 @@ def _pipeline_tensor_worker(rank, world_size, port, level, chunks, expected):
     config = {"parallel": {"pipeline": 2, "tensor": {"size": 2, "mode": "1d"}},
               "NUM_MICRO_BATCHES": 2, "NUM_CHUNKS": chunks, "clip_grad_norm": CLIP,
               "zero": {"level": level}}
-    _launch(rank, world_size, port, config)
+    launch_rank(rank, world_size, port, config)
     stage = build_pipeline_model(_tp_model(), num_chunks=chunks,
                                  partition=[2, 2, 2, 3] if chunks == 2 else [4, 5])
     engine, *_ = nc.initialize(stage, _sgd(stage.parameters()), col_nn.CrossEntropyLoss(),
@@ -374,7 +370,7 @@ def _zero3_tensor_worker(rank, world_size, port, mode, path, first, last, save, 
     config = {"parallel": {"tensor": {"size": 2 if mode == "1d" else 4, "mode": mode}},
               "gradient_accumulation": 2,
               "clip_grad_norm": CLIP, "zero": {"level": 3}}
-    _launch(rank, world_size, port, config)
+    launch_rank(rank, world_size, port, config)
     model = _tensor_model()
     engine, *_ = nc.initialize(model, _sgd(model.parameters()), col_nn.CrossEntropyLoss(),
                                verbose=False)
@@ -504,7 +500,7 @@ def _tokens(step):
 def _lm_worker(rank, world_size, port, level, expected, norms):
     config = {"parallel": {"tensor": {"size": 2, "mode": "1d"}}, "gradient_accumulation": 2,
               "clip_grad_norm": CLIP, "zero": {"level": level}}
-    _launch(rank, world_size, port, config)
+    launch_rank(rank, world_size, port, config)
     model = _lm()
     engine, *_ = nc.initialize(model, _sgd(model.parameters()),
                                col_nn.VocabParallelCrossEntropyLoss(), verbose=False)
