@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from dist_helpers import run_ranks
+from dist_helpers import launch_rank, run_ranks
 from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close
@@ -203,10 +203,6 @@ def _state(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _launch(config, rank, world_size, port):
-    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=30)
-
-
 def _mixed_batch(step, n=GLOBAL, dtype=torch.float32):
     g = torch.Generator().manual_seed(4100 + step)
     return torch.randn(n, 6, generator=g, dtype=dtype), torch.randint(0, 4, (n,), generator=g)
@@ -277,7 +273,7 @@ def _two_groups(model):
 
 
 def _save_job(rank, world_size, port, config, name, path, steps):
-    _launch(config, rank, world_size, port)
+    launch_rank(rank, world_size, port, config)
     model = MODELS[name]()
     engine, *_ = nc.initialize(model, _two_groups(model), nn.CrossEntropyLoss(), verbose=False)
     _train(engine, 0, steps)
@@ -288,7 +284,7 @@ def _save_job(rank, world_size, port, config, name, path, steps):
 def _routes_job(rank, world_size, port, config, name, path, first):
     """Load by the partial route, then by the plain route, into the same engine; after each,
     the loaded state and one more step."""
-    _launch(config, rank, world_size, port)
+    launch_rank(rank, world_size, port, config)
     model = MODELS[name]()
     engine, *_ = nc.initialize(model, _two_groups(model), nn.CrossEntropyLoss(), verbose=False)
     real = ckpt.read_my_segments
@@ -392,7 +388,7 @@ def _sched_one_process(kind, steps, accum=1):
 
 
 def _sched_job(rank, world_size, port, config, kind, first, last, load=None, save=None):
-    _launch(config, rank, world_size, port)
+    launch_rank(rank, world_size, port, config)
     model = _dmodel()
     opt = _dgroups(model)
     sched = _scheduler(kind, opt)
@@ -458,7 +454,7 @@ def test_deep_zero_x_warmup_scheduler_resumed_mid_schedule(tmp_path, saved, resu
 
 
 def _o2_sched_job(rank, world_size, port, config):
-    _launch(config, rank, world_size, port)
+    launch_rank(rank, world_size, port, config)
     model = LNNet()
     opt = _two_groups(model)
     sched = _scheduler("linear", opt)
@@ -522,7 +518,7 @@ def _routed_one_process(steps, accum=2):
 def _routed_job(rank, world_size, port, config, steps, path, wrong=None):
     """wrong: None (all ranks alike); "train": rank 0 runs c-b where the others run b-c in
     training; "eval": the same, in a no_grad eval forward between steps only."""
-    _launch(config, rank, world_size, port)
+    launch_rank(rank, world_size, port, config)
     model = Routed()
     engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                nn.CrossEntropyLoss(), verbose=False)
@@ -602,7 +598,7 @@ def _trainer_job(rank, world_size, port, config, path, max_steps, resume):
     from torch.utils.data import TensorDataset
 
     from nanocolossal.trainer import Trainer, hooks
-    _launch(config, rank, world_size, port)
+    launch_rank(rank, world_size, port, config)
     model = _dmodel()
     opt = _dgroups(model)
     sched = _scheduler("cosine", opt)
