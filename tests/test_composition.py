@@ -185,34 +185,30 @@ def test_gloo_composition_table_row_trains_as_one_process(row):
 
 
 def _reference(config, world):
-    """One process's (final state, norms, losses) for the row's model, computed once per kind.
-    With experts, each micro-step's aux loss is over its own tokens: one process runs the same
-    global micro-steps in turn -- the D data ranks' m-th micro-batches (of A), m = 0, 1, ..."""
-    key = 0
-    if "fp16" in config:  # one process under the same AMP settings, on the whole batch
-        key = str(config["fp16"])
-        if key not in _REFERENCE:
-            ref = run_ranks(_gpt_worker, 1, {"fp16": config["fp16"], "clip_grad_norm": CLIP}, 0,
-                            STEPS, None, None, None, None, timeout=60)[0]
-            _REFERENCE[key] = (ref["state"], ref["norms"], ref["losses"])
-        return _REFERENCE[key]
-    if "NUM_EXPERTS" in config:
+    """One process's (final state, norms, losses) for the row's model, computed once per kind:
+    the float64 GPT; under AMP, the fp32 GPT under the same AMP settings; with experts, the MoE
+    GPT running the layout's global micro-steps in turn (each micro-step's aux loss is over its
+    own tokens) -- the D data ranks' m-th micro-batches of A, m = 0, 1, ..."""
+    if "fp16" in config:
+        one, perm = {"fp16": config["fp16"]}, None
+    elif "NUM_EXPERTS" in config:
         P = config.get("parallel", {}).get("pipeline", 1)
         A = config.get("NUM_MICRO_BATCHES", 1) if P > 1 else config.get("gradient_accumulation", 1)
-        key = (world // P, A)
+        D, n = world // P, GLOBAL // (world // P * A)
+        one = {**MOE, **({"gradient_accumulation": A} if A > 1 else {})}
+        perm = [(d * A + m) * n + i for m in range(A) for d in range(D) for i in range(n)]
+    else:
+        one, perm = None, None
+    key = repr((one, perm))
     if key not in _REFERENCE:
-        if key == 0:
+        if one is None:
             states, norms = _layout_one_process(_gpt, _tokens)
             _REFERENCE[key] = (states[-1], norms, list(LOSSES))
         else:
-            (D, A), n = key, GLOBAL // (key[0] * key[1])
-            one = {**MOE, "clip_grad_norm": CLIP, **({"gradient_accumulation": A} if A > 1 else {})}
-            perm = [(d * A + m) * n + i for m in range(A) for d in range(D)
-                    for i in range(n)] if A > 1 else None
-            ref = run_ranks(_gpt_worker, 1, one, 0, STEPS, None, None, None, None, perm,
-                            timeout=60)[0]
-            assert min(ref["norms"]) > CLIP, "every step clips"
+            ref = run_ranks(_gpt_worker, 1, {**one, "clip_grad_norm": CLIP}, 0, STEPS, None, None,
+                            None, None, perm, timeout=60)[0]
             _REFERENCE[key] = (ref["state"], ref["norms"], ref["losses"])
+        assert min(_REFERENCE[key][1]) > CLIP, "every step clips"
     return _REFERENCE[key]
 
 
