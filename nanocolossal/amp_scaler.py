@@ -119,8 +119,10 @@ def find_non_finite(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
     if not grads:  # a rank whose shard holds no gradient this step has nothing to find
         return
     largest = torch._foreach_norm(grads, float("inf"))
-    bad = torch.stack([m.to(found_inf.device, torch.float32) for m in largest])
-    found_inf.copy_(bad.isfinite().all().logical_not().reshape(1))
+    if len({(m.device, m.dtype) for m in largest}) > 1:  # mixed types or devices: to one
+        largest = [m.to(found_inf.device, torch.float32) for m in largest]
+    # no per-gradient op on the host: a step's check is one norm launch and five on its result
+    found_inf.copy_(torch.stack(largest).isfinite().all().logical_not().reshape(1))
 
 
 def unscale_grads(grads: list[torch.Tensor], loss_scale: float) -> torch.Tensor:

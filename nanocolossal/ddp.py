@@ -208,7 +208,7 @@ class DistributedDataParallel(nn.Module):
         for bucket in self._reduced_buckets():
             if bucket.wire is not bucket.buffer:  # decompress into the full-precision bucket
                 bucket.buffer.copy_(bucket.wire)
-            used = bucket.flags() > 0
+            used = (bucket.flags() > 0).tolist()  # one read per bucket, not per parameter
             for i, p in enumerate(bucket.params):
                 if not used[i]:  # no rank computed one: keep grad=None, as one process would
                     continue

@@ -139,3 +139,35 @@ def test_cuda_the_engine_step_does_not_synchronise(case, monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert bool(taken) and engine.last_grad_norm > 0.1
+
+
+class _CountCalls(torch.overrides.TorchFunctionMode):
+    """Counts the torch ops Python calls (each a dispatch on the host, a launch on a GPU);
+    reads of a tensor's metadata (numel, device, dtype) dispatch nothing and are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name not in ("__get__", "numel"):
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.bfloat16,), (torch.float64,)])
+def test_the_non_finite_check_costs_the_host_the_same_for_any_number_of_gradients(dtypes):
+    """bf16's check (no scaler): one fused norm over the list and a few ops on its result, as
+    many torch calls for 200 gradients as for 2 -- and it still finds a NaN in the last one."""
+    from nanocolossal.amp_scaler import find_non_finite
+    counts = []
+    for n in (2, 200):
+        grads = [torch.ones(3, dtype=dtypes[i % len(dtypes)]) for i in range(n)]
+        grads[-1][1] = float("nan")
+        found = torch.zeros(1)
+        with _CountCalls() as mode:
+            find_non_finite(grads, found)
+        counts.append(len(mode.calls))
+        assert found.item() == 1.0
+    assert counts[0] == counts[1], counts

@@ -92,7 +92,7 @@ class ShardKeepingDDP(DistributedDataParallel):
     def _finish(self) -> None:
         """End of backward: every bucket reduced, keep my shard's segments, free the buckets."""
         for bucket in self._reduced_buckets():
-            used = bucket.flags() > 0
+            used = (bucket.flags() > 0).tolist()  # one read per bucket, not per parameter
             for i, p in enumerate(bucket.params):
                 if used[i]:  # (a gradient no rank computed: my segments keep grad=None)
                     self.sharded_optimizer.receive_grad(p, bucket.view(i))

@@ -248,11 +248,12 @@ class ShardedModel:
         self._finish_pending()  # at most one reduction in flight
         for b in unit.buffers:
             grads = torch.zeros(b.data.numel(), dtype=b.data.dtype, device=b.local.device)
-            used = torch.zeros(len(b.params), dtype=b.data.dtype, device=b.local.device)
-            for i, (p, offset) in enumerate(zip(b.params, b.offsets)):
+            # built on the host and sent in one copy: no launch per parameter
+            used = torch.tensor([p.grad is not None for p in b.params], dtype=b.data.dtype)
+            used = used.to(b.local.device, non_blocking=True)
+            for p, offset in zip(b.params, b.offsets):
                 if p.grad is not None:
                     grads[offset: offset + p.numel()].copy_(p.grad.reshape(-1)).div_(self.size)
-                    used[i] = 1
                     p.grad = None  # the full gradient is not kept
             works, mine = [], grads
             if self.size > 1:
@@ -268,6 +269,7 @@ class ShardedModel:
             for work in works:
                 work.wait()
             where = {index: i for i, index in enumerate(b.indices)}
+            used = used.tolist()  # one read per buffer, not per parameter
             for s in b.segments:
                 i = where[s.index]
                 if used[i] > 0:  # (my shard begins at rank x shard in the unit's buffer)
