@@ -6,9 +6,10 @@
 # 1. the CUDA tests: tests/test_cuda.py, and the CUDA cases of test_attention.py (flash against
 #    the explicit formula in bf16), test_lean_step.py (the Engine's step never synchronises),
 #    test_amp.py and test_zero_offload.py (masters pinned on the CPU, the model on the GPU)
-# 2. bench/bench_gpt_gpu.py (GPT-2 small, bf16): without torch.compile, then with it
-#    (bench/results/gpt_gpu.json and gpt_gpu_compile.json); bench/bench_offload_gpu.py (ZeRO
-#    offload's step, reported: bench/results/offload_gpu.json)
+# 2. bench/bench_gpt_gpu.py (GPT-2 small, bf16): without torch.compile, then with it, then
+#    --host-bound (its 12 layers at a tiny width: the host's cost per step)
+#    (bench/results/gpt_gpu.json, gpt_gpu_compile.json, gpt_gpu_host_bound.json);
+#    bench/bench_offload_gpu.py (ZeRO offload's step, reported: bench/results/offload_gpu.json)
 # 3. each goal with its measured figure and PASS or MISS; the exit status is 1 if one missed.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -30,11 +31,13 @@ echo "== 2. bench_gpt_gpu.py"
 plain=$?
 "$PY" bench/bench_gpt_gpu.py --compile --out bench/results/gpt_gpu_compile.json
 compiled=$?
+"$PY" bench/bench_gpt_gpu.py --host-bound --out bench/results/gpt_gpu_host_bound.json
+host=$?
 echo "== 2b. bench_offload_gpu.py (reported, no goal)"
 "$PY" bench/bench_offload_gpu.py || echo "bench_offload_gpu.py failed (exit $?)"
 
 echo "== 3. goals ($((SECONDS - start)) s in all)"
-"$PY" - "$tests" "$plain" "$compiled" <<'EOF'
+"$PY" - "$tests" "$plain" "$compiled" "$host" <<'EOF'
 import json
 import sys
 from pathlib import Path
@@ -43,7 +46,8 @@ verdict = {True: "PASS", False: "MISS", None: "n/a"}
 missed = sys.argv[1] != "0"
 print(f"  {'CUDA tests pass':<40} {'':>14}  {verdict[not missed]}")
 for name, path, status in (("", "gpt_gpu.json", sys.argv[2]),
-                           (", compiled", "gpt_gpu_compile.json", sys.argv[3])):
+                           (", compiled", "gpt_gpu_compile.json", sys.argv[3]),
+                           (", host-bound", "gpt_gpu_host_bound.json", sys.argv[4])):
     if status != "0":
         print(f"  {'bench' + name + ' runs':<40} {'exit ' + status:>14}  MISS")
         missed = True
