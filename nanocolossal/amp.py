@@ -111,16 +111,24 @@ class MixedPrecisionOptimizer:
             return self._flag
         if self._loaded:  # model.load_state_dict since the last step (follow_loads)
             self._masters_from_model()
+        self._flag = self._agreed(self._unscale_and_check())
+        return self._flag
+
+    def _unscale_and_check(self) -> torch.Tensor:
+        """The masters' gradients from the model's, unscaled; this rank's flag (ZeRO offload
+        checks on the device before its copy-out instead: zero/mixed.py)."""
         self._grads_to_masters()
         grads = [p.grad for p in self.params() if p.grad is not None]
-        found = torch.zeros(1, device=grads[0].device if grads else gpc.device,
-                            dtype=torch.float32)  # the fused kernel's flag: fp32 always
-        if self.check_finite:  # amp_scaler.py: the plain loop, then the fused kernel it uses
-            found = unscale_grads(grads, self.backward_scale)
-            if gpc.is_initialized and gpc.world_size > 1:  # every rank skips together
-                found = found.to(gpc.device)
-                dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        self._flag = found
+        if not self.check_finite:  # the fused kernel's flag: fp32 always
+            return torch.zeros(1, device=grads[0].device if grads else gpc.device,
+                               dtype=torch.float32)
+        return unscale_grads(grads, self.backward_scale)  # amp_scaler.py: fused where it can
+
+    def _agreed(self, found: torch.Tensor) -> torch.Tensor:
+        """The flag all-reduced (MAX) over the job: every rank skips together."""
+        if self.check_finite and gpc.is_initialized and gpc.world_size > 1:
+            found = found.to(gpc.device)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return found
 
     def _grads_to_masters(self) -> None:

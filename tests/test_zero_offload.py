@@ -8,6 +8,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import nanocolossal as nc
+import nanocolossal.zero.mixed as zero_mixed
 from nanocolossal.amp import AMP_TYPE
 from nanocolossal.checkpoint import load_checkpoint, save_checkpoint
 from nanocolossal.config import ConfigError, load_config
@@ -215,6 +216,54 @@ def test_deep_zero_offload_masters_follow_a_model_loaded_after_initialize(level)
                   run_ranks(_load_worker, 2, level, None))
 
 
+# -- the non-finite check: where the gradients are, before the copy-out ----------------------
+def _skip_worker(rank, world_size, port, config):
+    """4 steps; step 1's batch holds an inf (on the last rank): every rank skips that step.
+    Returns each step's (taken, checked on the device), the loss scale, the weights."""
+    engine = _launch(rank, world_size, port, config)
+    checked, unscale = [], zero_mixed.unscale_grads
+
+    def spy(grads, scale):  # offload's own check (this rank's process only): on the views?
+        views = [v.grad for v, _ in engine.optimizer.master_pairs() if v.grad is not None]
+        checked.append(len(views) > 0 and [g.data_ptr() for g in grads] ==
+                       [g.data_ptr() for g in views])
+        return unscale(grads, scale)
+    zero_mixed.unscale_grads = spy
+    log = []
+    for step in range(4):
+        x, c = _batch(step, world_size * 2)
+        if step == 1:
+            x[-1, 0] = float("inf")
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x[rank * 2:rank * 2 + 2]),
+                                         c[rank * 2:rank * 2 + 2]))
+        checked.clear()
+        taken = bool(engine.step())
+        log.append((taken, checked == [True]))
+    return log, engine.optimizer.loss_scale, engine.model.state_dict()
+
+
+@pytest.mark.parametrize("level, mode, dtype, on_device", [
+    (1, AMP_TYPE.TORCH, "float16", True),    # fp32 gradients: unscaled and checked there
+    (2, AMP_TYPE.NAIVE, "bfloat16", True),   # half gradients, nothing to unscale: checked there
+    (3, AMP_TYPE.TORCH, "bfloat16", True),
+    (2, AMP_TYPE.NAIVE, "float16", False),   # half gradients and a scale: the CPU, in fp32
+])
+def test_gloo_zero_offload_checks_gradients_on_the_model_s_device(level, mode, dtype, on_device):
+    """The inf/nan check (and unscaling, where the gradients are fp32) reads the gradients on
+    the model's device -- one fused pass there, not a slow one on the CPU -- before the
+    copy-out; the skipped step, the loss scale and the weights are those without offload."""
+    config = _config(level, fp16=dict(mode=mode, dtype=dtype))
+    got = run_ranks(_skip_worker, 2, config)
+    want = run_ranks(_skip_worker, 2, _config(level, None, fp16=dict(mode=mode, dtype=dtype)))
+    for (log, scale, state), (wlog, wscale, wstate) in zip(got, want):
+        assert [t for t, _ in log] == [t for t, _ in wlog] and not log[1][0]  # (fp16 may skip
+        # its first step too: the scaler starts high)
+        assert all(where == on_device for _, where in log), log
+        assert scale == wscale
+        assert all(torch.equal(state[k], wstate[k]) for k in wstate)
+
+
 @pytest.mark.parametrize("zero, message", [
     (dict(level=2, offload="nvme"), "zero.offload='nvme': only 'cpu' is built here"),
     (dict(level=1, offload=True), "zero.offload=True: only 'cpu' is built here"),
@@ -227,8 +276,8 @@ def test_zero_offload_refusals_say_what_to_use(zero, message):
     assert message in str(e.value)
 
 
-def _cuda_worker(rank, world_size, port):
-    engine = _launch(rank, world_size, port, _config(2))
+def _cuda_worker(rank, world_size, port, fp16):
+    engine = _launch(rank, world_size, port, _config(2, **({"fp16": fp16} if fp16 else {})))
     opt = engine.optimizer
     x, c = _batch(0, 2)
     engine.zero_grad()
@@ -244,5 +293,7 @@ def _cuda_worker(rank, world_size, port):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_zero_offload_masters_are_pinned_cpu_tensors_and_the_model_on_cuda():
-    run_ranks(_cuda_worker, 1, cuda=True, timeout=120)
+@pytest.mark.parametrize("fp16", [None, dict(mode=AMP_TYPE.TORCH, dtype="bfloat16")])
+def test_cuda_zero_offload_masters_are_pinned_cpu_tensors_and_the_model_on_cuda(fp16):
+    """(bf16: the check on the GPU, its flag read by the CPU's step.)"""
+    run_ranks(_cuda_worker, 1, fp16, cuda=True, timeout=120)

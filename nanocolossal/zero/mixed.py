@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..amp import MixedPrecisionOptimizer
+from ..amp_scaler import unscale_grads
 from .offload import Offload
 from .optimizer import FlatBuffer, ShardedOptimizer
 from .sharded_params import ParamShardedOptimizer
@@ -100,6 +101,19 @@ class MixedShardedOptimizer(ShardedOptimizer):
         if self.offload is None:
             return super()._grads_to_masters()
         self.offload.copy_out(self._master_pairs)
+
+    def _unscale_and_check(self) -> torch.Tensor:
+        """Offload: unscale and check where the gradients are -- one fused pass on the device,
+        not a slow one on the CPU -- then copy them out. Half gradients with a loss scale keep
+        the CPU path (unscaled there in fp32, as without offload)."""
+        pairs = [(v, m) for v, m in self._master_pairs if v.grad is not None]
+        as_masters = all(v.grad.dtype == m.dtype for v, m in pairs)
+        if (self.offload is None or not self.check_finite or not pairs
+                or not (as_masters or self.backward_scale == 1.0)):
+            return super()._unscale_and_check()
+        found = unscale_grads([v.grad for v, _ in pairs], self.backward_scale)
+        self._grads_to_masters()  # the copy-out
+        return found
 
     def _masters_to_model(self) -> None:
         if self.offload is None:

@@ -27,12 +27,15 @@ as without offload, where the model's segments are what the optimizer steps.
 One step, on CUDA (one stream; "H2D" / "D2H" the copies over PCIe):
 
     backward   gradients reduced into my shard on the device, as without offload
+    check      the inf/nan check (and the unscale, where the gradients are fp32) on the device:
+               one fused pass there; on the CPU the same pass over 4 Psi/N bytes takes about
+               as long as the fused optimizer step (mixed.py; half gradients with a loss scale
+               are unscaled after the copy-out, in fp32, as without offload)
     copy-out   D2H every segment's gradient into a pinned fp32 buffer (non_blocking, queued in
                one go), then the host waits for the stream once; my device shard is freed
-    step       on the CPU: unscale and the inf/nan check, clipping's squares, the user's
-               optimizer (its type and settings: fused=True for torch's fused CPU kernel, some
-               4.5x faster than foreach=True; torch's default on the CPU is a loop over
-               tensors) on the masters and their state
+    step       on the CPU: clipping's squares, the user's optimizer (its type and settings:
+               fused=True for torch's fused CPU kernel, some 4.5x faster than foreach=True;
+               torch's default on the CPU is a loop over tensors) on the masters and state
     copy-in    H2D each master into its segment of the model (non_blocking, from pinned memory:
                the host returns at once); the all-gather (levels 1-2) and the next forward are
                queued behind them on the same stream, so they read the new values
