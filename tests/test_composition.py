@@ -69,8 +69,8 @@ AMP_MODES = {  # opt level -> the fp16 config that selects it (bf16: CPUs have n
 
 # -- the table: each pair of features on one GPT, every row against one process ----------------
 
-def _zero(level):
-    return {"zero": {"level": level}}
+def _zero(level, offload=None):
+    return {"zero": {"level": level, **({"offload": offload} if offload else {})}}
 
 
 PIPE2 = {"pipeline": 2}
@@ -139,6 +139,14 @@ TABLE = {  # row: (ranks, config, what a refused row's error says); every row cl
     "O2 x 1f1b x data2": (4, {**AMP_O2, "parallel": PIPE2, **PIPE}, None),
     "O2 x 1d x zero1": (4, {**AMP_O2, "parallel": T1D, **_zero(1)}, None),
     "O1 x ring x zero3": (4, {**AMP_O1, "parallel": SEQ_RING, **_zero(3)}, None),
+    # ZeRO offload: masters and optimizer state on the CPU (here the CPU stands in for both)
+    "offload x data2 x zero2 x accum2": (2, {**_zero(2, "cpu"), **ACCUM2}, None),
+    "offload x 1f1b x data2 x zero1": (4, {"parallel": PIPE2, **PIPE, **_zero(1, "cpu")}, None),
+    "offload x 1d x data2 x zero3": (4, {"parallel": T1D, **_zero(3, "cpu")}, None),
+    "offload x ring x data2 x zero2": (4, {"parallel": SEQ_RING, **_zero(2, "cpu")}, None),
+    "offload x O1 x data2 x zero3 x accum2": (2, {**AMP_O1, **_zero(3, "cpu"), **ACCUM2}, None),
+    "offload x O2 x 1f1b x data2 x zero2": (4, {**AMP_O2, "parallel": PIPE2, **PIPE,
+                                                **_zero(2, "cpu")}, None),
     "checkpointing x 1f1b x data2": (4, {"parallel": PIPE2, **PIPE,
                                          "ACTIVATION_CHECKPOINT": "full"}, None),
     "checkpointing x 1d x zero3": (4, {"parallel": T1D, **_zero(3),
