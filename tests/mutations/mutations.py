@@ -48,17 +48,23 @@ MUTATIONS: list[dict] = [
          tests=["tests/test_syncbn.py"]),
     # -- AMP -------------------------------------------------------------------------------------
     dict(id="amp-skipped-unscale", idea="AMP", file="nanocolossal/amp.py",
-         old="found = unscale_grads(grads, self.backward_scale)",
-         new="found = unscale_grads(grads, 1.0)",
+         old="        return unscale_grads(grads, self.backward_scale)",
+         new="        return unscale_grads(grads, 1.0)",
          bug="the gradients are checked for inf/NaN but not unscaled: the optimizer steps with "
              "gradients S times too large",
          tests=["tests/test_amp.py", "-k", "not gloo"]),
     dict(id="amp-overflow-not-agreed", idea="AMP", file="nanocolossal/amp.py",
-         old="                dist.all_reduce(found, op=dist.ReduceOp.MAX)",
-         new="                pass  # (the all-reduce of the overflow flag, dropped)",
+         old="            dist.all_reduce(found, op=dist.ReduceOp.MAX)",
+         new="            pass  # (the all-reduce of the overflow flag, dropped)",
          bug="an inf/NaN found on one rank is not all-reduced: that rank skips the step, the "
              "others take it, and the replicas diverge",
          tests=["tests/test_engine.py::test_gloo_engine_overflow_on_one_rank_skips_on_all"]),
+    dict(id="offload-check-not-unscaled", idea="ZeRO offload", file="nanocolossal/zero/mixed.py",
+         old="        found = unscale_grads([v.grad for v, _ in pairs], self.backward_scale)",
+         new="        found = unscale_grads([v.grad for v, _ in pairs], 1.0)",
+         bug="offload checks the fp32 gradients on the device but forgets to unscale them: under "
+             "fp16 O1 the CPU's optimizer steps with gradients S times too large",
+         tests=["tests/test_zero_offload.py", "-k", "device"]),
     dict(id="scaler-hysteresis-off-by-one", idea="AMP loss scaler",
          file="nanocolossal/amp_scaler.py",
          old="            if self.hysteresis_tracker <= 0:",
