@@ -120,7 +120,8 @@ def find_non_finite(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
         return
     largest = torch._foreach_norm(grads, float("inf"))
     if len({(m.device, m.dtype) for m in largest}) > 1:  # mixed types or devices: to one
-        largest = [m.to(found_inf.device, torch.float32) for m in largest]
+        # float64 holds every half and fp32 value exactly, and a float64 one beyond fp32's range
+        largest = [m.to(found_inf.device, torch.float64) for m in largest]
     # no per-gradient op on the host: a step's check is one norm launch and five on its result
     found_inf.copy_(torch.stack(largest).isfinite().all().logical_not().reshape(1))
 

@@ -171,3 +171,18 @@ def test_the_non_finite_check_costs_the_host_the_same_for_any_number_of_gradient
         counts.append(len(mode.calls))
         assert found.item() == 1.0
     assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float64), (torch.bfloat16,
+                                                                     torch.float64)])
+def test_the_non_finite_check_on_mixed_dtypes_finds_only_what_is_not_finite(dtypes):
+    """A list of several dtypes is compared in float64: a finite float64 gradient beyond fp32's
+    range is not an overflow, and an inf in the half one still is."""
+    from nanocolossal.amp_scaler import find_non_finite
+    grads = [torch.ones(3, dtype=dtypes[0]), torch.full((2,), 1e300, dtype=dtypes[1])]
+    found = torch.zeros(1)
+    find_non_finite(grads, found)
+    assert found.item() == 0.0
+    grads[0][2] = float("inf")
+    find_non_finite(grads, found)
+    assert found.item() == 1.0

@@ -27,7 +27,8 @@ puts a hook on its outputs, which fires when their gradients arrive, i.e. just b
 unit's backward ("pre-backward": gather). Reductions start in a fixed order (last unit first),
 as DDP's buckets do, so every rank issues the same collectives whatever order autograd reaches
 the units in. Every data rank must run the same units in the same order (as FSDP requires):
-unit_order.py checks it before every step (debug=True: before every gather).
+unit_order.py checks it before every step (debug=True: before every gather, the way to a named
+error where units of different sizes would first make gloo abort a later collective).
 
 Calls: a unit may run several times before a backward (a block called twice, a siamese loss
 over two forwards). Each call gathers and frees on its own, forward and backward (k calls: k
