@@ -106,10 +106,11 @@ class MixedShardedOptimizer(ShardedOptimizer):
         """Offload: unscale and check where the gradients are -- one fused pass on the device,
         not a slow one on the CPU -- then copy them out. Half gradients with a loss scale keep
         the CPU path (unscaled there in fp32, as without offload)."""
+        if self.offload is None or not self.check_finite:
+            return super()._unscale_and_check()
         pairs = [(v, m) for v, m in self._master_pairs if v.grad is not None]
         as_masters = all(v.grad.dtype == m.dtype for v, m in pairs)
-        if (self.offload is None or not self.check_finite or not pairs
-                or not (as_masters or self.backward_scale == 1.0)):
+        if not pairs or not (as_masters or self.backward_scale == 1.0):
             return super()._unscale_and_check()
         found = unscale_grads([v.grad for v, _ in pairs], self.backward_scale)
         self._grads_to_masters()  # the copy-out
