@@ -1320,14 +1320,15 @@ def _frozen_gpt_one_process(names, clip=CLIP):
 
 TIED = ("0.tok.", "3.classifier.")
 STAGE0 = ("0.", "1.")  # uniform over 2 stages: [Embeddings, Block] | [Block, LMHead]
-PIPE2 = {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2}
 FROZEN_STAGE_CASES = {
-    "pipe2-data2-zero2-tied-frozen-before-build": (TIED, "before", {**PIPE2, "zero": {"level": 2}}),
-    "pipe2-data2-zero2-stage0-frozen": (STAGE0, "before", {**PIPE2, "zero": {"level": 2}}),
+    "pipe2-data2-zero2-tied-frozen-before-build": (TIED, "before", {"parallel": PIPE2, **PIPE,
+                                                                    **_zero(2)}),
+    "pipe2-data2-zero2-stage0-frozen": (STAGE0, "before", {"parallel": PIPE2, **PIPE,
+                                                           **_zero(2)}),
     "pipe2-data2-zero1-stage0-and-table-frozen": (STAGE0 + TIED, "before",
-                                                  {**PIPE2, "zero": {"level": 1}}),
-    "zero-bubble-pipe2-data2-stage0-frozen": (STAGE0, "before", {**PIPE2, **ZB}),
-    "zero-bubble-pipe2-data2-tied-frozen": (TIED, "before", {**PIPE2, **ZB}),
+                                                  {"parallel": PIPE2, **PIPE, **_zero(1)}),
+    "zero-bubble-pipe2-data2-stage0-frozen": (STAGE0, "before", {"parallel": PIPE2, **PIPE, **ZB}),
+    "zero-bubble-pipe2-data2-tied-frozen": (TIED, "before", {"parallel": PIPE2, **PIPE, **ZB}),
     "1d2-data2-zero3-tied-frozen": (TIED, "before", {"parallel": {"tensor": T1D2},
                                                      "zero": {"level": 3}}),
     "2d4-zero3-block1-frozen": (("1.",), "before", {"parallel": {"tensor": T2D4},
