@@ -114,6 +114,8 @@ TABLE = {  # row: (ranks, config, what a refused row's error says); every row cl
                                             None),
     "all-to-all x 1f1b": (4, {"parallel": {**PIPE2, **SEQ_A2A}, **PIPE}, None),
     "ring x accum2": (2, {"parallel": SEQ_RING, **ACCUM2}, None),
+    "ring x zero1 x accum2": (2, {"parallel": SEQ_RING, **_zero(1), **ACCUM2}, None),
+    "ring x zero3 x accum2": (2, {"parallel": SEQ_RING, **_zero(3), **ACCUM2}, None),
     "ring x interleaved": (4, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE, "NUM_CHUNKS": 2}, None),
     "ring x 1f1b x data2": (8, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE}, None),
     "ring x 1f1b x handler": (4, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE, "gradient_handler": [

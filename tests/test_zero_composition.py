@@ -3,8 +3,8 @@ AMP O2: one process running the same O2): O2 x gradient accumulation with an ove
 first micro-step of a group on one rank only; O2 x clipping on 4 ranks (parameters straddling
 shards); O2 with a parameter no rank uses and one that only rank 0 uses; O2 with param groups
 and a LayerNorm kept fp32; O2 checkpoints saved on 4 ranks with accumulation, loaded into 2 and
-1 and continued; the Trainer (LossHook, resuming mid-epoch bit-identically) under ZeRO x O2;
-ZeRO 1-3 x sequence parallelism x gradient accumulation (float64).
+1 and continued; the Trainer (LossHook, resuming mid-epoch bit-identically) under ZeRO x O2.
+(ZeRO x sequence parallelism x accumulation: rows of test_composition.py's table.)
 
 Exact where it can be: test_zero_fp16.py's dyadic grid (inputs on 1/8, coefficients on 1/4,
 powers of two for batches, accumulation and the loss scale) makes every half gradient exact
@@ -296,7 +296,7 @@ def test_deep_trainer_under_zero2_o2_reports_one_process_numbers_and_resumes_bit
         assert a["last"] == b["last"]
 
 
-# -- ZeRO 1-3 x sequence parallelism x gradient accumulation (float64) ---------------------------
+# -- a tiny GPT and this data rank's batches (test_zero3_o2_composition's sequence runs) -------
 
 SEQ_BATCH, SEQ_LEN, VOCAB = 4, 8, 32
 
@@ -315,46 +315,6 @@ def tiny_gpt_and_my_batches(steps, vocab=VOCAB):
     per = SEQ_BATCH // gpc.data_size
     mine = slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
     return model, [(x[mine], y[mine]) for x, y in batches]
-
-
-def _seq_train(rank, world, port, config):
-    nc.launch(config, rank=rank, world_size=world, host="127.0.0.1", port=port)
-    model, batches = tiny_gpt_and_my_batches(6)
-    model = model.double()
-    engine, loader, *_ = nc.initialize(
-        model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
-        col_nn.VocabParallelCrossEntropyLoss(), batches, verbose=False)
-    out = dict(took=[], scales=[], norms=[], losses=[])
-    for x, y in loader:
-        engine.zero_grad()
-        _, _, loss = engine.execute_schedule((x, y))
-        out["losses"].append(all_reduce_mean(loss.item()))
-        if engine.step():
-            out["took"].append(True)
-            out["norms"].append(engine.last_grad_norm)
-            out["scales"].append(engine.optimizer.loss_scale)
-    out["state"] = {k: v.detach().clone()
-                    for k, v in nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()}
-    return out
-
-
-SEQ_LAYOUTS = {
-    "sequence x2, ZeRO 1": (2, {"tensor": {"size": 2, "mode": "sequence"}}, 1),
-    "data 2 x sequence 2, ZeRO 2": (4, {"tensor": {"size": 2, "mode": "sequence"}}, 2),
-    "sequence x2, ZeRO 3": (2, {"tensor": {"size": 2, "mode": "sequence"}}, 3),
-}
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("name", SEQ_LAYOUTS)
-def test_deep_zero_x_sequence_x_gradient_accumulation(name):
-    """6 batches, accumulation 3, clipping that clips: 2 AdamW steps, one process's to 1e-10."""
-    world, parallel, level = SEQ_LAYOUTS[name]
-    config = {"gradient_accumulation": 3, "clip_grad_norm": 0.1, "zero": dict(level=level)}
-    ref = run_ranks_cached(_seq_train, 1, {k: v for k, v in config.items() if k != "zero"})[0]
-    runs = run_ranks(_seq_train, world, {**config, "parallel": parallel}, timeout=60)
-    assert len(ref["took"]) == 2 and all(n > 0.1 for n in ref["norms"])
-    compare_runs(ref, runs)
 
 
 # -- ZeRO 1-3 x optimizers, schedulers, freezing, eval mid-group, cross-level checkpoints -------
@@ -626,7 +586,6 @@ def _images(step, n=GLOBAL):
 def _o2_tensor_worker(rank, world_size, port, config, steps, ref=None):
     from test_composition import _tensor_model
 
-    import nanocolossal.nn as col_nn
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=30)
     model = _tensor_model()
     opt = torch.optim.AdamW(_groups(model, 0.02, 0.01, 0.05, 0.0), lr=0.02)
