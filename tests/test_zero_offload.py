@@ -243,16 +243,32 @@ def _skip_worker(rank, world_size, port, config):
     return log, engine.optimizer.loss_scale, engine.model.state_dict()
 
 
-@pytest.mark.parametrize("level, mode, dtype, on_device", [
-    (1, AMP_TYPE.TORCH, "float16", True),    # fp32 gradients: unscaled and checked there
-    (2, AMP_TYPE.NAIVE, "bfloat16", True),   # half gradients, nothing to unscale: checked there
-    (3, AMP_TYPE.TORCH, "bfloat16", True),
-    (2, AMP_TYPE.NAIVE, "float16", False),   # half gradients and a scale: the CPU, in fp32
-])
-def test_gloo_zero_offload_checks_gradients_on_the_model_s_device(level, mode, dtype, on_device):
+CHECKS = [  # (level, AMP mode, dtype): where the check runs follows from the last two
+    (1, AMP_TYPE.TORCH, "float16"),    # fp32 gradients: unscaled and checked on the device
+    (2, AMP_TYPE.NAIVE, "bfloat16"),   # half gradients, nothing to unscale: checked there
+    (3, AMP_TYPE.TORCH, "bfloat16"),
+    (2, AMP_TYPE.NAIVE, "float16"),    # half gradients and a scale: the CPU, in fp32
+]
+CHECK_MATRIX = [(level, mode, dtype) for level in (1, 2, 3)
+                for mode in (AMP_TYPE.TORCH, AMP_TYPE.NAIVE) for dtype in ("float16", "bfloat16")
+                if (level, mode, dtype) not in CHECKS]
+
+
+@pytest.mark.parametrize("level, mode, dtype", CHECKS)
+def test_gloo_zero_offload_checks_gradients_on_the_model_s_device(level, mode, dtype):
     """The inf/nan check (and unscaling, where the gradients are fp32) reads the gradients on
     the model's device -- one fused pass there, not a slow one on the CPU -- before the
     copy-out; the skipped step, the loss scale and the weights are those without offload."""
+    _check_where_and_what(level, mode, dtype)
+
+
+@pytest.mark.parametrize("level, mode, dtype", CHECK_MATRIX)
+def test_deep_zero_offload_check_every_level_x_opt_level_x_half_type(level, mode, dtype):
+    _check_where_and_what(level, mode, dtype)
+
+
+def _check_where_and_what(level, mode, dtype):
+    on_device = not (mode == AMP_TYPE.NAIVE and dtype == "float16")
     config = _config(level, fp16=dict(mode=mode, dtype=dtype))
     got = run_ranks(_skip_worker, 2, config)
     want = run_ranks(_skip_worker, 2, _config(level, None, fp16=dict(mode=mode, dtype=dtype)))
