@@ -293,11 +293,14 @@ def test_zero_offload_refusals_say_what_to_use(zero, message):
 
 
 def _cuda_worker(rank, world_size, port, fp16):
-    engine = _launch(rank, world_size, port, _config(2, **({"fp16": fp16} if fp16 else {})))
+    extra = {"fp16": fp16, "clip_grad_norm": 0.05} if fp16 else {}
+    engine = _launch(rank, world_size, port, _config(2, **extra))
     opt = engine.optimizer
     x, c = _batch(0, 2)
     engine.zero_grad()
     engine.backward(engine.criterion(engine(x.cuda()), c.cuda()))
+    if fp16:  # checked on the GPU; read by the CPU's clipping and step
+        assert opt.overflow_flag().device.type == "cpu"
     assert engine.step()
     torch.cuda.synchronize()
     assert all(m.device.type == "cpu" and m.is_pinned() for _, m in opt.master_pairs())
@@ -311,5 +314,5 @@ def _cuda_worker(rank, world_size, port, fp16):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fp16", [None, dict(mode=AMP_TYPE.TORCH, dtype="bfloat16")])
 def test_cuda_zero_offload_masters_are_pinned_cpu_tensors_and_the_model_on_cuda(fp16):
-    """(bf16: the check on the GPU, its flag read by the CPU's step.)"""
+    """(bf16 with clipping: the check on the GPU, its flag on the CPU for clipping and step.)"""
     run_ranks(_cuda_worker, 1, fp16, cuda=True, timeout=120)

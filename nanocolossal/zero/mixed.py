@@ -123,6 +123,11 @@ class MixedShardedOptimizer(ShardedOptimizer):
 
     def overflow_flag(self) -> torch.Tensor:
         found = super().overflow_flag()  # (level 1 collects first) half -> fp32 master gradients
+        if self.offload is not None and found.device != self.offload.device:
+            # offload: the optimizer and clipping run on the CPU, so the flag they read lives
+            # there -- read once, blocking (a fused CPU optimizer's own non_blocking copy of a
+            # device flag could run before the copy lands)
+            found = self._flag = found.to(self.offload.device)
         for view, _ in self._master_pairs:  # the fp32 shard replaces the model's
             view.grad = None
         return found
