@@ -239,6 +239,9 @@ def main() -> None:
                         default=str(Path(__file__).parent / "results" / "gpt_gpu.json"))
     args = parser.parse_args()
     small = args.cpu_small or not torch.cuda.is_available()
+    if args.host_bound and small:
+        parser.error("--host-bound measures what a GPU's host spends launching a step: it needs "
+                     "CUDA and no --cpu-small (on a CPU, --cpu-small is the tiny shape)")
     args.steps = args.steps or (3 if small else 200 if args.host_bound else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if small else 5)
     shape = CPU_SMALL if small else HOST_BOUND if args.host_bound else GPT2_SMALL

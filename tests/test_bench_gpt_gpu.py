@@ -40,3 +40,10 @@ def test_the_gpu_bench_runs_on_the_cpu_and_writes_its_json(tmp_path):
         "engine / reference time <= 1.05", "engine / reference memory <= 1.1",
         "engine / bare time <= 1.03", "engine / bare_fp32_loss time <= 1.03"]
     assert "goal engine / bare time <= 1.03" in result.stdout
+
+
+def test_host_bound_without_a_gpu_is_refused_saying_why():
+    result = run_cmd([sys.executable, str(ROOT / "bench" / "bench_gpt_gpu.py"), "--host-bound",
+                      "--cpu-small"], timeout=100)
+    assert result.returncode == 2
+    assert "--host-bound measures what a GPU's host spends launching a step" in result.stdout
