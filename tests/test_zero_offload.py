@@ -273,8 +273,8 @@ def _check_where_and_what(level, mode, dtype):
     got = run_ranks(_skip_worker, 2, config)
     want = run_ranks(_skip_worker, 2, _config(level, None, fp16=dict(mode=mode, dtype=dtype)))
     for (log, scale, state), (wlog, wscale, wstate) in zip(got, want):
-        assert [t for t, _ in log] == [t for t, _ in wlog] and not log[1][0]  # (fp16 may skip
-        # its first step too: the scaler starts high)
+        # the inf's step skipped (fp16 may skip its first too: the scaler starts high)
+        assert [t for t, _ in log] == [t for t, _ in wlog] and not log[1][0]
         assert all(where == on_device for _, where in log), log
         assert scale == wscale
         assert all(torch.equal(state[k], wstate[k]) for k in wstate)
