@@ -175,6 +175,17 @@ def check_still_frozen(model: nn.Module, frozen: list,
                            f"and freeze it with lr=0")
 
 
+def refuse_unfreezing(hooked: nn.Module, model: nn.Module, who: Callable[[], str]) -> None:
+    """Before every training forward of `hooked`, check_still_frozen on the parameters of
+    `model` frozen now (DDP's wrapper and ZeRO 3's model install it when they are built; `who`
+    is read when it fires: ZeRO 1 renames its DDP after building it)."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    if frozen:
+        hooked.register_forward_pre_hook(
+            lambda *_: check_still_frozen(model, frozen, who()) if torch.is_grad_enabled()
+            else None)
+
+
 def ready_twice(model: nn.Module, param: nn.Parameter, who: str,
                 other: str = "") -> RuntimeError:
     """A parameter's gradient hook fired twice in one backward (reentrant checkpointing of a

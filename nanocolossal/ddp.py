@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checks import check_same_model, check_still_frozen, peer_failed, ready_twice
+from .checks import check_same_model, peer_failed, ready_twice, refuse_unfreezing
 from .collectives import broadcast_buffers, broadcast_coalesced
 from .config import Config, ConfigError, register_check
 from .context import gpc
@@ -112,7 +112,7 @@ class DistributedDataParallel(nn.Module):
 
         skip = {id(q) for q in reduced_elsewhere}  # another pipeline chunk's DDP reduces them
         params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
-        self._refuse_unfreezing([p for p in module.parameters() if not p.requires_grad])
+        refuse_unfreezing(self, module, lambda: self.name)  # no bucket slot: never averaged
         self.buckets = self._make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next_launch = 0           # buckets are launched strictly in order
@@ -248,14 +248,6 @@ class DistributedDataParallel(nn.Module):
         """Give every replica the first rank's buffers (BatchNorm statistics), as one message per
         dtype."""
         broadcast_buffers(self.module, self.process_group)
-
-    def _refuse_unfreezing(self, frozen: list[nn.Parameter]) -> None:
-        """A parameter frozen at wrapping has no bucket slot: unfrozen since, it would never be
-        averaged, so the next training forward refuses it (checks.py)."""
-        if frozen:
-            self.register_forward_pre_hook(
-                lambda *_: check_still_frozen(self.module, frozen, self.name)
-                if torch.is_grad_enabled() else None)
 
     def _all_reduce(self, bucket: _Bucket) -> dist.Work:
         try:

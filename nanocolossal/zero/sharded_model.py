@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import check_still_frozen
+from ..checks import refuse_unfreezing
 from ..context import gpc
 from ..logging import get_dist_logger
 from ..nest import map_tensors
@@ -154,7 +154,7 @@ class ShardedModel:
         model.register_forward_pre_hook(self._root_pre_forward)
         model.register_forward_hook(self._root_post_forward, always_call=True)
         FirstForwardWatch(model, self)  # a unit read outside its forward joins the root unit
-        refuse_unfreezing(model)  # a parameter frozen now has no gradient path in any unit
+        refuse_unfreezing(model, model, lambda: "zero")  # frozen now: no gradient path
         FullStateDict(model, [b for unit in self.order for b in unit.buffers], optimizer)
 
     # -- forward ----------------------------------------------------------------------------
@@ -316,13 +316,3 @@ class ShardedModel:
         get_dist_logger().info(f"zero level 3: {name} is read outside unit {unit.name!r}, which "
                                f"joins the root unit (gathered for the whole forward and "
                                f"backward)")
-
-
-def refuse_unfreezing(model: nn.Module) -> None:
-    """A parameter frozen when level 3 installs its hooks would, unfrozen later, never get a
-    gradient (nor train): the next training forward refuses it, as DDP's does (checks.py)."""
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    if frozen:
-        model.register_forward_pre_hook(
-            lambda *_: check_still_frozen(model, frozen, "zero") if torch.is_grad_enabled()
-            else None)
