@@ -1,5 +1,6 @@
 import gc
 import os
+import sys
 
 # torch's store client looks up the name of the store it meets (a reverse DNS query for
 # 127.0.0.1 as an IPv6-mapped address, which /etc/hosts does not answer). Where the DNS server
@@ -8,6 +9,10 @@ import os
 # and torch then stops looking names up in that process (it logs one warning), so each pooled
 # rank waits once at most.
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+# The suite starts hundreds of Python processes (torchrun's ranks, launchers, scripts); where the
+# environment says PYTHONDONTWRITEBYTECODE, each would compile nanocolossal afresh (~0.3 s).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 import dist_helpers  # noqa: E402
 import pytest  # noqa: E402
