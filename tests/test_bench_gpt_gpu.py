@@ -13,11 +13,17 @@ from dist_helpers import ROOT, run_cmd
 SIDE_FIELDS = {"ms", "tokens_per_s", "mfu", "peak_gib", "last_loss", "params"}
 
 
+def _bench(*args):
+    """`python -m bench_gpt_gpu ARGS` in bench/ (run_cmd forks a `-m` from a process that
+    imported torch already)."""
+    return run_cmd([sys.executable, "-m", "bench_gpt_gpu", *args], timeout=100,
+                   cwd=ROOT / "bench")
+
+
 @pytest.mark.timeout(120)
 def test_the_gpu_bench_runs_on_the_cpu_and_writes_its_json(tmp_path):
     out = tmp_path / "gpt_gpu.json"
-    result = run_cmd([sys.executable, str(ROOT / "bench" / "bench_gpt_gpu.py"), "--cpu-small",
-                      "--steps", "2", "--warmup", "1", "--out", str(out)], timeout=100)
+    result = _bench("--cpu-small", "--steps", "2", "--warmup", "1", "--out", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads(out.read_text())
     assert data["benchmark"] == "gpt_gpu" and data["compile"] is False
@@ -43,7 +49,6 @@ def test_the_gpu_bench_runs_on_the_cpu_and_writes_its_json(tmp_path):
 
 
 def test_host_bound_without_a_gpu_is_refused_saying_why():
-    result = run_cmd([sys.executable, str(ROOT / "bench" / "bench_gpt_gpu.py"), "--host-bound",
-                      "--cpu-small"], timeout=100)
+    result = _bench("--host-bound", "--cpu-small")
     assert result.returncode == 2
     assert "--host-bound measures what a GPU's host spends launching a step" in result.stdout
