@@ -171,10 +171,9 @@ LAYOUTS = {
     "seq2-pipe2": {"parallel": {"pipeline": 2, "tensor": {"size": 2, "mode": "sequence"}},
                    "NUM_MICRO_BATCHES": 2},
     "1d2-data2": {"parallel": {"tensor": {"size": 2, "mode": "1d"}}},
-    "2d4-data2-zero1": {"parallel": {"tensor": {"size": 4, "mode": "2d"}}, "zero": {"level": 1}},
+    "2d4": {"parallel": {"tensor": {"size": 4, "mode": "2d"}}},
 }
-WORLD = {"data2": 2, "data2-handler": 2, "data2-zero2": 2, "data2-zero3": 2, "pipe2-1f1b": 2,
-         "2d4-data2-zero1": 8}
+WORLD = {"data2": 2, "data2-handler": 2, "data2-zero2": 2, "data2-zero3": 2, "pipe2-1f1b": 2}
 
 
 @pytest.mark.parametrize("case", LAYOUTS, ids=LAYOUTS)

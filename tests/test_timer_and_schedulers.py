@@ -364,7 +364,6 @@ LAYOUTS = {  # name: (config, processes)
     "interleaved x2 (2 chunks)": ({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2,
                                    "NUM_CHUNKS": 2}, 2),
     "tensor 1d x2": ({"parallel": {"tensor": {"size": 2, "mode": "1d"}}}, 2),
-    "tensor 2d x4": ({"parallel": {"tensor": {"size": 4, "mode": "2d"}}}, 4),
     "sequence x2": ({"parallel": SEQ2}, 2),
     "moe x2": ({"parallel": {"moe": {"size": 2}}, "MOE": True, "MOE_AUX_WEIGHT": 0.1}, 2),
     "1f1b x2 x data 2 x zero 1": ({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2,

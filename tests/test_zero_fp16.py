@@ -133,7 +133,8 @@ def _assert_same(got, want, clip=False):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_gloo_zero_o2_equals_one_process_o2(level, dtype):
-    for world_size in (2, 4):
+    # shards of 2 and 4 ranks cut the parameters in different places; bf16 cuts them as fp16
+    for world_size in (2, 4) if dtype == "float16" else (2,):
         want = run_ranks_cached(_worker, 1, _config(dtype, 0), world_size * B)[0]
         log = want[0]
         assert [s for s, _, _ in log].count(False) == 1 and not log[INF_STEP][0]

@@ -400,14 +400,15 @@ def _zero3_one_process():
     return states, norms
 
 
-ZERO3_RESUME = [("1d", 4, 2), ("1d", 2, 4), ("2d", 8, 4)]
+# (2d x ZeRO 3 saved and resumed: test_composition.py's GPT4 row "2d4-zero3-accum2")
+ZERO3_RESUME = [("1d", 4, 2), ("1d", 2, 4)]
 
 
 @pytest.mark.parametrize("mode, saved, loaded", ZERO3_RESUME,
-                         ids=["1d-data2-to-data1", "1d-data1-to-data2", "2d-data2-to-data1"])
+                         ids=["1d-data2-to-data1", "1d-data1-to-data2"])
 def test_deep_zero3_x_tensor_x_accumulation_x_clip_checkpoint_resumes_in_another_data_size(
         tmp_path, mode, saved, loaded):
-    """1d x2 / 2d x4 with data 2 or data 1, ZeRO 3: 2 steps, save, merge (one process after 2
+    """1d x2 with data 2 or data 1, ZeRO 3: 2 steps, save, merge (one process after 2
     steps), load into the other data size, step 3 (momentum restored)."""
     states, norms = _zero3_one_process()
     assert min(norms) > CLIP
