@@ -7,9 +7,10 @@ import re
 import tempfile
 from pathlib import Path
 
-import test_colossal_layers as cl
+import layer_compare as cl
 import torch
 from dist_helpers import ROOT, run_script
+from models import error_message
 from torch import nn
 from torch.testing import assert_close
 
@@ -166,41 +167,41 @@ def check_colossal_classes(suffix, a, b, rows, vocab_logits, other):
     the plain layers (test_colossal_layers' checks): `a` the activations' layout, `b` a first
     Linear's output's, `rows` whole-class logits', `vocab_logits` the vocab-parallel logits';
     `other`, another mode's Linear class, is refused. Returns the classes checked."""
-    refused = cl._message(lambda: getattr(col_nn, other)(8, 8))
+    refused = error_message(lambda: getattr(col_nn, other)(8, 8))
     assert refused.startswith(f"[rank {gpc.rank}] {other} is a "), refused
     cls = {name: getattr(col_nn, f"{name}{suffix}") for name in (
         "Linear", "LayerNorm", "Embedding", "VocabParallelEmbedding", "Classifier",
         "VocabParallelClassifier", "CrossEntropyLoss", "VocabParallelCrossEntropyLoss")}
     fans = {"fan_in": cl.D, "fan_out": cl.D}
-    cl._compare("Linear", lambda: cls["Linear"](
+    cl.compare("Linear", lambda: cls["Linear"](
         cl.D, cl.D, weight_initializer=cl.w_init, bias_initializer=cl.b_init),
-        lambda: cl._inited(nn.Linear(cl.D, cl.D), fans, {"fan_in": cl.D}), cl._data("seq"), a, b)
-    cl._compare("Linear (the next), dtype, skip_bias_add", lambda: cls["Linear"](
+        lambda: cl.inited(nn.Linear(cl.D, cl.D), fans, {"fan_in": cl.D}), cl.data("seq"), a, b)
+    cl.compare("Linear (the next), dtype, skip_bias_add", lambda: cls["Linear"](
         cl.D, cl.D, dtype=torch.float64, skip_bias_add=True),
-        lambda: nn.Linear(cl.D, cl.D).double(), cl._data("seq", torch.float64), b, a,
-        call=cl._add_skipped_bias)
-    cl._compare("LayerNorm bias=False", lambda: cls["LayerNorm"](cl.D, bias=False),
-                lambda: nn.LayerNorm(cl.D, bias=False), cl._data("seq"), a, a)
+        lambda: nn.Linear(cl.D, cl.D).double(), cl.data("seq", torch.float64), b, a,
+        call=cl.add_skipped_bias)
+    cl.compare("LayerNorm bias=False", lambda: cls["LayerNorm"](cl.D, bias=False),
+               lambda: nn.LayerNorm(cl.D, bias=False), cl.data("seq"), a, a)
     for name in ("Embedding", "VocabParallelEmbedding"):
-        cl._compare(name, lambda: cls[name](cl.V, cl.D, cl.PAD, weight_initializer=cl.w_init),
-                    cl._embedding, cl._data("ids"), [], a)
-    cl._compare("Classifier tied", lambda: cl._tie(cls["Embedding"], cls["Classifier"]),
-                lambda: cl._tied(nn.Embedding(cl.V, cl.D), {"fan_in": cl.D}), cl._data("ids"), [],
-                rows)
-    cl._compare("VocabParallelClassifier tied", lambda: cl._tie(
+        cl.compare(name, lambda: cls[name](cl.V, cl.D, cl.PAD, weight_initializer=cl.w_init),
+                   cl.pad_embedding, cl.data("ids"), [], a)
+    cl.compare("Classifier tied", lambda: cl.tie(cls["Embedding"], cls["Classifier"]),
+               lambda: cl.tied_plain(nn.Embedding(cl.V, cl.D), {"fan_in": cl.D}), cl.data("ids"),
+               [], rows)
+    cl.compare("VocabParallelClassifier tied", lambda: cl.tie(
         cls["VocabParallelEmbedding"], cls["VocabParallelClassifier"]),
-        lambda: cl._tied(nn.Embedding(cl.V, cl.D), {"fan_in": cl.D}), cl._data("ids"), [],
+        lambda: cl.tied_plain(nn.Embedding(cl.V, cl.D), {"fan_in": cl.D}), cl.data("ids"), [],
         vocab_logits)
     logits, target = torch.randn(cl.B, cl.S, cl.V), torch.randint(0, cl.V, (cl.B, cl.S))
-    cl._compare_loss("VocabParallelCrossEntropyLoss reduction=False",
-                     cls["VocabParallelCrossEntropyLoss"](reduction=False), {"reduction": "none"},
-                     logits, target, vocab_logits, vocab_logits[:2])
+    cl.compare_loss("VocabParallelCrossEntropyLoss reduction=False",
+                    cls["VocabParallelCrossEntropyLoss"](reduction=False), {"reduction": "none"},
+                    logits, target, vocab_logits, vocab_logits[:2])
     weight = torch.linspace(0.5, 2.0, cl.V)
     flat_logits, flat_target = torch.randn(cl.B, cl.V), torch.randint(0, cl.V, (cl.B,))
-    cl._compare_loss("CrossEntropyLoss reduction=False, weight",
-                     cls["CrossEntropyLoss"](False, weight), {"reduction": "none",
+    cl.compare_loss("CrossEntropyLoss reduction=False, weight",
+                    cls["CrossEntropyLoss"](False, weight), {"reduction": "none",
                                                               "weight": weight},
-                     flat_logits, flat_target, rows, rows)
+                    flat_logits, flat_target, rows, rows)
     return sorted(cls)
 
 

@@ -71,3 +71,12 @@ def record_run(engine, loader, inject):
     out["skipped"] = getattr(engine.optimizer, "skipped_steps", None)
     out["dtypes"] = dtypes
     return out
+
+
+def half_update_mismatches(run, ref, tol):
+    """Parameters whose update differs from one process's by more than half precision allows
+    (10 x its relative tolerance, plus 2 ulps of the half weights): name -> (diff, size)."""
+    return {k: ((v - ref["delta"][k]).abs().max().item(), ref["delta"][k].abs().max().item())
+            for k, v in run["delta"].items()
+            if not (v - ref["delta"][k]).abs().max() <= 10 * tol * ref["delta"][k].abs().max()
+            + 2 * ref["ulp"][k]}

@@ -4,6 +4,7 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, run_ranks
+from models import my_share
 from run_records import record_run, record_steps
 from torch import nn
 from torch.testing import assert_close
@@ -677,7 +678,7 @@ def _build(model_name, config, batches):
         col_nn.VocabParallelCrossEntropyLoss()
     engine, loader, *_ = nc.initialize(
         model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), crit,
-        _shard(batches), verbose=False)
+        my_share(batches), verbose=False)
     return engine, loader
 
 
@@ -831,7 +832,7 @@ def _edge_train(rank, world, port, config):
         model.weight.zero_()
     batches = [(torch.ones(BATCH, 4), torch.full((BATCH, 1), -0.3)) for _ in range(2)]
     engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                       nn.MSELoss(), _shard(batches), verbose=False)
+                                       nn.MSELoss(), my_share(batches), verbose=False)
     out = record_steps(engine, loader)
     out["state"] = _state(engine)
     return out
@@ -971,7 +972,7 @@ def _trainer_train(rank, world, port, config, path, batches_n, inject_at, stop_a
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
         engine, loader, *_ = nc.initialize(model, opt, nn.CrossEntropyLoss(),
-                                           _shard(batches), verbose=False)
+                                           my_share(batches), verbose=False)
         seen = _inject_on_backward(engine, inject_at, [gpc.world_size - 1],
                                    config.get("NUM_MICRO_BATCHES", 1))
         return nc.trainer.Trainer(engine), loader, sched, seen
@@ -1238,12 +1239,6 @@ def _batches(model, steps=3, seed=7, side=6):
             for _ in range(steps)]
 
 
-def _shard(batches):
-    per = batches[0][0].shape[0] // gpc.data_size
-    mine = slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
-    return [(x[mine], y[mine]) for x, y in batches]
-
-
 # -- probes: what dtype each activation had --------------------------------------------------------
 
 def _first_float(out):
@@ -1328,7 +1323,7 @@ def _layout_train(rank, world, port, model_name, config, steps=3, inject=None):
         crit = _criterion(model_name, seen)
         engine, loader, *_ = nc.initialize(
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), crit,
-            _shard(_batches(model_name, steps)), verbose=False)
+            my_share(_batches(model_name, steps)), verbose=False)
         out = record_run(engine, loader, inject)
         out["seen"] = {k: sorted(v) for k, v in seen.items()}
         out["state"] = {k: v.detach().double().clone() for k, v in

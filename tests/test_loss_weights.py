@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, run_ranks
-from run_records import record_steps
+from run_records import half_update_mismatches, record_steps
 from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close
@@ -830,12 +830,3 @@ def test_deep_trainer_accumulation_counts_each_group_ahead(world, config):
         assert not bad, bad
         assert run["metrics"]["train"]["loss"] == pytest.approx(
             same["metrics"]["train"]["loss"], rel=REL), (run["metrics"], same["metrics"])
-
-
-def half_update_mismatches(run, ref, tol):
-    """Parameters whose update differs from one process's by more than half precision allows
-    (10 x its relative tolerance, plus 2 ulps of the half weights): name -> (diff, size)."""
-    return {k: ((v - ref["delta"][k]).abs().max().item(), ref["delta"][k].abs().max().item())
-            for k, v in run["delta"].items()
-            if not (v - ref["delta"][k]).abs().max() <= 10 * tol * ref["delta"][k].abs().max()
-            + 2 * ref["ulp"][k]}

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, run_ranks
+from models import my_share
 from run_records import compare_runs, one_and_layout, record_steps
 from torch import nn
 from torch.testing import assert_close
@@ -62,12 +63,6 @@ def _batches(steps, batch=BATCH, seed=7):
             for _ in range(steps)]
 
 
-def _shard(batches):
-    per = batches[0][0].shape[0] // gpc.data_size
-    mine = slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
-    return [(x[mine], y[mine]) for x, y in batches]
-
-
 def _launch(rank, world, port, config):
     config = {"MOE_AUX_WEIGHT": AUX, **config}
     nc.launch(config, rank=rank, world_size=world, host="127.0.0.1", port=port)
@@ -90,7 +85,7 @@ def _train(rank, world, port, config, steps=3, dtype=torch.float64, inject=None)
     _launch(rank, world, port, config)
     model = _model(config, dtype)
     engine, loader, *_ = nc.initialize(model, _sgd(model), col_nn.VocabParallelCrossEntropyLoss(),
-                                       _shard(_batches(steps)), verbose=False)
+                                       my_share(_batches(steps)), verbose=False)
     def aux(out):
         out.setdefault("aux", []).append(moe_aux_loss(engine.model).item())
     out = record_steps(engine, loader, inject, aux)
@@ -342,7 +337,7 @@ def _five_calls(rank, world, port, config, start, stop, load=None, save=None, pl
     _launch(rank, world, port, config)
     model = _model(config)
     engine, loader, *_ = nc.initialize(model, _sgd(model), col_nn.VocabParallelCrossEntropyLoss(),
-                                       _shard(_batches(stop)[start:]), verbose=False)
+                                       my_share(_batches(stop)[start:]), verbose=False)
     if load is not None:
         nc.checkpoint.load_checkpoint(load, engine.model, engine.optimizer)
     if plain is not None:

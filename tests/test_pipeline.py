@@ -4,6 +4,7 @@ import copy
 import pytest
 import torch
 from dist_helpers import run_ranks
+from models import my_share
 from run_records import record_run
 from test_amp import (
     MODELS,
@@ -12,7 +13,6 @@ from test_amp import (
     _criterion,
     _install_probes,
     _patch_attention,
-    _shard,
 )
 from torch import nn
 from torch.testing import assert_close
@@ -614,7 +614,7 @@ def _train(rank, world, port, model_name, config, steps=3, inject=None, partitio
         data = _data(model_name, steps + (1 if evaluate else 0))
         engine, loader, *_ = nc.initialize(
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), crit,
-            _shard(data[:steps]), verbose=False)
+            my_share(data[:steps]), verbose=False)
         out = record_run(engine, loader, inject)
         out["state"] = {k: v.detach().double().clone() for k, v in
                         nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()
@@ -622,7 +622,7 @@ def _train(rank, world, port, model_name, config, steps=3, inject=None, partitio
         if evaluate:
             engine.eval()
             with torch.no_grad():
-                output, _, loss = engine.execute_schedule(_shard(data[steps:])[0],
+                output, _, loss = engine.execute_schedule(my_share(data[steps:])[0],
                                                           forward_only=True)
             out["eval_loss"] = nc.metrics.all_reduce_mean(loss.item())
             out["eval_output"] = None if output is None else output.detach().double()

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, launch_rank, run_ranks
+from models import my_share
 from run_records import compare_runs, one_and_layout, record_steps
 from torch.testing import assert_close
 
@@ -45,14 +46,6 @@ def _batches(steps, batch=BATCH, seq=SEQ, seed=7):
             for _ in range(steps)]
 
 
-def _shard(batches):
-    """This data rank's rows of each global batch (sequence ranks get the same rows; the loader
-    initialize returns cuts their tokens)."""
-    per = batches[0][0].shape[0] // gpc.data_size
-    mine = slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
-    return [(x[mine], y[mine]) for x, y in batches]
-
-
 def _build(config, dtype=torch.float64):
     model = _model(dtype, causal=config.get("CAUSAL", True), heads=config.get("HEADS", 2),
                    attention=config.get("ATTENTION", "fused"))
@@ -72,7 +65,7 @@ def _train(rank, world, port, config, steps=3, dtype=torch.float64, inject=None)
     engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5,
                                                               momentum=0.9),
                                        col_nn.VocabParallelCrossEntropyLoss(),
-                                       _shard(_padded(_batches(steps, seq=config.get("SEQ", SEQ)),
+                                       my_share(_padded(_batches(steps, seq=config.get("SEQ", SEQ)),
                                                       config)), verbose=False)
     out = record_steps(engine, loader, inject)  # inject: an overflow in the first parameter
     out["state"] = {k: v.detach().double().clone()
@@ -252,7 +245,7 @@ def _five_calls(rank, world, port, config, start, stop, load=None, save=None):
     engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5,
                                                               momentum=0.9),
                                        col_nn.VocabParallelCrossEntropyLoss(),
-                                       _shard(_batches(stop)[start:]), verbose=False)
+                                       my_share(_batches(stop)[start:]), verbose=False)
     if load is not None:
         nc.checkpoint.load_checkpoint(load, engine.model, engine.optimizer)
     engine.train()

@@ -16,7 +16,7 @@ from layer_checks import (
     tiny_gpt_run,
     train_small_model,
 )
-from test_colossal_layers import _message
+from models import error_message
 from torch.testing import assert_close
 
 import nanocolossal as nc
@@ -58,8 +58,8 @@ def test_deep_2p5d_layers_equal_plain_torch_forward_and_backward(world, depth):
 
 def _errors_worker(rank, world_size, port):
     nc.launch(TESSERACT, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
-    return {"hidden": _message(lambda: col_nn.Linear(8, 7)),
-            "batch": _message(lambda: col_nn.Embedding(10, 8)(torch.zeros(6, 2).long()))}
+    return {"hidden": error_message(lambda: col_nn.Linear(8, 7)),
+            "batch": error_message(lambda: col_nn.Embedding(10, 8)(torch.zeros(6, 2).long()))}
 
 
 def test_gloo_2p5d_bad_shapes_are_one_line_errors():

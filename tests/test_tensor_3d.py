@@ -19,7 +19,7 @@ from layer_checks import (
     tiny_gpt_run,
     train_small_model,
 )
-from test_colossal_layers import _message
+from models import error_message
 from torch import nn
 from torch.testing import assert_close
 from torch.utils.data import TensorDataset
@@ -76,10 +76,10 @@ def test_deep_3d_layers_equal_plain_torch_forward_and_backward():
 def _errors_worker(rank, world_size, port):
     nc.launch(CUBE, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     col_nn.Linear(8, 8)  # a column Linear without its row partner yet:
-    norm = _message(lambda: col_nn.LayerNorm(8))
+    norm = error_message(lambda: col_nn.LayerNorm(8))
     col_nn.reset_1d_alternation()
-    return {"norm": norm, "in": _message(lambda: col_nn.Linear(6, 8)),
-            "batch": _message(lambda: col_nn.Embedding(10, 8)(torch.zeros(6, 2).long()))}
+    return {"norm": norm, "in": error_message(lambda: col_nn.Linear(6, 8)),
+            "batch": error_message(lambda: col_nn.Embedding(10, 8)(torch.zeros(6, 2).long()))}
 
 
 def test_gloo_3d_bad_shapes_are_one_line_errors():
@@ -150,7 +150,7 @@ def _misplaced_worker(rank, world_size, port):
             col_nn.Linear3D(8, 8), col_nn.VocabParallelClassifier3D(8, 16)],
     }.items():
         col_nn.reset_1d_alternation()
-        out[name] = _message(build)
+        out[name] = error_message(build)
     return out
 
 

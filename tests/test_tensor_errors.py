@@ -4,6 +4,7 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, free_port, run_ranks
+from models import error_message
 from torch import nn
 
 import nanocolossal as nc
@@ -17,34 +18,26 @@ from train_tensor import vit  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 
-def _error(fn):
-    try:
-        fn()
-    except (ValueError, RuntimeError) as e:
-        return str(e)
-    return "no error"
-
-
 def _errors_worker(rank, world_size, port, mode):
     nc.launch({"parallel": {"tensor": {"size": world_size, "mode": mode}}}, rank=rank,
               world_size=world_size, host="127.0.0.1", port=port)
     plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     out = {
-        "hidden": _error(lambda: col_nn.Linear(8, 7)),
-        "layernorm": _error(lambda: col_nn.LayerNorm(5)),
-        "heads": _error(lambda: vit(img_size=8, patch_size=4, dim=8, heads=1, depth=1)),
-        "plain model": _error(lambda: nc.initialize(plain,
+        "hidden": error_message(lambda: col_nn.Linear(8, 7)),
+        "layernorm": error_message(lambda: col_nn.LayerNorm(5)),
+        "heads": error_message(lambda: vit(img_size=8, patch_size=4, dim=8, heads=1, depth=1)),
+        "plain model": error_message(lambda: nc.initialize(plain,
                                                     torch.optim.SGD(plain.parameters(), lr=0.1))),
     }
     if mode == "1d":  # features that do not fit the split, said before the collective
         column, row = ColumnLinear1D(8, 4), RowLinear1D(8, 4)
-        out["column input"] = _error(lambda: column(torch.randn(2, 6)))
-        out["row input"] = _error(lambda: row(torch.randn(2, 8)))
+        out["column input"] = error_message(lambda: column(torch.randn(2, 6)))
+        out["row input"] = error_message(lambda: row(torch.randn(2, 8)))
     if mode == "2d":
         model = col_nn.PatchEmbedding(8, 4, 3, 8)
-        out["batch"] = _error(lambda: model(torch.randn(3, 3, 8, 8)))
+        out["batch"] = error_message(lambda: model(torch.randn(3, 3, 8, 8)))
         normed = nn.Sequential(col_nn.Linear(4, 4), nn.BatchNorm1d(4))  # one block's statistics
-        out["batchnorm"] = _error(lambda: nc.initialize(
+        out["batchnorm"] = error_message(lambda: nc.initialize(
             normed, torch.optim.SGD(normed.parameters(), lr=0.1)))
     return out
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 from dist_helpers import ROOT, one_process, run_ranks
-from test_amp import _shard  # this data rank's share of each batch
+from models import my_share
 from torch.nn import functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.testing import assert_close
@@ -261,7 +261,7 @@ def _train(rank, world, port, config, sched, dtype=torch.float64, save=None, loa
     opt = RecordingSGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
     scheduler = _scheduler(sched, opt)
     engine, loader, _, scheduler = nc.initialize(
-        model, opt, col_nn.VocabParallelCrossEntropyLoss(), _shard(_batches()[start:stop]),
+        model, opt, col_nn.VocabParallelCrossEntropyLoss(), my_share(_batches()[start:stop]),
         lr_scheduler=scheduler, verbose=False)
     if load:
         load_checkpoint(load, engine.model, engine.optimizer, scheduler)
@@ -500,7 +500,7 @@ def _trainer(rank, world, port, config, sched, by_epoch, epochs, inject=None, pa
     scheduler = _scheduler(sched, opt)
     batches = _batches(4)  # 2 epochs of 2 batches
     engine, loader, _, scheduler = nc.initialize(
-        model, opt, col_nn.VocabParallelCrossEntropyLoss(), _shard(batches[:2]),
+        model, opt, col_nn.VocabParallelCrossEntropyLoss(), my_share(batches[:2]),
         lr_scheduler=scheduler, verbose=False)
     handle = _record()
 

@@ -3,8 +3,7 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, run_ranks
-from run_records import record_steps
-from test_loss_weights import half_update_mismatches
+from run_records import half_update_mismatches, record_steps
 from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close

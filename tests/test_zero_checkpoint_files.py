@@ -9,7 +9,7 @@ files. Each is compared with one process, or with the same job's in-memory (gath
 import pytest
 import torch
 from dist_helpers import run_ranks
-from test_composition import _tensor_model
+from models import tensor_model
 from test_sequence_composition import SEQ2, _five_calls
 from test_zero import B, Net, _train_engine, _train_single
 from test_zero import _adamw as _net_adamw
@@ -285,7 +285,7 @@ def _tensor_worker(rank, world_size, port, parallel, path, plain):
     if parallel:
         config["parallel"] = {"tensor": parallel}
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
-    model = _tensor_model()
+    model = tensor_model()
     engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                col_nn.CrossEntropyLoss(), verbose=False)
     if plain is None:

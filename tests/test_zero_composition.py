@@ -13,6 +13,7 @@ the bit; only clipping's coefficient and LayerNorm's fp32 sums get a tolerance."
 import pytest
 import torch
 from dist_helpers import ROOT, run_ranks, run_ranks_cached
+from models import tensor_model
 from run_records import compare_runs
 from test_zero_fp16 import LinearLoss, Net, _adamw, _batch
 from torch import nn
@@ -584,10 +585,8 @@ def _images(step, n=GLOBAL):
 
 
 def _o2_tensor_worker(rank, world_size, port, config, steps, ref=None):
-    from test_composition import _tensor_model
-
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=30)
-    model = _tensor_model()
+    model = tensor_model()
     opt = torch.optim.AdamW(_groups(model, 0.02, 0.01, 0.05, 0.0), lr=0.02)
     engine, *_ = nc.initialize(model, opt, col_nn.CrossEntropyLoss(), verbose=False)
     accum = engine.gradient_accumulation
@@ -614,8 +613,8 @@ def _o2_tensor_worker(rank, world_size, port, config, steps, ref=None):
 @pytest.mark.timeout(120)
 def test_deep_zero3_x_o2_x_tensor_1d_x_data2_x_accumulation_x_clip_tracks_one_process_o2():
     """fp16, the loss scaler's path, on 4 ranks (ZeRO 3 treats a 1d or a 2d shard alike: 2d x
-    ZeRO 3 is the dtype test below and test_composition's GPT4 row; bf16 O2 x ZeRO 3
-    trajectories: test_zero_fp16, test_zero3_o2_composition)."""
+    ZeRO 3 is the dtype test below and the table row "2d x zero3 x accum2, resumed"; bf16 O2 x
+    ZeRO 3 trajectories: test_zero_fp16, test_zero3_o2_composition)."""
     from nanocolossal.amp import AMP_TYPE
     dtype = "float16"
     config = {"fp16": dict(mode=AMP_TYPE.NAIVE, dtype=dtype, init_scale=2.0**10),
