@@ -375,6 +375,13 @@ MUTATIONS: list[dict] = [
          bug="every data rank resumes with rank 0's RNG state: dropout and augmentation masks "
              "repeat across ranks after a resume",
          tests=["tests/test_checkpoint.py", "-k", "rng_state"]),
+    dict(id="ckpt-optimizer-state-not-loaded", idea="checkpoint x every layout",
+         file="nanocolossal/checkpoint.py",
+         old="    if optimizer is not None and state.get(\"optimizer\") is not None:",
+         new="    if False and optimizer is not None and state.get(\"optimizer\") is not None:",
+         bug="load_checkpoint restores the model but not the optimizer: a resumed run starts its "
+             "momentum afresh (the plain route, a merged model with a fresh optimizer, is right)",
+         tests=["tests/test_composition.py", "-k", "resumed"]),
     dict(id="resume-skip-off-by-one", idea="trainer resume", file="nanocolossal/progress.py",
          old="    for _ in range(skip):",
          new="    for _ in range(skip - 1):",
