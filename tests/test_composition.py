@@ -120,6 +120,9 @@ TABLE = {  # row: (ranks, config, what a refused row's error says[, resumes]); e
     "ring x zero3 x accum2": (2, {"parallel": SEQ_RING, **_zero(3), **ACCUM2}, None),
     "ring x interleaved": (4, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE, "NUM_CHUNKS": 2}, None),
     "ring x 1f1b x data2": (8, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE}, None),
+    # zbv puts the embedding and the head on rank 0, both blocks on rank 1: a stage without
+    # attention is still a stage of a sequence-parallel model
+    "ring x zbv": (4, {"parallel": {**PIPE2, **SEQ_RING}, **ZBV}, None),
     "ring x 1f1b x handler": (4, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE, "gradient_handler": [
         {"type": "SequenceParallelGradientHandler"}]}, None),
     # experts: two replicated expert MLPs in the 2nd block (router, aux loss), never dropping

@@ -857,21 +857,6 @@ def test_deep_pipeline_amp_tuple_stage_output_is_a_clear_error():
 
 # -- zero-bubble schedules x other features ---------------------------------------------------
 
-@pytest.mark.timeout(120)
-def test_deep_zbv_x_ring_sequence_trains_as_one_process():
-    """zbv on a GPT of [embeddings, block, block, head] puts the embedding and the head on rank 0
-    and both blocks on rank 1: a stage without attention is still a sequence-parallel model's
-    stage. Pipeline 2 x ring 2 under zbv = one process (float64, clipped, 2 SGD steps)."""
-    import test_composition as tc
-    states, norms = tc._layout_one_process(tc._gpt, tc._tokens, steps=2)
-    config = {"parallel": {"pipeline": 2, "tensor": {"size": 2, "mode": "sequence"}},
-              "PIPELINE_SCHEDULE": "zbv", "NUM_CHUNKS": 2, "NUM_MICRO_BATCHES": 4,
-              "clip_grad_norm": tc.CLIP}
-    losses = list(tc.LOSSES)
-    results = run_ranks(tc._gpt_worker, 4, config, 0, 2, None, None, None, states[-1], timeout=90)
-    tc._check(results, states[-1], norms, "zbv x ring", rel=tc.GPT_REL, losses=losses)
-
-
 def _cut_worker(rank, world_size, port, path, schedule, save):
     chunks = 2 if schedule in ("zbv", "interleaved") else 1
     nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 4, "NUM_CHUNKS": chunks,
