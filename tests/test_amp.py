@@ -3,6 +3,18 @@ import sys
 
 import pytest
 import torch
+from amp_probes import (
+    BATCH,
+    DIM,
+    MODELS,
+    MODES,
+    SEQ,
+    VOCAB,
+    install_probes,
+    patch_attention,
+    probe_batches,
+    probed_criterion,
+)
 from dist_helpers import ROOT, run_ranks
 from models import my_share
 from run_records import record_run, record_steps
@@ -625,7 +637,7 @@ def test_cpu_half_dtype_follows_the_instruction_set_not_a_timing(monkeypatch):
 # keep_batchnorm_fp32 keys are mapped (amp_settings.py maps each backend's keys or names the ones
 # with no effect), and enabled=False turns AMP off.
 
-BATCH, SEQ, VOCAB, DIM, CLIP, TOL = 4, 8, 32, 16, 0.05, 2e-3
+CLIP, TOL = 0.05, 2e-3  # (BATCH, SEQ, VOCAB, DIM: amp_probes.py's)
 
 # growth_interval=2: over 5 steps the scale grows (x2 every 2 clean steps) and backs off once
 SCALER = dict(initial_scale=2.0 ** 8, growth_interval=2, growth_factor=2.0, backoff_factor=0.5)
@@ -666,7 +678,7 @@ SCALER_MODELS = {"cnn": _scaler_cnn, "mlp": _scaler_mlp, "gpt": _scaler_gpt,
 
 
 def _scaler_batches(model, steps, seed=7):
-    return _batches(model, steps, seed, side=5)  # (a 5x5 image: the scaler tests' CNN)
+    return probe_batches(model, steps, seed, side=5)  # (a 5x5 image: the scaler tests' CNN)
 
 
 def _build(model_name, config, batches):
@@ -1160,152 +1172,8 @@ def test_gloo_fp16_backend_options_do_what_they_say(name):
 # we allow 1e-2 (bf16: 8-bit mantissa, ulp(1)=7.8e-3) and 2e-3 (fp16: ulp(1)=9.8e-4). A dtype
 # mismatch of a whole layer (e.g. fp32 vs bf16 LayerNorm) shows up exactly in (a)/(b).
 #
-# Every fp16 config names its dtype: an unnamed one would let the CPU probe pick. BATCH, SEQ,
-# VOCAB, DIM and CLIP are the ones above.
-
-
-MODES = {
-    "O1 bf16": dict(mode=AMP_TYPE.TORCH, dtype="bfloat16"),
-    "O2 bf16": dict(mode=AMP_TYPE.NAIVE, dtype="bfloat16"),
-    "O3 bf16": dict(mode=AMP_TYPE.APEX, opt_level="O3", dtype="bfloat16"),
-    "O2 fp16": dict(mode=AMP_TYPE.NAIVE, dtype="float16", initial_scale=2.0 ** 8),
-    "O1 fp16": dict(mode=AMP_TYPE.TORCH, dtype="float16", initial_scale=2.0 ** 8),
-    "APEX O2 fp16": dict(mode=AMP_TYPE.APEX, opt_level="O2", dtype="float16",
-                         initial_scale=2.0 ** 8),
-}
-
-
-# -- models --------------------------------------------------------------------------------------
-
-class Scale(nn.Module):
-    """A user's module holding its own nn.Parameter (no torch layer inside)."""
-
-    def __init__(self, channels):
-        super().__init__()
-        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, channels).view(1, channels, 1, 1))
-
-    def forward(self, x):
-        return x * self.gain
-
-
-class Residual(nn.Module):
-    def __init__(self, body):
-        super().__init__()
-        self.body = body
-
-    def forward(self, x):
-        return x + self.body(x)
-
-
-def _cnn():
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8), Scale(8), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
-
-
-def _mlp():
-    """Pipeline-cuttable, with a residual whose stream is half under O1 autocast."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16),
-                         Residual(nn.Sequential(nn.Linear(16, 16), nn.GELU())),
-                         Residual(nn.Sequential(nn.Linear(16, 16), nn.GELU())),
-                         nn.Linear(16, 5))
-
-
-def _moe_args():
-    return dict(num_experts=2, top_k=2, capacity_factor_train=2.0, capacity_factor_eval=2.0)
-
-
-def _gpt(moe=False):
-    torch.manual_seed(0)
-    return gpt(vocab=VOCAB, seq_len=SEQ, dim=DIM, depth=2, heads=2, mlp_ratio=2,
-               moe=_moe_args() if moe else None)
-
-
-MODELS = {"cnn": _cnn, "mlp": _mlp, "gpt": _gpt, "gpt_moe": lambda: _gpt(True)}
-
-
-def _batches(model, steps=3, seed=7, side=6):
-    g = torch.Generator().manual_seed(seed)
-    if model == "cnn":
-        return [(torch.randn(BATCH, 3, side, side, generator=g),
-                 torch.randint(0, 5, (BATCH,), generator=g)) for _ in range(steps)]
-    if model == "mlp":
-        return [(torch.randn(BATCH, 6, generator=g), torch.randint(0, 5, (BATCH,), generator=g))
-                for _ in range(steps)]
-    return [tuple(torch.randint(0, VOCAB, (2, BATCH, SEQ), generator=g).unbind(0))
-            for _ in range(steps)]
-
-
-# -- probes: what dtype each activation had --------------------------------------------------------
-
-def _first_float(out):
-    from nanocolossal.moe.router import Routing
-    if isinstance(out, Routing):
-        return out.probs
-    if torch.is_tensor(out):
-        return out if out.is_floating_point() else None
-    if isinstance(out, (tuple, list)):
-        for o in out:
-            f = _first_float(o)
-            if f is not None:
-                return f
-    return None
-
-
-def _install_probes(model, seen):
-    """Forward hooks on every module of the plain model (before any wrapping): name -> dtypes of
-    its output; attention's scores / softmax dtypes, whichever path computes them."""
-    handles = []
-    for name, module in model.named_modules():
-        def hook(m, args, out, name=name or "<model>"):
-            f = _first_float(out)
-            if f is not None:
-                seen.setdefault(f"out {name}", set()).add(str(f.dtype))
-        handles.append(module.register_forward_hook(hook))
-    return handles
-
-
-def _patch_attention(seen):
-    """Record the dtype attention's scores and softmax are computed in: one process's
-    Attention.attend (q k^T under the current autocast) or the ring's _RingAttention.apply."""
-    from nanocolossal.nn import transformer
-    from nanocolossal.tensor import ring_attention as ring
-
-    attend, apply = transformer.Attention.attend, ring._RingAttention.apply
-
-    def spy_attend(self, q, k, v):
-        scores = q[..., :2, :] @ k[..., :2, :].transpose(-2, -1)
-        seen.setdefault("attention scores", set()).add(str(scores.dtype))
-        seen.setdefault("attention softmax", set()).add(str(scores.softmax(-1).dtype))
-        return attend(self, q, k, v)
-
-    def spy_apply(q, k, v, *rest):
-        # inside, scores and the online softmax are computed in q's dtype (autocast is off)
-        seen.setdefault("attention scores", set()).add(str(q.dtype))
-        seen.setdefault("attention softmax", set()).add(str(q.dtype))
-        return apply(q, k, v, *rest)
-
-    transformer.Attention.attend = spy_attend
-    ring._RingAttention.apply = spy_apply
-
-    def undo():
-        transformer.Attention.attend = attend
-        ring._RingAttention.apply = apply
-    return undo
-
-
-def _criterion(model_name, seen):
-    crit = nn.CrossEntropyLoss() if model_name in ("cnn", "mlp") else \
-        col_nn.VocabParallelCrossEntropyLoss()
-
-    def hook(m, args, out):
-        seen.setdefault("criterion logits", set()).add(str(args[0].dtype))
-        seen.setdefault("loss", set()).add(str(out.dtype))
-    crit.register_forward_hook(hook)
-    return crit
+# Every fp16 config names its dtype (MODES): an unnamed one would let the CPU probe pick. The
+# models, their batches and the dtype probes are amp_probes.py's; CLIP is the one above.
 
 
 # -- one generic run: the same code on one process and on a layout ------------------------------
@@ -1313,17 +1181,17 @@ def _criterion(model_name, seen):
 def _layout_train(rank, world, port, model_name, config, steps=3, inject=None):
     nc.launch(dict(config), rank=rank, world_size=world, host="127.0.0.1", port=port, seed=1)
     seen = {}
-    undo = _patch_attention(seen)
+    undo = patch_attention(seen)
     try:
         model = MODELS[model_name]()
-        _install_probes(model, seen)
+        install_probes(model, seen)
         if gpc.pipeline_size > 1:
             model = build_pipeline_model(model, num_chunks=config.get("NUM_CHUNKS", 1),
                                          partition="uniform")
-        crit = _criterion(model_name, seen)
+        crit = probed_criterion(model_name, seen)
         engine, loader, *_ = nc.initialize(
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), crit,
-            my_share(_batches(model_name, steps)), verbose=False)
+            my_share(probe_batches(model_name, steps)), verbose=False)
         out = record_run(engine, loader, inject)
         out["seen"] = {k: sorted(v) for k, v in seen.items()}
         out["state"] = {k: v.detach().double().clone() for k, v in

@@ -3,17 +3,17 @@ import copy
 
 import pytest
 import torch
+from amp_probes import (
+    MODELS,
+    MODES,
+    install_probes,
+    patch_attention,
+    probe_batches,
+    probed_criterion,
+)
 from dist_helpers import run_ranks
 from models import my_share
 from run_records import record_run
-from test_amp import (
-    MODELS,
-    MODES,
-    _batches,
-    _criterion,
-    _install_probes,
-    _patch_attention,
-)
 from torch import nn
 from torch.testing import assert_close
 from torch.utils.data import DataLoader, TensorDataset
@@ -579,7 +579,7 @@ def _amp_model(name):
 
 
 def _data(name, steps):
-    return _batches("mlp" if name in EXTRA_MODELS else name, steps)
+    return probe_batches("mlp" if name in EXTRA_MODELS else name, steps)
 
 
 # -- the worker ------------------------------------------------------------------------------------
@@ -603,14 +603,14 @@ def _train(rank, world, port, model_name, config, steps=3, inject=None, partitio
     nc.launch(dict(config), rank=rank, world_size=world, host="127.0.0.1", port=port, seed=1,
               timeout=60)
     seen, crossed = {}, {}
-    undo_attention, undo_p2p = _patch_attention(seen), _spy_p2p(crossed)
+    undo_attention, undo_p2p = patch_attention(seen), _spy_p2p(crossed)
     try:
         model = _amp_model(model_name)
-        _install_probes(model, seen)
+        install_probes(model, seen)
         if gpc.pipeline_size > 1:
             model = build_pipeline_model(model, num_chunks=config.get("NUM_CHUNKS", 1),
                                          partition=partition)
-        crit = _criterion("gpt" if model_name.startswith("gpt") else "mlp", seen)
+        crit = probed_criterion("gpt" if model_name.startswith("gpt") else "mlp", seen)
         data = _data(model_name, steps + (1 if evaluate else 0))
         engine, loader, *_ = nc.initialize(
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), crit,
