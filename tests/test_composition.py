@@ -110,7 +110,7 @@ TABLE = {  # row: (ranks, config, what a refused row's error says[, resumes]); e
     "2d x zero1": (4, {"parallel": T2D, **_zero(1)}, None),
     "2.5d x accum2": (8, {"parallel": T2P5D, **ACCUM2}, None),
     "3d x zero2": (8, {"parallel": T3D, **_zero(2)}, None),
-    "ring x data2 x zero3": (4, {"parallel": SEQ_RING, **_zero(3)}, None),
+    "ring x data2 x zero3": (4, {"parallel": SEQ_RING, **_zero(3)}, None, ["same"]),
     "ring x 1f1b": (4, {"parallel": {**PIPE2, **SEQ_RING}, **PIPE}, None),
     "all-to-all x data2 x zero2 x accum2": (4, {"parallel": SEQ_A2A, **_zero(2), **ACCUM2},
                                             None),

@@ -10,7 +10,6 @@ import pytest
 import torch
 from dist_helpers import run_ranks
 from models import tensor_model
-from test_sequence_composition import SEQ2, _five_calls
 from test_zero import B, Net, _train_engine, _train_single
 from test_zero import _adamw as _net_adamw
 from torch import nn
@@ -318,27 +317,6 @@ def test_deep_zero3_tensor1d_merged_loads_plain_into_another_zero3_layout(tmp_pa
         if target == {"size": 2, "mode": "1d"}:
             for rank in range(4):
                 assert_close(loaded[rank], saved[rank])
-
-
-# -- sequence parallelism x ZeRO 3 ----------------------------------------------------------------
-
-def test_deep_zero3_x_sequence_checkpoint_merges_and_resumes_as_one_process(tmp_path):
-    one, seq = str(tmp_path / "one.pt"), str(tmp_path / "seq.pt")
-    config = {"parallel": SEQ2, "zero": {"level": 3}}
-    after2 = run_ranks(_five_calls, 1, {}, 0, 2, None, one, timeout=60)[0]
-    run_ranks(_five_calls, 4, config, 0, 2, None, seq, timeout=90)
-    merged = merge_checkpoint(seq)
-    assert merged.keys() == after2.keys()
-    assert_close(merged, after2, rtol=1e-9, atol=1e-11)
-    mom_one = load_optimizer_state(one)["optimizer"]["state"]  # the engine wrapper's
-    mom_seq = load_optimizer_state(seq)["optimizer"]["state"]
-    assert sorted(mom_one) == sorted(int(k) for k in mom_seq)
-    for i, entry in mom_one.items():
-        assert_close(mom_seq[i]["momentum_buffer"], entry["momentum_buffer"], rtol=1e-9,
-                     atol=1e-11)
-    straight = run_ranks(_five_calls, 1, {}, 0, 3, timeout=60)[0]
-    for state in run_ranks(_five_calls, 4, config, 2, 3, seq, timeout=90):
-        assert_close(state, straight, rtol=1e-9, atol=1e-11)
 
 
 # -- the Trainer's SaveCheckpointHook + resume under ZeRO 3 ------------------------------------
