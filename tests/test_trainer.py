@@ -511,7 +511,7 @@ def test_deep_readahead_x_max_steps_x_checkpoint_x_resume_equals_one_process(nam
             assert r["tests"][-1] == w["tests"][-1]
 
 
-# -- a GPT: sequence parallelism's SequenceSplitLoader, 2d x data with class weights --------------
+# -- a GPT: sequence parallelism's SequenceSplitLoader, 2d with class weights -------------------
 
 VOCAB, SEQ = 16, 8
 TW = torch.linspace(0.5, 2.0, VOCAB, dtype=torch.float64)  # class (token) weights, where asked

@@ -324,8 +324,8 @@ def tiny_gpt_and_my_batches(steps, vocab=VOCAB):
 # param groups of different lr / weight decay; an LR scheduler built on the user's optimizer
 # before nc.initialize; a parameter frozen part way through training; an eval forward in the
 # middle of gradient accumulation; a checkpoint saved at one ZeRO level and loaded at another;
-# level 3 x AMP O2 x tensor 2d x accumulation x clip; pipeline x ZeRO 2 x O2 merged into a job
-# without a pipeline.
+# level 3 x AMP O2 x tensor 1d x data 2 x accumulation x clip (and 2d's dtypes); pipeline x
+# ZeRO 2 x O2 merged into a job without a pipeline.
 #
 # Every run is compared with ONE process training the same model on the whole batch (float64
 # where the feature allows it; under O2 with one process's O2, to half tolerance).
@@ -574,7 +574,7 @@ def test_deep_zero_checkpoint_across_levels_resumes_as_one_process(
                      2, 4, False, None, None, path, timeout=60), expected)
 
 
-# -- ZeRO 3 x AMP O2 (fp16, bf16) x tensor 1d / 2d x data 2 x accumulation x clip ---------------
+# -- ZeRO 3 x AMP O2 x tensor: 1d x data 2 x accumulation x clip (fp16); 2d's dtypes (bf16) ---
 
 CLIP = 0.05
 
