@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import cpu_half
+from .checkpoint_files import name_kind, rank_files
 from .checkpoint_merge import (  # noqa: F401 -- re-exported: the offline half of checkpoints
     PREFIXES,
     PathLike,
@@ -208,6 +209,7 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None,
     if not file.is_file():
         _refuse_other_layout(path, trusted)
         raise FileNotFoundError(f"[rank {gpc.rank}] checkpoint {str(file)!r} not found")
+    _refuse_an_older_save(path, file)
     state = read_file(file, map_location or gpc.device, trusted)
     # ZeRO: my segments from the files that hold them (zero/load.py), else merged whole and cut
     state = read_my_segments(state, file, optimizer, trusted) or complete_zero_state(state, file,
@@ -319,3 +321,19 @@ def _refuse_other_layout(path: PathLike, trusted: bool) -> None:
     except FileNotFoundError:
         return
     _check_layout(read_file(other, "cpu", trusted), other, path)
+
+
+def _refuse_an_older_save(path: PathLike, file: Path) -> None:
+    """Another layout saved to `path` after this rank's file was written (its files have other
+    names): the newest save there is that one, the one merge_checkpoint reads. Loading this
+    file would resume an older run without a word."""
+    written = file.stat().st_mtime_ns
+    newer = [f for f in (Path(path), *rank_files(path)) if f.is_file()
+             and name_kind(path, f) != name_kind(path, file) and f.stat().st_mtime_ns > written]
+    if newer:
+        raise ConfigError(
+            f"[rank {gpc.rank}] {max(newer, key=lambda f: f.stat().st_mtime_ns)} was saved to "
+            f"{str(path)!r} by another layout after {file}: the newest save there is not this "
+            f"job's layout. Continue from it through the plain model (state = "
+            f"merge_checkpoint({str(path)!r}), then load_plain_state_dict(model, state): the "
+            f"model only), or move its files away to resume the older save of this layout")

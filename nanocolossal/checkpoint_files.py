@@ -100,16 +100,33 @@ def read_file(path: PathLike, map_location: Any = "cpu", trusted: bool = False) 
 
 
 # -- the files of one save ----------------------------------------------------------------------
+def _rank_pattern(path: Path) -> re.Pattern:
+    stem, suffix = re.escape(path.stem), re.escape(path.suffix)
+    return re.compile(rf"{stem}(-stage\d+)?(-tensor\d+)?(-expert\d+)?{suffix}")
+
+
+def rank_files(path: PathLike) -> list[Path]:
+    """Every per-rank file at `path` (`ckpt-stage{p}[-tensor{t}][-expert{e}].pt`), of any save."""
+    path = Path(path)
+    pattern = _rank_pattern(path)
+    return sorted(p for p in path.parent.glob(f"{path.stem}-*{path.suffix}")
+                  if pattern.fullmatch(p.name))
+
+
+def name_kind(path: PathLike, file: Path) -> tuple[bool, ...]:
+    """Which of stage / tensor / expert a file of `path` names: alike for all files of one save
+    (every rank of a job names the same parts), so files of another kind are another layout's."""
+    match = _rank_pattern(Path(path)).fullmatch(file.name)
+    return tuple(part is not None for part in match.groups()) if match else (False,) * 3
+
+
 def save_files(path: PathLike, trusted: bool = False) -> list[Path]:
     """The files of the newest save to `path`: `path` itself (one process) or its per-rank files
     (`ckpt-stage{p}[-tensor{t}].pt`). Files of other names that share the prefix are not this
     save's, and neither are files an older save of another layout left (their save id differs:
     a pipeline-4 save's stage2/3 beside a newer pipeline-2 save's stage0/1)."""
     path = Path(path)
-    stem, suffix = re.escape(path.stem), re.escape(path.suffix)
-    pattern = re.compile(rf"{stem}(-stage\d+)?(-tensor\d+)?(-expert\d+)?{suffix}")
-    ranks = sorted(p for p in path.parent.glob(f"{path.stem}-*{path.suffix}")
-                   if pattern.fullmatch(p.name))
+    ranks = rank_files(path)
     single = [path] if path.is_file() else []
     if not ranks and not single:
         raise FileNotFoundError(f"no checkpoint files for {str(path)!r} (looked for {path.name} "

@@ -23,6 +23,7 @@ from nanocolossal.checkpoint import (
     merge_pipeline_checkpoint,
     save_checkpoint,
 )
+from nanocolossal.config import ConfigError
 from nanocolossal.context import gpc
 from nanocolossal.pipeline import build_pipeline_model
 from nanocolossal.tensor.base import slice_of
@@ -385,6 +386,34 @@ def test_deep_loading_another_layouts_checkpoint_names_both_layouts_and_the_way_
         assert f"saved under {saved_as}, but this job runs {runs}" in error, error
         assert f"merge_checkpoint({path!r})" in error and "load_plain_state_dict" in error, error
         assert converted, "merge_checkpoint + load_plain_state_dict loads the saved model"
+
+
+def _stale_loader(rank, world_size, port, parallel, path):
+    nc.launch({"parallel": parallel}, rank=rank, world_size=world_size, host="127.0.0.1",
+              port=port)
+    model = _layout_model(seed=1)
+    stage = build_pipeline_model(model, partition="uniform") if gpc.pipeline_size > 1 else model
+    try:
+        return load_checkpoint(path, stage)
+    except ConfigError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("older, newer", [({"pipeline": 2}, {}), ({}, {"pipeline": 2})],
+                         ids=["pipeline files, then one file", "one file, then pipeline files"])
+def test_gloo_load_checkpoint_refuses_a_save_older_than_another_layouts_at_that_path(
+        tmp_path, older, newer):
+    """Two layouts saved to one path write files of other names; merge_checkpoint reads the
+    newer save. load_checkpoint in the older save's layout finds its own files too, and must
+    not resume that older run without a word: it says which save is newer and the way to it."""
+    path = str(tmp_path / "ckpt.pt")
+    run_ranks(_layout_saver, 2, older, path, timeout=60)
+    time.sleep(0.01)  # (file times order the saves)
+    run_ranks(_layout_saver, 2, newer, path, timeout=60)
+    for rank, message in enumerate(run_ranks(_stale_loader, 2, older, path, timeout=60)):
+        assert isinstance(message, str) and message.startswith(f"[rank {rank}] "), message
+        assert "by another layout after" in message and "merge_checkpoint" in message, message
+    assert run_ranks(_stale_loader, 2, newer, path, timeout=60)[0]["step"] == 1  # its own: loads
 
 
 class _RunsCode:
