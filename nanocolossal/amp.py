@@ -84,6 +84,7 @@ class MixedPrecisionOptimizer:
         self._last_skipped: Union[bool, torch.Tensor] = False
         self._skipped: Union[int, torch.Tensor] = 0
         self.weighed_ranks = 1  # G where the engine weighs a counted loss: see backward_scale
+        self.open_group = False  # a backward since the last step: gradients no file holds
 
     def params(self) -> Iterator[nn.Parameter]:
         """The parameters the optimizer updates (fp32 masters under O2)."""
@@ -96,6 +97,7 @@ class MixedPrecisionOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def backward(self, loss: torch.Tensor) -> None:
+        self.open_group = True
         if self.scaler is not None:
             loss = loss * self.backward_scale
         loss.backward()
@@ -143,6 +145,7 @@ class MixedPrecisionOptimizer:
         the flag as their `found_inf` -- steps with nothing read: step returns a 0-d bool tensor,
         the skip is counted on the device (skipped_steps reads it when asked) and not logged."""
         flag = self.overflow_flag()
+        self.open_group = False
         if not self.check_finite:  # fp32, or the check turned off: nothing to decide
             skipped: Union[bool, torch.Tensor] = False
             self._step()

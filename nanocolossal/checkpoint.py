@@ -160,6 +160,11 @@ def atomic_save(obj: Any, path: PathLike) -> None:
 def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any = None,
                     lr_scheduler: Any = None, **extra: Any) -> None:
     """Save (collective when launched: every rank must call it)."""
+    if getattr(optimizer, "open_group", False):  # the engine's optimizer (amp.py)
+        raise ConfigError(
+            f"[rank {gpc.rank}] checkpoint requested in the middle of a gradient accumulation "
+            f"group (a backward since the last optimizer step); its gradients cannot be saved, "
+            f"so the resumed run would differ. Save after the step (engine.accumulating is False)")
     rng = [_rng_state()]  # one per rank holding these parameters: data (x sequence) ranks
     if gpc.is_initialized and gpc.gradient_size > 1:
         rng = [None] * gpc.gradient_size

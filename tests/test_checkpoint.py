@@ -416,6 +416,37 @@ def test_gloo_load_checkpoint_refuses_a_save_older_than_another_layouts_at_that_
     assert run_ranks(_stale_loader, 2, newer, path, timeout=60)[0]["step"] == 1  # its own: loads
 
 
+def _mid_group_saver(rank, world_size, port, config, path):
+    """Micro-step 0 of a group of 2, save; micro-step 1 (the step), save: the messages."""
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    model = _layout_model(seed=0)
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               nn.MSELoss(), verbose=False)
+    said = []
+    for micro in range(2):
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(torch.randn(2, 8)), torch.zeros(2, 8)))
+        engine.step()
+        try:
+            save_checkpoint(path, 0, engine.model, engine.optimizer)
+            said.append("saved")
+        except ConfigError as e:
+            said.append(str(e))
+    return said
+
+
+@pytest.mark.parametrize("zero", [None, 2, 3], ids=["ddp", "zero2", "zero3"])
+def test_gloo_save_checkpoint_in_the_middle_of_an_accumulation_group_is_refused(tmp_path, zero):
+    """The gradients of an open group live in no file: resumed, the run would mix micro-steps
+    of two steps. Every rank refuses the save, saying when to save; after the step it saves."""
+    config = {"gradient_accumulation": 2, **({"zero": {"level": zero}} if zero else {})}
+    for rank, (mid, after) in enumerate(run_ranks(_mid_group_saver, 2, config,
+                                                  str(tmp_path / "ckpt.pt"), timeout=60)):
+        assert mid.startswith(f"[rank {rank}] checkpoint requested in the middle of a gradient "
+                              f"accumulation group"), mid
+        assert after == "saved"
+
+
 class _RunsCode:
     """What a malicious checkpoint holds: unpickling it runs a shell command."""
 
