@@ -382,6 +382,18 @@ MUTATIONS: list[dict] = [
          bug="load_checkpoint restores the model but not the optimizer: a resumed run starts its "
              "momentum afresh (the plain route, a merged model with a fresh optimizer, is right)",
          tests=["tests/test_composition.py", "-k", "resumed"]),
+    dict(id="ckpt-saved-mid-group", idea="checkpoint x accumulation", file="nanocolossal/amp.py",
+         old="    def backward(self, loss: torch.Tensor) -> None:\n        self.open_group = True",
+         new="    def backward(self, loss: torch.Tensor) -> None:\n        self.open_group = False",
+         bug="the optimizer forgets that a backward opened an accumulation group: a checkpoint "
+             "saved mid-group is taken, and the resumed run mixes micro-steps of two steps",
+         tests=["tests/test_checkpoint.py", "-k", "middle_of_an_accumulation_group"]),
+    dict(id="ckpt-older-save-loaded", idea="checkpoint files", file="nanocolossal/checkpoint.py",
+         old="and name_kind(path, f) != name_kind(path, file) and f.stat().st_mtime_ns > written]",
+         new="and name_kind(path, f) != name_kind(path, file) and f.stat().st_mtime_ns < written]",
+         bug="load_checkpoint compares file times the wrong way round: this layout's older files "
+             "load beside another layout's newer save, and a newer one of its own is refused",
+         tests=["tests/test_checkpoint.py", "-k", "older_than_another"]),
     dict(id="resume-skip-off-by-one", idea="trainer resume", file="nanocolossal/progress.py",
          old="    for _ in range(skip):",
          new="    for _ in range(skip - 1):",
