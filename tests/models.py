@@ -1,7 +1,7 @@
-"""The small models, data shares and one-process steps that tests of several ideas train.
+"""The small models, data shares and one-process clip that tests of several ideas use.
 
 A test file keeps what only its own idea needs in view; what two ideas share lives here, so a
-test never imports another test file:
+test of one idea never imports another idea's test file:
 
     tensor_model()           nc.nn layers (patch embedding, LayerNorm, Linear, Classifier): the
                              plain model alone, its 1d or 2d version under parallel.tensor
