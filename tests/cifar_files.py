@@ -1,9 +1,10 @@
 """Tiny CIFAR-10 files in torchvision's real on-disk format (the pickled python batches).
 
 Tests cannot download the real archive, and tiny files cannot have its MD5 sums, so
-`skip_cifar_md5()` makes torchvision's integrity check accept any existing file; everything
-else is torchvision's real loader.
+within `with skip_cifar_md5():` torchvision's integrity check accepts any existing file;
+everything else is torchvision's real loader.
 """
+import contextlib
 import os
 import pickle
 from pathlib import Path
@@ -32,6 +33,13 @@ def write_cifar(root, per_batch: int = 4, test_size: int | None = None) -> dict:
     return written
 
 
-def skip_cifar_md5() -> None:
+@contextlib.contextmanager
+def skip_cifar_md5():
+    """Within the block, torchvision accepts CIFAR files whose MD5 is not the real archive's."""
     import torchvision.datasets.cifar as tv_cifar
+    check = tv_cifar.check_integrity
     tv_cifar.check_integrity = lambda path, md5=None: os.path.isfile(path)
+    try:
+        yield
+    finally:
+        tv_cifar.check_integrity = check

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import multiprocessing
 import os
 import pickle
 import queue
@@ -149,13 +150,19 @@ def one_process(fn: Callable, *args: Any, timeout: float = 60.0) -> Any:
     return run_ranks_cached(fn, 1, *args, timeout=timeout)[0]
 
 
-def _script_job(rank: int, world_size: int, port: int, script: str, args: list, cwd: str) -> str:
+def _script_job(rank: int, world_size: int, port: int, script: str, args: list, cwd: str,
+                env: dict) -> str:
     """A pooled rank runs a script as torchrun would start it: its variables, argv and folder."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
+                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", **env)
     argv, path, here = sys.argv, list(sys.path), os.getcwd()
     sys.argv, sys.path[0:0] = [script, *args], [str(Path(script).parent)]
     os.chdir(cwd)
+    # a torchrun rank may start processes of its own (a DataLoader's workers) as a fresh
+    # interpreter would: not as a daemon (a pooled rank is one), by fork (not via pytest's server)
+    multiprocessing.current_process().daemon = False
+    start_method = multiprocessing.get_start_method()
+    multiprocessing.set_start_method("fork", force=True)
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -169,14 +176,17 @@ def _script_job(rank: int, world_size: int, port: int, script: str, args: list, 
     finally:
         sys.argv, sys.path[:] = argv, path
         os.chdir(here)
+        multiprocessing.current_process().daemon = True
+        multiprocessing.set_start_method(start_method, force=True)
     return out.getvalue()
 
 
-def run_script(script: Path, args: list[str], nproc: int, cwd: Path, timeout: float = 150.0) -> str:
-    """Run a training script on `nproc` pooled ranks, as `torchrun --nproc_per_node nproc` would;
-    the ranks' outputs in rank order. Tests of torchrun itself (restarts, exit codes) use run_cmd.
-    """
-    return "".join(run_ranks(_script_job, nproc, str(script), list(args), str(cwd),
+def run_script(script: Path, args: list[str], nproc: int, cwd: Path, timeout: float = 150.0,
+               env: dict | None = None) -> str:
+    """Run a training script on `nproc` pooled ranks, as `torchrun --nproc_per_node nproc` would
+    (with `env` added to the environment); the ranks' outputs in rank order. Tests of torchrun
+    itself (restarts, exit codes) use run_cmd."""
+    return "".join(run_ranks(_script_job, nproc, str(script), list(args), str(cwd), env or {},
                              timeout=timeout))
 
 

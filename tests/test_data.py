@@ -67,12 +67,10 @@ def test_get_dataloader_in_one_process_reads_everything_reproducibly():
 # ---- real on-disk formats -------------------------------------------------------------------
 
 @pytest.fixture
-def skip_md5(monkeypatch):
+def skip_md5():
     """Our tiny files cannot have the real archive's MD5s; everything else is the real loader."""
-    import torchvision.datasets.cifar as tv_cifar
-    # restored after the test
-    monkeypatch.setattr(tv_cifar, "check_integrity", tv_cifar.check_integrity)
-    skip_cifar_md5()
+    with skip_cifar_md5():
+        yield
 
 
 def test_cifar10_loads_real_pickled_batches(tmp_path, skip_md5):

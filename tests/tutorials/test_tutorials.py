@@ -1,10 +1,12 @@
 """The tutorials' own code (the Engine/Trainer and pipeline tutorials), with only `colossalai` ->
-`nanocolossal` changed (and `.cuda()` removed), run under torchrun on 2 CPU ranks for one epoch
-on tiny CIFAR-10 files in torchvision's real format, whose test set leaves a last batch smaller
-than the others.
+`nanocolossal` changed (and `.cuda()` removed), run on 2 CPU ranks for one epoch on tiny CIFAR-10
+files in torchvision's real format, whose test set leaves a last batch smaller than the others.
 
+The ranks start as torchrun starts them (RANK, WORLD_SIZE, ... in the environment, the tutorial
+run as `__main__` in its folder), forked from a process that imported torch already
+(dist_helpers.run_script); the `torchrun` command line itself is tested in test_launch.py.
 Diff engine_resnet.py / trainer_resnet.py / pipeline_resnet.py against the tutorials to see that
-nothing else changed. These start ResNets, so they are marked slow and sit outside `-k gloo`.
+nothing else changed. These train ResNets, so they are marked slow and sit outside `-k gloo`.
 """
 import re
 import shutil
@@ -15,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cifar_files import write_cifar  # noqa: E402
-from dist_helpers import free_port, run_cmd  # noqa: E402
+from dist_helpers import run_script  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -23,12 +25,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 def _run(tmp_path, tutorial, env=None):
     shutil.copy(HERE / tutorial, tmp_path / tutorial)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(HERE / "run_tutorial.py"), tutorial]
-    result = run_cmd(cmd, timeout=280, cwd=tmp_path, env=env)
-    out = result.stdout.replace("\r", "\n")
-    assert result.returncode == 0, out
-    return out
+    out = run_script(HERE / "run_tutorial.py", [tutorial], nproc=2, cwd=tmp_path, timeout=280,
+                     env=env)
+    return out.replace("\r", "\n")
 
 
 @pytest.fixture
