@@ -8,6 +8,17 @@ import torch
 from dist_helpers import run_ranks, run_ranks_cached
 from torch import nn
 from torch.testing import assert_close
+from zero_models import (
+    STEPS,
+    B,
+    Net,
+    grouped_adamw,
+    launch_net,
+    net_batch,
+    train_engine,
+    train_single,
+    zero_config,
+)
 
 import nanocolossal as nc
 from nanocolossal.amp import AMP_TYPE
@@ -21,10 +32,6 @@ from nanocolossal.config import ConfigError, load_config
 from nanocolossal.context import gpc
 
 pytestmark = pytest.mark.timeout(120)
-B = 3  # samples per rank per micro-batch
-# steps of the sweeps below: `side` is used on steps 0 and 2 and skipped on step 1, so its
-# optimizer state must survive a step without a gradient (more steps repeat the pattern)
-STEPS = 3
 
 
 def _lesson_worker(rank, world_size, port, level, xs, ys):
@@ -58,94 +65,13 @@ def test_gloo_zero_on_two_ranks_equals_one_process(level):
         assert_close(state, model.state_dict(), msg=lambda m: f"rank {rank}: {m}")
 
 
-class Net(nn.Module):
-    """141 parameters (odd: padding; parameters straddle shards), a branch used on even steps
-    only and a layer never used."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b = nn.Linear(6, 7), nn.Linear(7, 5)
-        self.side, self.never = nn.Linear(7, 5), nn.Linear(3, 3)
-        self.use_side = True
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        return self.b(h) + self.side(h) if self.use_side else self.b(h)
-
-
-def _adamw(model):
-    """Two param groups with different lr and weight decay (two flat buffers)."""
-    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
-    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
-    return torch.optim.AdamW([{"params": weights, "weight_decay": 0.1},
-                              {"params": biases, "lr": 0.03, "weight_decay": 0.01}], lr=0.02)
-
-
-def _batch(step, n):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 5, (n,), generator=g)
-
-
-def _train_single(model, opt, steps, first=0, n=8, clip=0.0, bf16=False):
-    norms = []
-    for step in range(first, first + steps):
-        model.use_side = step % 2 == 0
-        xs, ys = _batch(step, n)
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = model(xs)
-        nn.functional.cross_entropy(out.float(), ys).backward()
-        if clip:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
-        opt.step()
-    return norms
-
-
-def _train_engine(engine, steps, rank, world_size, accum, first=0):
-    """Each step: the global batch of world_size * accum * B samples, this rank's slices."""
-    norms = []
-    for step in range(first, first + steps):
-        engine.model.use_side = step % 2 == 0
-        xs, ys = _batch(step, world_size * accum * B)
-        for micro in range(accum):
-            lo = (micro * world_size + rank) * B
-            engine.zero_grad()
-            engine.backward(engine.criterion(engine(xs[lo:lo + B]), ys[lo:lo + B]))
-            stepped = engine.step()
-        assert stepped
-        if engine.clip_grad_norm:
-            norms.append(engine.last_grad_norm)
-        if engine.optimizer.level == 2:  # only the shard's segments of the gradients are kept
-            assert all(p.grad is None for p in engine.model.parameters())
-    return norms
-
-
-def _launch(rank, world_size, port, config):
-    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
-    model = Net()
-    engine, *_ = nc.initialize(model, _adamw(model), nn.CrossEntropyLoss(), verbose=False)
-    return engine
-
-
-def zero_config(zero: dict, accum: int, clip: float, bf16: bool, overlap: bool) -> dict:
-    if not overlap:
-        zero = {**zero, "overlap_communication": False}
-    config = {"zero": zero, "gradient_accumulation": accum}
-    if clip:
-        config["clip_grad_norm"] = clip
-    if bf16:
-        config["fp16"] = dict(mode=AMP_TYPE.TORCH, dtype="bfloat16")
-    return config
-
-
 def _worker(rank, world_size, port, level, accum=1, clip=0.0, bf16=False, overlap=True):
     zero = dict(level=level, reduce_bucket_size_mb=2e-4)  # a few parameters per bucket
-    engine = _launch(rank, world_size, port, zero_config(zero, accum, clip, bf16, overlap))
-    norms = _train_engine(engine, STEPS, rank, world_size, accum)
+    engine = launch_net(rank, world_size, port, zero_config(zero, accum, clip, bf16, overlap))
+    norms = train_engine(engine, STEPS, rank, world_size, accum)
     single = Net()
-    single_norms = _train_single(single, _adamw(single), STEPS, n=world_size * accum * B, clip=clip,
-                                 bf16=bf16)
+    single_norms = train_single(single, grouped_adamw(single), STEPS, n=world_size * accum * B,
+                                clip=clip, bf16=bf16)
     tol = dict(atol=3e-3, rtol=0) if bf16 else {}  # bf16 sums of other batch splits round apart
     for (name, p), q in zip(engine.model.named_parameters(), single.parameters()):
         assert_close(p, q, **tol, msg=lambda m: f"{name}: {m}")
@@ -166,11 +92,11 @@ def test_deep_zero_level2_without_overlap_equals_one_process():
 
 def _two_backwards_worker(rank, world_size, port, config):
     """Each step: engine.backward twice (two losses, each synchronised), then one step."""
-    engine = _launch(rank, world_size, port, config)
+    engine = launch_net(rank, world_size, port, config)
     single = Net()
-    opt = _adamw(single)
+    opt = grouped_adamw(single)
     for step in range(3):
-        xs, ys = _batch(step, world_size * 2 * B)
+        xs, ys = net_batch(step, world_size * 2 * B)
         n = world_size * B
         halves = [(xs[h * n:][:n], ys[h * n:][:n]) for h in range(2)]
         engine.zero_grad()
@@ -220,7 +146,7 @@ def _memory_worker(rank, world_size, port, level):
     model = nn.Sequential(nn.Linear(10, 9), nn.Tanh(), nn.Linear(9, 5))  # Psi = 149
     engine, *_ = nc.initialize(model, torch.optim.AdamW(model.parameters()),
                                nn.CrossEntropyLoss(), verbose=False)
-    xs, ys = _batch(0, B)
+    xs, ys = net_batch(0, B)
     engine.zero_grad()
     engine.backward(engine.criterion(engine(torch.randn(B, 10)), ys))
     engine.step()
@@ -239,15 +165,15 @@ def test_deep_zero_optimizer_state_bytes_per_rank_equal_the_formula(level):
 
 
 def _save_worker(rank, world_size, port, level, path):
-    engine = _launch(rank, world_size, port, {"zero": dict(level=level)})
-    _train_engine(engine, 3, rank, world_size, 1)
+    engine = launch_net(rank, world_size, port, {"zero": dict(level=level)})
+    train_engine(engine, 3, rank, world_size, 1)
     save_checkpoint(path, 3, engine.model, engine.optimizer)
 
 
 def _resume_worker(rank, world_size, port, level, path):
-    engine = _launch(rank, world_size, port, {"zero": dict(level=level)})
+    engine = launch_net(rank, world_size, port, {"zero": dict(level=level)})
     assert load_checkpoint(path, engine.model, engine.optimizer)["epoch"] == 3
-    _train_engine(engine, 2, rank, world_size, 1, first=3)
+    train_engine(engine, 2, rank, world_size, 1, first=3)
     return {k: v.clone() for k, v in engine.model.state_dict().items()}
 
 
@@ -268,7 +194,7 @@ def test_deep_zero_checkpoint_is_one_shard_file_per_data_rank(tmp_path):
             for lo, hi, state in parts:
                 assert state["exp_avg"].numel() == hi - lo
                 covered.setdefault(index, []).append((lo, hi))
-    net = Net()  # _adamw's order: the weights, then the biases
+    net = Net()  # grouped_adamw's order: the weights, then the biases
     names = [n for kind in ("weight", "bias") for n, _ in net.named_parameters()
              if n.endswith(kind)]
     for index, name in enumerate(names):  # each element once (`never` has no state at all)
@@ -293,10 +219,10 @@ def test_deep_zero_checkpoint_resumes_exactly_into_another_data_size(level, tmp_
     path = tmp_path / "ckpt.pt"
     run_ranks(_save_worker, 2, level, path, timeout=60)
     single = Net()  # the reference: one process on the same global batches
-    opt = _adamw(single)
-    _train_single(single, opt, 3, n=2 * B)
+    opt = grouped_adamw(single)
+    train_single(single, opt, 3, n=2 * B)
     plain = Net()
-    plain_opt = _adamw(plain)
+    plain_opt = grouped_adamw(plain)
     state = read_file(path, "cpu")
     plain.load_state_dict(state["model"])
     plain_opt.load_state_dict(load_optimizer_state(path)["optimizer"])
@@ -305,11 +231,11 @@ def test_deep_zero_checkpoint_resumes_exactly_into_another_data_size(level, tmp_
         resumed = run_ranks(_resume_worker, world_size, level, path, timeout=60)[0]
         expected = Net()
         expected.load_state_dict(single.state_dict())
-        expected_opt = _adamw(expected)
+        expected_opt = grouped_adamw(expected)
         expected_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-        _train_single(expected, expected_opt, 2, first=3, n=world_size * B)
+        train_single(expected, expected_opt, 2, first=3, n=world_size * B)
         assert_close(resumed, expected.state_dict())
-    _train_single(plain, plain_opt, 2, first=3, n=4 * B)  # the plain AdamW goes on the same way
+    train_single(plain, plain_opt, 2, first=3, n=4 * B)  # the plain AdamW goes on the same way
     assert_close(plain.state_dict(), expected.state_dict())
 
 
@@ -337,9 +263,9 @@ def test_deep_zero_refuses_whole_parameter_optimizers_and_missing_parameters():
 
 
 def _added_after_initialize_worker(rank, world_size, port, level):
-    engine = _launch(rank, world_size, port, {"zero": dict(level=level)})
+    engine = launch_net(rank, world_size, port, {"zero": dict(level=level)})
     engine.model.late = nn.Linear(5, 5)  # trainable, in no shard: it would never step
-    xs, ys = _batch(0, world_size * B)
+    xs, ys = net_batch(0, world_size * B)
     engine.zero_grad()
     engine.backward(engine.criterion(engine(xs[rank * B:(rank + 1) * B]),
                                      ys[rank * B:(rank + 1) * B]))
@@ -359,8 +285,8 @@ def _unfrozen_after_initialize_worker(rank, world_size, port, level):
               port=port)
     model = Net()
     model.side.weight.requires_grad_(False)  # frozen when ZeRO cuts the shards
-    engine, *_ = nc.initialize(model, _adamw(model), nn.CrossEntropyLoss(), verbose=False)
-    xs, ys = _batch(0, world_size * B)
+    engine, *_ = nc.initialize(model, grouped_adamw(model), nn.CrossEntropyLoss(), verbose=False)
+    xs, ys = net_batch(0, world_size * B)
     x, y = xs[rank * B:(rank + 1) * B], ys[rank * B:(rank + 1) * B]
     engine.zero_grad()
     engine.backward(engine.criterion(engine(x), y))
@@ -385,7 +311,7 @@ def test_gloo_zero_refuses_a_parameter_unfrozen_after_initialize(level):
 
 def _log_line_worker(rank, world_size, port, level):
     from nanocolossal.engine.initialize import describe_zero
-    return describe_zero(_launch(rank, world_size, port, {"zero": dict(level=level)}).optimizer)
+    return describe_zero(launch_net(rank, world_size, port, {"zero": dict(level=level)}).optimizer)
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])
@@ -424,10 +350,10 @@ def _fp16_worker(rank, world_size, port, level, per_rank):
     config = {"fp16": dict(mode=AMP_TYPE.TORCH, dtype="float16")}
     if level:
         config["zero"] = dict(level=level)
-    engine = _launch(rank, world_size, port, config)
+    engine = launch_net(rank, world_size, port, config)
     for step in range(5):
         engine.model.use_side = step % 2 == 0
-        xs, ys = _batch(step, world_size * per_rank)
+        xs, ys = net_batch(step, world_size * per_rank)
         if step == 2:
             xs[-1, 0] = 1e6  # the last rank's sample: inf in fp16
         lo = rank * per_rank
@@ -467,7 +393,7 @@ def _twice_worker(rank, world_size, port, level):
     model = Twice()
     engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                nn.CrossEntropyLoss(), verbose=False)
-    xs, ys = _batch(0, B)
+    xs, ys = net_batch(0, B)
     try:
         engine.backward(engine.criterion(engine(xs.requires_grad_()), ys))
     except RuntimeError as e:

@@ -11,21 +11,21 @@ from functools import partial
 import pytest
 import torch
 from dist_helpers import run_ranks
-from test_zero import (
-    STEPS,
-    B,
-    Net,
-    _adamw,
-    _batch,
-    _launch,
-    _train_engine,
-    _train_single,
-    zero_config,
-)
 from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
+from zero_models import (
+    STEPS,
+    B,
+    Net,
+    grouped_adamw,
+    launch_net,
+    net_batch,
+    train_engine,
+    train_single,
+    zero_config,
+)
 
 import nanocolossal as nc
 from nanocolossal.amp import AMP_TYPE
@@ -81,13 +81,14 @@ def _freed(model):
 
 
 def _worker(rank, world_size, port, accum=1, clip=0.0, bf16=False, overlap=True):
-    engine = _launch(rank, world_size, port, zero_config(dict(level=3), accum, clip, bf16, overlap))
+    engine = launch_net(rank, world_size, port,
+                        zero_config(dict(level=3), accum, clip, bf16, overlap))
     assert isinstance(engine.optimizer, ParamShardedOptimizer) and _freed(engine.model)
-    norms = _train_engine(engine, STEPS, rank, world_size, accum)
+    norms = train_engine(engine, STEPS, rank, world_size, accum)
     assert _freed(engine.model)
     single = Net()
-    single_norms = _train_single(single, _adamw(single), STEPS, n=world_size * accum * B, clip=clip,
-                                 bf16=bf16)
+    single_norms = train_single(single, grouped_adamw(single), STEPS, n=world_size * accum * B,
+                                clip=clip, bf16=bf16)
     gathered = engine.model.state_dict()  # the plain model's keys, full tensors
     tol = dict(atol=3e-3, rtol=0) if bf16 else {}  # bf16 sums of other batch splits round apart
     assert_close(gathered, single.state_dict(), **tol)
@@ -182,17 +183,17 @@ def test_deep_zero3_parameter_bytes_equal_the_formula():
 
 
 def _save_worker(rank, world_size, port, path):
-    engine = _launch(rank, world_size, port, {"zero": dict(level=3)})
-    _train_engine(engine, 3, rank, world_size, 1)
+    engine = launch_net(rank, world_size, port, {"zero": dict(level=3)})
+    train_engine(engine, 3, rank, world_size, 1)
     save_checkpoint(path, 3, engine.model, engine.optimizer)
     assert _freed(engine.model)
 
 
 def _resume_worker(rank, world_size, port, path):
-    engine = _launch(rank, world_size, port, {"zero": dict(level=3)})
+    engine = launch_net(rank, world_size, port, {"zero": dict(level=3)})
     assert load_checkpoint(path, engine.model, engine.optimizer)["epoch"] == 3
     assert _freed(engine.model)
-    _train_engine(engine, 2, rank, world_size, 1, first=3)
+    train_engine(engine, 2, rank, world_size, 1, first=3)
     return engine.model.state_dict()
 
 
@@ -205,8 +206,8 @@ def test_deep_zero3_checkpoint_is_the_plain_models_and_resumes_exactly(tmp_path)
     path = tmp_path / "ckpt.pt"
     run_ranks(_save_worker, 2, path, timeout=60)
     single = Net()
-    opt = _adamw(single)
-    _train_single(single, opt, 3, n=2 * B)
+    opt = grouped_adamw(single)
+    train_single(single, opt, 3, n=2 * B)
     on_disk = read_file(path, "cpu")
     assert list(on_disk["model"]) == list(single.state_dict())
     assert all(v is None for v in on_disk["model"].values())  # every parameter is sharded
@@ -218,16 +219,16 @@ def test_deep_zero3_checkpoint_is_the_plain_models_and_resumes_exactly(tmp_path)
     assert list(state["model"]) == list(single.state_dict())
     assert_close(state["model"], single.state_dict())
     assert_close(merge_checkpoint(path), single.state_dict())
-    plain_opt = _adamw(Net())
+    plain_opt = grouped_adamw(Net())
     plain_opt.load_state_dict(load_optimizer_state(path)["optimizer"])
     assert_close(plain_opt.state_dict(), opt.state_dict())
     for world_size in (2, 4):
         resumed = run_ranks(_resume_worker, world_size, path, timeout=60)[0]
         expected = Net()
         expected.load_state_dict(single.state_dict())
-        expected_opt = _adamw(expected)
+        expected_opt = grouped_adamw(expected)
         expected_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-        _train_single(expected, expected_opt, 2, first=3, n=world_size * B)
+        train_single(expected, expected_opt, 2, first=3, n=world_size * B)
         assert_close(resumed, expected.state_dict())
 
 
@@ -279,7 +280,7 @@ def _v01_worker(rank, world_size, port, fp16):
     handler.emit = lambda record: logged.append(record.getMessage())
     logging.getLogger("nanocolossal").addHandler(handler)
     model = Net()
-    engine, *_ = nc.initialize(model, _adamw(model), nn.CrossEntropyLoss(), verbose=False)
+    engine, *_ = nc.initialize(model, grouped_adamw(model), nn.CrossEntropyLoss(), verbose=False)
     logging.getLogger("nanocolossal").removeHandler(handler)
     assert isinstance(engine.optimizer, ParamShardedOptimizer) and _freed(engine.model)
     assert engine.optimizer.offload is not None  # tensor_placement_policy='cpu' (offload.py)
@@ -288,9 +289,9 @@ def _v01_worker(rank, world_size, port, fp16):
         return (scaler.scale, scaler.min_scale, scaler.growth_factor, scaler.backoff_factor,
                 scaler.growth_interval, scaler.hysteresis, scaler.max_scale), logged
     assert scaler is None
-    _train_engine(engine, 3, rank, world_size, 1)
+    train_engine(engine, 3, rank, world_size, 1)
     single = Net()
-    _train_single(single, _adamw(single), 3, n=world_size * B)
+    train_single(single, grouped_adamw(single), 3, n=world_size * B)
     assert_close(engine.model.state_dict(), single.state_dict())
     return None, logged
 
@@ -303,9 +304,9 @@ def test_deep_zero_v01_config_trains_as_level3_and_sets_the_scaler():
 
 
 def _branch_on_one_rank_worker(rank, world_size, port):
-    engine = _launch(rank, world_size, port, {"zero": dict(level=3), "debug": True})
+    engine = launch_net(rank, world_size, port, {"zero": dict(level=3), "debug": True})
     engine.model.use_side = rank == 0  # rank 0 alone runs the unit `side`
-    xs, ys = _batch(0, world_size * B)
+    xs, ys = net_batch(0, world_size * B)
     with pytest.raises(RuntimeError) as e:
         engine.zero_grad()
         engine.backward(engine.criterion(engine(xs[rank * B:(rank + 1) * B]),
@@ -345,7 +346,7 @@ def _twins_worker(rank, world_size, port, left_on):
     model = Twins()
     engine, *_ = nc.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.02),
                                nn.CrossEntropyLoss(), verbose=False)
-    xs, ys = _batch(0, world_size * B)
+    xs, ys = net_batch(0, world_size * B)
     for step in range(2):
         engine.model.use_left = rank in left_on
         engine.zero_grad()

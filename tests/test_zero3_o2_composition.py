@@ -2,7 +2,7 @@
 other features, each against ONE PROCESS on the whole batch (under O2: one process running the
 same O2, no zero).
 
-Exact where it can be (test_zero_fp16.py's dyadic grid: Linear layers under a linear loss,
+Exact where it can be (zero_models.py's dyadic grid: Linear layers under a linear loss,
 inputs on 1/8, coefficients on 1/4, powers of two for batches and the loss scale, so every half
 gradient is exact however the batch is split); tensor / sequence parallel runs (non-linear
 models) get a tolerance."""
@@ -10,20 +10,27 @@ import contextlib
 
 import pytest
 import torch
-from dist_helpers import run_ranks, run_ranks_cached
-from test_zero_composition import (
-    _record,
-    _same,
-    _trainer_run,
+from dist_helpers import ROOT, run_ranks, run_ranks_cached
+from torch import nn
+from torch.testing import assert_close
+from zero_models import LinearLoss, dyadic_batch, grouped_adamw
+from zero_o2_runs import (
+    compare_o2_runs,
     end_of_step,
     inject_overflow,
     micro_step,
-    tiny_gpt_and_my_batches,
+    record_o2_state,
+    trainer_run,
 )
-from test_zero_fp16 import LinearLoss, _adamw, _batch
-from test_zero_parallel_composition import _lm
-from torch import nn
-from torch.testing import assert_close
+from zero_parallel_runs import (
+    AMP_MODES,
+    BF16,
+    check_states,
+    one_process_sgd,
+    pipeline_resume_worker,
+    pipeline_save_worker,
+    tied_lm,
+)
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
@@ -87,7 +94,7 @@ def _branchy_train(rank, world, port, config, n, steps=4, first=0, inject=(1, 0)
     "none")."""
     nc.launch(config, rank=rank, world_size=world, host="127.0.0.1", port=port)
     model = Branchy()
-    engine, *_ = nc.initialize(model, _adamw(model), LinearLoss(), verbose=False)
+    engine, *_ = nc.initialize(model, grouped_adamw(model), LinearLoss(), verbose=False)
     if path is not None:
         load_checkpoint(path, engine.model, engine.optimizer)
     acc = engine.gradient_accumulation
@@ -96,7 +103,7 @@ def _branchy_train(rank, world, port, config, n, steps=4, first=0, inject=(1, 0)
         for micro in range(acc):
             engine.train()
             engine.model.use_side = _side_on(step)
-            xs, cs = _batch(step * acc + micro, n)
+            xs, cs = dyadic_batch(step * acc + micro, n)
             if (step, micro) == inject:
                 inject_overflow(xs, cs)
             loss, took = micro_step(engine, rank, world, xs, cs)
@@ -105,10 +112,10 @@ def _branchy_train(rank, world, port, config, n, steps=4, first=0, inject=(1, 0)
                 engine.eval()
                 engine.model.use_side = not _side_on(step)
                 with torch.no_grad() if evals == "nograd" else contextlib.nullcontext():
-                    y = engine(_batch(500 + step, 4)[0])
+                    y = engine(dyadic_batch(500 + step, 4)[0])
                 out["evals"].append(y.detach().double().clone())
         end_of_step(engine, out, took)
-    _record(engine, out)
+    record_o2_state(engine, out)
     if save is not None:
         save_checkpoint(save, first + steps, engine.model, engine.optimizer)
     return out
@@ -118,7 +125,7 @@ def _check(ref, runs, rtol=0.0, atol=0.0):
     if any(n is not None for n in ref["norms"]):
         for r in (ref, *runs):
             r["norms"] = [None if n == float("inf") else n for n in r["norms"]]
-    _same(ref, runs, rtol=rtol, atol=atol)
+    compare_o2_runs(ref, runs, rtol=rtol, atol=atol)
     for run in runs:
         assert len(run["evals"]) == len(ref["evals"])
         for got, want in zip(run["evals"], ref["evals"]):
@@ -179,7 +186,7 @@ def test_deep_zero3_o2_checkpoint_4_ranks_into_2_and_1_and_plain_ddp(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "ckpt-zero0.pt", "ckpt-zero1.pt", "ckpt-zero2.pt", "ckpt-zero3.pt", "ckpt.pt"]
     ref2 = run_ranks(_branchy_train, 1, _no_zero(config), 8, 2, timeout=60)[0]
-    _same(ref2, saved)
+    compare_o2_runs(ref2, saved)
     merged = load_optimizer_state(path)
     for i, m in enumerate(merged["masters"]):
         assert_close(m.double(), ref2["state"][f"master.{i}"], rtol=0, atol=0)
@@ -224,15 +231,15 @@ def test_deep_one_process_o2_checkpoint_into_zero3_and_stale_shard_files(tmp_pat
 
 def test_deep_trainer_under_zero3_o2_resumes_bit_identically(tmp_path):
     config = _config(3, accumulation=2)
-    ref = run_ranks_cached(_trainer_run, 1, _no_zero(config))[0]
-    whole = run_ranks(_trainer_run, 2, config, timeout=60)
+    ref = run_ranks_cached(trainer_run, 1, _no_zero(config))[0]
+    whole = run_ranks(trainer_run, 2, config, timeout=60)
     for run in whole:
         assert run["last"] == pytest.approx(ref["last"], rel=1e-3)
         assert_close(run["state"], ref["state"], rtol=0, atol=0)
         assert_close(run["opt"]["masters"], ref["opt"]["masters"], rtol=0, atol=0)
     ckpt = str(tmp_path / "ckpt.pt")
-    assert run_ranks(_trainer_run, 2, config, ckpt, 3, timeout=60)[0]["step"] == 3
-    second = run_ranks(_trainer_run, 2, config, ckpt, None, True, timeout=60)
+    assert run_ranks(trainer_run, 2, config, ckpt, 3, timeout=60)[0]["step"] == 3
+    second = run_ranks(trainer_run, 2, config, ckpt, None, True, timeout=60)
     for a, b in zip(whole, second):
         for key in a["state"]:
             assert torch.equal(a["state"][key], b["state"][key]), key
@@ -253,7 +260,7 @@ def _tokens(step):
 def _lm_worker(rank, world, port, config):
     from nanocolossal.checkpoint import strip_prefixes
     nc.launch(config, rank=rank, world_size=world, host="127.0.0.1", port=port)
-    model = _lm()
+    model = tied_lm()
     engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
                                col_nn.VocabParallelCrossEntropyLoss(), verbose=False)
     per = GLOBAL // gpc.data_size
@@ -299,6 +306,23 @@ def test_deep_zero3_o2_x_tensor_1d_tied_lm_tracks_one_process_o2(dtype):
 
 # -- ZeRO 3 x O2 x sequence parallelism (the GPT), checkpoint into one process ----------------
 
+SEQ_BATCH, SEQ_LEN, SEQ_VOCAB = 4, 8, 32
+
+
+def tiny_gpt_and_my_batches(steps, vocab=SEQ_VOCAB):
+    """After nc.launch: a 2-layer train_gpt.gpt seeded alike on every rank, and this data rank's
+    share of `steps` global batches of (ids, next ids)."""
+    import sys
+    sys.path.insert(0, str(ROOT))
+    from train_gpt import gpt
+    torch.manual_seed(0)
+    model = gpt(vocab=vocab, seq_len=SEQ_LEN, dim=16, depth=2, heads=2, mlp_ratio=2)
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, vocab, (2, SEQ_BATCH, SEQ_LEN), generator=g).unbind(0)
+               for _ in range(steps)]
+    per = SEQ_BATCH // gpc.data_size
+    mine = slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
+    return model, [(x[mine], y[mine]) for x, y in batches]
 
 
 def _gpt_worker(rank, world, port, config, save=None, load=None):
@@ -355,12 +379,12 @@ def _precision_worker(rank, world, port, config, path, save):
     fp32 masters under O2, else its parameters) before any step, and after one more step."""
     nc.launch(config, rank=rank, world_size=world, host="127.0.0.1", port=port)
     model = Branchy()
-    engine, *_ = nc.initialize(model, _adamw(model), LinearLoss(), verbose=False)
+    engine, *_ = nc.initialize(model, grouped_adamw(model), LinearLoss(), verbose=False)
     n, mine = 8, slice(rank * 8 // world, (rank + 1) * 8 // world)
 
     def one_step(step):
         engine.model.use_side = True
-        xs, cs = _batch(step, n)
+        xs, cs = dyadic_batch(step, n)
         engine.zero_grad()
         engine.backward(engine.criterion(engine(xs[mine]), cs[mine]))
         assert engine.step()
@@ -383,7 +407,7 @@ def _precision_worker(rank, world, port, config, path, save):
 
 
 def _half_keys():
-    names = [k for k, _ in Branchy().named_parameters()]  # _adamw: weights, then biases
+    names = [k for k, _ in Branchy().named_parameters()]  # grouped_adamw: weights, then biases
     return [k for k in names if k.endswith("weight")] + [k for k in names if k.endswith("bias")]
 
 
@@ -430,18 +454,10 @@ def test_deep_o2_zero3_checkpoint_into_an_fp32_job(into, tmp_path):
                          ids=["into-data1-plain", "into-data2-zero1"])
 def test_deep_pipeline_x_zero2_x_o2_checkpoint_per_stage_and_data_rank_resumes(
         tmp_path, loaded_world, loaded_level):
-    from test_zero_parallel_composition import (
-        AMP_MODES,
-        BF16,
-        _check_states,
-        _one_process,
-        _resume_worker,
-        _save_worker,
-    )
-    states, _ = _one_process(opt_level="O2")
+    states, _ = one_process_sgd(opt_level="O2")
     path = str(tmp_path / "ckpt.pt")
     fp16 = {"fp16": AMP_MODES["O2"]}
-    run_ranks(_save_worker, 4, {**fp16, "zero": {"level": 2}}, path, 2, timeout=60)
+    run_ranks(pipeline_save_worker, 4, {**fp16, "zero": {"level": 2}}, path, 2, timeout=60)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "ckpt-stage0-zero0.pt", "ckpt-stage0-zero1.pt", "ckpt-stage0.pt",
         "ckpt-stage1-zero0.pt", "ckpt-stage1-zero1.pt", "ckpt-stage1.pt"]
@@ -450,5 +466,5 @@ def test_deep_pipeline_x_zero2_x_o2_checkpoint_per_stage_and_data_rank_resumes(
         # (stage 0 holds WithUnused.never: a master, no state)
         assert len(merged["masters"]) >= len(merged["optimizer"]["state"]) > 0
     extra = {**fp16, "zero": {"level": loaded_level}} if loaded_level else fp16
-    results = run_ranks(_resume_worker, loaded_world, extra, path, 2, timeout=60)
-    _check_states(results, states[2], BF16)
+    results = run_ranks(pipeline_resume_worker, loaded_world, extra, path, 2, timeout=60)
+    check_states(results, states[2], BF16)

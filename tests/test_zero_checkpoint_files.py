@@ -10,11 +10,11 @@ import pytest
 import torch
 from dist_helpers import run_ranks
 from models import tensor_model
-from test_zero import B, Net, _train_engine, _train_single
-from test_zero import _adamw as _net_adamw
 from torch import nn
 from torch.testing import assert_close
 from torch.utils.data import TensorDataset
+from zero_models import B, Net, grouped_adamw, train_engine, train_single
+from zero_parallel_runs import F64, pipeline_save_worker
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
@@ -143,7 +143,7 @@ def _o2_worker(rank, world_size, port, path, load, first, last, save, level=3, d
         config["zero"] = {"level": level}
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     model = Net()
-    engine, *_ = nc.initialize(model, _net_adamw(model), nn.CrossEntropyLoss(), verbose=False)
+    engine, *_ = nc.initialize(model, grouped_adamw(model), nn.CrossEntropyLoss(), verbose=False)
     if load:
         load_checkpoint(path, engine.model, engine.optimizer)
     g = torch.Generator().manual_seed(1)
@@ -325,7 +325,7 @@ def _trainer_worker(rank, world_size, port, path, max_steps, resume):
     nc.launch({"zero": {"level": 3}}, rank=rank, world_size=world_size, host="127.0.0.1",
               port=port)
     model = Net()
-    engine, *_ = nc.initialize(model, _net_adamw(model), nn.CrossEntropyLoss(), verbose=False)
+    engine, *_ = nc.initialize(model, grouped_adamw(model), nn.CrossEntropyLoss(), verbose=False)
     g = torch.Generator().manual_seed(9)
     data = TensorDataset(torch.randn(24, 6, generator=g), torch.randint(0, 5, (24,), generator=g))
     train = nc.get_dataloader(data, shuffle=True, seed=7, batch_size=4)
@@ -365,7 +365,7 @@ def _opt_worker(rank, world_size, port, name, path, load, first, last):
                                nn.CrossEntropyLoss(), verbose=False)
     if load:
         load_checkpoint(path, engine.model, engine.optimizer)
-    _train_engine(engine, last - first, rank, world_size, 1, first=first)
+    train_engine(engine, last - first, rank, world_size, 1, first=first)
     if not load:
         save_checkpoint(path, last, engine.model, engine.optimizer)
     return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
@@ -377,11 +377,11 @@ def test_deep_zero3_optimizer_states_round_trip_as_one_process(tmp_path, name):
     run_ranks(_opt_worker, 2, name, path, False, 0, 2, timeout=60)
     single = Net()
     opt = OPTIMIZERS[name](single.parameters())
-    _train_single(single, opt, 2, n=2 * B)
+    train_single(single, opt, 2, n=2 * B)
     plain = OPTIMIZERS[name](Net().parameters())
     plain.load_state_dict(load_optimizer_state(path)["optimizer"])
     assert_close(plain.state_dict(), opt.state_dict())
-    _train_single(single, opt, 1, first=2, n=4 * B)
+    train_single(single, opt, 1, first=2, n=4 * B)
     for state in run_ranks(_opt_worker, 4, name, path, True, 2, 3, timeout=60):
         assert_close(state, single.state_dict())
 
@@ -391,14 +391,12 @@ def test_deep_zero3_optimizer_states_round_trip_as_one_process(tmp_path, name):
 def test_deep_zero_x_pipeline_stage_files_hold_each_stages_optimizer_state(tmp_path):
     """pipeline 2 x data 2 at ZeRO level 1 and 2 vs pipeline 2 x data 1 without ZeRO (the same
     global batch): per stage, the merged optimizer state (momentum) and merge_checkpoint agree."""
-    from test_zero_parallel_composition import F64
-    from test_zero_parallel_composition import _save_worker as _pipeline_save
     plain = tmp_path / "plain" / "plain.pt"
-    run_ranks(_pipeline_save, 2, {}, str(plain), 2, timeout=60)
+    run_ranks(pipeline_save_worker, 2, {}, str(plain), 2, timeout=60)
     assert sorted(p.name for p in plain.parent.iterdir()) == ["plain-stage0.pt", "plain-stage1.pt"]
     for level in (1, 2):
         zero = tmp_path / f"zero{level}" / "zero.pt"
-        run_ranks(_pipeline_save, 4, {"zero": {"level": level}}, str(zero), 2, timeout=60)
+        run_ranks(pipeline_save_worker, 4, {"zero": {"level": level}}, str(zero), 2, timeout=60)
         names = sorted(p.name for p in zero.parent.iterdir())
         expected = [f"zero-stage{p}{z}.pt" for p in (0, 1) for z in ("", "-zero0", "-zero1")]
         assert names == sorted(expected), (level, names)

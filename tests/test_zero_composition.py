@@ -6,52 +6,44 @@ and a LayerNorm kept fp32; O2 checkpoints saved on 4 ranks with accumulation, lo
 1 and continued; the Trainer (LossHook, resuming mid-epoch bit-identically) under ZeRO x O2.
 (ZeRO x sequence parallelism x accumulation: rows of test_composition.py's table.)
 
-Exact where it can be: test_zero_fp16.py's dyadic grid (inputs on 1/8, coefficients on 1/4,
+Exact where it can be: zero_models.py's dyadic grid (inputs on 1/8, coefficients on 1/4,
 powers of two for batches, accumulation and the loss scale) makes every half gradient exact
 however the batch is split, so the masters, Adam states and half parameters must be equal to
 the bit; only clipping's coefficient and LayerNorm's fp32 sums get a tolerance."""
 import pytest
 import torch
-from dist_helpers import ROOT, run_ranks, run_ranks_cached
+from dist_helpers import run_ranks, run_ranks_cached
 from models import tensor_model
-from run_records import compare_runs
-from test_zero_fp16 import LinearLoss, Net, _adamw, _batch
 from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close
+from zero_models import LinearLoss, PartNet, dyadic_batch, grouped_adamw
+from zero_o2_runs import (
+    compare_o2_runs,
+    end_of_step,
+    inject_overflow,
+    micro_step,
+    record_o2_state,
+    trainer_run,
+)
+from zero_parallel_runs import (
+    AMP_MODES,
+    BF16,
+    check_states,
+    one_process_sgd,
+    pipeline_save_worker,
+    sgd,
+    tied_batch,
+    tied_model,
+)
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
 from nanocolossal.amp import AMP_TYPE
 from nanocolossal.checkpoint import load_checkpoint, save_checkpoint
 from nanocolossal.context import gpc
-from nanocolossal.metrics import all_reduce_mean
 
 B = 2  # samples per rank per micro-step
-
-
-class PartNet(Net):
-    """Net whose `side` layer sees only the first `side_rows` samples of the global batch (rank
-    0's under B samples per rank): on the other ranks it gets no gradient at all; `ln` (fp32
-    under O2) adds to some outputs when present."""
-
-    def __init__(self, side_rows=None, norm=False) -> None:
-        super().__init__()
-        self.side_rows = side_rows
-        self.ln = nn.LayerNorm(4) if norm else None
-
-    def forward(self, x):
-        if self.side_rows is None:
-            out = super().forward(x)
-        else:
-            h = self.b(x[:, 6:])
-            k = max(0, min(x.shape[0], self.side_rows - gpc.data_rank * x.shape[0]))
-            if k:
-                h = torch.cat([h[:k] + self.side(x[:k, :6]), h[k:]])
-            out = torch.cat([self.a(x[:, :6]), h], dim=1)
-        if self.ln is not None:
-            out = torch.cat([out[:, :8], out[:, 8:] + self.ln(x[:, 6:]).to(out.dtype)], dim=1)
-        return out
 
 
 def _config(level, accumulation=1, clip=0.0, dtype="float16"):
@@ -68,41 +60,8 @@ def _config(level, accumulation=1, clip=0.0, dtype="float16"):
 def _engine(rank, world, port, config, side_rows=None, norm=False):
     nc.launch(config, rank=rank, world_size=world, host="127.0.0.1", port=port)
     model = PartNet(side_rows, norm)
-    engine, *_ = nc.initialize(model, _adamw(model), LinearLoss(), verbose=False)
+    engine, *_ = nc.initialize(model, grouped_adamw(model), LinearLoss(), verbose=False)
     return engine
-
-
-def _record(engine, out):
-    state = engine.optimizer.state_dict()  # a collective under ZeRO: one process's O2 state
-    out["state"] = {f"param.{k}": v.detach().double().clone()
-                    for k, v in engine.model.state_dict().items()}
-    out["state"].update({f"master.{i}": m.double() for i, m in enumerate(state["masters"])})
-    for i, s in state["optimizer"]["state"].items():
-        out["state"].update({f"{k}.{i}": torch.as_tensor(v).double() for k, v in s.items()})
-    out["scaler"] = state["scaler"]
-    return out
-
-
-def inject_overflow(xs, cs):
-    """The last sample overflows fp16 in b.weight[0, 3]'s gradient: one rank's shard only."""
-    xs[-1, 9], cs[-1] = 60000.0, 0.0
-    cs[-1, 7] = 0.25
-
-
-def micro_step(engine, rank, world, xs, cs):
-    """This rank's share of xs: backward, then step; (the loss averaged over ranks, stepped)."""
-    n = len(xs)
-    mine = slice(rank * n // world, (rank + 1) * n // world)
-    engine.zero_grad()
-    loss = engine.criterion(engine(xs[mine]), cs[mine])
-    engine.backward(loss)
-    return all_reduce_mean(loss.item()), engine.step()
-
-
-def end_of_step(engine, out, took):
-    out["took"].append(took)
-    out["scales"].append(engine.optimizer.loss_scale)
-    out["norms"].append(engine.last_grad_norm if engine.clip_grad_norm else None)
 
 
 def _o2_train(rank, world, port, config, n, steps=4, side_rows=None, inject=(1, 0), first=0,
@@ -118,7 +77,7 @@ def _o2_train(rank, world, port, config, n, steps=4, side_rows=None, inject=(1, 
     for step in range(first, first + steps):
         engine.model.use_side = step % 2 == 0
         for micro in range(accumulation):
-            xs, cs = _batch(step * accumulation + micro, n)
+            xs, cs = dyadic_batch(step * accumulation + micro, n)
             if (step, micro) == inject:
                 inject_overflow(xs, cs)
             loss, took = micro_step(engine, rank, world, xs, cs)
@@ -126,19 +85,10 @@ def _o2_train(rank, world, port, config, n, steps=4, side_rows=None, inject=(1, 
             assert took is False or micro == accumulation - 1
         end_of_step(engine, out, took)
     out["loss_values"] = losses
-    _record(engine, out)
+    record_o2_state(engine, out)
     if save is not None:
         save_checkpoint(save, first + steps, engine.model, engine.optimizer)
     return out
-
-
-def _same(ref, runs, rtol=0.0, atol=0.0, loss_rtol=1e-3):
-    """compare_runs on steps, scales, norms and state (exact by default); the losses (half
-    forwards summed in another order) to `loss_rtol`; the scaler's state exactly."""
-    compare_runs(ref, runs, rtol=rtol, atol=atol, norms=any(n is not None for n in ref["norms"]))
-    for run in runs:
-        assert run["loss_values"] == pytest.approx(ref["loss_values"], rel=loss_rtol)
-        assert run["scaler"] == ref["scaler"]
 
 
 def _layout(config, world, steps=4, side_rows=None):
@@ -157,7 +107,7 @@ def test_gloo_zero_o2_gradient_accumulation_with_an_overflow_mid_group(level, wo
     ref, runs = _layout(_config(level, accumulation=2), world)
     assert ref["took"] == [True, False, True, True]
     assert ref["scales"] == [2.0**14, 2.0**13, 2.0**13, 2.0**14]
-    _same(ref, runs)
+    compare_o2_runs(ref, runs)
 
 
 @pytest.mark.timeout(60)
@@ -172,7 +122,7 @@ def test_deep_zero2_o2_clipping_on_4_ranks_with_straddling_parameters():
         run["norms"] = [None if n == float("inf") else n for n in run["norms"]]
         run["state"] = {k: v for k, v in run["state"].items() if k.startswith(("master", "exp"))}
     ref["state"] = {k: v for k, v in ref["state"].items() if k.startswith(("master", "exp"))}
-    _same(ref, runs, rtol=1e-5, atol=1e-6)
+    compare_o2_runs(ref, runs, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(60)
@@ -186,7 +136,7 @@ def test_deep_zero_o2_parameter_no_rank_uses_and_one_only_rank_0_uses(level):
     # optimizer order: weights a, b, side, never (0-3), then biases (4-7); `never` has no state
     assert {k for k in ref["state"] if k.startswith("exp_avg.")} == {
         f"exp_avg.{i}" for i in (0, 1, 2, 4, 5, 6)}
-    _same(ref, runs)
+    compare_o2_runs(ref, runs)
 
 
 @pytest.mark.timeout(60)
@@ -199,7 +149,7 @@ def test_deep_zero_o2_param_groups_with_a_layernorm_kept_fp32(level):
                            4, None, (1, 0), 0, None, True)[0]
     runs = run_ranks(_o2_train, 2, config, 4, 4, None, (1, 0), 0, None, True, timeout=60)
     assert ref["state"]["param.ln.weight"].dtype == torch.float64  # (recorded as double)
-    _same(ref, runs, rtol=1e-5, atol=1e-6)
+    compare_o2_runs(ref, runs, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(60)
@@ -232,43 +182,17 @@ def _cont(rank, world, port, config, path):
     for step in (2, 3):
         engine.model.use_side = step % 2 == 0
         for micro in range(2):
-            xs, cs = _batch(step * 2 + micro, 8)
+            xs, cs = dyadic_batch(step * 2 + micro, 8)
             mine = slice(rank * per, (rank + 1) * per)
             engine.zero_grad()
             engine.backward(engine.criterion(engine(xs[mine]), cs[mine]))
             took = engine.step()
         out["took"].append(took)
         out["scales"].append(engine.optimizer.loss_scale)
-    return _record(engine, out)
+    return record_o2_state(engine, out)
 
 
 # -- the Trainer under ZeRO x O2 -------------------------------------------------------------------
-
-def _trainer_run(rank, world, port, config, ckpt=None, max_steps=None, resume=False):
-    from torch.utils.data import TensorDataset
-
-    from nanocolossal.trainer import Trainer, hooks
-    engine_config = dict(config)
-    nc.launch(engine_config, rank=rank, world_size=world, host="127.0.0.1", port=port)
-    model = PartNet()
-    g = torch.Generator().manual_seed(11)
-    train_set = TensorDataset(torch.randint(-8, 9, (32, 10), generator=g) / 8,
-                              torch.randint(-2, 3, (32, 12), generator=g) / 4)
-    test_set = TensorDataset(torch.randint(-8, 9, (8, 10), generator=g) / 8,
-                             torch.randint(-2, 3, (8, 12), generator=g) / 4)
-    per = 4 // gpc.data_size  # 4 samples a batch
-    engine, train, test, _ = nc.initialize(
-        model, _adamw(model), LinearLoss(),
-        nc.get_dataloader(train_set, shuffle=True, seed=5, drop_last=True, batch_size=per),
-        nc.get_dataloader(test_set, batch_size=per), verbose=False)
-    trainer, last = Trainer(engine), hooks.LastLossHook()
-    saving = [] if ckpt is None else [hooks.SaveCheckpointHook(ckpt, every_steps=2)]
-    assert not resume or trainer.resume(ckpt)
-    trainer.fit(train, 2, test, hooks=[hooks.LossHook(), last, *saving], max_steps=max_steps)
-    return dict(metrics=trainer.states["metrics"], last=last.value, step=trainer.cur_step,
-                state={k: v.detach().clone() for k, v in engine.model.state_dict().items()},
-                opt=engine.optimizer.state_dict())
-
 
 @pytest.mark.timeout(60)
 def test_deep_trainer_under_zero2_o2_reports_one_process_numbers_and_resumes_bit_identically(
@@ -277,8 +201,8 @@ def test_deep_trainer_under_zero2_o2_reports_one_process_numbers_and_resumes_bit
     LastLossHook are one process's (half forwards: 1e-3), the weights and masters exactly; a
     job stopped after 3 steps (checkpoint at 2, mid-epoch) and resumed ends bit-identical."""
     config = _config(2, accumulation=2)
-    ref = run_ranks_cached(_trainer_run, 1, _config(0, accumulation=2))[0]
-    whole = run_ranks(_trainer_run, 2, config, timeout=60)
+    ref = run_ranks_cached(trainer_run, 1, _config(0, accumulation=2))[0]
+    whole = run_ranks(trainer_run, 2, config, timeout=60)
     for run in whole:
         for split in ("train", "test"):
             for key, value in ref["metrics"][split].items():
@@ -287,35 +211,14 @@ def test_deep_trainer_under_zero2_o2_reports_one_process_numbers_and_resumes_bit
         assert_close(run["state"], ref["state"], rtol=0, atol=0)
         assert_close(run["opt"]["masters"], ref["opt"]["masters"], rtol=0, atol=0)
     ckpt = str(tmp_path / "ckpt.pt")
-    first = run_ranks(_trainer_run, 2, config, ckpt, 3, timeout=60)
+    first = run_ranks(trainer_run, 2, config, ckpt, 3, timeout=60)
     assert first[0]["step"] == 3
-    second = run_ranks(_trainer_run, 2, config, ckpt, None, True, timeout=60)
+    second = run_ranks(trainer_run, 2, config, ckpt, None, True, timeout=60)
     for a, b in zip(whole, second):
         for key in a["state"]:
             assert torch.equal(a["state"][key], b["state"][key]), key
         assert_close(a["opt"], b["opt"], rtol=0, atol=0)
         assert a["last"] == b["last"]
-
-
-# -- a tiny GPT and this data rank's batches (test_zero3_o2_composition's sequence runs) -------
-
-SEQ_BATCH, SEQ_LEN, VOCAB = 4, 8, 32
-
-
-def tiny_gpt_and_my_batches(steps, vocab=VOCAB):
-    """After nc.launch: a 2-layer train_gpt.gpt seeded alike on every rank, and this data rank's
-    share of `steps` global batches of (ids, next ids)."""
-    import sys
-    sys.path.insert(0, str(ROOT))
-    from train_gpt import gpt
-    torch.manual_seed(0)
-    model = gpt(vocab=vocab, seq_len=SEQ_LEN, dim=16, depth=2, heads=2, mlp_ratio=2)
-    g = torch.Generator().manual_seed(7)
-    batches = [torch.randint(0, vocab, (2, SEQ_BATCH, SEQ_LEN), generator=g).unbind(0)
-               for _ in range(steps)]
-    per = SEQ_BATCH // gpc.data_size
-    mine = slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
-    return model, [(x[mine], y[mine]) for x, y in batches]
 
 
 # -- ZeRO 1-3 x optimizers, schedulers, freezing, eval mid-group, cross-level checkpoints -------
@@ -653,15 +556,13 @@ def test_deep_o2_x_tensor_2d_keeps_layernorm_in_fp32_as_one_process_does(level):
 
 # -- pipeline 2 x data 2 x ZeRO 1/2 x bf16 O2 saved; resumed WITHOUT a pipeline, another level --
 
-# _tied_model's parameters in one process -> (stage, index among that stage's parameters) under
+# tied_model's parameters in one process -> (stage, index among that stage's parameters) under
 # partition [3, 5]; the tied table W is in both stages (same value, same momentum): stage 0's
 STAGE_OF = [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 0), (1, 1), (1, 3), (1, 4)]
 
 
 def _unpipelined_resume_worker(rank, world_size, port, config, path):
-    from test_zero_parallel_composition import GLOBAL as PGLOBAL
-    from test_zero_parallel_composition import _batch as pbatch
-    from test_zero_parallel_composition import _sgd, _tied_model
+    from zero_parallel_runs import GLOBAL as PGLOBAL  # (this file's GLOBAL is its own)
 
     from nanocolossal.checkpoint import (
         load_optimizer_state,
@@ -670,8 +571,8 @@ def _unpipelined_resume_worker(rank, world_size, port, config, path):
         stage_path,
     )
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=30)
-    model = _tied_model()
-    engine, *_ = nc.initialize(model, _sgd(model.parameters()), nn.CrossEntropyLoss(),
+    model = tied_model()
+    engine, *_ = nc.initialize(model, sgd(model.parameters()), nn.CrossEntropyLoss(),
                                verbose=False)
     load_plain_state_dict(engine.model, merge_checkpoint(path))
     stages = [load_optimizer_state(stage_path(path, s)) for s in (0, 1)]
@@ -685,7 +586,7 @@ def _unpipelined_resume_worker(rank, world_size, port, config, path):
     group = {**stages[0]["optimizer"]["param_groups"][0], "params": list(range(len(params)))}
     engine.optimizer.load_state_dict({"optimizer": {"state": state, "param_groups": [group]},
                                       "masters": masters, "scaler": stages[0]["scaler"]})
-    x, y = pbatch(2, PGLOBAL, torch.float32)
+    x, y = tied_batch(2, PGLOBAL, torch.float32)
     n = PGLOBAL // gpc.data_size
     mine = slice(gpc.data_rank * n, (gpc.data_rank + 1) * n)
     engine.zero_grad()
@@ -706,20 +607,14 @@ def test_deep_pipeline_x_zero_x_o2_checkpoint_resumes_without_a_pipeline(tmp_pat
     """Saved by pipeline 2 x data 2 (ZeRO saved_level, bf16 O2) after 2 steps; its merged model,
     each stage's plain optimizer state (momentum) and fp32 masters put together, loaded into a
     job with no pipeline (`world` data ranks, ZeRO `level`): its 3rd step is one process's."""
-    from test_zero_parallel_composition import (
-        AMP_MODES,
-        BF16,
-        _check_states,
-        _one_process,
-        _save_worker,
-    )
-    states, _ = _one_process(opt_level="O2")
+    states, _ = one_process_sgd(opt_level="O2")
     path = str(tmp_path / "ckpt.pt")
     fp16 = {"fp16": AMP_MODES["O2"]}
-    run_ranks(_save_worker, 4, {**fp16, "zero": {"level": saved_level}}, path, 2, timeout=60)
+    run_ranks(pipeline_save_worker, 4, {**fp16, "zero": {"level": saved_level}}, path, 2,
+              timeout=60)
     config = {**fp16, **({"zero": {"level": level}} if level else {})}
     results = run_ranks(_unpipelined_resume_worker, world, config, path, timeout=60)
-    _check_states(results, states[2], BF16)
+    check_states(results, states[2], BF16)
 
 
 # -- a branch used in the first micro-step of an accumulation group only ----------------------

@@ -12,6 +12,7 @@ import torch
 from dist_helpers import run_ranks, run_ranks_cached
 from torch import nn
 from torch.testing import assert_close
+from zero_models import DyadicNet, LinearLoss, dyadic_batch, grouped_adamw
 
 import nanocolossal as nc
 from nanocolossal.amp import AMP_TYPE
@@ -27,33 +28,6 @@ B = 2  # samples per rank
 STEPS, INF_STEP = 5, 2
 
 
-class Net(nn.Module):
-    """121 parameters (odd: padding, parameters straddling shards), a branch used on even steps
-    only and a layer never used."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b = nn.Linear(6, 7), nn.Linear(4, 5)
-        self.side, self.never = nn.Linear(6, 5), nn.Linear(3, 3)
-        self.use_side = True
-
-    def forward(self, x):
-        h = self.b(x[:, 6:]) + self.side(x[:, :6]) if self.use_side else self.b(x[:, 6:])
-        return torch.cat([self.a(x[:, :6]), h], dim=1)
-
-
-class LinearLoss(nn.Module):
-    def forward(self, out, c):
-        return (out * c).sum() / out.shape[0]
-
-
-def _batch(step, n):
-    g = torch.Generator().manual_seed(100 + step)
-    return (torch.randint(-8, 9, (n, 10), generator=g) / 8,
-            torch.randint(-2, 3, (n, 12), generator=g) / 4)
-
-
 def _config(dtype, level, mode="naive"):
     fp16 = (dict(mode=AMP_TYPE.NAIVE) if mode == "naive"
             else dict(mode=AMP_TYPE.APEX, opt_level="O2"))
@@ -64,17 +38,10 @@ def _config(dtype, level, mode="naive"):
     return config
 
 
-def _adamw(model):
-    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
-    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
-    return torch.optim.AdamW([{"params": weights, "weight_decay": 0.1},
-                              {"params": biases, "lr": 0.03, "weight_decay": 0.01}], lr=0.02)
-
-
 def _launch(rank, world_size, port, config):
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
-    model = Net()
-    engine, *_ = nc.initialize(model, _adamw(model), LinearLoss(), verbose=False)
+    model = DyadicNet()
+    engine, *_ = nc.initialize(model, grouped_adamw(model), LinearLoss(), verbose=False)
     return engine
 
 
@@ -84,7 +51,7 @@ def _train(engine, rank, world_size, steps, n, first=0, inf_step=INF_STEP):
     log, per = [], n // world_size
     for step in range(first, first + steps):
         engine.model.use_side = step % 2 == 0
-        xs, cs = _batch(step, n)
+        xs, cs = dyadic_batch(step, n)
         if step == inf_step and next(engine.model.parameters()).dtype == torch.float16:
             # one gradient element overflows (b.weight[0, 3]: in one rank's shard only)
             xs[-1, 9], cs[-1] = 60000.0, 0.0
@@ -163,7 +130,7 @@ def _memory_worker(rank, world_size, port, level):
     model = nn.Sequential(nn.Linear(10, 9), nn.Tanh(), nn.Linear(9, 5))  # Psi = 149
     engine, *_ = nc.initialize(model, torch.optim.AdamW(model.parameters()), LinearLoss(),
                                verbose=False)
-    xs, cs = _batch(0, world_size * B)  # (no overflow: both steps are taken)
+    xs, cs = dyadic_batch(0, world_size * B)  # (no overflow: both steps are taken)
     xs, cs = xs[rank * B:(rank + 1) * B], cs[rank * B:(rank + 1) * B, :5]
     for step in range(2):  # after the second backward: states exist, gradients are fresh
         engine.zero_grad()

@@ -12,16 +12,33 @@ that gets a zero gradient where one process gets none still moves, and a lost op
 import pytest
 import torch
 from dist_helpers import launch_rank, run_ranks
-from models import clip_one_process, epoch_shards, tensor_model, tensor_pipeline_model
+from models import epoch_shards, tensor_model, tensor_pipeline_model
 from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close
 from torch.utils.data import TensorDataset
+from zero_parallel_runs import (
+    AMP_MODES,
+    BF16,
+    F64,
+    GLOBAL,
+    STEPS,
+    VOCAB,
+    check_states,
+    cloned_state,
+    one_process_sgd,
+    pipeline_engine,
+    pipeline_resume_worker,
+    pipeline_save_worker,
+    sgd,
+    tied_batch,
+    tied_lm,
+    tied_model,
+    train_pipeline,
+)
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
-from nanocolossal import amp
-from nanocolossal.amp import AMP_TYPE
 from nanocolossal.checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
 from nanocolossal.config import ConfigError
 from nanocolossal.context import gpc
@@ -31,137 +48,18 @@ from nanocolossal.trainer import Trainer, hooks
 
 pytestmark = pytest.mark.timeout(120)
 
-STEPS = 3
-GLOBAL = 16  # samples per step, split over the data replicas, then into 2 micro-batches
 CLIP = 0.05
-F64 = {"rtol": 1e-9, "atol": 1e-11}
-# bf16 keeps 8 bits: sums in another order (per micro-batch, per rank) round differently
-BF16 = {"rtol": 1e-2, "atol": 1e-3}
-AMP_MODES = {"O1": {"mode": AMP_TYPE.TORCH, "dtype": "bfloat16"},
-             "O2": {"mode": AMP_TYPE.NAIVE, "dtype": "bfloat16"}}
 
 
-# -- a model with a weight tied across stages and a parameter nothing uses ----------------------
-
-class Embed(nn.Module):
-    """Stage 0's use of the shared table W [8, 6]: tanh(x W^T)."""
-
-    def __init__(self, w: nn.Parameter) -> None:
-        super().__init__()
-        self.w = w
-
-    def forward(self, x):
-        return torch.tanh(x @ self.w.t())
-
-
-class Head(nn.Module):
-    """The last stage's use of the same table: h W (the classifier tied to the embedding)."""
-
-    def __init__(self, w: nn.Parameter) -> None:
-        super().__init__()
-        self.w = w
-
-    def forward(self, h):
-        return h @ self.w
-
-
-class WithUnused(nn.Module):
-    """A Linear, beside a parameter no micro-batch ever uses (one process: grad None, never
-    stepped, so weight decay and momentum leave it alone)."""
-
-    def __init__(self, dtype) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8, dtype=dtype)
-        self.never = nn.Parameter(torch.randn(5, dtype=dtype))
-
-    def forward(self, h):
-        return torch.tanh(self.lin(h))
-
-
-def _tied_model(dtype=torch.float64):
-    """8 layers: Embed(W), WithUnused, Linear, Tanh, Linear, Tanh, Head(W), Linear(6, 3)."""
-    torch.manual_seed(0)
-    w = nn.Parameter(torch.randn(8, 6, dtype=dtype) * 0.5)
-    return nn.Sequential(Embed(w), WithUnused(dtype), nn.Linear(8, 8, dtype=dtype), nn.Tanh(),
-                         nn.Linear(8, 8, dtype=dtype), nn.Tanh(), Head(w),
-                         nn.Linear(6, 3, dtype=dtype))
-
-
-def _batch(step, n, dtype=torch.float64):
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(n, 6, generator=g).to(dtype), torch.randint(0, 3, (n,), generator=g)
-
-
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2)
-
-
-def _state(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _one_process(steps=STEPS, clip=None, opt_level=None, dtype=torch.float64,
-                 make_model=_tied_model):
-    """One process, the whole batch of every step: the states after each step and the gradient
-    norms."""
-    model = make_model(dtype)
-    opt = _sgd(model.parameters())
-    if opt_level:
-        model, opt = amp.initialize(model, opt, opt_level, dtype=torch.bfloat16,
-                                    device_type="cpu")
-    states, norms = [], []
-    for step in range(steps):
-        x, y = _batch(step, GLOBAL, dtype)
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        opt.backward(loss) if opt_level else loss.backward()
-        if clip:
-            norms.append(clip_one_process(model, opt, clip, opt_level))
-        opt.step()
-        states.append(_state(model))
-    return states, norms
-
-
-def _train_pipeline(engine, first, last):
-    norms = []
-    for step in range(first, last):
-        x, y = _batch(step, GLOBAL, next(engine.model.parameters()).dtype
-                      if not gpc.config.get("fp16") else torch.float32)
-        n = GLOBAL // gpc.data_size
-        mine = slice(gpc.data_rank * n, (gpc.data_rank + 1) * n)
-        engine.zero_grad()
-        engine.execute_schedule((x[mine], y[mine]))
-        assert engine.step()
-        norms.append(engine.last_grad_norm)
-    return norms
-
-
-def _pipeline_engine(rank, world_size, port, extra, partition, chunks, dtype=torch.float64):
-    config = {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2, "NUM_CHUNKS": chunks, **extra}
-    launch_rank(rank, world_size, port, config)
-    stage = build_pipeline_model(_tied_model(dtype), num_chunks=chunks, partition=partition)
-    engine, *_ = nc.initialize(stage, _sgd(stage.parameters()), nn.CrossEntropyLoss(),
-                               verbose=False)
-    return engine
-
+# -- tied_model (zero_parallel_runs.py) through a pipeline: its state and norms -----------------
 
 def _pipeline_worker(rank, world_size, port, extra, partition, chunks, dtype, path):
-    engine = _pipeline_engine(rank, world_size, port, extra, partition, chunks, dtype)
-    norms = _train_pipeline(engine, 0, STEPS)
+    engine = pipeline_engine(rank, world_size, port, extra, partition, chunks, dtype)
+    norms = train_pipeline(engine, 0, STEPS)
     if path:
         save_checkpoint(path, 1, engine.model, engine.optimizer)
     with_grad = [name for name, p in engine.model.named_parameters() if p.grad is not None]
-    return _state(engine.model), norms, with_grad
-
-
-def _check_states(results, expected, tolerance):
-    seen = set()
-    for rank, (state, *_) in enumerate(results):
-        for key, value in state.items():
-            assert_close(value, expected[key], msg=lambda m: f"rank {rank} {key}: {m}",
-                         **tolerance)
-        seen |= set(state)
-    assert seen == set(expected), "the stages hold the whole model"
+    return cloned_state(engine.model), norms, with_grad
 
 
 # -- ZeRO 1/2 x pipeline x data x every schedule x clip x tied weight x unused parameter ---------
@@ -185,14 +83,14 @@ def test_gloo_zero_x_pipeline_x_tied_weight_x_unused_param_x_clip_equals_one_pro
     """pipeline 2 x data 2, float64: final parameters (both copies of the tied table, the unused
     parameter untouched) and the clipped norms equal one process's."""
     extra, partition, chunks = SCHEDULES[schedule]
-    states, norms = _one_process(clip=CLIP)
+    states, norms = one_process_sgd(clip=CLIP)
     assert min(norms) > CLIP, "the clip really clips"
     expected = states[-1]
-    assert torch.equal(expected["1.never"], _tied_model()[1].never.detach())
+    assert torch.equal(expected["1.never"], tied_model()[1].never.detach())
     results = run_ranks(_pipeline_worker, 4, {"zero": {"level": level}, **extra,
                                               "clip_grad_norm": CLIP},
                         partition, chunks, torch.float64, None, timeout=60)
-    _check_states(results, expected, F64)
+    check_states(results, expected, F64)
     for rank, (_, our_norms, _) in enumerate(results):
         assert our_norms == pytest.approx(norms, rel=1e-9), f"rank {rank}: the tied table once"
 
@@ -206,12 +104,12 @@ AMP_PIPELINE_CASES = [("O1", 1), ("O2", 2)]  # (O1 / O2 x ZeRO 1 / 2: the same t
                          ids=[f"{o}-zero{z}" for o, z in AMP_PIPELINE_CASES])
 def test_deep_zero_x_pipeline_x_amp_bf16_x_tied_weight_x_clip_tracks_one_process(opt_level, level):
     """1F1B, pipeline 2 x data 2, bf16; one process under the same AMP settings."""
-    states, norms = _one_process(clip=CLIP, opt_level=opt_level, dtype=torch.float32)
+    states, norms = one_process_sgd(clip=CLIP, opt_level=opt_level, dtype=torch.float32)
     assert min(norms) > CLIP
     results = run_ranks(_pipeline_worker, 4, {"fp16": AMP_MODES[opt_level], "clip_grad_norm": CLIP,
                                               "zero": {"level": level}},
                         [3, 5], 1, torch.float32, None, timeout=60)
-    _check_states(results, states[-1], BF16)
+    check_states(results, states[-1], BF16)
     for rank, (state, our_norms, _) in enumerate(results):
         assert our_norms == pytest.approx(norms, rel=2e-2), f"rank {rank}"
         if "0.w" in state and "6.w" in state:
@@ -229,30 +127,16 @@ def test_deep_zero_x_interleaved_x_weight_shared_by_two_chunks_of_one_stage_equa
     """partition [2, 2, 3, 1]: parts 0 and 2 (both rank 0) use W; one Parameter in two chunks,
     reduced once, by the first chunk's DDP / ShardKeepingDDP, in the stage's last backward
     (were both chunks' wrappers to reduce W, each would drop the other's part)."""
-    states, norms = _one_process(clip=CLIP)
+    states, norms = one_process_sgd(clip=CLIP)
     extra = {"clip_grad_norm": CLIP, **({"zero": {"level": level}} if level else {})}
     results = run_ranks(_pipeline_worker, 4, extra, [2, 2, 3, 1], 2, torch.float64, None,
                         timeout=60)
-    _check_states(results, states[-1], F64)
+    check_states(results, states[-1], F64)
     for rank, (_, our_norms, _) in enumerate(results):
         assert our_norms == pytest.approx(norms, rel=1e-9), f"rank {rank}"
 
 
 # -- checkpoints: pipeline x data 2 x ZeRO saved, merged, loaded into data 1 / data 2 -----------
-
-def _resume_worker(rank, world_size, port, extra, path, first):
-    engine = _pipeline_engine(rank, world_size, port, extra, [3, 5], 1)
-    load_checkpoint(path, engine.model, engine.optimizer)
-    _train_pipeline(engine, first, STEPS)
-    return (_state(engine.model),)
-
-
-def _save_worker(rank, world_size, port, extra, path, steps):
-    engine = _pipeline_engine(rank, world_size, port, extra, [3, 5], 1)
-    _train_pipeline(engine, 0, steps)
-    save_checkpoint(path, 1, engine.model, engine.optimizer)
-    return (_state(engine.model),)
-
 
 RESUME_CASES = {  # saved (world, zero level) -> loaded (world, zero level)
     "data2-zero2-to-data1-zero2": (4, 2, 2, 2),
@@ -267,16 +151,16 @@ def test_deep_zero_x_pipeline_checkpoint_merges_and_resumes_in_another_data_size
     another ZeRO level and train the 3rd step: one process after 3 steps (momentum restored).
     The global batch is the same: data 1 runs all 16 samples per step, data 2 8 each."""
     saved_world, saved_level, loaded_world, loaded_level = RESUME_CASES[case]
-    states, _ = _one_process()
+    states, _ = one_process_sgd()
     path = str(tmp_path / "ckpt.pt")
     zero = lambda level: {"zero": {"level": level}} if level else {}  # noqa: E731
-    run_ranks(_save_worker, saved_world, zero(saved_level), path, 2, timeout=60)
+    run_ranks(pipeline_save_worker, saved_world, zero(saved_level), path, 2, timeout=60)
     merged = merge_checkpoint(path)
     for key, value in states[1].items():
         assert_close(merged[key], value, msg=lambda m: f"merged {key}: {m}", **F64)
-    results = run_ranks(_resume_worker, loaded_world, zero(loaded_level), path, 2,
+    results = run_ranks(pipeline_resume_worker, loaded_world, zero(loaded_level), path, 2,
                         timeout=60)
-    _check_states(results, states[2], F64)
+    check_states(results, states[2], F64)
 
 
 # -- ZeRO 3 is refused under a pipeline, by a ConfigError that says why -------------------------
@@ -285,8 +169,8 @@ def _zero3_pipeline_worker(rank, world_size, port, zero):
     try:
         launch_rank(rank, world_size, port, {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2,
                                          "zero": zero})
-        stage = build_pipeline_model(_tied_model(), partition=[3, 5])
-        nc.initialize(stage, _sgd(stage.parameters()), nn.CrossEntropyLoss(), verbose=False)
+        stage = build_pipeline_model(tied_model(), partition=[3, 5])
+        nc.initialize(stage, sgd(stage.parameters()), nn.CrossEntropyLoss(), verbose=False)
     except ConfigError as e:
         return str(e)
     return None
@@ -313,9 +197,9 @@ def _pipeline_tensor_worker(rank, world_size, port, level, chunks, expected):
     launch_rank(rank, world_size, port, config)
     stage = build_pipeline_model(_tp_model(), num_chunks=chunks,
                                  partition=[2, 2, 2, 3] if chunks == 2 else [4, 5])
-    engine, *_ = nc.initialize(stage, _sgd(stage.parameters()), col_nn.CrossEntropyLoss(),
+    engine, *_ = nc.initialize(stage, sgd(stage.parameters()), col_nn.CrossEntropyLoss(),
                                verbose=False)
-    norms = _train_pipeline(engine, 0, STEPS)
+    norms = train_pipeline(engine, 0, STEPS)
     checked = []
     chunks = list(engine.model) if chunks > 1 else [engine.model]
     splits = {name: getattr(p, "tensor_splits", []) for chunk in chunks
@@ -332,7 +216,7 @@ def _pipeline_tensor_worker(rank, world_size, port, level, chunks, expected):
 def test_deep_zero_x_pipeline_x_tensor_1d_x_data_x_clip_equals_one_process(level, chunks):
     """8 ranks, float32: every rank holds its 1d slice of one process's parameters; the clipped
     norm counts each element once (tensor slices, replicated biases, stages, data shards)."""
-    states, norms = _one_process(clip=CLIP, dtype=torch.float32, make_model=_tp_model)
+    states, norms = one_process_sgd(clip=CLIP, dtype=torch.float32, make_model=_tp_model)
     assert min(norms) > CLIP
     results = run_ranks(_pipeline_tensor_worker, 8, level, chunks, states[-1], timeout=100)
     assert {name for checked, _ in results for name in checked} == set(states[-1])
@@ -367,7 +251,7 @@ def _zero3_tensor_worker(rank, world_size, port, mode, path, first, last, save, 
               "clip_grad_norm": CLIP, "zero": {"level": 3}}
     launch_rank(rank, world_size, port, config)
     model = tensor_model()
-    engine, *_ = nc.initialize(model, _sgd(model.parameters()), col_nn.CrossEntropyLoss(),
+    engine, *_ = nc.initialize(model, sgd(model.parameters()), col_nn.CrossEntropyLoss(),
                                verbose=False)
     if first:
         load_checkpoint(path, engine.model, engine.optimizer)
@@ -383,7 +267,7 @@ def _zero3_tensor_worker(rank, world_size, port, mode, path, first, last, save, 
 
 def _zero3_one_process():
     model = tensor_model()
-    opt = _sgd(model.parameters())
+    opt = sgd(model.parameters())
     states, norms = [], []
     for step in range(STEPS):
         x, y = _images(step)
@@ -391,7 +275,7 @@ def _zero3_one_process():
         F.cross_entropy(model(x), y).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
-        states.append(_state(model))
+        states.append(cloned_state(model))
     return states, norms
 
 
@@ -426,23 +310,23 @@ TRAIN_SIZE, SHUFFLE_SEED, EPOCHS = 24, 7, 2  # per data rank 12 = 3 batches of 4
 
 
 def _trainer_worker(rank, world_size, port, level, path, max_steps, resume):
-    engine = _pipeline_engine(rank, world_size, port, {"zero": {"level": level},
-                                                       "clip_grad_norm": CLIP}, [3, 5], 1)
-    x, y = _batch(99, TRAIN_SIZE)
+    engine = pipeline_engine(rank, world_size, port, {"zero": {"level": level},
+                                                      "clip_grad_norm": CLIP}, [3, 5], 1)
+    x, y = tied_batch(99, TRAIN_SIZE)
     train = nc.get_dataloader(TensorDataset(x, y), shuffle=True, seed=SHUFFLE_SEED, batch_size=4)
     trainer = Trainer(engine)
     if resume:
         assert trainer.resume(path)
     trainer.fit(train, epochs=EPOCHS, max_steps=max_steps,
                 hooks=[hooks.LossHook(), hooks.SaveCheckpointHook(path)])
-    return (_state(engine.model),)
+    return (cloned_state(engine.model),)
 
 
 def _trainer_one_process():
-    x, y = _batch(99, TRAIN_SIZE)
+    x, y = tied_batch(99, TRAIN_SIZE)
     data = TensorDataset(x, y)
-    model = _tied_model()
-    opt = _sgd(model.parameters())
+    model = tied_model()
+    opt = sgd(model.parameters())
     after_each_step = []
     for epoch in range(EPOCHS):
         shards = epoch_shards(data, epoch, SHUFFLE_SEED)
@@ -452,7 +336,7 @@ def _trainer_one_process():
             F.cross_entropy(model(x[idx]), y[idx]).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
-            after_each_step.append(_state(model))
+            after_each_step.append(cloned_state(model))
     return after_each_step
 
 
@@ -462,29 +346,18 @@ def test_deep_trainer_x_pipeline_x_zero_x_tied_weight_stopped_and_resumed_equals
     after_each_step = _trainer_one_process()
     path = str(tmp_path / "ckpt.pt")
     stopped = run_ranks(_trainer_worker, 4, level, path, 2, False, timeout=60)
-    _check_states(stopped, after_each_step[1], F64)
+    check_states(stopped, after_each_step[1], F64)
     merged = merge_checkpoint(path)
     for key, value in after_each_step[1].items():
         assert_close(merged[key], value, msg=lambda m: f"merged {key}: {m}", **F64)
     resumed = run_ranks(_trainer_worker, 4, level, path, None, True, timeout=60)
-    _check_states(resumed, after_each_step[-1], F64)
+    check_states(resumed, after_each_step[-1], F64)
 
 
 # -- ZeRO 1-3 x tensor 1d x a vocab-parallel embedding tied to its classifier x vocab-parallel
 #    cross-entropy x accumulation x clip ---------------------------------------------------------
 
-VOCAB, SEQ = 16, 4
-
-
-def _lm(dtype=None):
-    """ids -> vocab-split embedding -> column, row Linear -> LayerNorm -> the embedding's own
-    table as classifier (vocab-split logits under 1d). ZeRO 3: one Parameter in two units."""
-    col_nn.reset_1d_alternation()
-    torch.manual_seed(0)
-    emb = col_nn.Embedding(VOCAB, 8, vocab_parallel=True)
-    return nn.Sequential(emb, col_nn.Linear(8, 16), nn.Tanh(), col_nn.Linear(16, 8),
-                         col_nn.LayerNorm(8),
-                         col_nn.Classifier(8, VOCAB, bias=False, weight=emb.weight))
+SEQ = 4
 
 
 def _tokens(step):
@@ -497,8 +370,8 @@ def _lm_worker(rank, world_size, port, level, expected, norms):
     config = {"parallel": {"tensor": {"size": 2, "mode": "1d"}}, "gradient_accumulation": 2,
               "clip_grad_norm": CLIP, "zero": {"level": level}}
     launch_rank(rank, world_size, port, config)
-    model = _lm()
-    engine, *_ = nc.initialize(model, _sgd(model.parameters()),
+    model = tied_lm()
+    engine, *_ = nc.initialize(model, sgd(model.parameters()),
                                col_nn.VocabParallelCrossEntropyLoss(), verbose=False)
     our_norms = _two_micro_steps_each(engine, _tokens, range(STEPS))
     assert our_norms == pytest.approx(norms, rel=1e-5), "the tied table counted once"
@@ -515,8 +388,8 @@ def _lm_worker(rank, world_size, port, level, expected, norms):
 @pytest.mark.parametrize("level", [1, 3], ids=["zero1", "zero3"])
 def test_deep_zero_x_tensor_1d_x_tied_vocab_parallel_lm_x_accumulation_x_clip_equals_one_process(
         level):
-    model = _lm()
-    opt = _sgd(model.parameters())
+    model = tied_lm()
+    opt = sgd(model.parameters())
     norms = []
     for step in range(STEPS):
         x, y = _tokens(step)
@@ -525,4 +398,4 @@ def test_deep_zero_x_tensor_1d_x_tied_vocab_parallel_lm_x_accumulation_x_clip_eq
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
     assert min(norms) > CLIP
-    run_ranks(_lm_worker, 4, level, _state(model), norms, timeout=60)
+    run_ranks(_lm_worker, 4, level, cloned_state(model), norms, timeout=60)

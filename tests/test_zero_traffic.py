@@ -2,7 +2,7 @@
 formulas of ddp.py and zero/ exactly -- elements per step on every rank, for plain DDP and ZeRO
 levels 1-3 on 2 and 4 ranks, with a branch used on even steps only and a layer never used.
 
-Net (test_zero): Psi = 141 parameters in P = 8 tensors, two param groups (weights, biases),
+Net (zero_models.py): Psi = 141 parameters in P = 8 tensors, two param groups (weights, biases),
 so two flat buffers, each padded to a multiple of N (level 3: two per unit a, b, side, never):
 
     DDP       all-reduce  Psi + P               (the gradients and one "used" flag per tensor)
@@ -33,9 +33,9 @@ import math
 
 import pytest
 from dist_helpers import run_ranks_cached
-from test_zero import B, Net, _adamw, _batch
 from torch import nn
 from torch.testing import assert_close
+from zero_models import B, Net, grouped_adamw, net_batch
 
 import nanocolossal as nc
 from nanocolossal.traffic import count_collectives
@@ -43,7 +43,7 @@ from nanocolossal.zero import comm
 
 pytestmark = pytest.mark.timeout(120)
 UNITS = ("a", "b", "side", "never")  # level 3's units: the model's children
-GROUPS = ("weight", "bias")          # _adamw's param groups: one flat buffer each
+GROUPS = ("weight", "bias")          # grouped_adamw's param groups: one flat buffer each
 
 
 def _numel(unit, group):
@@ -76,11 +76,11 @@ def _worker(rank, world_size, port, level, reduce_scatter=False):
     if reduce_scatter:  # as on NCCL (gloo has one too, slower than its all-reduce)
         comm.ALL_REDUCE_INSTEAD.discard("gloo")
     model = Net()
-    engine, *_ = nc.initialize(model, _adamw(model), nn.CrossEntropyLoss(), verbose=False)
+    engine, *_ = nc.initialize(model, grouped_adamw(model), nn.CrossEntropyLoss(), verbose=False)
     counts = []
     for step in range(3):
         engine.model.use_side = step % 2 == 0
-        xs, ys = _batch(step, world_size * B)
+        xs, ys = net_batch(step, world_size * B)
         mine = slice(rank * B, (rank + 1) * B)
         with count_collectives() as counted:
             engine.zero_grad()
