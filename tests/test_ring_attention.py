@@ -10,6 +10,7 @@ from functools import partial
 import pytest
 import torch
 from dist_helpers import run_ranks
+from sequence_runs import attention_reference
 from torch.testing import assert_close
 
 import nanocolossal as nc
@@ -57,14 +58,6 @@ def test_gloo_ring_attention_on_two_ranks_equals_full_attention():
                          msg=lambda m: f"rank {rank} {name}: {m}")
 
 
-def _reference(q, k, v, causal):
-    s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    return s.softmax(-1) @ v
-
-
 KINDS = {"all-gather": allgather_attention, "ring": ring_attention,
          "fused ring": partial(ring_attention, attention="fused")}
 
@@ -77,7 +70,7 @@ def _compare(rank, causal, dtype, tol, group=None):
     q = q * 4  # sharp softmax: block maxima differ, so the rescale matters
     w = torch.randn(B, H, S, D, dtype=dtype)  # loss weights: a wrong gradient scale shows
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = _reference(*full, causal)
+    ref = attention_reference(*full, causal)
     (ref * w).sum().backward()
 
     kw = dict(rtol=tol, atol=tol) if tol else {}
@@ -240,11 +233,11 @@ def _half(rank, world_size, port):
     nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, 16 * world_size, D, dtype=torch.float64) for _ in "qkv")
-    exact = split_sequence(_reference(q, k, v, True), 2, None)
+    exact = split_sequence(attention_reference(q, k, v, True), 2, None)
     errors = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
         half = [t.to(torch.bfloat16) for t in (q, k, v)]
-        plain = split_sequence(_reference(*half, True), 2, None)
+        plain = split_sequence(attention_reference(*half, True), 2, None)
         for attention in ("explicit", "fused"):
             ring = ring_attention(*(split_sequence(t, 2, None) for t in half), attention=attention)
             assert ring.dtype == torch.bfloat16

@@ -8,86 +8,33 @@ test_composition.py's table.
 
 float64 and SGD with momentum wherever the feature allows (Adam hides gradient-scale bugs).
 """
-import sys
-
 import pytest
 import torch
-from dist_helpers import ROOT, launch_rank, run_ranks
-from models import my_share
-from run_records import compare_runs, one_and_layout, record_steps
+from dist_helpers import launch_rank, run_ranks
+from run_records import compare_runs
+from sequence_runs import (
+    BATCH,
+    CLIP,
+    SEQ,
+    VOCAB,
+    build_gpt,
+    compare_states,
+    five_calls,
+    generate_run,
+    gpt_one_and_layout,
+    gpt_run,
+)
 from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
 from nanocolossal.config import AMP_TYPE
 from nanocolossal.context import gpc
-from nanocolossal.pipeline import build_pipeline_model
 
-sys.path.insert(0, str(ROOT))
-from train_gpt import gpt  # noqa: E402
-
-BATCH, SEQ, VOCAB, DIM, CLIP = 4, 16, 32, 16, 0.5
 SEQ2 = {"tensor": {"size": 2, "mode": "sequence"}}
 
 
-def _model(dtype=torch.float64, depth=2, causal=True, seq=SEQ, heads=2, attention="fused"):
-    torch.manual_seed(0)
-    model = gpt(vocab=VOCAB, seq_len=seq, dim=DIM, depth=depth, heads=heads, mlp_ratio=2,
-                attention=attention)
-    if not causal:
-        for block in model[1:-1]:
-            block.attn.causal = False
-    return model.to(dtype)
-
-
-def _batches(steps, batch=BATCH, seq=SEQ, seed=7):
-    g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randint(0, VOCAB, (2, batch, seq), generator=g).unbind(0))
-            for _ in range(steps)]
-
-
-def _build(config, dtype=torch.float64):
-    model = _model(dtype, causal=config.get("CAUSAL", True), heads=config.get("HEADS", 2),
-                   attention=config.get("ATTENTION", "fused"))
-    if gpc.pipeline_size > 1:
-        model = build_pipeline_model(model, num_chunks=config.get("NUM_CHUNKS", 1),
-                                     partition="uniform")
-    return model
-
-
-# -- one generic training run: the same code on one process and on a layout --------------------
-
-def _train(rank, world, port, config, steps=3, dtype=torch.float64, inject=None):
-    """`steps` batches through initialize's engine; returns (state, losses, norms, steps taken,
-    loss scales) where losses are the global batch's mean (all ranks agree)."""
-    launch_rank(rank, world, port, config)
-    model = _build(config, dtype)
-    engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5,
-                                                              momentum=0.9),
-                                       col_nn.VocabParallelCrossEntropyLoss(),
-                                       my_share(_padded(_batches(steps, seq=config.get("SEQ", SEQ)),
-                                                      config)), verbose=False)
-    out = record_steps(engine, loader, inject)  # inject: an overflow in the first parameter
-    out["state"] = {k: v.detach().double().clone()
-                    for k, v in nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()}
-    return out
-
-
-def _padded(batches, config):
-    """config PAD=k: the last k targets of every sequence are padding (ignore_index -100)."""
-    if not config.get("PAD"):
-        return batches
-    s = batches[0][1].shape[1]
-    return [(x, y.index_fill(1, torch.arange(s - config["PAD"], s), -100)) for x, y in batches]
-
-
-def _compare(ref, runs, **tolerances):
-    compare_runs(ref, runs, **tolerances)
-
-
-def _one_and_layout(config, world, parallel, *args, timeout=60):
-    return one_and_layout(_train, config, world, parallel, *args, timeout=timeout)
-
+# -- one generic training run (sequence_runs.gpt_run) on one process and on a layout ---------------
 
 # (sequence x accumulation, x 1F1B / interleaved, x data x pipeline, x the sequence gradient
 # handler: rows of test_composition.py's TABLE; here the attention the GPT there does not use)
@@ -103,10 +50,10 @@ TRAIN_CASES = {  # name: (config, processes, parallel)
 @pytest.mark.parametrize("name", TRAIN_CASES)
 def test_gloo_sequence_non_causal_training_equals_one_process(name):
     config, world, parallel = TRAIN_CASES[name]
-    ref, runs = _one_and_layout(config, world, parallel)
+    ref, runs = gpt_one_and_layout(config, world, parallel)
     if "clip" in name:
         assert max(n for n in ref["norms"] if n) > config["clip_grad_norm"], "it really clips"
-    _compare(ref, runs)
+    compare_runs(ref, runs)
 
 
 AMP_CASES = {  # name: (fp16 config, processes, parallel)
@@ -127,11 +74,11 @@ def test_deep_sequence_x_amp_equals_one_process_to_half_precision(name):
     2e-4 fp16 after 3 steps at lr 0.5)."""
     fp16, world, parallel = AMP_CASES[name]
     config = dict(fp16=fp16, clip_grad_norm=CLIP, NUM_MICRO_BATCHES=2)
-    ref, runs = _one_and_layout(config, world, parallel, 3, torch.float32)
+    ref, runs = gpt_one_and_layout(config, world, parallel, 3, torch.float32)
     if world == 2:
         for key in ref["state"]:
             assert torch.equal(runs[0]["state"][key], runs[1]["state"][key]), "replicas drifted"
-    _compare(ref, runs, rtol=0, atol=1e-2 if "bf16" in name else 2e-3)
+    compare_runs(ref, runs, rtol=0, atol=1e-2 if "bf16" in name else 2e-3)
 
 
 @pytest.mark.timeout(60)
@@ -140,11 +87,11 @@ def test_deep_sequence_x_fp16_overflow_on_one_rank_skips_everywhere():
     only rank) skips that step on every rank and halves the scale, as one process does."""
     config = dict(fp16=dict(mode=AMP_TYPE.NAIVE, dtype="float16", initial_scale=2.0 ** 10),
                   clip_grad_norm=CLIP)
-    ref = run_ranks(_train, 1, config, 4, torch.float32, (1, [0]), timeout=60)[0]
-    runs = run_ranks(_train, 2, {**config, "parallel": SEQ2}, 4, torch.float32, (1, [1]),
+    ref = run_ranks(gpt_run, 1, config, 4, torch.float32, (1, [0]), timeout=60)[0]
+    runs = run_ranks(gpt_run, 2, {**config, "parallel": SEQ2}, 4, torch.float32, (1, [1]),
                      timeout=60)
     assert ref["took"] == [True, False, True, True] and ref["scales"][1] == 2.0 ** 9
-    _compare(ref, runs, rtol=0, atol=2e-3, norms=False)
+    compare_runs(ref, runs, rtol=0, atol=2e-3, norms=False)
 
 
 # -- the Trainer: its loss, last loss and accuracy are one process's; resuming is bit-identical ---
@@ -161,7 +108,7 @@ def _trainer_run(rank, world, port, config, epochs=2, ckpt=None, max_steps=None,
     from nanocolossal.metrics import Accuracy
     from nanocolossal.trainer import Trainer, hooks
     launch_rank(rank, world, port, config)
-    model = _build(config)
+    model = build_gpt(config)
     train_set, test_set = _datasets()
     kw = dict(loader_kw or {})
     train = nc.get_dataloader(train_set, shuffle=True, seed=5, drop_last=True,
@@ -237,73 +184,25 @@ def test_deep_trainer_resume_under_pipeline_x_sequence_is_bit_identical(tmp_path
 
 # -- checkpoints across layouts, through the tutorial's five-call loop -------------------------
 
-def _five_calls(rank, world, port, config, start, stop, load=None, save=None):
-    """Batches start..stop-1 of one stream with the Engine's five calls (engine(x) directly);
-    load a checkpoint first / save one after, with optimizer state."""
-    launch_rank(rank, world, port, config)
-    model = _build(config)
-    engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5,
-                                                              momentum=0.9),
-                                       col_nn.VocabParallelCrossEntropyLoss(),
-                                       my_share(_batches(stop)[start:]), verbose=False)
-    if load is not None:
-        nc.checkpoint.load_checkpoint(load, engine.model, engine.optimizer)
-    engine.train()
-    for x, y in loader:
-        engine.zero_grad()
-        out = engine(x)
-        loss = engine.criterion(out, y)
-        engine.backward(loss)
-        assert engine.step()
-    if save is not None:
-        nc.checkpoint.save_checkpoint(save, stop, engine.model, engine.optimizer)
-    return {k: v.detach().clone() for k, v in
-            nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()}
-
-
-def _same(states, ref, exact=False):
-    for state in states:
-        assert state.keys() == ref.keys()
-        for key in ref:
-            if exact:
-                assert torch.equal(state[key], ref[key]), key
-            else:
-                assert_close(state[key], ref[key], rtol=1e-10, atol=1e-10, msg=key)
-
-
 @pytest.mark.timeout(60)
 def test_deep_checkpoint_moves_between_one_process_and_sequence_with_optimizer_state(tmp_path):
     """3 steps in one process == 2 steps under sequence 2, saved, then the 3rd in one process
     (the file loads as it is: sequence ranks hold whole replicas) == 2 in one process, then the
     3rd under data 2 x sequence 2. Momentum comes along, so a lost optimizer state shows."""
     cfg, seq = dict(clip_grad_norm=CLIP), dict(clip_grad_norm=CLIP, parallel=SEQ2)
-    ref = run_ranks(_five_calls, 1, cfg, 0, 3, timeout=60)[0]
-    run_ranks(_five_calls, 2, seq, 0, 2, None, str(tmp_path / "seq.pt"), timeout=60)
+    ref = run_ranks(five_calls, 1, cfg, 0, 3, timeout=60)[0]
+    run_ranks(five_calls, 2, seq, 0, 2, None, str(tmp_path / "seq.pt"), timeout=60)
     assert [p.name for p in tmp_path.iterdir()] == ["seq.pt"], "one file: no sequence suffix"
-    _same(run_ranks(_five_calls, 1, cfg, 2, 3, str(tmp_path / "seq.pt"), timeout=60), ref)
-    run_ranks(_five_calls, 1, cfg, 0, 2, None, str(tmp_path / "one.pt"), timeout=60)
-    _same(run_ranks(_five_calls, 4, seq, 2, 3, str(tmp_path / "one.pt"), timeout=60), ref)
+    compare_states(run_ranks(five_calls, 1, cfg, 2, 3, str(tmp_path / "seq.pt"), timeout=60), ref)
+    run_ranks(five_calls, 1, cfg, 0, 2, None, str(tmp_path / "one.pt"), timeout=60)
+    compare_states(run_ranks(five_calls, 4, seq, 2, 3, str(tmp_path / "one.pt"), timeout=60), ref)
 
 
 # -- generate(): the same tokens as one process ------------------------------------------------
 
-def _generate(rank, world, port, config, new=6):
-    from nanocolossal.generate import generate
-    launch_rank(rank, world, port, config)
-    model = _build(config)
-    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                               col_nn.VocabParallelCrossEntropyLoss(), verbose=False)
-    with torch.no_grad():  # a model that has learned something: sharper logits than at init
-        for p in engine.model.parameters():
-            p.mul_(8.0)
-    prompt = _batches(1)[0][0][0].tolist()
-    copies = config.get("NUM_MICRO_BATCHES", 1) if gpc.pipeline_size > 1 else 1
-    return generate(engine, prompt, new, copies, seed=11)
-
-
 @pytest.mark.timeout(60)
 def test_deep_generate_under_sequence_gives_one_process_tokens():
-    ref = run_ranks(_generate, 1, {}, timeout=60)[0]
+    ref = run_ranks(generate_run, 1, {}, timeout=60)[0]
     assert len(set(ref)) > 1
     zbv = dict(PIPELINE_SCHEDULE="zbv", NUM_CHUNKS=2, NUM_MICRO_BATCHES=3)
     for world, parallel, schedule in [(2, SEQ2, {}),
@@ -311,7 +210,7 @@ def test_deep_generate_under_sequence_gives_one_process_tokens():
                                       (4, {"pipeline": 2, **SEQ2}, {}),
                                       (2, {"pipeline": 2}, zbv)]:  # zbv: rank 0 holds the output
         config = {"NUM_MICRO_BATCHES": 2, "parallel": parallel, **schedule}
-        assert run_ranks(_generate, world, config, timeout=60) == [ref] * world, parallel
+        assert run_ranks(generate_run, world, config, timeout=60) == [ref] * world, parallel
 
 
 # -- loaders: worker processes, no __len__ -----------------------------------------------------
@@ -329,7 +228,7 @@ class _Unsized:
 def _loader_run(rank, world, port, config, workers):
     from nanocolossal.trainer import Trainer, hooks
     launch_rank(rank, world, port, config)
-    model = _build(config)
+    model = build_gpt(config)
     train_set, _ = _datasets()
     loader = nc.get_dataloader(train_set, batch_size=BATCH // gpc.data_size, drop_last=True,
                                num_workers=workers,
@@ -362,7 +261,7 @@ def test_deep_sequence_loaders_with_workers_or_without_len(workers):
     ref_loss, ref = run_ranks(_loader_run, 1, {}, workers, timeout=60)[0]
     for loss, state in run_ranks(_loader_run, 2, dict(parallel=SEQ2), workers, timeout=60):
         assert loss == pytest.approx(ref_loss, rel=1e-10)
-        _same([state], ref)
+        compare_states([state], ref)
 
 
 @pytest.mark.timeout(60)
@@ -371,8 +270,8 @@ def test_deep_sequence_with_trailing_padding_equals_one_process():
     counts 4 tokens per sequence, rank 1 (chunks 1, 2) counts 6. One process's loss is the mean
     over all 10; each rank divides by the count of all ranks (TokenCrossEntropyLoss), not by its
     own (which made it the mean of the two ranks' means)."""
-    ref, runs = _one_and_layout(dict(PAD=6), 2, SEQ2, 1)
-    _compare(ref, runs)
+    ref, runs = gpt_one_and_layout(dict(PAD=6), 2, SEQ2, 1)
+    compare_runs(ref, runs)
 
 
 # -- what is refused, and how it is said -------------------------------------------------------
@@ -394,7 +293,7 @@ def _refusals(rank, world, port):
             said[case] = "accepted"
         gpc.destroy()
     launch_rank(rank, world, port, dict(parallel=SEQ2))
-    model = _build({})
+    model = build_gpt({})
     engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                        col_nn.VocabParallelCrossEntropyLoss(),
                                        [(torch.zeros(2, 12).long(),) * 2], verbose=False)
@@ -430,7 +329,7 @@ def _too_long(rank, world, port):
     tokens (chunks 0 and 3: positions 0-4, 15-19) are past the table, rank 1's (5-14) are not."""
     import time
     launch_rank(rank, world, port, dict(parallel=SEQ2, timeout=3))
-    model = _build({})
+    model = build_gpt({})
     engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                        col_nn.VocabParallelCrossEntropyLoss(),
                                        [(torch.zeros(2, 20).long(),) * 2], verbose=False)

@@ -8,14 +8,14 @@ traffic counted per layer against the formula; what is refused.
 import pytest
 import torch
 from dist_helpers import run_ranks
-from test_ring_attention import _reference
-from test_sequence_composition import (
+from run_records import compare_runs
+from sequence_runs import (
     CLIP,
-    _compare,
-    _five_calls,
-    _generate,
-    _one_and_layout,
-    _same,
+    attention_reference,
+    compare_states,
+    five_calls,
+    generate_run,
+    gpt_one_and_layout,
 )
 from torch.testing import assert_close
 
@@ -33,7 +33,8 @@ def _lesson(rank, world_size, port):
     torch.manual_seed(0)  # every rank draws the same whole sequence: [batch, heads, 16, 8]
     q, k, v, w = (torch.randn(2, 4, 16, 8, dtype=torch.float64) for _ in range(4))
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = _reference(*whole, causal=True)  # softmax(q k^T / sqrt(d) + mask) v, one process
+    # softmax(q k^T / sqrt(d) + mask) v, one process
+    expected = attention_reference(*whole, causal=True)
     (expected * w).sum().backward()  # weights w: a gradient off by any factor shows
     mine = [split_sequence(t, 2).requires_grad_() for t in (q, k, v)]  # my zig-zag tokens
     out = ulysses_attention(*mine, causal=True)
@@ -126,9 +127,9 @@ TRAIN_CASES = {  # name: (config, processes, parallel); float64, SGD with moment
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", TRAIN_CASES)
 def test_deep_ulysses_training_equals_one_process(name):
-    ref, runs = _one_and_layout(*TRAIN_CASES[name])
+    ref, runs = gpt_one_and_layout(*TRAIN_CASES[name])
     assert "clip" not in name or max(ref["norms"]) > CLIP, "it really clips"
-    _compare(ref, runs)
+    compare_runs(ref, runs)
 
 
 DEEP_CASES = {
@@ -142,7 +143,7 @@ DEEP_CASES = {
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", DEEP_CASES)
 def test_deep_ulysses_composed_training_equals_one_process(name):
-    _compare(*_one_and_layout(*DEEP_CASES[name]))
+    compare_runs(*gpt_one_and_layout(*DEEP_CASES[name]))
 
 
 @pytest.mark.timeout(60)
@@ -151,8 +152,8 @@ def test_deep_ulysses_x_amp_bf16_equals_one_process_to_half_precision():
     two round apart (other batch shapes, other sums): 5e-4 in the weights after 3 steps at lr
     0.5, measured (ring attention: 1e-3; one process in bf16 against fp32: 7e-4)."""
     config = dict(fp16=dict(mode=AMP_TYPE.TORCH, dtype="bfloat16"), clip_grad_norm=CLIP)
-    ref, runs = _one_and_layout(config, 2, {"tensor": A2A}, 3, torch.float32)
-    _compare(ref, runs, rtol=0, atol=2e-3)
+    ref, runs = gpt_one_and_layout(config, 2, {"tensor": A2A}, 3, torch.float32)
+    compare_runs(ref, runs, rtol=0, atol=2e-3)
 
 
 @pytest.mark.timeout(60)
@@ -160,19 +161,19 @@ def test_deep_ulysses_checkpoint_loads_into_one_process_and_merges(tmp_path):
     """2 steps under all-to-all x2, saved: the file merges to the run's weights and the 3rd step
     taken from it in one process (momentum included) equals 3 steps in one process."""
     cfg, path = dict(clip_grad_norm=CLIP), str(tmp_path / "a2a.pt")
-    ref = run_ranks(_five_calls, 1, cfg, 0, 3, timeout=60)[0]
-    two = run_ranks(_five_calls, 2, dict(cfg, parallel={"tensor": A2A}), 0, 2, None, path,
+    ref = run_ranks(five_calls, 1, cfg, 0, 3, timeout=60)[0]
+    two = run_ranks(five_calls, 2, dict(cfg, parallel={"tensor": A2A}), 0, 2, None, path,
                     timeout=60)
-    _same([nc.checkpoint.merge_checkpoint(path)], two[0], exact=True)
-    _same(run_ranks(_five_calls, 1, cfg, 2, 3, path, timeout=60), ref)
+    compare_states([nc.checkpoint.merge_checkpoint(path)], two[0], exact=True)
+    compare_states(run_ranks(five_calls, 1, cfg, 2, 3, path, timeout=60), ref)
 
 
 @pytest.mark.timeout(60)
 def test_deep_generate_under_ulysses_gives_one_process_tokens():
-    ref = run_ranks(_generate, 1, {}, timeout=60)[0]
+    ref = run_ranks(generate_run, 1, {}, timeout=60)[0]
     for world, parallel in [(2, {"tensor": A2A}), (4, {"pipeline": 2, "tensor": A2A})]:
         config = dict(NUM_MICRO_BATCHES=2, parallel=parallel)
-        assert run_ranks(_generate, world, config, timeout=60) == [ref] * world, parallel
+        assert run_ranks(generate_run, world, config, timeout=60) == [ref] * world, parallel
 
 
 # -- traffic: what one layer hands to the all-to-alls, against the formula ---------------------
