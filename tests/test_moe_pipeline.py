@@ -20,12 +20,12 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, run_ranks
-from test_moe_train import (  # the same batches, optimizer and checkpoint round trip
+from moe_runs import (  # the same batches, optimizer and checkpoint round trip
     SEQ,
     VOCAB,
-    _batches,
-    _optimizer,
     engine_and_share,
+    moe_batches,
+    moe_optimizer,
     save_and_load_back,
 )
 from torch import nn
@@ -60,8 +60,8 @@ def _micro_batches(t):
 def reference():
     model = _model()
     assert len(moe_layers(model)) == 2
-    opt, norms, losses = _optimizer(model), [], []
-    for x, y in _batches():
+    opt, norms, losses = moe_optimizer(model), [], []
+    for x, y in moe_batches():
         opt.zero_grad()
         total = 0.0
         for xm, ym in zip(_micro_batches(x), _micro_batches(y)):
@@ -88,7 +88,7 @@ def _worker(rank, world_size, port, ep, partition, expected, norms, losses, path
     layers = len(moe_layers(model))
     assert layers == (1 if partition == "uniform" else 2 * gpc.pipeline_rank), layers
     engine, mine = engine_and_share(model)
-    for step, (x, y) in enumerate(_batches()):
+    for step, (x, y) in enumerate(moe_batches()):
         engine.zero_grad()
         _, _, loss = engine.execute_schedule((x[mine], y[mine]))
         reported = all_reduce_mean(loss.item())  # over the data ranks, as the LossHook does

@@ -16,13 +16,21 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, run_ranks, run_script
+from moe_runs import (
+    BATCH,
+    SEQ,
+    VOCAB,
+    engine_and_share,
+    moe_batches,
+    moe_optimizer,
+    save_and_load_back,
+)
 from torch import nn
 from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
-from nanocolossal.amp import MixedPrecisionOptimizer
-from nanocolossal.checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
+from nanocolossal.checkpoint import merge_checkpoint
 from nanocolossal.config import ConfigError, load_config
 from nanocolossal.context import ParallelContext, gpc
 from nanocolossal.moe import moe_aux_loss
@@ -30,7 +38,7 @@ from nanocolossal.moe import moe_aux_loss
 sys.path.insert(0, str(ROOT))
 from train_gpt import gpt  # noqa: E402
 
-BATCH, SEQ, VOCAB, STEPS, CLIP, AUX = 4, 8, 32, 3, 0.5, 0.1
+CLIP, AUX = 0.5, 0.1
 
 
 def _model(num_experts):
@@ -39,19 +47,10 @@ def _model(num_experts):
     return gpt(vocab=VOCAB, seq_len=SEQ, dim=16, depth=2, heads=2, mlp_ratio=2, moe=moe).double()
 
 
-def _batches():
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, VOCAB, (2, BATCH, SEQ), generator=g).unbind(0) for _ in range(STEPS)]
-
-
-def _optimizer(model):
-    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-
-
 def _single_process(num_experts):
     model = _model(num_experts)
-    opt, norms = _optimizer(model), []
-    for x, y in _batches():
+    opt, norms = moe_optimizer(model), []
+    for x, y in moe_batches():
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
         (loss + AUX * moe_aux_loss(model)).backward()
@@ -60,20 +59,12 @@ def _single_process(num_experts):
     return model.state_dict(), norms
 
 
-def engine_and_share(model):
-    """The Engine (SGD, vocab-parallel cross-entropy) and this data rank's slice of a batch."""
-    per = BATCH // gpc.data_size
-    engine, *_ = nc.initialize(model, _optimizer(model), col_nn.VocabParallelCrossEntropyLoss(),
-                               verbose=False)
-    return engine, slice(gpc.data_rank * per, (gpc.data_rank + 1) * per)
-
-
 def _worker(rank, world_size, port, ep, num_experts, expected, norms, path):
     config = {"parallel": {"moe": {"size": ep}}, "clip_grad_norm": CLIP, "MOE_AUX_WEIGHT": AUX}
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     model = _model(num_experts)
     engine, mine = engine_and_share(model)
-    for step, (x, y) in enumerate(_batches()):
+    for step, (x, y) in enumerate(moe_batches()):
         engine.zero_grad()
         engine.execute_schedule((x[mine], y[mine]))
         assert engine.step()
@@ -83,20 +74,6 @@ def _worker(rank, world_size, port, ep, num_experts, expected, norms, path):
         assert_close(p, expected[name], rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
     save_and_load_back(path, engine, _model(num_experts))
     return sorted(k for k in state if ".experts." in k)
-
-
-def save_and_load_back(path, engine, fresh):
-    """Save the engine's model and SGD optimizer, load them into `fresh` (resuming: each rank
-    reads the file of its experts) and check the model and the momenta came back equal."""
-    save_checkpoint(path, 0, engine.model, engine.optimizer)
-    optimizer = MixedPrecisionOptimizer(_optimizer(fresh))  # what the Engine's optimizer saved
-    load_checkpoint(path, fresh, optimizer)
-    state = engine.model.state_dict()
-    for name, p in fresh.state_dict().items():
-        assert torch.equal(p, state[name]), name
-    momenta = [optimizer.optimizer.state[p]["momentum_buffer"] for p in fresh.parameters()]
-    assert all(torch.equal(a, engine.optimizer.optimizer.state[p]["momentum_buffer"])
-               for a, p in zip(momenta, engine.model.parameters()))
 
 
 LAYOUTS = {  # name: (world, EP, experts)
@@ -151,7 +128,7 @@ def _frozen_model(how):
 def _frozen_train(model, how, step_fn):
     """Three steps; block 1's attention frozen after the first ('freeze'), or frozen before
     initialize and unfrozen after it ('unfreeze')."""
-    for step, batch in enumerate(_batches()):
+    for step, batch in enumerate(moe_batches()):
         if step == 1:
             model[1].attn.requires_grad_(how == "unfreeze")
         step_fn(*batch)
