@@ -416,30 +416,45 @@ def test_gloo_load_checkpoint_refuses_a_save_older_than_another_layouts_at_that_
     assert run_ranks(_stale_loader, 2, newer, path, timeout=60)[0]["step"] == 1  # its own: loads
 
 
+def _save(engine, path):
+    try:
+        save_checkpoint(path, 0, engine.model, engine.optimizer)
+        return "saved"
+    except ConfigError as e:
+        return str(e)
+
+
 def _mid_group_saver(rank, world_size, port, config, path):
-    """Micro-step 0 of a group of 2, save; micro-step 1 (the step), save: the messages."""
+    """Micro-step 0 of a group of 2 (a pipeline: its batch's schedule) and save; the step and
+    save: the two messages."""
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     model = _layout_model(seed=0)
+    if gpc.pipeline_size > 1:
+        model = build_pipeline_model(model, partition="uniform")
     engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                nn.MSELoss(), verbose=False)
+    if gpc.pipeline_size > 1:  # the schedule runs the backwards; engine.step() ends the group
+        engine.execute_schedule((torch.randn(4, 8), torch.zeros(4, 8)))
+        said = [_save(engine, path)]
+        engine.step()
+        return said + [_save(engine, path)]
     said = []
     for micro in range(2):
         engine.zero_grad()
         engine.backward(engine.criterion(engine(torch.randn(2, 8)), torch.zeros(2, 8)))
-        engine.step()
-        try:
-            save_checkpoint(path, 0, engine.model, engine.optimizer)
-            said.append("saved")
-        except ConfigError as e:
-            said.append(str(e))
+        engine.step()  # micro-step 0: no optimizer step yet
+        said.append(_save(engine, path))
     return said
 
 
-@pytest.mark.parametrize("zero", [None, 2, 3], ids=["ddp", "zero2", "zero3"])
-def test_gloo_save_checkpoint_in_the_middle_of_an_accumulation_group_is_refused(tmp_path, zero):
+@pytest.mark.parametrize("config", [
+    {"gradient_accumulation": 2}, {"gradient_accumulation": 2, "zero": {"level": 2}},
+    {"gradient_accumulation": 2, "zero": {"level": 3}},
+    {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2}],
+    ids=["ddp", "zero2", "zero3", "pipeline, between execute_schedule and step"])
+def test_gloo_save_checkpoint_in_the_middle_of_an_accumulation_group_is_refused(tmp_path, config):
     """The gradients of an open group live in no file: resumed, the run would mix micro-steps
     of two steps. Every rank refuses the save, saying when to save; after the step it saves."""
-    config = {"gradient_accumulation": 2, **({"zero": {"level": zero}} if zero else {})}
     for rank, (mid, after) in enumerate(run_ranks(_mid_group_saver, 2, config,
                                                   str(tmp_path / "ckpt.pt"), timeout=60)):
         assert mid.startswith(f"[rank {rank}] checkpoint requested in the middle of a gradient "

@@ -215,6 +215,7 @@ class PipelineEngine(Engine):
             # one more batch of gradients (gradient_accumulation is 1 here: each batch is a group;
             # its micro-batches accumulate inside the schedule)
             self._micro += 1
+            self.optimizer.open_group = True  # gradients no file holds, until engine.step()
             # replicas start the batch with the same BatchNorm statistics. Not when evaluating:
             # ranks may run different numbers of batches (uneven shares), see eval()
             self._sync_buffers()
