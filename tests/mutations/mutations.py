@@ -388,6 +388,13 @@ MUTATIONS: list[dict] = [
          bug="the optimizer forgets that a backward opened an accumulation group: a checkpoint "
              "saved mid-group is taken, and the resumed run mixes micro-steps of two steps",
          tests=["tests/test_checkpoint.py", "-k", "middle_of_an_accumulation_group"]),
+    dict(id="ckpt-saved-mid-pipeline-step", idea="checkpoint x pipeline",
+         file="nanocolossal/engine/engine.py",
+         old="            self.optimizer.open_group = True  # gradients no file holds, until",
+         new="            self.optimizer.open_group = False  # gradients no file holds, until",
+         bug="a pipeline's schedule runs the backwards without the optimizer knowing: a checkpoint "
+             "saved before engine.step() is taken without the batch's gradients",
+         tests=["tests/test_checkpoint.py", "-k", "middle_of_an_accumulation_group and pipeline"]),
     dict(id="ckpt-older-save-loaded", idea="checkpoint files", file="nanocolossal/checkpoint.py",
          old="and name_kind(path, f) != name_kind(path, file) and f.stat().st_mtime_ns > written]",
          new="and name_kind(path, f) != name_kind(path, file) and f.stat().st_mtime_ns < written]",
