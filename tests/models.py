@@ -1,7 +1,8 @@
 """The small models, data shares and one-process clip that tests of several ideas use.
 
-A test file keeps what only its own idea needs in view; what two ideas share lives here, so a
-test of one idea never imports another idea's test file:
+A test file keeps what only its own idea needs in view; what two ideas share lives here (what
+two files of one idea share: zero_models.py, sequence_runs.py, ...), so no test file imports
+another:
 
     tensor_model()           nc.nn layers (patch embedding, LayerNorm, Linear, Classifier): the
                              plain model alone, its 1d or 2d version under parallel.tensor
