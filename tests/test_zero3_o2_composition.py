@@ -1,4 +1,4 @@
-"""Independent tests: ZeRO level 3 x AMP O2 x prefetch x per-rank checkpoints, composed with
+"""ZeRO level 3 x AMP O2 x prefetch x per-rank checkpoints, composed with
 other features, each against ONE PROCESS on the whole batch (under O2: one process running the
 same O2, no zero).
 

@@ -1,4 +1,4 @@
-"""Independent tests: ZeRO checkpoints as one shard file per data rank (ckpt-zero{r}.pt beside
+"""ZeRO checkpoints as one shard file per data rank (ckpt-zero{r}.pt beside
 the stage's skeleton), attacked where they meet other features: a weight tied between two
 children, buffers (BatchNorm running stats), a frozen parameter, AMP O2 (half segments), tensor 1d
 (load_plain_state_dict into another layout), sequence parallelism, the Trainer's resume, a

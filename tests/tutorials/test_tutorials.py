@@ -64,7 +64,7 @@ def test_tutorial_pipeline_resnet50(tmp_path):
     assert "initialize: pipeline 1f1b x2 stages, 4 micro-batches" in out, out
     accuracy = re.search(r"epoch 1 test: loss [0-9.e+-]+, accuracy ([0-9.]+)", out)
     assert accuracy, out
-    # the last test batch of 6 does not split into 4 equal micro-batches: it once stopped the run
+    # the last test batch of 6 does not split into 4 equal micro-batches: it must still count
     assert round(float(accuracy.group(1)) * 70) == pytest.approx(
         float(accuracy.group(1)) * 70, abs=1e-3
     ), "accuracy is a count over all 70 test images"
