@@ -90,7 +90,7 @@ def _wait_for_rank0(where: str, timeout: timedelta) -> None:
         except OSError:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nothing listened at {where} (timed out)") from None
-            time.sleep(0.02)  # every 20 ms: a job's start waits for this poll
+            time.sleep(0.005)  # every 5 ms: a job's start waits for this poll
 
 
 def _explain(error: Exception, rank: int, world_size: int, timeout: timedelta,
