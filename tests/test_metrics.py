@@ -275,7 +275,7 @@ def _untrained_worker(rank, world, port, n_test, batch):
     return Trainer(engine).evaluate(test, hooks=[hooks.LossHook(), hooks.AccuracyHook()])
 
 
-# -- bugs ------------------------------------------------------------------------------------------
+# -- metrics where they meet other features: ZeRO 3, vocab-parallel logits -------------------------
 
 @pytest.mark.timeout(60)
 def test_deep_zero3_evaluation_with_uneven_batch_counts_is_exact_or_refused_clearly():
