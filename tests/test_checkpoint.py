@@ -462,6 +462,23 @@ def test_gloo_save_checkpoint_in_the_middle_of_an_accumulation_group_is_refused(
         assert after == "saved"
 
 
+def _refused_batch_saver(rank, world_size, port, path):
+    """A batch the schedule refuses before any backward, then a save: the message (or none)."""
+    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 4}, rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    stage = build_pipeline_model(_layout_model(seed=0), partition="uniform")
+    engine, *_ = nc.initialize(stage, torch.optim.SGD(stage.parameters(), lr=0.1), nn.MSELoss(),
+                               verbose=False)
+    with pytest.raises(ValueError, match="smaller than NUM_MICRO_BATCHES=4"):
+        engine.execute_schedule((torch.randn(1, 8), torch.zeros(1, 8)))
+    return _save(engine, path)
+
+
+def test_gloo_a_batch_the_schedule_refuses_opens_no_group(tmp_path):
+    """No backward ran, so no gradient is lost: the save is taken."""
+    assert run_ranks(_refused_batch_saver, 2, str(tmp_path / "ckpt.pt")) == ["saved", "saved"]
+
+
 class _RunsCode:
     """What a malicious checkpoint holds: unpickling it runs a shell command."""
 

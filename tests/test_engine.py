@@ -376,3 +376,75 @@ def test_deep_replicas_built_under_per_rank_seeds_start_as_rank_0s(layout):
     tol = dict(atol=5e-3, rtol=0) if "O2" in layout else {}  # bf16: a ulp or two apart
     for got in run_ranks(_seeded_worker, 2, SEEDED[layout], timeout=60):
         assert_close(got, want, **tol, msg=lambda m: f"{layout}: {m}")
+
+
+# -- a backward without a step: dropped by zero_grad, as torch drops it; one past the engine ------
+
+def _dropped_backward_worker(rank, world_size, port, config, steps):
+    """A junk batch's backward, dropped by zero_grad before any step; then `steps` real steps
+    on this rank's share of the whole batches."""
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    model = _model()
+    if gpc.pipeline_size > 1:
+        model = nc.pipeline.build_pipeline_model(model)
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               nn.CrossEntropyLoss(), verbose=False)
+
+    def backward(batch):
+        if gpc.pipeline_size > 1:  # every stage takes the whole batch: the schedule splits it
+            engine.execute_schedule(batch)
+        else:
+            x, y = batch
+            engine.backward(engine.criterion(engine(x[rank::world_size]), y[rank::world_size]))
+    junk = _batch(99, 4)
+    backward((junk[0] * 100, junk[1]))
+    for step in range(steps):
+        engine.zero_grad()
+        backward(_batch(step, 4))
+        engine.step()
+    return {k: v.clone() for k, v in engine.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("config", [{}, {"zero": {"level": 1}}, {"zero": {"level": 2}},
+                                    {"zero": {"level": 3}},
+                                    {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2}],
+                         ids=["ddp", "zero1", "zero2", "zero3", "pipeline"])
+def test_gloo_a_backward_dropped_by_zero_grad_leaves_nothing_behind(config):
+    """torch's zero_grad drops gradients no step used (a dry run, a batch the loop skips); a
+    group of one micro-step under the engine is dropped alike: the steps that follow are one
+    process's steps without that batch."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(_batch(step, 4)[0]), _batch(step, 4)[1]).backward()
+        optimizer.step()
+    want = model.state_dict()
+    held = {}
+    for rank, state in enumerate(run_ranks(_dropped_backward_worker, 2, config, 2)):
+        # (a pipeline stage holds its layers, under the whole model's keys)
+        assert_close(state, {k: want[k] for k in state}, msg=lambda m: f"rank {rank}: {m}")
+        held.update(state)
+    assert held.keys() == want.keys()
+
+
+def _outside_backward_worker(rank, world_size, port):
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    engine, *_ = nc.initialize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1),
+                               nn.CrossEntropyLoss(), verbose=False)
+    x, y = _batch(0, 2)
+    engine.zero_grad()
+    engine.criterion(engine(x), y).backward()  # past the engine
+    try:
+        engine.step()
+    except RuntimeError as e:
+        return str(e)
+    return "stepped"
+
+
+def test_gloo_a_step_after_a_backward_past_the_engine_is_an_error():
+    """loss.backward() skips the engine's loss scale, accumulation and averaging over ranks, and
+    the engine, which counts its own backwards, would not step: say so instead."""
+    for rank, message in enumerate(run_ranks(_outside_backward_worker, 2)):
+        assert message.startswith(f"[rank {rank}] engine.step() found gradients but no "
+                                  f"engine.backward(loss)"), message

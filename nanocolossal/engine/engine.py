@@ -42,6 +42,7 @@ from torch import nn
 from ..context import gpc
 from ..extensions import Extension, synchronising, with_extensions
 from ..nest import map_tensors
+from .checks import check_no_outside_backward
 
 if TYPE_CHECKING:  # only named: the optimizer is whatever initialize wrapped (amp.py's wrapper)
     from ..amp import MixedPrecisionOptimizer
@@ -115,8 +116,15 @@ class Engine:
         self._closing = True
 
     def zero_grad(self) -> None:
-        if self._micro == 0:  # mid-accumulation gradients must survive
-            self.optimizer.zero_grad()
+        """Clear the gradients before a group. Mid-group (gradient_accumulation > 1) a no-op: the
+        group's gradients must survive. A group of one backward that took no step is dropped,
+        as torch's zero_grad drops it."""
+        if self._micro != 0:
+            if self.gradient_accumulation > 1:
+                return
+            self._micro = 0
+            self.optimizer.open_group = False
+        self.optimizer.zero_grad()
 
     def _group_ends(self) -> bool:
         return self._micro > 0 and (self._micro >= self.gradient_accumulation or self._closing)
@@ -132,6 +140,8 @@ class Engine:
         """Take the optimizer step at the end of each accumulation group; True if a step was
         taken (a 0-d bool tensor where the optimizer decided on the device: amp.py)."""
         if not self._group_ends():
+            if self._micro == 0:
+                check_no_outside_backward(self)
             return False
         self._micro, self._closing = 0, False
         for extension in self.extensions:  # extensions: handlers' averages, then tied sums
@@ -215,13 +225,14 @@ class PipelineEngine(Engine):
             # one more batch of gradients (gradient_accumulation is 1 here: each batch is a group;
             # its micro-batches accumulate inside the schedule)
             self._micro += 1
-            self.optimizer.open_group = True  # gradients no file holds, until engine.step()
             # replicas start the batch with the same BatchNorm statistics. Not when evaluating:
             # ranks may run different numbers of batches (uneven shares), see eval()
             self._sync_buffers()
         output, label, loss = self.schedule.forward_backward_step(
             self.chunks, batch, self._criterion, forward_only, return_loss,
             loss_scale=self.optimizer.backward_scale, extensions=self.extensions)
+        if not forward_only:
+            self.optimizer.open_group = True  # gradients no file holds, until engine.step()
         if label is not None:  # the labels of each micro-batch's output, in order
             per_micro_batch = label.tensor_split(self.schedule.num_microbatches)
             label = torch.cat([self._output_labels(mb) for mb in per_micro_batch])
