@@ -6,6 +6,7 @@ Two things differ from a real machine, both here and not in the tutorial files: 
 CIFAR files cannot match the real archive's MD5 (torchvision's check is relaxed), and with
 TUTORIAL_EPOCHS=N the Trainer runs at most N epochs (the pipeline tutorial hard-codes 60).
 """
+import logging
 import os
 import runpy
 import sys
@@ -24,8 +25,13 @@ if os.environ.get("TUTORIAL_EPOCHS"):
     epochs_at_most = int(os.environ["TUTORIAL_EPOCHS"])
     Trainer.fit = lambda self, *args, epochs, **kwargs: fit(self, *args, epochs=min(
         epochs, epochs_at_most), **kwargs)
+disabled = {name: logger.disabled for name, logger in logging.root.manager.loggerDict.items()
+            if isinstance(logger, logging.Logger)}
 try:
     with skip_cifar_md5():
         runpy.run_path(script, run_name="__main__")
 finally:
     Trainer.fit = fit
+    for name, logger in logging.root.manager.loggerDict.items():  # disable_existing_loggers()
+        if isinstance(logger, logging.Logger):
+            logger.disabled = disabled.get(name, False)
