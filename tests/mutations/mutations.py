@@ -395,6 +395,18 @@ MUTATIONS: list[dict] = [
          bug="a pipeline's schedule runs the backwards without the optimizer knowing: a checkpoint "
              "saved before engine.step() is taken without the batch's gradients",
          tests=["tests/test_checkpoint.py", "-k", "middle_of_an_accumulation_group and pipeline"]),
+    dict(id="engine-zero-grad-keeps-unstepped", idea="engine", file="nanocolossal/engine/engine.py",
+         old="            if self.gradient_accumulation > 1:\n                return\n",
+         new="            return\n",
+         bug="engine.zero_grad() keeps the gradients of a backward that took no step (a dry run, "
+             "a skipped batch): they are added into the next step's",
+         tests=["tests/test_engine.py", "-k", "dropped_by_zero_grad"]),
+    dict(id="engine-outside-backward-silent", idea="engine", file="nanocolossal/engine/engine.py",
+         old="                check_no_outside_backward(self)\n",
+         new="                pass\n",
+         bug="a loss.backward() past the engine goes unnoticed: engine.step() never steps, and "
+             "says nothing",
+         tests=["tests/test_engine.py", "-k", "past_the_engine"]),
     dict(id="ckpt-older-save-loaded", idea="checkpoint files", file="nanocolossal/checkpoint.py",
          old="and name_kind(path, f) != name_kind(path, file) and f.stat().st_mtime_ns > written]",
          new="and name_kind(path, f) != name_kind(path, file) and f.stat().st_mtime_ns < written]",
