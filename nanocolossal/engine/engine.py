@@ -14,7 +14,8 @@ the right order and owns the two things a loop gets wrong most often:
 Gradient accumulation (gradient_accumulation=N): each backward adds loss / N, and only the last
 of the N may average gradients over the data ranks, so communication happens once; zero_grad
 acts only on a group's first call and step only on its N-th (the Trainer's per-iteration LR hook
-steps only then too). The result is one step on N times the batch. `engine.accumulating` says a
+steps only then too). With N = 1, zero_grad after a backward that took no step drops it, as
+torch's does; a step after a `loss.backward()` that went past the engine is an error. The result is one step on N times the batch. `engine.accumulating` says a
 group is half done (its gradients live only in memory: the Trainer stops and checkpoints only
 between groups), and `engine.close_group()` makes the next backward the last of its group -- the
 Trainer calls it before an epoch's last batch, so every epoch ends with a step, whatever its
