@@ -85,14 +85,3 @@ def check_batches_fill_micro_batches(M: int, loaders: dict[str, Any]) -> None:
                               f"after a whole epoch; pass drop_last=True, or pick a batch size "
                               f"that leaves no remainder of {n} or one of at least {M}")
 
-
-def check_no_outside_backward(engine: Any) -> None:
-    """engine.step() with no engine.backward since the last step. Where gradients are there
-    anyway, a loss.backward() of the user's made them, past the engine's loss scale, gradient
-    accumulation and averaging over data ranks: the step would silently not happen."""
-    params = [*engine.model.parameters(), *engine.optimizer.params()]
-    if any(p.grad is not None for p in params):
-        raise RuntimeError(f"[rank {gpc.rank}] engine.step() found gradients but no "
-                           f"engine.backward(loss) since the last step: call engine.backward(loss) "
-                           f"instead of loss.backward() (the engine scales the loss, accumulates "
-                           f"and averages the gradients over data ranks)")

@@ -11,15 +11,16 @@ The Engine adds nothing to the maths: `initialize` (initialize.py) has already w
 (SyncBN, AMP, DDP) and the optimizer (loss scaling, fp32 masters, ZeRO); the Engine runs them in
 the right order and owns the two things a loop gets wrong most often:
 
-Gradient accumulation (gradient_accumulation=N): each backward adds loss / N, and only the last
-of the N may average gradients over the data ranks, so communication happens once; zero_grad
-acts only on a group's first call and step only on its N-th (the Trainer's per-iteration LR hook
-steps only then too). With N = 1, zero_grad after a backward that took no step drops it, as
-torch's does; a step after a `loss.backward()` that went past the engine is an error. The result is one step on N times the batch. `engine.accumulating` says a
-group is half done (its gradients live only in memory: the Trainer stops and checkpoints only
-between groups), and `engine.close_group()` makes the next backward the last of its group -- the
-Trainer calls it before an epoch's last batch, so every epoch ends with a step, whatever its
-length (a shorter last group still divides by N, as Hugging Face Accelerate does).
+Gradient accumulation (gradient_accumulation=N): each backward adds loss / N, and only the last of
+the N may average gradients over the data ranks, so communication happens once; zero_grad acts only
+on a group's first call and step only on its N-th (the Trainer's per-iteration LR hook steps only
+then too). The result is one step on N times the batch. `engine.accumulating` says a group is half
+done (its gradients live only in memory: the Trainer stops and checkpoints only between groups),
+and `engine.close_group()` makes the next backward the last of its group -- the Trainer calls it
+before an epoch's last batch, so every epoch ends with a step, whatever its length (a shorter last
+group still divides by N, as Hugging Face Accelerate does). With N = 1, zero_grad after a backward
+that took no step drops it, as torch's does; a step after a `loss.backward()` that went past the
+engine is an error.
 
 Clipping (clip_grad_norm): the global norm of the unscaled gradients -- each gradient element
 counted once: after the data-parallel average the data ranks hold the same gradients (or, under
@@ -43,7 +44,6 @@ from torch import nn
 from ..context import gpc
 from ..extensions import Extension, synchronising, with_extensions
 from ..nest import map_tensors
-from .checks import check_no_outside_backward
 
 if TYPE_CHECKING:  # only named: the optimizer is whatever initialize wrapped (amp.py's wrapper)
     from ..amp import MixedPrecisionOptimizer
@@ -142,7 +142,7 @@ class Engine:
         taken (a 0-d bool tensor where the optimizer decided on the device: amp.py)."""
         if not self._group_ends():
             if self._micro == 0:
-                check_no_outside_backward(self)
+                _check_no_outside_backward(self)
             return False
         self._micro, self._closing = 0, False
         for extension in self.extensions:  # extensions: handlers' averages, then tied sums
@@ -238,3 +238,15 @@ class PipelineEngine(Engine):
             per_micro_batch = label.tensor_split(self.schedule.num_microbatches)
             label = torch.cat([self._output_labels(mb) for mb in per_micro_batch])
         return output, label, loss
+
+
+def _check_no_outside_backward(engine: Engine) -> None:
+    """engine.step() with no engine.backward since the last step. Where gradients are there
+    anyway, a loss.backward() of the user's made them, past the engine's loss scale, gradient
+    accumulation and averaging over data ranks: the step would silently not happen."""
+    params = [*engine.model.parameters(), *engine.optimizer.params()]
+    if any(p.grad is not None for p in params):
+        raise RuntimeError(f"[rank {gpc.rank}] engine.step() found gradients but no "
+                           f"engine.backward(loss) since the last step: call engine.backward(loss) "
+                           f"instead of loss.backward() (the engine scales the loss, accumulates "
+                           f"and averages the gradients over data ranks)")

@@ -402,7 +402,7 @@ MUTATIONS: list[dict] = [
              "a skipped batch): they are added into the next step's",
          tests=["tests/test_engine.py", "-k", "dropped_by_zero_grad"]),
     dict(id="engine-outside-backward-silent", idea="engine", file="nanocolossal/engine/engine.py",
-         old="                check_no_outside_backward(self)\n",
+         old="                _check_no_outside_backward(self)\n",
          new="                pass\n",
          bug="a loss.backward() past the engine goes unnoticed: engine.step() never steps, and "
              "says nothing",
