@@ -84,4 +84,3 @@ def check_batches_fill_micro_batches(M: int, loaders: dict[str, Any]) -> None:
                               f"sample(s), fewer than NUM_MICRO_BATCHES={M}, and would fail "
                               f"after a whole epoch; pass drop_last=True, or pick a batch size "
                               f"that leaves no remainder of {n} or one of at least {M}")
-
