@@ -96,6 +96,13 @@ class MixedPrecisionOptimizer:
             model_param.grad = None
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def drop_gradients(self) -> None:
+        """Forget what backwards since the last step left: the gradients, their overflow flag
+        (once unscaled or clipped) and the open group (the engine's zero_grad)."""
+        self.zero_grad()
+        self._flag = None
+        self.open_group = False
+
     def backward(self, loss: torch.Tensor) -> None:
         self.open_group = True
         if self.scaler is not None:

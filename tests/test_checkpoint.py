@@ -471,12 +471,12 @@ def _refused_batch_saver(rank, world_size, port, path):
                                verbose=False)
     with pytest.raises(ValueError, match="smaller than NUM_MICRO_BATCHES=4"):
         engine.execute_schedule((torch.randn(1, 8), torch.zeros(1, 8)))
-    return _save(engine, path)
+    return _save(engine, path), bool(engine.step())
 
 
 def test_gloo_a_batch_the_schedule_refuses_opens_no_group(tmp_path):
-    """No backward ran, so no gradient is lost: the save is taken."""
-    assert run_ranks(_refused_batch_saver, 2, str(tmp_path / "ckpt.pt")) == ["saved", "saved"]
+    """No backward ran, so no gradient is lost: the save is taken, and no step follows."""
+    assert run_ranks(_refused_batch_saver, 2, str(tmp_path / "ckpt.pt")) == [("saved", False)] * 2
 
 
 class _RunsCode:

@@ -380,7 +380,7 @@ def test_deep_replicas_built_under_per_rank_seeds_start_as_rank_0s(layout):
 
 # -- a backward without a step: dropped by zero_grad, as torch drops it; one past the engine ------
 
-def _dropped_backward_worker(rank, world_size, port, config, steps):
+def _dropped_backward_worker(rank, world_size, port, config, steps, junk=True):
     """A junk batch's backward, dropped by zero_grad before any step; then `steps` real steps
     on this rank's share of the whole batches."""
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
@@ -396,8 +396,11 @@ def _dropped_backward_worker(rank, world_size, port, config, steps):
         else:
             x, y = batch
             engine.backward(engine.criterion(engine(x[rank::world_size]), y[rank::world_size]))
-    junk = _batch(99, 4)
-    backward((junk[0] * 100, junk[1]))
+    junk_x, junk_y = _batch(99, 4)
+    if junk:
+        backward((junk_x * 100, junk_y))
+    if junk and "fp16" in config:  # the loop looks at the unscaled gradients before it drops them
+        engine.optimizer.unscale_()
     for step in range(steps):
         engine.zero_grad()
         backward(_batch(step, 4))
@@ -405,14 +408,26 @@ def _dropped_backward_worker(rank, world_size, port, config, steps):
     return {k: v.clone() for k, v in engine.model.state_dict().items()}
 
 
+FP16 = {"mode": AMP_TYPE.TORCH, "dtype": "float16", "init_scale": 1024.0}
+
+
 @pytest.mark.parametrize("config", [{}, {"zero": {"level": 1}}, {"zero": {"level": 2}},
                                     {"zero": {"level": 3}},
-                                    {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2}],
-                         ids=["ddp", "zero1", "zero2", "zero3", "pipeline"])
+                                    {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2},
+                                    {"fp16": FP16}, {"fp16": FP16, "zero": {"level": 1}}],
+                         ids=["ddp", "zero1", "zero2", "zero3", "pipeline", "fp16 unscaled",
+                              "fp16 unscaled x zero1"])
 def test_gloo_a_backward_dropped_by_zero_grad_leaves_nothing_behind(config):
     """torch's zero_grad drops gradients no step used (a dry run, a batch the loop skips); a
-    group of one micro-step under the engine is dropped alike: the steps that follow are one
-    process's steps without that batch."""
+    group of one micro-step under the engine is dropped alike -- with its overflow check, under
+    fp16, when the loop unscaled them first: the steps that follow are one process's steps
+    without that batch (under fp16: one process's same AMP steps)."""
+    if "fp16" in config:  # one process under the same AMP: an engine of one rank
+        want = run_ranks(_dropped_backward_worker, 1, {"fp16": FP16}, 2, False)[0]
+        for rank, state in enumerate(run_ranks(_dropped_backward_worker, 2, config, 2)):
+            # (fp16 sums of two ranks' halves round apart by ~1e-5; a stale flag is 0.05-30 off)
+            assert_close(state, want, rtol=1e-3, atol=1e-3, msg=lambda m: f"rank {rank}: {m}")
+        return
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(2):

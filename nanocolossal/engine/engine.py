@@ -120,12 +120,10 @@ class Engine:
         """Clear the gradients before a group. Mid-group (gradient_accumulation > 1) a no-op: the
         group's gradients must survive. A group of one backward that took no step is dropped,
         as torch's zero_grad drops it."""
-        if self._micro != 0:
-            if self.gradient_accumulation > 1:
-                return
-            self._micro = 0
-            self.optimizer.open_group = False
-        self.optimizer.zero_grad()
+        if self._micro != 0 and self.gradient_accumulation > 1:
+            return
+        self._micro = 0
+        self.optimizer.drop_gradients()
 
     def _group_ends(self) -> bool:
         return self._micro > 0 and (self._micro >= self.gradient_accumulation or self._closing)
@@ -223,9 +221,6 @@ class PipelineEngine(Engine):
 
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
         if not forward_only:
-            # one more batch of gradients (gradient_accumulation is 1 here: each batch is a group;
-            # its micro-batches accumulate inside the schedule)
-            self._micro += 1
             # replicas start the batch with the same BatchNorm statistics. Not when evaluating:
             # ranks may run different numbers of batches (uneven shares), see eval()
             self._sync_buffers()
@@ -233,7 +228,10 @@ class PipelineEngine(Engine):
             self.chunks, batch, self._criterion, forward_only, return_loss,
             loss_scale=self.optimizer.backward_scale, extensions=self.extensions)
         if not forward_only:
-            self.optimizer.open_group = True  # gradients no file holds, until engine.step()
+            # one more batch of gradients (gradient_accumulation is 1 here: each batch is a group;
+            # its micro-batches accumulate inside the schedule), which no file holds until step()
+            self._micro += 1
+            self.optimizer.open_group = True
         if label is not None:  # the labels of each micro-batch's output, in order
             per_micro_batch = label.tensor_split(self.schedule.num_microbatches)
             label = torch.cat([self._output_labels(mb) for mb in per_micro_batch])
@@ -242,11 +240,13 @@ class PipelineEngine(Engine):
 
 def _check_no_outside_backward(engine: Engine) -> None:
     """engine.step() with no engine.backward since the last step. Where gradients are there
-    anyway, a loss.backward() of the user's made them, past the engine's loss scale, gradient
-    accumulation and averaging over data ranks: the step would silently not happen."""
+    anyway, the last step's were stepped already, or a loss.backward() of the user's made them,
+    past the engine's loss scale, accumulation and averaging over data ranks: either way this
+    step would silently do nothing."""
     params = [*engine.model.parameters(), *engine.optimizer.params()]
     if any(p.grad is not None for p in params):
         raise RuntimeError(f"[rank {gpc.rank}] engine.step() found gradients but no "
-                           f"engine.backward(loss) since the last step: call engine.backward(loss) "
-                           f"instead of loss.backward() (the engine scales the loss, accumulates "
-                           f"and averages the gradients over data ranks)")
+                           f"engine.backward(loss) since the last step: a second step() for one "
+                           f"backward, or a loss.backward() past the engine (call "
+                           f"engine.backward(loss): it scales the loss, accumulates and averages "
+                           f"the gradients over data ranks)")
