@@ -390,12 +390,19 @@ def _dropped_backward_worker(rank, world_size, port, config, steps, junk=True):
     engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                nn.CrossEntropyLoss(), verbose=False)
 
-    def backward(batch):
+    micro = config.get("gradient_accumulation", 1)
+
+    def backward(batch):  # a whole group: this rank's share in `micro` micro-steps
         if gpc.pipeline_size > 1:  # every stage takes the whole batch: the schedule splits it
             engine.execute_schedule(batch)
-        else:
-            x, y = batch
-            engine.backward(engine.criterion(engine(x[rank::world_size]), y[rank::world_size]))
+            return
+        x, y = batch
+        for m in range(micro):
+            engine.zero_grad()  # a no-op after the group's first micro-step
+            share = slice(rank * micro + m, None, world_size * micro)
+            engine.backward(engine.criterion(engine(x[share]), y[share]))
+            if m < micro - 1:
+                engine.step()  # not the group's end: no step
     junk_x, junk_y = _batch(99, 4)
     if junk:
         backward((junk_x * 100, junk_y))
@@ -413,11 +420,14 @@ FP16 = {"mode": AMP_TYPE.TORCH, "dtype": "float16", "init_scale": 1024.0}
 
 @pytest.mark.parametrize("config", [{}, {"zero": {"level": 1}}, {"zero": {"level": 2}},
                                     {"zero": {"level": 3}},
-                                    {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2}],
-                         ids=["ddp", "zero1", "zero2", "zero3", "pipeline"])
+                                    {"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2},
+                                    {"gradient_accumulation": 2},
+                                    {"gradient_accumulation": 2, "zero": {"level": 2}}],
+                         ids=["ddp", "zero1", "zero2", "zero3", "pipeline", "accumulation 2",
+                              "accumulation 2 x zero2"])
 def test_gloo_a_backward_dropped_by_zero_grad_leaves_nothing_behind(config):
     """torch's zero_grad drops gradients no step used (a dry run, a batch the loop skips); a
-    group of one micro-step under the engine is dropped alike: the steps that follow are one
+    whole group that took no step is dropped alike by the engine's: the steps that follow are one
     process's steps without that batch."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -18,9 +18,9 @@ then too). The result is one step on N times the batch. `engine.accumulating` sa
 done (its gradients live only in memory: the Trainer stops and checkpoints only between groups),
 and `engine.close_group()` makes the next backward the last of its group -- the Trainer calls it
 before an epoch's last batch, so every epoch ends with a step, whatever its length (a shorter last
-group still divides by N, as Hugging Face Accelerate does). With N = 1, zero_grad after a backward
-that took no step drops it, as torch's does; a step after a `loss.backward()` that went past the
-engine is an error.
+group still divides by N, as Hugging Face Accelerate does). zero_grad after a whole group that
+took no step drops it, as torch's does; a step after a `loss.backward()` that went past the engine
+is an error.
 
 Clipping (clip_grad_norm): the global norm of the unscaled gradients -- each gradient element
 counted once: after the data-parallel average the data ranks hold the same gradients (or, under
@@ -117,10 +117,9 @@ class Engine:
         self._closing = True
 
     def zero_grad(self) -> None:
-        """Clear the gradients before a group. Mid-group (gradient_accumulation > 1) a no-op: the
-        group's gradients must survive. A group of one backward that took no step is dropped,
-        as torch's zero_grad drops it."""
-        if self._micro != 0 and self.gradient_accumulation > 1:
+        """Clear the gradients before a group. Mid-group a no-op: the group's gradients must
+        survive. A whole group that took no step is dropped, as torch's zero_grad drops it."""
+        if 0 < self._micro < self.gradient_accumulation:
             return
         self._micro = 0
         self.optimizer.drop_gradients()
