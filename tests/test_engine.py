@@ -444,13 +444,17 @@ def test_gloo_a_backward_dropped_by_zero_grad_leaves_nothing_behind(config):
     assert held.keys() == want.keys()
 
 
-@pytest.mark.parametrize("config", [{"fp16": FP16}, {"fp16": FP16, "zero": {"level": 1}}],
-                         ids=["fp16", "fp16 x zero1"])
+O2 = {"mode": AMP_TYPE.NAIVE, "dtype": "float16", "initial_scale": 1024.0}
+
+
+@pytest.mark.parametrize("config", [{"fp16": FP16}, {"fp16": FP16, "zero": {"level": 1}},
+                                    {"fp16": O2}],
+                         ids=["fp16", "fp16 x zero1", "fp16 O2"])
 def test_gloo_a_backward_unscaled_then_dropped_by_zero_grad_leaves_no_overflow_flag(config):
     """A loop that looks at the unscaled gradients (their norm, say) and then drops the batch:
-    its overflow check goes with it, and the next steps unscale their own gradients, as one
-    process under the same AMP that never saw that batch."""
-    want = run_ranks(_dropped_backward_worker, 1, {"fp16": FP16}, 2, False)[0]
+    its overflow check goes with it, and the next steps unscale their own gradients (under O2:
+    into the fp32 masters), as one process under the same AMP that never saw that batch."""
+    want = run_ranks(_dropped_backward_worker, 1, {"fp16": config["fp16"]}, 2, False)[0]
     for rank, state in enumerate(run_ranks(_dropped_backward_worker, 2, config, 2)):
         # (fp16 sums of two ranks' halves round apart by ~1e-5; a stale flag is 0.05-30 off)
         assert_close(state, want, rtol=1e-3, atol=1e-3, msg=lambda m: f"rank {rank}: {m}")
