@@ -1,5 +1,5 @@
 """One process's attention and the GPT's runs that sequence parallelism is compared with:
-test_sequence_composition.py's, which test_ulysses.py runs again under attention='all_to_all';
+test_sequence.py's, which test_ulysses.py runs again under attention='all_to_all';
 test_ring_attention.py and test_ulysses.py compare with attention_reference.
 
     attention_reference()  softmax(q k^T / sqrt(d) + causal mask) v on the whole sequence
@@ -68,7 +68,7 @@ def build_gpt(config, dtype=torch.float64):
 
 # -- one generic training run: the same code on one process and on a layout --------------------
 
-def gpt_run(rank, world, port, config, steps=3, dtype=torch.float64, inject=None):
+def gpt_run(rank, world, port, config, steps=3, dtype=torch.float64):
     """`steps` batches through initialize's engine; returns (state, losses, norms, steps taken,
     loss scales) where losses are the global batch's mean (all ranks agree)."""
     launch_rank(rank, world, port, config)
@@ -78,7 +78,7 @@ def gpt_run(rank, world, port, config, steps=3, dtype=torch.float64, inject=None
                                        col_nn.VocabParallelCrossEntropyLoss(),
                                        my_share(_padded(_batches(steps, seq=config.get("SEQ", SEQ)),
                                                       config)), verbose=False)
-    out = record_steps(engine, loader, inject)  # inject: an overflow in the first parameter
+    out = record_steps(engine, loader)
     out["state"] = {k: v.detach().double().clone()
                     for k, v in nc.checkpoint.strip_prefixes(engine.model.state_dict()).items()}
     return out

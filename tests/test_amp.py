@@ -1168,7 +1168,7 @@ def test_gloo_fp16_backend_options_do_what_they_say(name):
 # Tolerance for (c): the layouts sum partial products in another order (split matmuls, ring
 # attention blocks, all-reduced gradients), so each rounding may differ by one half-ulp of the
 # half type. After 3 SGD steps at lr 0.1 with weights of size ~0.1-1, existing measurements
-# (test_sequence_composition.py) put layout-vs-one-process at ~1e-3 (bf16) and ~2e-4 (fp16);
+# (test_composition.py's table) put layout-vs-one-process at ~1e-3 (bf16) and ~2e-4 (fp16);
 # we allow 1e-2 (bf16: 8-bit mantissa, ulp(1)=7.8e-3) and 2e-3 (fp16: ulp(1)=9.8e-4). A dtype
 # mismatch of a whole layer (e.g. fp32 vs bf16 LayerNorm) shows up exactly in (a)/(b).
 #

@@ -43,6 +43,7 @@ from nanocolossal.checkpoint_merge import load_plain_state_dict, strip_prefixes,
 from nanocolossal.config import ConfigError
 from nanocolossal.context import gpc
 from nanocolossal.metrics import Accuracy
+from nanocolossal.moe import moe_layers
 from nanocolossal.moe.settings import moe_model_settings
 from nanocolossal.pipeline import build_pipeline_model
 from nanocolossal.sequence import split_batch
@@ -62,6 +63,7 @@ CLIP = 0.05  # below every gradient norm here: the clip really clips (asserted)
 # micro-batch per rank, not the whole batch) round differently. A lost micro-batch is 2-40x outside.
 BF16 = {"rtol": 1e-2, "atol": 1e-3}
 BF16_VS_FP32 = {"rtol": 2e-2, "atol": 2e-3}
+FP16_REL = 2e-3  # fp16 keeps 11 bits: a quarter of bf16's error, with margin
 AMP_MODES = {  # opt level -> the fp16 config that selects it (bf16: CPUs have no fast fp16)
     "O1": {"mode": AMP_TYPE.TORCH, "dtype": "bfloat16"},
     "O2": {"mode": AMP_TYPE.NAIVE, "dtype": "bfloat16"},
@@ -91,6 +93,15 @@ MOE = {"NUM_EXPERTS": 2, "MOE_CAPACITY_FACTOR": 4.0}  # >= E: no token is droppe
 EP2 = {"moe": 2}  # expert parallelism: each of 2 data ranks holds one expert
 AMP_O1 = {"fp16": {"mode": AMP_TYPE.TORCH, "dtype": "bfloat16"}}
 AMP_O2 = {"fp16": {"mode": AMP_TYPE.NAIVE, "dtype": "bfloat16"}}
+AMP_O3 = {"fp16": {"mode": AMP_TYPE.APEX, "opt_level": "O3", "dtype": "bfloat16"}}
+APEX_O2 = {"fp16": {"mode": AMP_TYPE.APEX, "opt_level": "O2", "dtype": "bfloat16"}}
+FP16_O1 = {"fp16": {"mode": AMP_TYPE.TORCH, "dtype": "float16"}}
+FP16_O2 = {"fp16": {"mode": AMP_TYPE.NAIVE, "dtype": "float16", "initial_scale": 2.0 ** 10}}
+MOE4_TOP2 = {"NUM_EXPERTS": 4, "MOE_CAPACITY_FACTOR": 4.0, "MOE_TOP_K": 2}  # 2 experts a rank
+# the fused kernel under bf16 autocast rounds a token onto another expert, a discrete change
+MOE_EXPLICIT = {**MOE, "ATTENTION": "explicit"}
+OVERFLOW_TOKENS = {"OVERFLOW": (1, 1, "tok")}  # step 1, rank 1, the token embedding
+SEQ_RING4 = {"tensor": {"size": 4, "mode": "sequence"}}
 TABLE = {  # row: (ranks, config, what a refused row's error says[, resumes]); every row clips
     "data2 x zero1": (2, _zero(1), None),
     "data2 x zero2 x accum2": (2, {**_zero(2), **ACCUM2}, None),
@@ -141,11 +152,37 @@ TABLE = {  # row: (ranks, config, what a refused row's error says[, resumes]); e
     "moe x 1d": (4, {**MOE, "parallel": T1D}, "MoE"),
     "moe x 2d": (4, {**MOE, "parallel": T2D}, "MoE"),
     "moe x sequence": (4, {**MOE, "parallel": SEQ_RING}, "MoE"),
+    "moe top2 x 4 experts x ep2 x data2 x accum2": (4, {**MOE4_TOP2, "parallel": EP2, **ACCUM2},
+                                                    None),
+    "moe ep2, every token to expert 0 at first": (2, {**MOE, "ROUTER_ZERO": True,
+                                                      "parallel": EP2}, None),
+    # attention without the causal mask: the ring's every block is a full one
+    "non-causal x ring x data2": (4, {"CAUSAL": False, "parallel": SEQ_RING}, None),
+    "non-causal x ring4": (4, {"CAUSAL": False, "parallel": SEQ_RING4}, None),
     # mixed precision (bf16 on CPU) against one process under the same AMP settings
     "O1 x data2 x zero2 x accum2": (2, {**AMP_O1, **_zero(2), **ACCUM2}, None),
     "O2 x 1f1b x data2": (4, {**AMP_O2, "parallel": PIPE2, **PIPE}, None),
     "O2 x 1d x zero1": (4, {**AMP_O2, "parallel": T1D, **_zero(1)}, None),
     "O1 x ring x zero3": (4, {**AMP_O1, "parallel": SEQ_RING, **_zero(3)}, None),
+    "O1 fp16 x ring": (2, {**FP16_O1, "parallel": SEQ_RING}, None),
+    "O2 fp16 x ring": (2, {**FP16_O2, "parallel": SEQ_RING}, None),
+    "O3 x ring": (2, {**AMP_O3, "parallel": SEQ_RING}, None),
+    "O2 fp16 x ring x 1f1b": (4, {**FP16_O2, "parallel": {**PIPE2, **SEQ_RING}, **PIPE}, None),
+    "O1 x moe ep2": (2, {**AMP_O1, **MOE_EXPLICIT, "parallel": EP2}, None),
+    "O1 fp16 x moe ep2 x accum2": (2, {**FP16_O1, **MOE_EXPLICIT, "parallel": EP2, **ACCUM2},
+                                   None),
+    "O2 fp16 x moe ep2": (2, {**FP16_O2, **MOE_EXPLICIT, "parallel": EP2}, None),
+    "apex O2 x moe ep2 x data2": (4, {**APEX_O2, **MOE_EXPLICIT, "parallel": EP2}, None),
+    "O2 fp16 x moe ep4 (experts replicated)": (4, {**FP16_O2, **MOE_EXPLICIT,
+                                                   "parallel": {"moe": 4}}, None),
+    # dynamic loss scaling: an inf on one rank only skips the step on every rank and halves the
+    # scale, as one process does (in a replicated parameter; in an expert only rank 1 holds)
+    "overflow on one rank x O2 fp16 x ring": (2, {**FP16_O2, **OVERFLOW_TOKENS,
+                                                  "parallel": SEQ_RING}, None),
+    "overflow on one rank x O2 fp16 x moe ep2": (2, {**FP16_O2, **MOE_EXPLICIT, **OVERFLOW_TOKENS,
+                                                     "parallel": EP2}, None),
+    "overflow in rank 1's expert x O2 fp16 x moe ep2": (
+        2, {**FP16_O2, **MOE_EXPLICIT, "OVERFLOW": (1, 1, "experts.1."), "parallel": EP2}, None),
     # ZeRO offload: masters and optimizer state on the CPU (here the CPU stands in for both)
     "offload x data2 x zero2 x accum2": (2, {**_zero(2, "cpu"), **ACCUM2}, None),
     "offload x 1f1b x data2 x zero1": (4, {"parallel": PIPE2, **PIPE, **_zero(1, "cpu")}, None),
@@ -216,12 +253,14 @@ def test_gloo_composition_table_row_trains_as_one_process(row, tmp_path):
         for rank, message in enumerate(run_ranks(_refused_worker, world, config)):
             assert message.startswith(f"[rank {rank}]") and refused in message, message
         return
-    final, norms, losses = _reference(config, world)
+    final, norms, losses, record = _reference(config, world)
     path = str(tmp_path / "ckpt.pt") if resumes else None
     results = run_ranks(_gpt_worker, world, config, 0, STEPS, path, None, None, final,
                         timeout=150)
-    rel = BF16["rtol"] if "fp16" in config else GPT_REL  # bf16 rounds sums taken in another order
-    _check(results, final, norms, row, rel=rel, losses=losses)
+    _check(results, final, norms, row, rel=_tolerance(config), losses=losses, record=record)
+    if "OVERFLOW" in config:  # the planted inf really skipped that step and halved the scale
+        at = config["OVERFLOW"][0]
+        assert not record["took"][at] and record["scales"][at] == record["scales"][at - 1] / 2
     if resumes:
         _check_resumes(row, world, config, path, resumes[0])
 
@@ -252,32 +291,42 @@ def _check_resumes(row, world, config, path, resumes):
                     message
 
 
+ONE_PROCESS_KEYS = ("fp16", "ATTENTION", "CAUSAL", "OVERFLOW", "ROUTER_ZERO", "NUM_EXPERTS",
+                    "MOE_CAPACITY_FACTOR", "MOE_TOP_K")  # what one process runs too
+
+
 def _reference(config, world):
-    """One process's (final state, norms, losses) for the row's model, computed once per kind:
-    the float64 GPT; under AMP, the fp32 GPT under the same AMP settings; with experts, the MoE
-    GPT running the layout's global micro-steps in turn (each micro-step's aux loss is over its
-    own tokens) -- the D data ranks' m-th micro-batches of A, m = 0, 1, ..."""
-    if "fp16" in config:
-        one, perm = {"fp16": config["fp16"]}, None
-    elif "NUM_EXPERTS" in config:
+    """One process's run for the row's model, computed once per kind: the float64 GPT by hand
+    (torch's own loop); otherwise _gpt_worker on one rank with the row's ONE_PROCESS_KEYS (AMP
+    settings, model knobs, the planted overflow) -- with experts, running the layout's global
+    micro-steps in turn (each micro-step's aux loss is over its own tokens): the D data ranks'
+    m-th micro-batches of A, m = 0, 1, ... Returns its final state, norms, losses and record of
+    steps taken and loss scales."""
+    one, perm = {k: v for k, v in config.items() if k in ONE_PROCESS_KEYS}, None
+    if "NUM_EXPERTS" in config:
         P = config.get("parallel", {}).get("pipeline", 1)
         A = config.get("NUM_MICRO_BATCHES", 1) if P > 1 else config.get("gradient_accumulation", 1)
         D, n = world // P, GLOBAL // (world // P * A)
-        one = {**MOE, **({"gradient_accumulation": A} if A > 1 else {})}
+        one.update({"gradient_accumulation": A} if A > 1 else {})
         perm = [(d * A + m) * n + i for m in range(A) for d in range(D) for i in range(n)]
-    else:
-        one, perm = None, None
     key = repr((one, perm))
     if key not in _REFERENCE:
-        if one is None:
+        if not one:
             states, norms = _layout_one_process(_gpt, _tokens)
-            _REFERENCE[key] = (states[-1], norms, list(LOSSES))
+            _REFERENCE[key] = (states[-1], norms, list(LOSSES), None)
         else:
             ref = run_ranks(_gpt_worker, 1, {**one, "clip_grad_norm": CLIP}, 0, STEPS, None, None,
                             None, None, perm, timeout=60)[0]
-            _REFERENCE[key] = (ref["state"], ref["norms"], ref["losses"])
-        assert min(_REFERENCE[key][1]) > CLIP, "every step clips"
+            _REFERENCE[key] = (ref["state"], ref["norms"], ref["losses"], ref)
+        assert min(n for n in _REFERENCE[key][1] if n is not None) > CLIP, "every step clips"
     return _REFERENCE[key]
+
+
+def _tolerance(config):
+    """float64 to 1e-9; half precision rounds sums taken in another order (a micro-batch per
+    rank, not the whole batch): bf16 keeps 8 bits, fp16 11."""
+    dtype = config.get("fp16", {}).get("dtype")
+    return {None: GPT_REL, "bfloat16": BF16["rtol"], "float16": FP16_REL}[dtype]
 
 
 # -- models, data and the one-process reference ------------------------------------------------
@@ -977,16 +1026,38 @@ def _splits(engine):
     return tensor_splits_of(engine.model)
 
 
+def _table_gpt(config):
+    """The table's GPT as the row's capitals ask (the way train_gpt.py reads NUM_EXPERTS):
+    ATTENTION 'fused' or 'explicit', CAUSAL=False (every token sees the whole sequence),
+    ROUTER_ZERO (every router starts uniform: top-1 sends every token to expert 0)."""
+    torch.manual_seed(0)
+    model = gpt(vocab=VOCAB, seq_len=SEQ, dim=DIM, depth=2, heads=2, mlp_ratio=2,
+                moe=moe_model_settings(config), attention=config.get("ATTENTION", "fused"))
+    for block in model[1:-1]:
+        block.attn.causal = config.get("CAUSAL", True)
+    if config.get("ROUTER_ZERO"):
+        for layer in moe_layers(model):
+            nn.init.zeros_(layer.router.gate.weight)
+    return model if "fp16" in config else model.double()  # (AMP: the fp32 model it expects)
+
+
+def _plant_overflow(engine, config, step, micro_step):
+    """OVERFLOW = (step, rank, name): an inf in the gradient of the first parameter whose name
+    holds `name`, on that rank only (one process: its only rank), in the step's first
+    micro-step -- an overflow the other ranks do not see. Returns the hook to remove."""
+    at, rank, name = config.get("OVERFLOW", (None, None, None))
+    if (step, micro_step) != (at, 0) or gpc.rank != (rank if gpc.world_size > 1 else 0):
+        return None
+    param = next(p for n, p in engine.model.named_parameters() if name in n)
+    return param.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+
+
 def _gpt_worker(rank, world_size, port, config, first, last, save, load, merged, expected,
                 perm=None):
     """Train steps [first, last) of the GPT under `config`; `load`: 'same' (load_checkpoint) or
     'plain' (load_plain_state_dict(merged)); `save`: a path written after step SAVE_AT."""
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=60)
-    torch.manual_seed(0)
-    model = gpt(vocab=VOCAB, seq_len=SEQ, dim=DIM, depth=2, heads=2, mlp_ratio=2,
-                moe=moe_model_settings(config))
-    if "fp16" not in config:  # (mixed precision: the fp32 model AMP expects)
-        model = model.double()
+    model = _table_gpt(config)
     if gpc.pipeline_size > 1:
         model = build_pipeline_model(model, num_chunks=config.get("NUM_CHUNKS", 1),
                                      partition="uniform")
@@ -996,7 +1067,7 @@ def _gpt_worker(rank, world_size, port, config, first, last, save, load, merged,
         load_plain_state_dict(engine.model, merged)
     elif load:
         load_checkpoint(load, engine.model, engine.optimizer)
-    norms, losses = [], []
+    norms, losses, took, scales = [], [], [], []
     for step in range(first, last):
         x, y = _tokens(step)
         if perm is not None:  # one process running the pipeline's global micro-batches in turn
@@ -1009,13 +1080,20 @@ def _gpt_worker(rank, world_size, port, config, first, last, save, load, merged,
             if gpc.sequence_size > 1:  # my zig-zag share of every sequence (as the loader's)
                 batch = split_batch(batch, gpc.sequence_size, gpc.sequence_rank)
             engine.zero_grad()
+            planted = _plant_overflow(engine, config, step, m)
             _, _, loss = engine.execute_schedule(batch)
-            assert engine.step() == (m == accum - 1)
+            if planted:
+                planted.remove()
+            stepped = engine.step()
+            assert not stepped or m == accum - 1, "one optimizer step per accumulation group"
+        took.append(stepped)
+        scales.append(engine.optimizer.loss_scale)
         norms.append(engine.last_grad_norm)
         losses.append(nc.metrics.all_reduce_mean(loss.item()))
         if save and step + 1 == SAVE_AT:
             save_checkpoint(save, 1, engine.model, engine.optimizer)
-    return _report(engine.model, expected, norms, rank, losses if accum == 1 else None)
+    report = _report(engine.model, expected, norms, rank, losses if accum == 1 else None)
+    return {**report, "took": took, "scales": scales}
 
 
 def _report(model, expected, norms, rank, losses=None):
@@ -1033,11 +1111,16 @@ def _report(model, expected, norms, rank, losses=None):
     return {"diffs": diffs, "norms": norms, "rank": rank, "losses": losses}
 
 
-def _check(results, expected, norms, what, rel=1e-9, losses=None):
+def _check(results, expected, norms, what, rel=1e-9, losses=None, record=None):
     """Every rank's parameters = its slice of one process's; the norms (and the reported
-    losses, where given and recorded) = one process's."""
+    losses, where given and recorded; the steps taken and loss scales, where recorded) = one
+    process's."""
     seen = set()
     for r in results:
+        if record is not None:
+            assert (r["took"], r["scales"]) == (record["took"], record["scales"]), \
+                f"{what} rank {r['rank']}: steps taken, loss scales {r['took']} {r['scales']}"
+            r["norms"], norms = [n or 0.0 for n in r["norms"]], [n or 0.0 for n in norms]
         if losses is not None and r.get("losses") is not None:
             assert r["losses"] == pytest.approx(losses, rel=rel), \
                 f"{what} rank {r['rank']}: losses {r['losses']} vs one process {losses}"

@@ -432,7 +432,7 @@ def _cls_worker(rank, world, port, config, how):
     save = hooks.SaveCheckpointHook(how["path"], interval=1 if how["sized"] else 1000,
                                     lr_scheduler=sched, every_steps=how.get("every_steps"))
     # the pooled ranks are daemonic processes, which may not start DataLoader workers: lift that
-    # for this job (the workers end with each epoch's iterator), as test_sequence_composition does
+    # for this job (the workers end with each epoch's iterator), as test_sequence.py does
     import multiprocessing
     mp_config = multiprocessing.current_process()._config
     daemon = mp_config.get("daemon")
