@@ -102,6 +102,7 @@ MOE4_TOP2 = {"NUM_EXPERTS": 4, "MOE_CAPACITY_FACTOR": 4.0, "MOE_TOP_K": 2}  # 2 
 MOE_EXPLICIT = {**MOE, "ATTENTION": "explicit"}
 OVERFLOW_TOKENS = {"OVERFLOW": (1, 1, "tok")}  # step 1, rank 1, the token embedding
 SEQ_RING4 = {"tensor": {"size": 4, "mode": "sequence"}}
+UNUSED = {"UNUSED": True}  # a parameter no forward uses (see _table_gpt)
 TABLE = {  # row: (ranks, config, what a refused row's error says[, resumes]); every row clips
     "data2 x zero1": (2, _zero(1), None),
     "data2 x zero2 x accum2": (2, {**_zero(2), **ACCUM2}, None),
@@ -114,7 +115,18 @@ TABLE = {  # row: (ranks, config, what a refused row's error says[, resumes]); e
                                     None),
     "zero_bubble x data2 x zero2": (4, {"parallel": PIPE2, **PIPE, **ZB, **_zero(2)}, None),
     "zbv x data2 x zero2": (4, {"parallel": PIPE2, **ZBV, **_zero(2)}, None),
+    # a parameter no step uses (UNUSED) beside the tied embedding, under each schedule's ZeRO
+    "gpipe x data2 x zero1 x unused": (4, {"parallel": PIPE2, **PIPE, "PIPELINE_SCHEDULE": "gpipe",
+                                           **_zero(1), **UNUSED}, None),
+    "1f1b x data2 x zero2 x unused": (4, {"parallel": PIPE2, **PIPE, **_zero(2), **UNUSED}, None),
+    "interleaved x data2 x zero1 x unused": (4, {"parallel": PIPE2, **PIPE, "NUM_CHUNKS": 2,
+                                                 **_zero(1), **UNUSED}, None),
+    "1f1b x data2 x zero2 (tiny buckets, no overlap) x unused": (
+        4, {"parallel": PIPE2, **PIPE, **UNUSED, "zero": {
+            "level": 2, "reduce_bucket_size_mb": 1e-4, "overlap_communication": False}}, None),
+    "1f1b x 1d x data2 x zero1": (8, {"parallel": {**PIPE2, **T1D}, **PIPE, **_zero(1)}, None),
     "1d x data2 x zero2": (4, {"parallel": T1D, **_zero(2)}, None),
+    "1d x data2 x zero1 x accum2": (4, {"parallel": T1D, **_zero(1), **ACCUM2}, None),
     "1d x 1f1b": (4, {"parallel": {**PIPE2, **T1D}, **PIPE}, None),
     "1d x zero_bubble": (4, {"parallel": {**PIPE2, **T1D}, **PIPE, **ZB}, None),
     "1d x zbv": (4, {"parallel": {**PIPE2, **T1D}, **ZBV}, None),
@@ -162,6 +174,8 @@ TABLE = {  # row: (ranks, config, what a refused row's error says[, resumes]); e
     # mixed precision (bf16 on CPU) against one process under the same AMP settings
     "O1 x data2 x zero2 x accum2": (2, {**AMP_O1, **_zero(2), **ACCUM2}, None),
     "O2 x 1f1b x data2": (4, {**AMP_O2, "parallel": PIPE2, **PIPE}, None),
+    "O1 x 1f1b x data2 x zero1": (4, {**AMP_O1, "parallel": PIPE2, **PIPE, **_zero(1)}, None),
+    "O2 x 1f1b x data2 x zero2": (4, {**AMP_O2, "parallel": PIPE2, **PIPE, **_zero(2)}, None),
     "O2 x 1d x zero1": (4, {**AMP_O2, "parallel": T1D, **_zero(1)}, None),
     "O1 x ring x zero3": (4, {**AMP_O1, "parallel": SEQ_RING, **_zero(3)}, None),
     "O1 fp16 x ring": (2, {**FP16_O1, "parallel": SEQ_RING}, None),
@@ -200,7 +214,9 @@ TABLE = {  # row: (ranks, config, what a refused row's error says[, resumes]); e
     "every block x 2d": (4, {"parallel": T2D, "ACTIVATION_CHECKPOINT": 1}, None),
     "1f1b x accum2": (2, {"parallel": PIPE2, **PIPE, **ACCUM2},
                       "micro-batches already accumulate"),
-    "zero3 x 1f1b": (4, {"parallel": PIPE2, **PIPE, **_zero(3)}, "level 3"),
+    "zero3 x 1f1b": (4, {"parallel": PIPE2, **PIPE, **_zero(3)}, "use zero level 1 or 2"),
+    "zero3 (v0.1 spelling) x 1f1b": (2, {"parallel": PIPE2, **PIPE, "zero": {
+        "model_config": {}, "optimizer_config": {}}}, "use zero level 1 or 2"),
     "checkpointing x zero_bubble": (2, {"parallel": PIPE2, **PIPE, **ZB,
                                         "ACTIVATION_CHECKPOINT": "full"}, "cannot split"),
     "checkpointing x zbv": (2, {"parallel": PIPE2, **ZBV, "ACTIVATION_CHECKPOINT": "full"},
@@ -258,6 +274,8 @@ def test_gloo_composition_table_row_trains_as_one_process(row, tmp_path):
     results = run_ranks(_gpt_worker, world, config, 0, STEPS, path, None, None, final,
                         timeout=150)
     _check(results, final, norms, row, rel=_tolerance(config), losses=losses, record=record)
+    if "UNUSED" in config:  # one process leaves `never` where it started; so did every rank
+        assert torch.equal(final["1.never"], _table_gpt({"UNUSED": True})[1].never.detach())
     if "OVERFLOW" in config:  # the planted inf really skipped that step and halved the scale
         at = config["OVERFLOW"][0]
         assert not record["took"][at] and record["scales"][at] == record["scales"][at - 1] / 2
@@ -291,17 +309,18 @@ def _check_resumes(row, world, config, path, resumes):
                     message
 
 
-ONE_PROCESS_KEYS = ("fp16", "ATTENTION", "CAUSAL", "OVERFLOW", "ROUTER_ZERO", "NUM_EXPERTS",
+MODEL_KEYS = ("ATTENTION", "CAUSAL", "UNUSED")  # a model torch's own loop trains as well
+ONE_PROCESS_KEYS = (*MODEL_KEYS, "fp16", "OVERFLOW", "ROUTER_ZERO", "NUM_EXPERTS",
                     "MOE_CAPACITY_FACTOR", "MOE_TOP_K")  # what one process runs too
 
 
 def _reference(config, world):
-    """One process's run for the row's model, computed once per kind: the float64 GPT by hand
-    (torch's own loop); otherwise _gpt_worker on one rank with the row's ONE_PROCESS_KEYS (AMP
-    settings, model knobs, the planted overflow) -- with experts, running the layout's global
-    micro-steps in turn (each micro-step's aux loss is over its own tokens): the D data ranks'
-    m-th micro-batches of A, m = 0, 1, ... Returns its final state, norms, losses and record of
-    steps taken and loss scales."""
+    """One process's run for the row's model, computed once per kind: the float64 GPT (with the
+    row's MODEL_KEYS) by torch's own loop; otherwise _gpt_worker on one rank with the row's
+    ONE_PROCESS_KEYS (AMP settings, experts, the planted overflow) -- with experts, running the
+    layout's global micro-steps in turn (each micro-step's aux loss is over its own tokens): the
+    D data ranks' m-th micro-batches of A, m = 0, 1, ... Returns its final state, norms, losses
+    and record of steps taken and loss scales."""
     one, perm = {k: v for k, v in config.items() if k in ONE_PROCESS_KEYS}, None
     if "NUM_EXPERTS" in config:
         P = config.get("parallel", {}).get("pipeline", 1)
@@ -311,8 +330,8 @@ def _reference(config, world):
         perm = [(d * A + m) * n + i for m in range(A) for d in range(D) for i in range(n)]
     key = repr((one, perm))
     if key not in _REFERENCE:
-        if not one:
-            states, norms = _layout_one_process(_gpt, _tokens)
+        if set(one) <= set(MODEL_KEYS):
+            states, norms = _layout_one_process(lambda: _table_gpt(one), _tokens)
             _REFERENCE[key] = (states[-1], norms, list(LOSSES), None)
         else:
             ref = run_ranks(_gpt_worker, 1, {**one, "clip_grad_norm": CLIP}, 0, STEPS, None, None,
@@ -977,8 +996,7 @@ def _layout_sgd(params):
 
 
 def _gpt():
-    torch.manual_seed(0)
-    return gpt(vocab=VOCAB, seq_len=SEQ, dim=DIM, depth=2, heads=2, mlp_ratio=2).double()
+    return _table_gpt({})
 
 
 def _tokens(step):
@@ -1029,12 +1047,16 @@ def _splits(engine):
 def _table_gpt(config):
     """The table's GPT as the row's capitals ask (the way train_gpt.py reads NUM_EXPERTS):
     ATTENTION 'fused' or 'explicit', CAUSAL=False (every token sees the whole sequence),
-    ROUTER_ZERO (every router starts uniform: top-1 sends every token to expert 0)."""
+    UNUSED (the first block holds a parameter `never` no forward uses: its grad stays None, so
+    neither weight decay nor momentum may move it), ROUTER_ZERO (every router starts uniform:
+    top-1 sends every token to expert 0)."""
     torch.manual_seed(0)
     model = gpt(vocab=VOCAB, seq_len=SEQ, dim=DIM, depth=2, heads=2, mlp_ratio=2,
                 moe=moe_model_settings(config), attention=config.get("ATTENTION", "fused"))
     for block in model[1:-1]:
         block.attn.causal = config.get("CAUSAL", True)
+    if config.get("UNUSED"):
+        model[1].never = nn.Parameter(torch.randn(DIM))
     if config.get("ROUTER_ZERO"):
         for layer in moe_layers(model):
             nn.init.zeros_(layer.router.gate.weight)

@@ -17,6 +17,15 @@ from run_records import record_run
 from torch import nn
 from torch.testing import assert_close
 from torch.utils.data import DataLoader, TensorDataset
+from zero_parallel_runs import (
+    F64,
+    STEPS,
+    check_states,
+    cloned_state,
+    one_process_sgd,
+    pipeline_engine,
+    train_pipeline,
+)
 
 import nanocolossal as nc
 from nanocolossal.checkpoint import merge_pipeline_checkpoint, save_checkpoint
@@ -883,3 +892,26 @@ def test_zbv_checkpoint_into_another_cut_is_refused_naming_the_way_across(tmp_pa
         for rank, said in enumerate(run_ranks(_cut_worker, 2, path, schedule, False)):
             assert said.startswith(f"ConfigError: [rank {rank}]"), said
             assert "merge_checkpoint" in said and "layers" in said, said
+
+
+# -- a tie inside one stage: interleaving puts both uses of W in two chunks of rank 0 -----------
+
+def _tied_worker(rank, world_size, port, extra, partition, chunks):
+    """zero_parallel_runs.tied_model cut into `partition`, float64, 3 steps: its state, norms."""
+    engine = pipeline_engine(rank, world_size, port, extra, partition, chunks, torch.float64)
+    norms = train_pipeline(engine, 0, STEPS)
+    return cloned_state(engine.model), norms
+
+
+@pytest.mark.parametrize("level", [0, 1, 2], ids=["no-zero", "zero1", "zero2"])
+def test_deep_zero_x_interleaved_x_weight_shared_by_two_chunks_of_one_stage_equals_one_process(
+        level):
+    """partition [2, 2, 3, 1]: parts 0 and 2 (both rank 0) use W; one Parameter in two chunks,
+    reduced once, by the first chunk's DDP / ShardKeepingDDP, in the stage's last backward
+    (were both chunks' wrappers to reduce W, each would drop the other's part)."""
+    states, norms = one_process_sgd(clip=CLIP)
+    extra = {"clip_grad_norm": CLIP, **({"zero": {"level": level}} if level else {})}
+    results = run_ranks(_tied_worker, 4, extra, [2, 2, 3, 1], 2, timeout=60)
+    check_states(results, states[-1], F64)
+    for rank, (_, our_norms) in enumerate(results):
+        assert our_norms == pytest.approx(norms, rel=1e-9), f"rank {rank}"

@@ -4,17 +4,33 @@ children, buffers (BatchNorm running stats), a frozen parameter, AMP O2 (half se
 (load_plain_state_dict into another layout), sequence parallelism, the Trainer's resume, a
 second save with fewer data ranks over the same path (stale zero files), loading into a job
 without ZeRO or at level 1, a save without an optimizer, and weights-only reading of the zero
-files. Each is compared with one process, or with the same job's in-memory (gathered) state.
+files; then ZeRO checkpoints across layouts: a pipeline's files loaded into another data size
+and level, tensor 1d x ZeRO 3 into another data size, the Trainer's resume under pipeline x
+ZeRO 2. Each is compared with one process, or with the same job's in-memory (gathered) state.
 """
 import pytest
 import torch
-from dist_helpers import run_ranks
-from models import tensor_model
+from dist_helpers import launch_rank, run_ranks
+from models import epoch_shards, tensor_model
 from torch import nn
+from torch.nn import functional as F
 from torch.testing import assert_close
 from torch.utils.data import TensorDataset
 from zero_models import B, Net, grouped_adamw, train_engine, train_single
-from zero_parallel_runs import F64, pipeline_save_worker
+from zero_parallel_runs import (
+    F64,
+    GLOBAL,
+    STEPS,
+    check_states,
+    cloned_state,
+    one_process_sgd,
+    pipeline_engine,
+    pipeline_resume_worker,
+    pipeline_save_worker,
+    sgd,
+    tied_batch,
+    tied_model,
+)
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
@@ -28,6 +44,7 @@ from nanocolossal.checkpoint import (
     read_file,
     save_checkpoint,
 )
+from nanocolossal.context import gpc
 from nanocolossal.tensor.base import slice_of
 from nanocolossal.trainer import Trainer, hooks
 
@@ -442,3 +459,163 @@ def test_deep_zero3_zero_size_parameter_checkpoint_reads_back(tmp_path):
     assert_close(merge_checkpoint(path), saved)
     for state in run_ranks(_empty_worker, 2, path, True, timeout=60):
         assert_close(state, saved)
+
+
+CLIP = 0.05
+
+
+# -- checkpoints: pipeline x data 2 x ZeRO saved, merged, loaded into data 1 / data 2 -----------
+
+RESUME_CASES = {  # saved (world, zero level) -> loaded (world, zero level)
+    "data2-zero2-to-data1-zero2": (4, 2, 2, 2),
+    "data2-zero1-to-data1-plain": (4, 1, 2, 0),
+    "data1-plain-to-data2-zero2": (2, 0, 4, 2),
+}
+
+
+@pytest.mark.parametrize("case", RESUME_CASES, ids=RESUME_CASES)
+def test_deep_zero_x_pipeline_checkpoint_merges_and_resumes_in_another_data_size(tmp_path, case):
+    """Train 2 steps, save (merge = one process after 2 steps), load into another data size with
+    another ZeRO level and train the 3rd step: one process after 3 steps (momentum restored).
+    The global batch is the same: data 1 runs all 16 samples per step, data 2 8 each."""
+    saved_world, saved_level, loaded_world, loaded_level = RESUME_CASES[case]
+    states, _ = one_process_sgd()
+    path = str(tmp_path / "ckpt.pt")
+    zero = lambda level: {"zero": {"level": level}} if level else {}  # noqa: E731
+    run_ranks(pipeline_save_worker, saved_world, zero(saved_level), path, 2, timeout=60)
+    merged = merge_checkpoint(path)
+    for key, value in states[1].items():
+        assert_close(merged[key], value, msg=lambda m: f"merged {key}: {m}", **F64)
+    results = run_ranks(pipeline_resume_worker, loaded_world, zero(loaded_level), path, 2,
+                        timeout=60)
+    check_states(results, states[2], F64)
+
+
+# -- ZeRO 3 x tensor 1d x accumulation x clip: checkpoint merged, loaded into another data size --
+
+def _two_micro_steps_each(engine, batch, steps):
+    """Each step: this data rank's half of batch(step), in 2 accumulated micro-steps; the norms."""
+    norms, n = [], GLOBAL // gpc.data_size // 2  # per data rank per micro-step
+    for step in steps:
+        x, y = batch(step)
+        for m in range(2):
+            lo = gpc.data_rank * 2 * n + m * n
+            engine.zero_grad()
+            engine.execute_schedule((x[lo:lo + n], y[lo:lo + n]))
+            assert engine.step() == (m == 1)
+        norms.append(engine.last_grad_norm)
+    return norms
+
+
+def _images(step):
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(GLOBAL, 1, 4, 4, generator=g), torch.randint(0, 3, (GLOBAL,), generator=g)
+
+
+def _zero3_tensor_worker(rank, world_size, port, mode, path, first, last, save, expected):
+    config = {"parallel": {"tensor": {"size": 2 if mode == "1d" else 4, "mode": mode}},
+              "gradient_accumulation": 2,
+              "clip_grad_norm": CLIP, "zero": {"level": 3}}
+    launch_rank(rank, world_size, port, config)
+    model = tensor_model()
+    engine, *_ = nc.initialize(model, sgd(model.parameters()), col_nn.CrossEntropyLoss(),
+                               verbose=False)
+    if first:
+        load_checkpoint(path, engine.model, engine.optimizer)
+    norms = _two_micro_steps_each(engine, _images, range(first, last))
+    if save:
+        save_checkpoint(path, 1, engine.model, engine.optimizer)
+    splits = {name: getattr(p, "tensor_splits", []) for name, p in engine.model.named_parameters()}
+    for name, value in engine.model.state_dict().items():  # ZeRO 3: gathered (collective)
+        assert_close(value, slice_of(expected[name], splits.get(name, [])),
+                     msg=lambda m: f"[rank {rank}] {name}: {m}")
+    return norms
+
+
+def _zero3_one_process():
+    model = tensor_model()
+    opt = sgd(model.parameters())
+    states, norms = [], []
+    for step in range(STEPS):
+        x, y = _images(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        states.append(cloned_state(model))
+    return states, norms
+
+
+# (2d x ZeRO 3 saved and resumed: test_composition.py's row "2d x zero3 x accum2, resumed")
+ZERO3_RESUME = [("1d", 4, 2), ("1d", 2, 4)]
+
+
+@pytest.mark.parametrize("mode, saved, loaded", ZERO3_RESUME,
+                         ids=["1d-data2-to-data1", "1d-data1-to-data2"])
+def test_deep_zero3_x_tensor_x_accumulation_x_clip_checkpoint_resumes_in_another_data_size(
+        tmp_path, mode, saved, loaded):
+    """1d x2 with data 2 or data 1, ZeRO 3: 2 steps, save, merge (one process after 2
+    steps), load into the other data size, step 3 (momentum restored)."""
+    states, norms = _zero3_one_process()
+    assert min(norms) > CLIP
+    path = str(tmp_path / "ckpt.pt")
+    for rank, our in enumerate(run_ranks(_zero3_tensor_worker, saved, mode, path, 0, 2, True,
+                                         states[1], timeout=60)):
+        assert our == pytest.approx(norms[:2], rel=1e-5), f"rank {rank}"
+    merged = merge_checkpoint(path)
+    assert set(merged) == set(states[1])
+    for key, value in states[1].items():
+        assert_close(merged[key], value, msg=lambda m: f"merged {key}: {m}")
+    for rank, our in enumerate(run_ranks(_zero3_tensor_worker, loaded, mode, path, 2, 3, False,
+                                         states[2], timeout=60)):
+        assert our == pytest.approx(norms[2:], rel=1e-5), f"rank {rank}"
+
+
+# -- the Trainer x pipeline x data x ZeRO 2 x tied weight: stopped by max_steps, resumed ---------
+
+TRAIN_SIZE, SHUFFLE_SEED, EPOCHS = 24, 7, 2  # per data rank 12 = 3 batches of 4 per epoch
+
+
+def _pipeline_trainer_worker(rank, world_size, port, level, path, max_steps, resume):
+    engine = pipeline_engine(rank, world_size, port, {"zero": {"level": level},
+                                                      "clip_grad_norm": CLIP}, [3, 5], 1)
+    x, y = tied_batch(99, TRAIN_SIZE)
+    train = nc.get_dataloader(TensorDataset(x, y), shuffle=True, seed=SHUFFLE_SEED, batch_size=4)
+    trainer = Trainer(engine)
+    if resume:
+        assert trainer.resume(path)
+    trainer.fit(train, epochs=EPOCHS, max_steps=max_steps,
+                hooks=[hooks.LossHook(), hooks.SaveCheckpointHook(path)])
+    return (cloned_state(engine.model),)
+
+
+def _pipeline_trainer_one_process():
+    x, y = tied_batch(99, TRAIN_SIZE)
+    data = TensorDataset(x, y)
+    model = tied_model()
+    opt = sgd(model.parameters())
+    after_each_step = []
+    for epoch in range(EPOCHS):
+        shards = epoch_shards(data, epoch, SHUFFLE_SEED)
+        for k in range(len(shards[0]) // 4):
+            idx = shards[0][k * 4:(k + 1) * 4] + shards[1][k * 4:(k + 1) * 4]
+            opt.zero_grad()
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            after_each_step.append(cloned_state(model))
+    return after_each_step
+
+
+@pytest.mark.parametrize("level", [2], ids=["zero2"])  # (ZeRO 1 saves and loads alike)
+def test_deep_trainer_x_pipeline_x_zero_x_tied_weight_stopped_and_resumed_equals_one_process(
+        tmp_path, level):
+    after_each_step = _pipeline_trainer_one_process()
+    path = str(tmp_path / "ckpt.pt")
+    stopped = run_ranks(_pipeline_trainer_worker, 4, level, path, 2, False, timeout=60)
+    check_states(stopped, after_each_step[1], F64)
+    merged = merge_checkpoint(path)
+    for key, value in after_each_step[1].items():
+        assert_close(merged[key], value, msg=lambda m: f"merged {key}: {m}", **F64)
+    resumed = run_ranks(_pipeline_trainer_worker, 4, level, path, None, True, timeout=60)
+    check_states(resumed, after_each_step[-1], F64)

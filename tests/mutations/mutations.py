@@ -291,6 +291,14 @@ MUTATIONS: list[dict] = [
              "the buffer, each shard gets an element of padding too many (trains the same; "
              "gathers N elements more, and a checkpoint's segments fall in other files)",
          tests=["tests/test_zero_traffic.py", "-k", "gloo"]),
+    dict(id="zero1-unused-gets-zero-grad", idea="ZeRO 1 x pipeline x an unused parameter",
+         file="nanocolossal/zero/optimizer.py",
+         old="self.grad_target(s).grad = None if p.grad is None else p.grad.reshape(-1)[s.lo:s.hi]",
+         new="self.grad_target(s).grad = (torch.zeros_like(self.grad_target(s)) if p.grad is None"
+             " else p.grad.reshape(-1)[s.lo:s.hi])",
+         bug="level 1 gives a parameter no rank used a zero gradient, not none: weight decay and "
+             "momentum move what one process leaves alone",
+         tests=["tests/test_composition.py", "-k", "table and unused"]),
     dict(id="zero-offload-no-copy-in", idea="ZeRO offload", file="nanocolossal/zero/offload.py",
          old="            torch._foreach_copy_([v for v, _ in pairs], [m for _, m in pairs], "
              "non_blocking=True)",
