@@ -18,6 +18,8 @@ from torch.testing import assert_close
 from torch.utils.data import TensorDataset
 from zero_models import B, Net, grouped_adamw, train_engine, train_single
 from zero_parallel_runs import (
+    AMP_MODES,
+    BF16,
     F64,
     GLOBAL,
     STEPS,
@@ -619,3 +621,66 @@ def test_deep_trainer_x_pipeline_x_zero_x_tied_weight_stopped_and_resumed_equals
         assert_close(merged[key], value, msg=lambda m: f"merged {key}: {m}", **F64)
     resumed = run_ranks(_pipeline_trainer_worker, 4, level, path, None, True, timeout=60)
     check_states(resumed, after_each_step[-1], F64)
+
+
+# -- pipeline 2 x data 2 x ZeRO 1/2 x bf16 O2 saved; resumed WITHOUT a pipeline, another level --
+
+# tied_model's parameters in one process -> (stage, index among that stage's parameters) under
+# partition [3, 5]; the tied table W is in both stages (same value, same momentum): stage 0's
+STAGE_OF = [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 0), (1, 1), (1, 3), (1, 4)]
+
+
+def _unpipelined_resume_worker(rank, world_size, port, config, path):
+    from zero_parallel_runs import GLOBAL as PGLOBAL  # (this file's GLOBAL is its own)
+
+    from nanocolossal.checkpoint import (
+        load_optimizer_state,
+        load_plain_state_dict,
+        merge_checkpoint,
+        stage_path,
+    )
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=30)
+    model = tied_model()
+    engine, *_ = nc.initialize(model, sgd(model.parameters()), nn.CrossEntropyLoss(),
+                               verbose=False)
+    load_plain_state_dict(engine.model, merge_checkpoint(path))
+    stages = [load_optimizer_state(stage_path(path, s)) for s in (0, 1)]
+    params = list(model.parameters())
+    state, masters = {}, []
+    for i, (s, j) in enumerate(STAGE_OF):
+        assert stages[s]["masters"][j].shape == params[i].shape, (i, s, j)
+        masters.append(stages[s]["masters"][j])
+        if j in stages[s]["optimizer"]["state"]:
+            state[i] = stages[s]["optimizer"]["state"][j]
+    group = {**stages[0]["optimizer"]["param_groups"][0], "params": list(range(len(params)))}
+    engine.optimizer.load_state_dict({"optimizer": {"state": state, "param_groups": [group]},
+                                      "masters": masters, "scaler": stages[0]["scaler"]})
+    x, y = tied_batch(2, PGLOBAL, torch.float32)
+    n = PGLOBAL // gpc.data_size
+    mine = slice(gpc.data_rank * n, (gpc.data_rank + 1) * n)
+    engine.zero_grad()
+    engine.backward(engine.criterion(engine(x[mine]), y[mine]))
+    assert engine.step()
+    return cloned_state(engine.model), []
+
+
+UNPIPELINED = [(1, 2, 2), (2, 2, 1), (2, 2, 3), (2, 1, 0)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("saved_level, world, level", UNPIPELINED,
+                         ids=[f"zero{a}-to-data{b}-{'zero%d' % c if c else 'plain'}"
+                              for a, b, c in UNPIPELINED])
+def test_deep_pipeline_x_zero_x_o2_checkpoint_resumes_without_a_pipeline(tmp_path, saved_level,
+                                                                         world, level):
+    """Saved by pipeline 2 x data 2 (ZeRO saved_level, bf16 O2) after 2 steps; its merged model,
+    each stage's plain optimizer state (momentum) and fp32 masters put together, loaded into a
+    job with no pipeline (`world` data ranks, ZeRO `level`): its 3rd step is one process's."""
+    states, _ = one_process_sgd(opt_level="O2")
+    path = str(tmp_path / "ckpt.pt")
+    fp16 = {"fp16": AMP_MODES["O2"]}
+    run_ranks(pipeline_save_worker, 4, {**fp16, "zero": {"level": saved_level}}, path, 2,
+              timeout=60)
+    config = {**fp16, **({"zero": {"level": level}} if level else {})}
+    results = run_ranks(_unpipelined_resume_worker, world, config, path, timeout=60)
+    check_states(results, states[2], BF16)

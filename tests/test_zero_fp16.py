@@ -12,7 +12,15 @@ import torch
 from dist_helpers import run_ranks, run_ranks_cached
 from torch import nn
 from torch.testing import assert_close
-from zero_models import DyadicNet, LinearLoss, dyadic_batch, grouped_adamw
+from zero_models import DyadicNet, LinearLoss, PartNet, dyadic_batch, grouped_adamw
+from zero_o2_runs import (
+    compare_o2_runs,
+    end_of_step,
+    inject_overflow,
+    micro_step,
+    record_o2_state,
+    trainer_run,
+)
 
 import nanocolossal as nc
 from nanocolossal.amp import AMP_TYPE
@@ -203,6 +211,184 @@ def test_deep_zero_o2_checkpoint_is_one_process_o2_and_loads_into_any_size(level
         for got in run_ranks(_resume_worker, world_size, path, level if world_size > 1 else 0,
                              world_size * B, timeout=60):
             _assert_same(got, want)
+
+
+# -- ZeRO x O2 x accumulation (an overflow mid-group), clip on 4 ranks, unused parameters,
+#    checkpoints, the Trainer ---------------------------------------------------------------------
+
+def _accum_config(level, accumulation=1, clip=0.0, dtype="float16"):
+    config = {"fp16": dict(mode=AMP_TYPE.NAIVE, dtype=dtype, init_scale=2.0**14,
+                           growth_interval=2, max_scale=2.0**16),
+              "gradient_accumulation": accumulation}
+    if clip:
+        config["clip_grad_norm"] = clip
+    if level:
+        config["zero"] = dict(level=level, reduce_bucket_size_mb=2e-4)
+    return config
+
+
+def _engine(rank, world, port, config, side_rows=None, norm=False):
+    nc.launch(config, rank=rank, world_size=world, host="127.0.0.1", port=port)
+    model = PartNet(side_rows, norm)
+    engine, *_ = nc.initialize(model, grouped_adamw(model), LinearLoss(), verbose=False)
+    return engine
+
+
+def _o2_train(rank, world, port, config, n, steps=4, side_rows=None, inject=(1, 0), first=0,
+              path=None, norm=False, save=None):
+    """`steps` optimizer steps, each `gradient_accumulation` micro-steps of n samples (this
+    rank's n / world); at micro-step `inject` (step, micro) the last sample overflows on the last
+    rank only. `path`: load it first; `save`: write a checkpoint at the end."""
+    engine = _engine(rank, world, port, config, side_rows, norm)
+    if path is not None:
+        load_checkpoint(path, engine.model, engine.optimizer)
+    accumulation, out = engine.gradient_accumulation, dict(took=[], scales=[], norms=[], losses=[])
+    losses = []
+    for step in range(first, first + steps):
+        engine.model.use_side = step % 2 == 0
+        for micro in range(accumulation):
+            xs, cs = dyadic_batch(step * accumulation + micro, n)
+            if (step, micro) == inject:
+                inject_overflow(xs, cs)
+            loss, took = micro_step(engine, rank, world, xs, cs)
+            losses.append(loss)
+            assert took is False or micro == accumulation - 1
+        end_of_step(engine, out, took)
+    out["loss_values"] = losses
+    record_o2_state(engine, out)
+    if save is not None:
+        save_checkpoint(save, first + steps, engine.model, engine.optimizer)
+    return out
+
+
+def _layout(config, world, steps=4, side_rows=None):
+    """(one process's O2 record without zero, every rank's record under `config`)."""
+    single = {k: v for k, v in config.items() if k != "zero"}
+    ref = run_ranks_cached(_o2_train, 1, single, world * B, steps, side_rows)[0]
+    return ref, run_ranks(_o2_train, world, config, world * B, steps, side_rows, timeout=60)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("level, world", [(1, 2), (2, 2), (2, 4), (3, 4)])
+def test_gloo_zero_o2_gradient_accumulation_with_an_overflow_mid_group(level, world):
+    """Scaled half gradients accumulated over 2 micro-steps (no_sync, then one reduction), then
+    unscaled: exact; the overflow in micro-step 0 of step 1 on the last rank skips step 1
+    everywhere and backs the scale off."""
+    ref, runs = _layout(_accum_config(level, accumulation=2), world)
+    assert ref["took"] == [True, False, True, True]
+    assert ref["scales"] == [2.0**14, 2.0**13, 2.0**13, 2.0**14]
+    compare_o2_runs(ref, runs)
+
+
+@pytest.mark.timeout(60)
+def test_deep_zero2_o2_clipping_on_4_ranks_with_straddling_parameters():
+    """121 parameters over 4 shards of 31: a.weight, a.bias, b.weight straddle; clipping
+    really clips (norm > 0.05) and the norm is one process's."""
+    ref, runs = _layout(_accum_config(2, accumulation=2, clip=0.05), 4)
+    norms = [n for n in ref["norms"] if n != float("inf")]
+    assert len(norms) == 3 and all(n > 0.05 for n in norms)
+    ref["norms"] = [None if n == float("inf") else n for n in ref["norms"]]
+    for run in runs:
+        run["norms"] = [None if n == float("inf") else n for n in run["norms"]]
+        run["state"] = {k: v for k, v in run["state"].items() if k.startswith(("master", "exp"))}
+    ref["state"] = {k: v for k, v in ref["state"].items() if k.startswith(("master", "exp"))}
+    compare_o2_runs(ref, runs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("level", [1, 2])
+def test_deep_zero_o2_parameter_no_rank_uses_and_one_only_rank_0_uses(level):
+    """`never`: no gradient anywhere (grad None: no Adam state, no weight decay, as one
+    process); `side`: on even steps only, and then only rank 0's samples reach it (the other
+    ranks compute no gradient for it). (Not level 3: a unit must run on every data rank or on
+    none, sharded_model.py.)"""
+    ref, runs = _layout(_accum_config(level, accumulation=2), 2, side_rows=B)
+    # optimizer order: weights a, b, side, never (0-3), then biases (4-7); `never` has no state
+    assert {k for k in ref["state"] if k.startswith("exp_avg.")} == {
+        f"exp_avg.{i}" for i in (0, 1, 2, 4, 5, 6)}
+    compare_o2_runs(ref, runs)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_deep_zero_o2_param_groups_with_a_layernorm_kept_fp32(level):
+    """Two param groups (lr / weight decay) each holding half and fp32 (LayerNorm) parameters:
+    two flat buffers per group; LayerNorm's fp32 gradient sums get 1e-5."""
+    config = _accum_config(level, accumulation=2)
+    ref = run_ranks_cached(_o2_train, 1, {k: v for k, v in config.items() if k != "zero"}, 4,
+                           4, None, (1, 0), 0, None, True)[0]
+    runs = run_ranks(_o2_train, 2, config, 4, 4, None, (1, 0), 0, None, True, timeout=60)
+    assert ref["state"]["param.ln.weight"].dtype == torch.float64  # (recorded as double)
+    compare_o2_runs(ref, runs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_deep_zero_o2_checkpoint_with_accumulation_4_ranks_into_2_and_1_continues(tmp_path):
+    """Level 2 on 4 ranks, accumulation 2: 2 steps (the second skipped), saved; loaded into
+    level 1 on 2 ranks and into one process (no zero), 2 more steps of the same global batch
+    size (micro-steps of 8 samples); against one process's 4 steps straight."""
+    path = tmp_path / "ckpt.pt"
+    run_ranks(_o2_train, 4, _accum_config(2, accumulation=2), 8, 2, None, (1, 0), 0, None, False,
+              path, timeout=60)
+    # 8 samples per micro-step on every layout: B = 2 per rank on 4 ranks
+    ref = run_ranks(_o2_train, 1, _accum_config(0, accumulation=2), 8, 4, None, (1, 0), 0, None,
+                    False, None, timeout=60)[0]
+    assert ref["took"] == [True, False, True, True]
+    for world, level in ((2, 1), (1, 0)):
+        runs = run_ranks(_cont, world, _accum_config(level, accumulation=2), path, timeout=60)
+        for run in runs:
+            assert run["took"] == ref["took"][2:] and run["scales"] == ref["scales"][2:]
+            assert run["scaler"] == ref["scaler"]
+            for key, value in run["state"].items():
+                assert_close(value, ref["state"][key], rtol=0, atol=0, msg=key)
+
+
+def _cont(rank, world, port, config, path):
+    """Steps 2-3 after the checkpoint, each micro-step 8 samples (8 / world per rank)."""
+    engine = _engine(rank, world, port, config)
+    load_checkpoint(path, engine.model, engine.optimizer)
+    out = dict(took=[], scales=[])
+    per = 8 // world
+    for step in (2, 3):
+        engine.model.use_side = step % 2 == 0
+        for micro in range(2):
+            xs, cs = dyadic_batch(step * 2 + micro, 8)
+            mine = slice(rank * per, (rank + 1) * per)
+            engine.zero_grad()
+            engine.backward(engine.criterion(engine(xs[mine]), cs[mine]))
+            took = engine.step()
+        out["took"].append(took)
+        out["scales"].append(engine.optimizer.loss_scale)
+    return record_o2_state(engine, out)
+
+
+# -- the Trainer under ZeRO x O2 -------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_deep_trainer_under_zero2_o2_reports_one_process_numbers_and_resumes_bit_identically(
+        tmp_path):
+    """2 epochs of 8 batches of 4 (accumulation 2: 4 steps an epoch): LossHook and
+    LastLossHook are one process's (half forwards: 1e-3), the weights and masters exactly; a
+    job stopped after 3 steps (checkpoint at 2, mid-epoch) and resumed ends bit-identical."""
+    config = _accum_config(2, accumulation=2)
+    ref = run_ranks_cached(trainer_run, 1, _accum_config(0, accumulation=2))[0]
+    whole = run_ranks(trainer_run, 2, config, timeout=60)
+    for run in whole:
+        for split in ("train", "test"):
+            for key, value in ref["metrics"][split].items():
+                assert run["metrics"][split][key] == pytest.approx(value, rel=1e-3), split
+        assert run["last"] == pytest.approx(ref["last"], rel=1e-3)
+        assert_close(run["state"], ref["state"], rtol=0, atol=0)
+        assert_close(run["opt"]["masters"], ref["opt"]["masters"], rtol=0, atol=0)
+    ckpt = str(tmp_path / "ckpt.pt")
+    first = run_ranks(trainer_run, 2, config, ckpt, 3, timeout=60)
+    assert first[0]["step"] == 3
+    second = run_ranks(trainer_run, 2, config, ckpt, None, True, timeout=60)
+    for a, b in zip(whole, second):
+        for key in a["state"]:
+            assert torch.equal(a["state"][key], b["state"][key]), key
+        assert_close(a["opt"], b["opt"], rtol=0, atol=0)
+        assert a["last"] == b["last"]
 
 
 @pytest.mark.parametrize("config, message", [

@@ -12,8 +12,8 @@ Net's runs (test_zero.py, test_zero3.py, test_zero_traffic.py, test_zero_checkpo
     launch_net()       nc.launch, then Net and grouped_adamw through nc.initialize
     zero_config()      the config of a ZeRO run (accumulation, clip, bf16, no overlap)
 
-The dyadic grid, exact under AMP O2 (test_zero_fp16.py, test_zero_composition.py,
-test_zero3_o2_composition.py; zero_o2_runs.py):
+The dyadic grid, exact under AMP O2 (test_zero_fp16.py, test_zero3_o2.py;
+zero_o2_runs.py):
 
     DyadicNet          121 parameters: Linear layers under a linear loss, exact however the
                        batch is split

@@ -1,5 +1,5 @@
 """ZeRO x AMP O2 runs on the dyadic grid (zero_models.py), recorded and compared with one
-process's O2 run: the pieces test_zero_composition.py and test_zero3_o2_composition.py build
+process's O2 run: the pieces test_zero_fp16.py and test_zero3_o2.py build
 their training loops from.
 
     inject_overflow()   the last sample overflows fp16 in one gradient element (one rank's shard)

@@ -1,7 +1,6 @@
 """ZeRO beside pipeline and tensor parallelism: the models, batches and SGD, one process's run
 on them, and the pipeline workers that save and resume -- used by test_zero_checkpoint_files.py,
-test_pipeline.py (a weight two chunks of a stage share), test_zero_composition.py and
-test_zero3_o2_composition.py.
+test_pipeline.py (a weight two chunks of a stage share) and test_zero3_o2.py.
 
     STEPS, GLOBAL             steps of a run; samples per step (over data ranks and micro-batches)
     F64, BF16, AMP_MODES      the tolerances (float64; bf16) and the bf16 AMP configs by O level
