@@ -8,13 +8,15 @@ reach, so the matrix asks for each *pair* at least once; docs/testing.md has the
 for every pair, the test that covers it (many live in the features' own files) or why the pair
 cannot be configured. This file fills the cells nothing else covered.
 
-First the table (TABLE): one row per pair (or triple) of layout and feature -- data, ZeRO 1-3,
-accumulation, the gradient handler, GPipe / 1F1B / interleaved, tensor 1d / 2d / 2.5d / 3d, ring
-and all-to-all sequence parallelism, experts, mixed precision (bf16 O1 / O2), activation
-checkpointing -- each run by one worker on one GPT and compared with one process; a row that
-cannot be configured checks its refusal, and a row with resumes saves mid-run, merges and resumes
-(in its own layout, and merged into another). Below it, the cells a GPT does not reach: unused
-branches, frozen parameters, evaluation, resumes.
+First the table (TABLE): one row per pair (or triple) of layout and feature -- data, ZeRO 1-3
+(offload too), accumulation, the gradient handler, GPipe / 1F1B / interleaved / zero-bubble,
+tensor 1d / 2d / 2.5d / 3d, ring and all-to-all sequence parallelism, experts, mixed precision
+(bf16 and fp16, O1 / O2 / O3), an overflow on one rank, activation checkpointing -- each run by
+one worker on one GPT and compared with one process; a row that cannot be configured checks its
+refusal, and a row with resumes saves mid-run, merges and resumes (in its own layout, and merged
+into another). The model's knobs are config keys in capitals (see _table_gpt, _plant_overflow).
+Below the table, the cells a GPT does not reach: branches, frozen parameters, BatchNorm,
+evaluation, the Trainer's resumes.
 
 Each test turns its features on as users do -- a config dict through nc.launch and nc.initialize
 -- and trains a tiny model for a few optimizer steps with SGD, momentum and weight decay (so a
