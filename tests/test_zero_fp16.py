@@ -1,7 +1,11 @@
 """ZeRO levels 1-2 under AMP O2 (half parameters, fp32 masters of this rank's shard only) on gloo
 ranks track one process running the same O2 on the whole batch: steps taken and skipped, the
 loss scale, parameters and masters; memory per rank is zero/mixed.py's formula; checkpoints are
-one process's O2 state and load into any data size.
+one process's O2 state and load into any data size. Then ZeRO 1-3 x O2 where it meets the loop:
+gradient accumulation with an overflow mid-group on one rank, a clip on 4 ranks with parameters
+straddling shards, a parameter no rank uses and one only rank 0 uses, param groups with a
+LayerNorm kept fp32, a checkpoint of 4 ranks continued on 2 and 1, the Trainer's hooks and
+resume. (ZeRO 3 x O2: test_zero3_o2.py.)
 
 Exact on purpose: parallel Linear layers under a linear loss have gradients x^T c that do not
 depend on the weights; with inputs on a 1/8 grid, c on a 1/4 grid and powers of two for the
