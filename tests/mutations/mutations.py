@@ -59,6 +59,13 @@ MUTATIONS: list[dict] = [
          bug="an inf/NaN found on one rank is not all-reduced: that rank skips the step, the "
              "others take it, and the replicas diverge",
          tests=["tests/test_engine.py::test_gloo_engine_overflow_on_one_rank_skips_on_all"]),
+    dict(id="amp-overflow-agreed-over-data-only", idea="AMP x sequence / pipeline",
+         file="nanocolossal/amp.py",
+         old="            dist.all_reduce(found, op=dist.ReduceOp.MAX)",
+         new="            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=gpc.data_group)",
+         bug="the overflow flag is agreed among the data ranks only: a sequence or pipeline rank "
+             "whose gradients overflowed skips the step while the others of its replica take it",
+         tests=["tests/test_composition.py", "-k", "table and overflow"]),
     dict(id="offload-check-not-unscaled", idea="ZeRO offload", file="nanocolossal/zero/mixed.py",
          old="        found = unscale_grads([v.grad for v, _ in pairs], self.backward_scale)",
          new="        found = unscale_grads([v.grad for v, _ in pairs], 1.0)",
