@@ -179,6 +179,7 @@ TABLE = {  # row: (ranks, config, what a refused row's error says[, resumes]); e
     "non-causal x ring4": (4, {"CAUSAL": False, "parallel": SEQ_RING4}, None),
     # mixed precision (bf16 on CPU) against one process under the same AMP settings
     "O1 x data2 x zero2 x accum2": (2, {**AMP_O1, **_zero(2), **ACCUM2}, None),
+    "O2 fp16 x data2 x zero2 x accum2": (2, {**FP16_O2, **_zero(2), **ACCUM2}, None),
     "O2 x 1f1b x data2": (4, {**AMP_O2, "parallel": PIPE2, **PIPE}, None),
     "O1 x 1f1b x data2 x zero1": (4, {**AMP_O1, "parallel": PIPE2, **PIPE, **_zero(1)}, None),
     "O2 x 1f1b x data2 x zero2": (4, {**AMP_O2, "parallel": PIPE2, **PIPE, **_zero(2)}, None),
@@ -1160,10 +1161,11 @@ def _report(model, expected, norms, rank, losses=None, start=None):
             continue
         diff = (value - want).abs().max().item()
         diffs[key] = diff / (1 + want.abs().max().item())
-        if start is not None:
+        if start is not None and value.is_floating_point():
             moved = (want - slice_of(start[key], layout[key]).to(want.dtype)).abs().max().item()
-            ulp = torch.finfo(value.dtype).eps * want.abs().max().item()  # (1 of the weights)
-            moves[key] = diff / (moved + ulp)
+            # a floor of 4 units in the last place: a step one process rounds to nothing
+            ulps = 4 * torch.finfo(value.dtype).eps * want.abs().max().item()
+            moves[key] = diff / (moved + ulps) if diff else 0.0
     return {"diffs": diffs, "moves": moves, "norms": norms, "rank": rank, "losses": losses}
 
 
