@@ -292,6 +292,7 @@ def test_gloo_composition_table_row_trains_as_one_process(row, tmp_path):
                         start, timeout=150)
     rel, moved = _tolerance(config)
     _check(results, final, norms, row, rel, losses, record, moved)
+    _check_tied_copies(results, row)
     if "UNUSED" in config:  # one process leaves `never` where it started; so does every rank
         assert torch.equal(final["1.never"], _table_gpt({"UNUSED": True})[1].never.detach())
         assert all(r["diffs"].get("1.never", 0.0) == 0.0 for r in results), "never moved"
@@ -1166,7 +1167,23 @@ def _report(model, expected, norms, rank, losses=None, start=None):
             # a floor of 4 units in the last place: a step one process rounds to nothing
             ulps = 4 * torch.finfo(value.dtype).eps * want.abs().max().item()
             moves[key] = diff / (moved + ulps) if diff else 0.0
-    return {"diffs": diffs, "moves": moves, "norms": norms, "rank": rank, "losses": losses}
+    tied = {k: v for k, v in strip_prefixes(_layout_state(model)).items() if k in TIED_TABLE}
+    return {"diffs": diffs, "moves": moves, "norms": norms, "rank": rank, "losses": losses,
+            "tied": tied, "tensor_rank": gpc.tensor_rank}
+
+
+TIED_TABLE = ("0.tok.weight", "3.classifier.weight")  # one table: the embedding = the classifier
+
+
+def _check_tied_copies(results, what):
+    """The tied table stays one table: every copy of it (on the first and the last stage, on
+    every data or sequence rank) is the same to the bit at each tensor coordinate."""
+    first = {}
+    for r in results:
+        for key, value in r["tied"].items():
+            rank, key0, value0 = first.setdefault(r["tensor_rank"], (r["rank"], key, value))
+            assert torch.equal(value, value0), \
+                f"{what}: rank {r['rank']}'s {key} drifted from rank {rank}'s {key0}"
 
 
 def _check(results, expected, norms, what, rel=1e-9, losses=None, record=None, moved=None):

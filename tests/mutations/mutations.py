@@ -196,7 +196,8 @@ MUTATIONS: list[dict] = [
          new="        pass  # (the all-reduce over the stages holding the weight, dropped)",
          bug="a weight two stages share (the embedding tied to the classifier) steps with each "
              "stage's own gradient: the copies drift apart",
-         tests=["tests/test_train_gpt.py", "-k", "tied_embedding_stays_one_table"]),
+         tests=["tests/test_composition.py", "tests/test_train_gpt.py", "-k",
+                "table and 1f1b or tied_embedding_stays_one_table"]),
     # -- tensor parallelism ---------------------------------------------------------------------
     dict(id="tensor-1d-copy-to-no-reduce", idea="tensor 1d", file="nanocolossal/tensor/comm.py",
          old="        return _all_reduce(grad, ctx.group), None\n\n\nclass _ReduceFrom",
