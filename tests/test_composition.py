@@ -275,10 +275,12 @@ def _refused_worker(rank, world_size, port, config):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("row", TABLE)
 def test_gloo_composition_table_row_trains_as_one_process(row, tmp_path):
-    """The GPT (tied embedding, float64, SGD with momentum, clipped) under the row's features
-    takes one process's steps on the whole batch: parameters, clipped norms and losses after
-    each of 3 steps. A row that cannot be configured is refused on every rank, saying why; a
-    row with resumes saves after step 2 and resumes as its resumes say."""
+    """The GPT (tied embedding, float64 -- or fp32 under AMP --, SGD with momentum, clipped)
+    under the row's features takes one process's steps on the whole batch: parameters (under
+    AMP their updates too), clipped norms and losses after each of 3 steps, steps taken and
+    loss scales; the tied table's copies stay equal. A row that cannot be configured is refused
+    on every rank, saying why; a row with resumes saves after step 2 and resumes as its
+    resumes say."""
     world, config, refused, *resumes = TABLE[row]
     config = {**config, "clip_grad_norm": HALF_CLIP if "fp16" in config else CLIP}
     if refused:
@@ -1195,6 +1197,7 @@ def _check(results, expected, norms, what, rel=1e-9, losses=None, record=None, m
         if record is not None:
             assert (r["took"], r["scales"]) == (record["took"], record["scales"]), \
                 f"{what} rank {r['rank']}: steps taken, loss scales {r['took']} {r['scales']}"
+            # (a skipped step's norm may be None)
             r["norms"], norms = [n or 0.0 for n in r["norms"]], [n or 0.0 for n in norms]
         if losses is not None and r.get("losses") is not None:
             assert r["losses"] == pytest.approx(losses, rel=rel), \
