@@ -2,7 +2,9 @@
 
 A worker returns a record of its run -- steps taken (`took`), loss scales, losses, gradient
 norms, and its final `state` (parameters, optimizer state) -- and `compare_runs` checks every
-rank's record against one process's: the composition tests' notion of "the same training".
+rank's record against one process's: the composition tests' notion of "the same training";
+`assert_bit_identical` checks two runs of one layout (a resumed one and one that never stopped)
+against each other.
 """
 import torch
 from dist_helpers import run_ranks
@@ -52,6 +54,20 @@ def compare_runs(ref: dict, runs: list, rtol: float = 1e-10, atol: float = 1e-10
         for key, value in run["state"].items():
             assert_close(value, ref["state"][key], rtol=rtol, atol=atol,
                          msg=lambda m, key=key: f"{key}: {m}")
+
+
+def assert_bit_identical(runs: list, others: list) -> None:
+    """Every rank's record of one run = the other run's to the bit: the state and, where
+    recorded, the optimizer state and the last loss (a resumed job against one that never
+    stopped)."""
+    for a, b in zip(runs, others, strict=True):
+        assert a["state"].keys() == b["state"].keys()
+        for key in a["state"]:
+            assert torch.equal(a["state"][key], b["state"][key]), key
+        if "opt" in a:
+            assert_close(a["opt"], b["opt"], rtol=0, atol=0)
+        if "last" in a:
+            assert a["last"] == b["last"]
 
 
 def one_and_layout(train, config: dict, world: int, parallel: dict, *args, timeout: float = 60):

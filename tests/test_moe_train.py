@@ -33,7 +33,7 @@ from moe_runs import (
     moe_optimizer,
     save_and_load_back,
 )
-from run_records import compare_runs, record_steps
+from run_records import assert_bit_identical, compare_runs, record_steps
 from torch import nn
 from torch.testing import assert_close
 
@@ -383,11 +383,7 @@ def test_deep_trainer_resume_under_moe_is_bit_identical(tmp_path):
     assert first[0]["step"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-expert0.pt", "ckpt-expert1.pt"]
     second = run_ranks(_trainer_run, 4, config, 2, ckpt, None, True, timeout=30)
-    for a, b in zip(whole, second):
-        assert a["state"].keys() == b["state"].keys()
-        for key in a["state"]:
-            assert torch.equal(a["state"][key], b["state"][key]), key
-        assert a["last"] == b["last"]
+    assert_bit_identical(whole, second)
 
 
 def _uneven_eval(rank, world, port, n_test):

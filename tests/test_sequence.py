@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 from dist_helpers import ROOT, launch_rank, run_ranks
-from run_records import compare_runs
+from run_records import assert_bit_identical, compare_runs
 from sequence_runs import (
     build_gpt,
     compare_states,
@@ -239,11 +239,7 @@ def test_deep_trainer_resume_under_pipeline_x_sequence_is_bit_identical(tmp_path
     first = run_ranks(_trainer_run, 4, config, 2, ckpt, 3, timeout=60)
     assert first[0]["step"] == 3
     second = run_ranks(_trainer_run, 4, config, 2, ckpt, None, True, timeout=60)
-    for a, b in zip(whole, second):
-        assert a["state"].keys() == b["state"].keys()
-        for key in a["state"]:
-            assert torch.equal(a["state"][key], b["state"][key]), key
-        assert a["last"] == b["last"]
+    assert_bit_identical(whole, second)
 
 
 # -- checkpoints across layouts, through the tutorial's five-call loop -------------------------

@@ -17,6 +17,7 @@ import pytest
 import torch
 from dist_helpers import ROOT, run_ranks, run_ranks_cached
 from models import tensor_model
+from run_records import assert_bit_identical
 from torch import nn
 from torch.testing import assert_close
 from zero_models import LinearLoss, dyadic_batch, grouped_adamw
@@ -245,10 +246,7 @@ def test_deep_trainer_under_zero3_o2_resumes_bit_identically(tmp_path):
     ckpt = str(tmp_path / "ckpt.pt")
     assert run_ranks(trainer_run, 2, config, ckpt, 3, timeout=60)[0]["step"] == 3
     second = run_ranks(trainer_run, 2, config, ckpt, None, True, timeout=60)
-    for a, b in zip(whole, second):
-        for key in a["state"]:
-            assert torch.equal(a["state"][key], b["state"][key]), key
-        assert_close(a["opt"], b["opt"], rtol=0, atol=0)
+    assert_bit_identical(whole, second)
 
 
 # -- ZeRO 3 x O2 x tensor 2d: the parameters' dtypes are one process's O2 dtypes ---------------

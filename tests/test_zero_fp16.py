@@ -14,6 +14,7 @@ so any difference is ZeRO's, not rounding's."""
 import pytest
 import torch
 from dist_helpers import run_ranks, run_ranks_cached
+from run_records import assert_bit_identical
 from torch import nn
 from torch.testing import assert_close
 from zero_models import DyadicNet, LinearLoss, PartNet, dyadic_batch, grouped_adamw
@@ -388,11 +389,7 @@ def test_deep_trainer_under_zero2_o2_reports_one_process_numbers_and_resumes_bit
     first = run_ranks(trainer_run, 2, config, ckpt, 3, timeout=60)
     assert first[0]["step"] == 3
     second = run_ranks(trainer_run, 2, config, ckpt, None, True, timeout=60)
-    for a, b in zip(whole, second):
-        for key in a["state"]:
-            assert torch.equal(a["state"][key], b["state"][key]), key
-        assert_close(a["opt"], b["opt"], rtol=0, atol=0)
-        assert a["last"] == b["last"]
+    assert_bit_identical(whole, second)
 
 
 @pytest.mark.parametrize("config, message", [
