@@ -309,7 +309,7 @@ def _check_resumes(row, world, config, path, resumes):
     """The checkpoint saved after step SAVE_AT, merged, is one process after SAVE_AT steps;
     each resume then takes one process's remaining steps (float64 rows)."""
     assert "fp16" not in config and "NUM_EXPERTS" not in config, "a float64 row"
-    states, norms = _layout_one_process(_gpt, _tokens)
+    states, norms = _layout_one_process(_table_gpt, _tokens)
     merged = _check_merged(path, states[SAVE_AT - 1])
     for resume in resumes:
         if resume == "same":  # load_checkpoint: this layout's files, optimizer state too
@@ -319,7 +319,7 @@ def _check_resumes(row, world, config, path, resumes):
             continue
         other_world, other, refused = resume  # the merged model, a fresh optimizer
         other = {**other, "clip_grad_norm": CLIP}
-        fresh_states, fresh_norms = _layout_one_process(_gpt, _tokens, fresh_opt_at=SAVE_AT)
+        fresh_states, fresh_norms = _layout_one_process(_table_gpt, _tokens, fresh_opt_at=SAVE_AT)
         moved = run_ranks(_gpt_worker, other_world, other, SAVE_AT, STEPS, None, "plain", merged,
                           fresh_states[-1], timeout=120)
         _check(moved, fresh_states[-1], fresh_norms[SAVE_AT:], f"{row} -> {other['parallel']}",
@@ -1022,10 +1022,6 @@ def _layout_sgd(params, lr=0.1):
     return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-2)
 
 
-def _gpt():
-    return _table_gpt({})
-
-
 def _tokens(step):
     g = torch.Generator().manual_seed(5000 + step)
     t = torch.randint(0, VOCAB, (GLOBAL, SEQ + 1), generator=g)
@@ -1071,12 +1067,13 @@ def _splits(engine):
     return tensor_splits_of(engine.model)
 
 
-def _table_gpt(config):
+def _table_gpt(config=None):
     """The table's GPT as the row's capitals ask (the way train_gpt.py reads NUM_EXPERTS):
     ATTENTION 'fused' or 'explicit', CAUSAL=False (every token sees the whole sequence),
     UNUSED (the first block holds a parameter `never` no forward uses: its grad stays None, so
     neither weight decay nor momentum may move it), ROUTER_ZERO (every router starts uniform:
     top-1 sends every token to expert 0)."""
+    config = config or {}
     torch.manual_seed(0)
     model = gpt(vocab=VOCAB, seq_len=SEQ, dim=DIM, depth=2, heads=2, mlp_ratio=2,
                 moe=moe_model_settings(config), attention=config.get("ATTENTION", "fused"))
@@ -1097,7 +1094,8 @@ def _plant_overflow(engine, config, step, micro_step):
     at, rank, name = config.get("OVERFLOW", (None, None, None))
     if (step, micro_step) != (at, 0) or gpc.rank != (rank if gpc.world_size > 1 else 0):
         return None
-    param = next(p for n, p in engine.model.named_parameters() if name in n)
+    param = next((p for n, p in engine.model.named_parameters() if name in n), None)
+    assert param is not None, f"OVERFLOW: rank {gpc.rank} holds no parameter named *{name}*"
     return param.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
 
 
@@ -1223,7 +1221,7 @@ def _check_merged(path, expected):
 def _refused_load_worker(rank, world_size, port, config, path):
     """load_checkpoint of another layout's files: a ConfigError naming the way through."""
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=60)
-    model = _gpt()
+    model = _table_gpt()
     if gpc.pipeline_size > 1:
         model = build_pipeline_model(model, num_chunks=config.get("NUM_CHUNKS", 1),
                                      partition="uniform")
@@ -1377,7 +1375,7 @@ def _frozen_gpt_worker(rank, world_size, port, config, names, when, expected, pa
                        trainable_only=False):
     """`when`: freeze `names` before build_pipeline_model or after it (on the stage)."""
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=60)
-    model = _gpt()
+    model = _table_gpt()
     if when == "before":
         _freeze(model, names)
     if gpc.pipeline_size > 1:
@@ -1406,7 +1404,7 @@ def _frozen_gpt_worker(rank, world_size, port, config, names, when, expected, pa
 
 def _frozen_gpt_one_process(names, clip=CLIP):
     def make():
-        model = _gpt()
+        model = _table_gpt()
         _freeze(model, names)
         return model
     return _layout_one_process(make, _tokens, clip=clip)
@@ -1688,7 +1686,7 @@ def test_gloo_gpt_sequence_x_pipeline_x_zero_checkpoint_loads_into_data_ranks_an
     weights are whole on every sequence rank): load_checkpoint (optimizer state too) from one
     into the other ends where one process does after 3 steps (momentum restored)."""
     saved, saved_world, loaded, loaded_world = SAME_FILES[case]
-    states, norms = _layout_one_process(_gpt, _tokens)
+    states, norms = _layout_one_process(_table_gpt, _tokens)
     path = str(tmp_path / "ckpt.pt")
     run_ranks(_gpt_worker, saved_world, saved, 0, SAVE_AT, path, None, None, states[SAVE_AT - 1],
               timeout=120)
