@@ -59,11 +59,41 @@ __all__ = ["ROOT", "SCRIPTS", "BackgroundCmd", "free_port", "kill_tree", "one_pr
            "run_ranks", "run_ranks_cached", "run_script", "start_server", "torchrun_fail_at"]
 
 
+def _ephemeral_low() -> int:
+    """The first port the OS hands out to outgoing connections and bind(port 0)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; macOS starts at 49152, so this stays below it too
+
+
+_PORTS_FROM = 15000
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_NEXT_PORT = iter(range(int.from_bytes(os.urandom(2), "little"), 1 << 30))
+
+
 def free_port() -> int:
-    """A port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on right now, for a job's rank-0 store.
+
+    Not bind(port 0): that port lies in the OS's ephemeral range, which it also hands to every
+    outgoing connection (gloo's pairs, a store client), so a busy test run can take it in the
+    moment between this check and the store's bind (EADDRINUSE). Below that range only an explicit
+    bind takes a port, and each pytest-xdist worker draws from its own residue class."""
+    span = (_ephemeral_low() - _PORTS_FROM) // _WORKERS * _WORKERS
+    if span < 100 * _WORKERS:  # an unusual ephemeral range: let the OS pick after all
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for _ in range(200):
+        port = _PORTS_FROM + (_WORKER + _WORKERS * next(_NEXT_PORT)) % span
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {_PORTS_FROM}..{_PORTS_FROM + span}")
 
 
 class _PortTaken(AssertionError):

@@ -61,3 +61,15 @@ def test_deep_a_port_taken_before_the_ranks_bind_it_is_retried_on_another(monkey
         assert dist_helpers.run_ranks(_rank_of_a_job, 2, timeout=30, grace=1.0) == [0, 1]
     finally:
         taken.close()
+
+
+def test_free_ports_lie_below_the_range_the_os_lends_to_outgoing_connections():
+    """An outgoing connection (a gloo pair of another test's ranks) can take any port of the OS's
+    ephemeral range at any moment; a port below it is taken only by an explicit bind. Each
+    pytest-xdist worker draws from its own residue class, so two workers never pick the same."""
+    import dist_helpers
+    ports = [free_port() for _ in range(50)]
+    assert all(dist_helpers._PORTS_FROM <= p < dist_helpers._ephemeral_low() for p in ports)
+    assert {p % dist_helpers._WORKERS for p in ports} == {
+        (dist_helpers._PORTS_FROM + dist_helpers._WORKER) % dist_helpers._WORKERS}
+    assert len(set(ports)) == len(ports)
