@@ -269,8 +269,9 @@ def test_profile_partition_sees_compute_that_parameters_miss(two_stages):
 
 
 def test_profiling_leaves_the_model_and_the_rng_as_seeded(two_stages):
-    """Profiling once ran forward/backward on the real layers: BatchNorm statistics moved, the
-    RNG advanced on rank 0 only (dropout), so stage 0 no longer started from the seeded model."""
+    """Profiling times forward/backward of each layer, which moves BatchNorm statistics and
+    advances the RNG (dropout) -- on rank 0 only. Both must be as seeded afterwards, or stage 0
+    starts from another model than one process."""
     two_stages(0)
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 8))
