@@ -129,8 +129,8 @@ class Progress:
                 f"[rank {gpc.rank}] checkpoint requested in the middle of a gradient accumulation "
                 f"group (batch {self.batch_in_epoch} of epoch {self.epoch + 1}); its gradients "
                 f"cannot be saved, so the resumed run would differ. Save after an optimizer step "
-                f"(engine.accumulating is False), e.g. give the loader a length so that every "
-                f"epoch ends with a step")
+                f"(engine.accumulating is False); a loop of your own can end each epoch with "
+                f"one by calling engine.close_group() before its last batch, as the Trainer does")
         epoch, in_epoch = (self.epoch + 1, 0) if epoch_end else (self.epoch, self.batch_in_epoch)
         # the hooks' state matters in the middle of an epoch only
         extra = {"hooks": hooks} if hooks and in_epoch else {}

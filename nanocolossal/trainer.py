@@ -10,7 +10,8 @@
 Each training iteration is zero_grad -> engine.execute_schedule(batch) (forward, loss,
 backward) -> engine.step(). The sampler's epoch is set before every epoch, so shuffling
 differs between epochs and agrees between ranks. `max_steps` counts optimizer steps (with
-gradient_accumulation=N a step is N batches) and ends training early, after that step, still
+gradient_accumulation=N a step is N batches, and every epoch ends with one, its last group
+shorter where N does not divide the epoch) and ends training early, after that step, still
 running the after_train_epoch / after_train hooks. `resume(path)`
 loads a SaveCheckpointHook checkpoint and continues where it was taken, mid-epoch if need be:
 the loop's position is a Progress (progress.py), the same one the scripts' own loops use.
@@ -135,15 +136,13 @@ class Trainer:
                 hook.load_state_dict(self.progress.hook_states[type(hook).__name__])
         self.progress.hook_states = {}
         self.timer.start("train-epoch")
-        bar = self._bar(self._read_groups_ahead(self.progress.batches(loader), loader),
+        bar = self._bar(self._read_groups_ahead(self.progress.batches(loader)),
                         f"epoch {self.cur_epoch + 1}/{epochs}", show,
                         self.progress.remaining(loader))
         stopped = False
         for batch in bar:
             self._call("before_train_iter")
             self.timer.start("train-step")
-            if self.progress.is_last_batch(loader):  # every epoch ends with an optimizer step
-                self.engine.close_group()
             self.engine.zero_grad()
             output, label, loss = self._execute(batch, forward_only=False)
             self.last_step_taken = self.engine.step()
@@ -163,21 +162,25 @@ class Trainer:
         self._call("after_train_epoch")
         return stopped
 
-    def _read_groups_ahead(self, batches: Iterable, loader: Iterable) -> Iterator:
+    def _read_groups_ahead(self, batches: Iterable) -> Iterator:
         """Gradient accumulation: read each group's batches before its first backward, so the
         engine counts their targets first and every micro-step's mean weighs its share of them
-        (loss_weights.py). A group carried over from the last epoch (a loader without a length
-        ends an epoch mid-group) runs as it is, weighing 1 / N."""
+        (loss_weights.py). Reading ahead also shows the epoch's last group, with or without a
+        loader length: it comes up short of N batches, and its last one closes it, so every
+        epoch ends with an optimizer step (a short group weighs k / N of its counted mean, as k
+        micro-steps of `loss / N` would in plain torch)."""
         n, batches = self.engine.gradient_accumulation, iter(batches)
         for batch in batches:
             if n == 1 or self.engine.accumulating:
                 yield batch
                 continue
             group = [batch, *itertools.islice(batches, n - 1)]
-            labelled = all(isinstance(b, (list, tuple)) and len(b) > 1 for b in group)
-            if labelled and (len(group) == n or hasattr(loader, "__len__")):  # the group ends here
+            if all(isinstance(b, (list, tuple)) and len(b) > 1 for b in group):  # labelled
                 self.engine.count_targets([b[1] for b in group])
-            yield from group
+            yield from group[:-1]
+            if len(group) < n:
+                self.engine.close_group()
+            yield group[-1]
 
     @torch.no_grad()
     def _test_epoch(self, loader: Iterable, show: bool) -> None:

@@ -221,7 +221,7 @@ def test_log_memory_hook_reports_peak_rss_on_cpu(capsys):
 # The Trainer's read-ahead of accumulation groups (Trainer._read_groups_ahead ->
 # engine.count_targets) and the counted-target weights (loss_weights.py) where they meet
 # max_steps, SaveCheckpointHook, Trainer.resume, epochs whose batch count the group size does not
-# divide, a loader without __len__ whose epochs end mid-group, DataLoader workers, the LR hook by
+# divide (with and without __len__: each epoch ends with a step), DataLoader workers, the LR hook by
 # iteration, sequence parallelism's SequenceSplitLoader, 2d tensor parallelism x data with class
 # weights, a pipeline with TENSOR_SHAPE, and fp16 dynamic loss scaling with an injected overflow
 # under a pipeline whose micro-batches hold uneven padding.
@@ -283,7 +283,7 @@ def _criterion(dtype=torch.float64):
     return nn.CrossEntropyLoss(ignore_index=-1, weight=CW.to(dtype))
 
 
-ROWS = 20  # 5 batches of 4 (global) an epoch: with N = 2 or 3 the epoch ends mid-group
+ROWS = 20  # 5 batches of 4 (global) an epoch: with N = 2 or 3 its last group is short
 
 
 def _rows():
@@ -340,51 +340,21 @@ class Stream:
             yield x[self.rank::self.size], y[self.rank::self.size]
 
 
-def _reference(epochs, N, sized, max_steps=None, naive=False, model=None, crit=None,
-               batches=_global_batches, lr=LR, clip=CLIP, test=False):
+def _reference(epochs, N, naive=False, model=None, crit=None, batches=_global_batches, lr=LR,
+               clip=CLIP, test=False):
     """One process on the whole batch, in plain torch, following the Trainer's documented
-    grouping: a sized loader's epoch ends with a step (its short last group weighs k / N of its
-    counted mean); without a length a group the epoch cuts is carried over, uncounted (each of
-    its micro-steps weighs its own mean / N), and the run's last unfinished group never steps.
+    grouping: groups of N batches from each epoch's start, and every epoch ends with a step (its
+    short last group of k weighs k / N of its counted mean), with or without a loader length.
     `naive`: each micro-step weighs its own mean / N (what the counts fix)."""
     model = _mlp() if model is None else model
     crit = _criterion() if crit is None else crit
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     sched = _sched(opt)
-    steps, carried, epoch_losses, lrs, tests = 0, 0, [], [], []
-
-    def step():
-        nonlocal steps
-        if clip:
-            nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        steps += 1
-        lrs.append(opt.param_groups[0]["lr"])
-        return max_steps is not None and steps >= max_steps
-
-    def uncounted(b, losses):
-        loss = crit(model(b[0]), b[1])
-        assert torch.isfinite(loss), "a micro-step of nothing but padding, uncounted"
-        losses.append((loss.item(), len(b[1])))
-        (loss / N).backward()
-
+    steps, epoch_losses, lrs, tests = 0, [], [], []
     for epoch in range(epochs):
-        todo, losses, stop = list(batches(epoch)), [], False
-        while todo and not stop:
-            if carried:  # the rest of last epoch's group, uncounted
-                uncounted(todo.pop(0), losses)
-                carried += 1
-                if carried == N:
-                    carried, stop = 0, step()
-                continue
+        todo, losses = list(batches(epoch)), []
+        while todo:
             group, todo = todo[:N], todo[N:]
-            if len(group) < N and not sized:
-                for b in group:
-                    uncounted(b, losses)
-                carried = len(group)
-                break
             with torch.no_grad():
                 losses += [(crit(model(x), y).item(), len(y)) for x, y in group]
             if naive:
@@ -395,11 +365,15 @@ def _reference(epochs, N, sized, max_steps=None, naive=False, model=None, crit=N
                 loss = crit(model(x), y)
                 assert torch.isfinite(loss)
                 (loss * len(group) / N).backward()
-            stop = step()
+            if clip:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            steps += 1
+            lrs.append(opt.param_groups[0]["lr"])
         epoch_losses.append(sum(v * n for v, n in losses) / sum(n for _, n in losses))
         tests.append(_test_loss(model, crit) if test else None)
-        if stop:
-            break
     return (_state(model), epoch_losses, lrs, steps) + ((tests,) if test else ())
 
 
@@ -419,7 +393,7 @@ def _cls_worker(rank, world, port, config, how):
     else:
         train = Stream(gpc.data_rank, gpc.data_size)
     test = None
-    if how.get("test"):  # evaluated after every epoch: with a stream, in the middle of a group
+    if how.get("test"):  # evaluated after every epoch
         tx, ty = _test_rows()
         test = nc.get_dataloader(torch.utils.data.TensorDataset(tx, ty), batch_size=2, pad=False)
     engine, train, test, _ = nc.initialize(model, opt, _criterion(), train, test, verbose=False)
@@ -427,10 +401,10 @@ def _cls_worker(rank, world, port, config, how):
     if how.get("resume"):
         assert trainer.resume(how["path"], sched)
     record = EpochLosses()
-    # a sized loader also saves at every epoch's end; a stream only where it stops (its epochs
-    # may end mid-group, where nothing can be saved)
-    save = hooks.SaveCheckpointHook(how["path"], interval=1 if how["sized"] else 1000,
-                                    lr_scheduler=sched, every_steps=how.get("every_steps"))
+    # saved at every epoch's end (each ends with a step, with or without a loader length) and
+    # every 2 steps
+    save = hooks.SaveCheckpointHook(how["path"], interval=1, lr_scheduler=sched,
+                                    every_steps=how.get("every_steps"))
     # the pooled ranks are daemonic processes, which may not start DataLoader workers: lift that
     # for this job (the workers end with each epoch's iterator), as test_sequence.py does
     import multiprocessing
@@ -462,11 +436,11 @@ CLS_CASES = {  # name: (world, config, N, sized, num_workers, epochs, stop at)
                                 3, True, 0, 2, 1),
     "data2 N=2 stream": (2, {}, 2, False, 0, 3, 4),
     "data2 N=3 stream": (2, {}, 3, False, 0, 3, 3),
-    # stopped by the step that ends the group carried over from epoch 1 (batch 1 of epoch 2)
-    "data2 N=2 stream, stop after a carried group": (2, {}, 2, False, 0, 3, 3),
-    # stopped by the step that ends epoch 3 exactly: resumed, epoch 3 has nothing left
-    "data2 N=3 stream, stop at an epoch's end": (2, {}, 3, False, 0, 4, 5),
-    # evaluated after every epoch, in the middle of the carried group
+    # stopped by the step that closes epoch 1's short last group (its 5th batch alone)
+    "data2 N=2 stream, stop at a short last group": (2, {}, 2, False, 0, 3, 3),
+    # stopped by the step that ends epoch 2 exactly: resumed, epoch 2 has nothing left
+    "data2 N=3 stream, stop at an epoch's end": (2, {}, 3, False, 0, 4, 4),
+    # evaluated after every epoch, right after the step that closes its short last group
     "data2 N=2 stream, test set": (2, {}, 2, False, 0, 3, 4),
     "zero2 data2 N=2 stream, test set": (2, ZERO2, 2, False, 0, 3, 4),
     "zero3 data2 N=3 stream, test set": (2, {"zero": {"level": 3}}, 3, False, 0, 3, 3),
@@ -483,9 +457,8 @@ def test_deep_readahead_x_max_steps_x_checkpoint_x_resume_equals_one_process(nam
     world, extra, N, sized, workers, epochs, stop = CLS_CASES[name]
     config = dict(extra, gradient_accumulation=N, clip_grad_norm=CLIP)
     test = "test set" in name
-    ref_state, ref_losses, ref_lrs, ref_steps, *ref_tests = _reference(epochs, N, sized,
-                                                                       test=test)
-    naive_state = _reference(epochs, N, sized, naive=True)[0]
+    ref_state, ref_losses, ref_lrs, ref_steps, *ref_tests = _reference(epochs, N, test=test)
+    naive_state = _reference(epochs, N, naive=True)[0]
     assert max(_max_rel(v, ref_state[k]) for k, v in naive_state.items()) > 1e-4, "no teeth"
     how = dict(sized=sized, num_workers=workers, epochs=epochs, every_steps=2, test=test)
     whole = run_ranks(_cls_worker, world, config, dict(how, path=str(tmp_path / "a")),
@@ -613,12 +586,12 @@ def _check_gpt(runs, ref, what, whole=None):
 def test_deep_sequence_split_loader_x_stream_x_readahead_x_resume_equals_one_process(tmp_path):
     """sequence 2 x data 2, a loader without __len__ (initialize wraps it in a
     SequenceSplitLoader), trailing padding uneven over rows, ranks, zig-zag chunks and
-    micro-steps; N = 2 over 5 batches an epoch, 3 epochs (groups carried between epochs
-    uncounted, the last one left unfinished); stopped by max_steps at 4, resumed."""
+    micro-steps; N = 2 over 5 batches an epoch, 3 epochs (each ending with a group of one);
+    stopped by max_steps at 4, resumed."""
     config = dict(parallel=dict(tensor=dict(size=2, mode="sequence")), gradient_accumulation=2,
                   clip_grad_norm=CLIP)
-    ref = _reference(3, 2, False, model=_gpt(), crit=_lm_criterion(False), batches=_token_batches)
-    naive = _reference(3, 2, False, model=_gpt(), crit=_lm_criterion(False),
+    ref = _reference(3, 2, model=_gpt(), crit=_lm_criterion(False), batches=_token_batches)
+    naive = _reference(3, 2, model=_gpt(), crit=_lm_criterion(False),
                        batches=_token_batches, naive=True)[0]
     assert max(_max_rel(v, ref[0][k]) for k, v in naive.items()) > 1e-4, "no teeth"
     how = dict(sized=False, weighted=False, epochs=3)
@@ -639,9 +612,9 @@ def test_deep_2d_class_weights_x_readahead_equals_one_process(tmp_path):
     group of one), 1 epoch."""
     config = dict(parallel=dict(tensor=dict(size=4, mode="2d")), gradient_accumulation=2,
                   clip_grad_norm=CLIP)
-    ref = _reference(1, 2, True, model=_gpt(), crit=_lm_criterion(True),
+    ref = _reference(1, 2, model=_gpt(), crit=_lm_criterion(True),
                      batches=_sized_token_batches)
-    naive = _reference(1, 2, True, model=_gpt(), crit=_lm_criterion(True),
+    naive = _reference(1, 2, model=_gpt(), crit=_lm_criterion(True),
                        batches=_sized_token_batches, naive=True)[0]
     assert max(_max_rel(v, ref[0][k]) for k, v in naive.items()) > 1e-4, "no teeth"
     runs = run_ranks(_gpt_worker, 4, config, dict(sized=True, weighted=True, epochs=1,
@@ -691,7 +664,7 @@ def test_deep_pipeline_x_tensor_shape_x_trainer_resume_with_padding_equals_one_p
     config = dict(parallel=dict(pipeline=2), NUM_MICRO_BATCHES=2, TENSOR_SHAPE=[2, 16],
                   clip_grad_norm=CLIP)
     ref_state, ref_losses, ref_lrs, ref_steps = _reference(
-        2, 1, True, model=_mlp(torch.float32), crit=_criterion(torch.float32),
+        2, 1, model=_mlp(torch.float32), crit=_criterion(torch.float32),
         batches=lambda e: [(x.float(), y) for x, y in _global_batches(e, 8)])
     whole = run_ranks(_pipe_worker, 4, config, dict(epochs=2, path=str(tmp_path / "a")),
                       timeout=90)

@@ -17,8 +17,9 @@ on a group's first call and step only on its N-th (the Trainer's per-iteration L
 then too). The result is one step on N times the batch. `engine.accumulating` says a group is half
 done (its gradients live only in memory: the Trainer stops and checkpoints only between groups),
 and `engine.close_group()` makes the next backward the last of its group -- the Trainer calls it
-before an epoch's last batch, so every epoch ends with a step, whatever its length (a shorter last
-group still divides by N, as Hugging Face Accelerate does). zero_grad after a whole group that
+before an epoch's last batch (reading each group ahead, it sees the last one come up short, with or
+without a loader length), so every epoch ends with a step (a shorter last group still divides by
+N, as Hugging Face Accelerate does). zero_grad after a whole group that
 took no step drops it, as torch's does; a step after a `loss.backward()` that went past the engine
 is an error.
 

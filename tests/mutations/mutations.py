@@ -442,11 +442,11 @@ MUTATIONS: list[dict] = [
              "trained on twice",
          tests=["tests/test_trainer.py", "-k", "resumes_bit_identically"]),
     dict(id="trainer-epoch-end-group", idea="trainer x accumulation",
-         file="nanocolossal/progress.py",
-         old='return hasattr(loader, "__len__") and self.batch_in_epoch == len(loader) - 1',
-         new='return hasattr(loader, "__len__") and self.batch_in_epoch == len(loader)',
-         bug="the epoch's last batch is not recognised (off by one), so an accumulation group "
-             "that the epoch cuts short carries over into the next epoch",
+         file="nanocolossal/trainer.py",
+         old="            if len(group) < n:\n",
+         new="            if len(group) < n - 1:\n",
+         bug="an epoch's last group one batch short of N is not closed (off by one), so it "
+             "carries over into the next epoch",
          tests=["tests/test_trainer.py", "tests/test_composition.py", "-k",
-                "trainer_x_accumulation_x_syncbn or resumes_bit_identically"]),
+                "trainer_x_accumulation_x_syncbn or resumes_bit_identically or readahead"]),
 ]
