@@ -259,6 +259,28 @@ def test_initialize_without_launch_is_plain_single_process():
     assert engine.step() is True
 
 
+BAD_BATCHES = {  # a batch that is not (inputs, labels), and what the error says
+    "a tensor of two rows": (torch.randn(2, 6), r"got a tensor of shape \(2, 6\)"),
+    "a triple": ((torch.randn(4, 6), torch.zeros(4), torch.zeros(4)), "got a tuple of 3"),
+    "a dict": ({"x": torch.randn(4, 6)}, "got a dict"),
+    "no labels": ((torch.randn(4, 6), None), "labels are None"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_BATCHES)
+def test_a_batch_that_is_not_inputs_and_labels_is_refused_before_it_runs(name):
+    """A tensor of two rows unpacks into (inputs, labels) without a word: row 0 trained to predict
+    row 1. The engine refuses every batch that is not a pair, naming the rank."""
+    model = _model()
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               nn.CrossEntropyLoss(), verbose=False)
+    batch, message = BAD_BATCHES[name]
+    with pytest.raises(TypeError, match=r"\[rank 0\] .*" + message):
+        engine.execute_schedule(batch)
+    assert all(p.grad is None for p in model.parameters())
+    engine.execute_schedule(_batch(0, 4), forward_only=True)  # a pair: fine
+
+
 @pytest.mark.parametrize("fp16, cpu_half, level, compute, weights, scale", [
     ({"mode": AMP_TYPE.TORCH, "dtype": "float16"}, None,
      "O1 (TORCH)", torch.float16, torch.float32, 2.0**16),

@@ -355,6 +355,24 @@ def test_gloo_stage_changing_its_output_shape_is_an_error_on_both_ranks():
     assert "[rank 1] pipeline transfer with rank(s) [0] failed" in receiver
 
 
+def _bad_batch_worker(rank, world_size, port):
+    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2, "timeout": 10}, rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    model = build_pipeline_model(_model())
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               nn.CrossEntropyLoss(), verbose=False)
+    try:
+        engine.execute_schedule(torch.randn(2, 12))  # two rows: would unpack into (x, y)
+    except TypeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_gloo_a_batch_that_is_not_inputs_and_labels_is_refused_on_every_stage():
+    for rank, text in enumerate(run_ranks(_bad_batch_worker, 2, timeout=30)):
+        assert f"[rank {rank}] a batch is a pair (inputs, labels), got a tensor" in text, text
+
+
 def _config_worker(rank, world_size, port, config, whole_model, built_for=None):
     nc.launch({"parallel": {"pipeline": 2}, **config}, rank=rank, world_size=world_size,
               host="127.0.0.1", port=port)

@@ -45,6 +45,7 @@ from torch import nn
 from ..context import gpc
 from ..extensions import Extension, synchronising, with_extensions
 from ..nest import map_tensors
+from .checks import check_batch
 
 if TYPE_CHECKING:  # only named: the optimizer is whatever initialize wrapped (amp.py's wrapper)
     from ..amp import MixedPrecisionOptimizer
@@ -169,6 +170,7 @@ class Engine:
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
         """One iteration on `batch` = (inputs, label): forward, loss and (unless forward_only)
         backward."""
+        check_batch(batch, return_loss)
         inputs, label = batch
         output = self(inputs)
         loss = self.criterion(output, label) if return_loss else None
@@ -220,6 +222,7 @@ class PipelineEngine(Engine):
                            f"engine.execute_schedule(batch) runs the backward passes")
 
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
+        check_batch(batch, return_loss)
         if not forward_only:
             # replicas start the batch with the same BatchNorm statistics. Not when evaluating:
             # ranks may run different numbers of batches (uneven shares), see eval()
