@@ -16,7 +16,6 @@ names the ranks that did not arrive instead of waiting silently (nccl has none: 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sized
 from enum import Enum
 from typing import Any, Callable, Iterable, Optional
 
@@ -26,6 +25,7 @@ from torch import nn
 
 from .config import ConfigError
 from .context import gpc
+from .data import loader_length
 
 
 def _digest(text: str) -> str:
@@ -82,8 +82,8 @@ def check_consistency(model: nn.Module, train_dataloader: Iterable,
     """Collective: raise on every rank if ranks disagree on batches per epoch, config or model."""
     if not gpc.is_initialized or gpc.world_size == 1:
         return
-    mine = {"batches": len(train_dataloader) if isinstance(train_dataloader, Sized) else None,
-            "test batches": len(test_dataloader) if isinstance(test_dataloader, Sized) else None,
+    mine = {"batches": loader_length(train_dataloader),
+            "test batches": loader_length(test_dataloader),
             "config": comparable(dict(gpc.config)),
             "model": _digest(repr(describe_parameters(model))), "stage": gpc.pipeline_rank,
             "experts": gpc.ep_rank}  # parallel.moe: ranks of an EP group hold other experts
@@ -117,7 +117,7 @@ def check_evaluation(model: nn.Module, test_dataloader: Iterable) -> None:
     """Collective: `_check_evaluation_batches` alone, before an evaluation outside `fit`."""
     if gpc.is_initialized and gpc.world_size > 1:
         everyone: list[Any] = [None] * gpc.world_size
-        mine = len(test_dataloader) if isinstance(test_dataloader, Sized) else None
+        mine = loader_length(test_dataloader)
         dist.all_gather_object(everyone, mine)
         _check_evaluation_batches(everyone, model)
 

@@ -44,6 +44,7 @@ from .checkpoint import (
     stage_path,
 )
 from .context import gpc
+from .data import loader_length
 
 __all__ = ["Progress", "skip_batches"]
 
@@ -95,20 +96,24 @@ class Progress:
 
     def batches(self, loader: Iterable) -> Iterator:
         """This epoch's batches still to train on (all of them, unless the epoch was resumed)."""
-        sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):  # a new shuffle each epoch, the same on every rank
-            sampler.set_epoch(self.epoch)
+        # a new shuffle each epoch, the same on every rank: the sampler's, or that of an
+        # iterable dataset (a DataLoader over one has no sampler of its own to tell)
+        for owner in (getattr(loader, "sampler", None), getattr(loader, "dataset", None)):
+            if hasattr(owner, "set_epoch"):
+                owner.set_epoch(self.epoch)
         skip, rng, self._rng = self.batch_in_epoch, self._rng, None
         return skip_batches(loader, skip, rng)
 
     def remaining(self, loader: Iterable) -> Optional[int]:
         """How many batches `batches(loader)` yields (for progress bars), if the loader has a
         length."""
-        return len(loader) - self.batch_in_epoch if hasattr(loader, "__len__") else None
+        n = loader_length(loader)
+        return None if n is None else n - self.batch_in_epoch
 
     def is_last_batch(self, loader: Iterable) -> bool:
         """Is the batch about to be trained on the last of this epoch? (False without a length.)"""
-        return hasattr(loader, "__len__") and self.batch_in_epoch == len(loader) - 1
+        n = loader_length(loader)
+        return n is not None and self.batch_in_epoch == n - 1
 
     def batch_done(self, stepped: bool = True) -> None:
         """A batch was trained on; `stepped`: it ended an optimizer step (not mid-accumulation)."""

@@ -48,6 +48,7 @@ from torch import nn
 
 from .config import Config, ConfigError, register_check
 from .context import gpc
+from .data import loader_length
 from .loss_weights import counted_targets, mean_over
 from .nest import map_tensors
 from .tensor.zigzag import share_lengths, zigzag_split
@@ -132,7 +133,7 @@ def split_loader(loader: Any) -> Any:
     """`loader` as this rank of the sequence group sees it (itself without sequence parallelism)."""
     if loader is None or gpc.sequence_size == 1:
         return loader
-    sized = hasattr(loader, "__len__")
+    sized = loader_length(loader) is not None
     return (SizedSequenceSplitLoader if sized else SequenceSplitLoader)(loader)
 
 

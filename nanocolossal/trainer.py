@@ -28,6 +28,7 @@ from . import hooks
 from .checkpoint import PathLike
 from .checks import check_consistency, check_evaluation, debug_barrier
 from .context import gpc
+from .data import loader_length
 from .engine import Engine, PipelineEngine
 from .logging import get_dist_logger
 from .progress import Progress
@@ -157,7 +158,7 @@ class Trainer:
                 break
         self.timer.stop("train-epoch")
         self.epoch_finished = (
-            not stopped or hasattr(loader, "__len__") and self.batch_in_epoch == len(loader)
+            not stopped or self.batch_in_epoch == loader_length(loader)
         )
         self._call("after_train_epoch")
         return stopped

@@ -340,6 +340,20 @@ class Stream:
             yield x[self.rank::self.size], y[self.rank::self.size]
 
 
+class StreamDataset(torch.utils.data.IterableDataset):
+    """The same stream as torch users write it: an IterableDataset with set_epoch, read by a
+    DataLoader (which has `__len__`, raising TypeError: no length either)."""
+
+    def __init__(self, rank, size):
+        self.stream = Stream(rank, size)
+
+    def set_epoch(self, epoch):
+        self.stream.set_epoch(epoch)
+
+    def __iter__(self):
+        return iter(self.stream)
+
+
 def _reference(epochs, N, naive=False, model=None, crit=None, batches=_global_batches, lr=LR,
                clip=CLIP, test=False):
     """One process on the whole batch, in plain torch, following the Trainer's documented
@@ -378,18 +392,22 @@ def _reference(epochs, N, naive=False, model=None, crit=None, batches=_global_ba
 
 
 def _cls_worker(rank, world, port, config, how):
-    """how: sized, num_workers, max_steps, resume, path, epochs."""
+    """how: loader ('sized', 'stream' or 'iterable'), num_workers, max_steps, resume, path,
+    epochs."""
     nc.launch(config, rank=rank, world_size=world, host="127.0.0.1", port=port, timeout=30)
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     sched = _sched(opt)
-    if how["sized"]:
+    if how["loader"] == "sized":
         x, y = _rows()
         train = nc.get_dataloader(torch.utils.data.TensorDataset(x, y), shuffle=True, seed=5,
                                   batch_size=4 // gpc.data_size,
                                   num_workers=how.get("num_workers", 0),
                                   multiprocessing_context="fork" if how.get("num_workers") else
                                   None)
+    elif how["loader"] == "iterable":
+        train = torch.utils.data.DataLoader(StreamDataset(gpc.data_rank, gpc.data_size),
+                                            batch_size=None)
     else:
         train = Stream(gpc.data_rank, gpc.data_size)
     test = None
@@ -429,22 +447,23 @@ def _check_against(run, ref_state, what):
 
 
 ZERO2 = {"zero": {"level": 2}}
-CLS_CASES = {  # name: (world, config, N, sized, num_workers, epochs, stop at)
-    "data2 N=3 sized": (2, {}, 3, True, 0, 3, 3),
-    "data2 N=2 sized num_workers=1": (2, {}, 2, True, 1, 2, 2),
+CLS_CASES = {  # name: (world, config, N, loader, num_workers, epochs, stop at)
+    "data2 N=3 sized": (2, {}, 3, "sized", 0, 3, 3),
+    "data2 N=2 sized num_workers=1": (2, {}, 2, "sized", 1, 2, 2),
     "handler data2 N=3 sized": (2, {"gradient_handler": [{"type": "DataParallelGradientHandler"}]},
-                                3, True, 0, 2, 1),
-    "data2 N=2 stream": (2, {}, 2, False, 0, 3, 4),
-    "data2 N=3 stream": (2, {}, 3, False, 0, 3, 3),
+                                3, "sized", 0, 2, 1),
+    "data2 N=2 stream": (2, {}, 2, "stream", 0, 3, 4),
+    "data2 N=3 stream": (2, {}, 3, "stream", 0, 3, 3),
+    "data2 N=3 DataLoader(IterableDataset)": (2, {}, 3, "iterable", 0, 3, 3),
     # stopped by the step that closes epoch 1's short last group (its 5th batch alone)
-    "data2 N=2 stream, stop at a short last group": (2, {}, 2, False, 0, 3, 3),
+    "data2 N=2 stream, stop at a short last group": (2, {}, 2, "stream", 0, 3, 3),
     # stopped by the step that ends epoch 2 exactly: resumed, epoch 2 has nothing left
-    "data2 N=3 stream, stop at an epoch's end": (2, {}, 3, False, 0, 4, 4),
+    "data2 N=3 stream, stop at an epoch's end": (2, {}, 3, "stream", 0, 4, 4),
     # evaluated after every epoch, right after the step that closes its short last group
-    "data2 N=2 stream, test set": (2, {}, 2, False, 0, 3, 4),
-    "zero2 data2 N=2 stream, test set": (2, ZERO2, 2, False, 0, 3, 4),
-    "zero3 data2 N=3 stream, test set": (2, {"zero": {"level": 3}}, 3, False, 0, 3, 3),
-    "zero1 data2 N=3 sized, test set": (2, {"zero": {"level": 1}}, 3, True, 0, 2, 1),
+    "data2 N=2 stream, test set": (2, {}, 2, "stream", 0, 3, 4),
+    "zero2 data2 N=2 stream, test set": (2, ZERO2, 2, "stream", 0, 3, 4),
+    "zero3 data2 N=3 stream, test set": (2, {"zero": {"level": 3}}, 3, "stream", 0, 3, 3),
+    "zero1 data2 N=3 sized, test set": (2, {"zero": {"level": 1}}, 3, "sized", 0, 2, 1),
 }
 
 
@@ -454,13 +473,13 @@ def test_deep_readahead_x_max_steps_x_checkpoint_x_resume_equals_one_process(nam
     """20 rows (11 padded), 5 global batches of 4 an epoch, accumulation N: the run stopped by
     max_steps mid-epoch, checkpointed and resumed, ends bit-identical to the uninterrupted run,
     and both are one process's (parameters, the LR hook's LRs, LossHook's epoch losses)."""
-    world, extra, N, sized, workers, epochs, stop = CLS_CASES[name]
+    world, extra, N, loader, workers, epochs, stop = CLS_CASES[name]
     config = dict(extra, gradient_accumulation=N, clip_grad_norm=CLIP)
     test = "test set" in name
     ref_state, ref_losses, ref_lrs, ref_steps, *ref_tests = _reference(epochs, N, test=test)
     naive_state = _reference(epochs, N, naive=True)[0]
     assert max(_max_rel(v, ref_state[k]) for k, v in naive_state.items()) > 1e-4, "no teeth"
-    how = dict(sized=sized, num_workers=workers, epochs=epochs, every_steps=2, test=test)
+    how = dict(loader=loader, num_workers=workers, epochs=epochs, every_steps=2, test=test)
     whole = run_ranks(_cls_worker, world, config, dict(how, path=str(tmp_path / "a")),
                       timeout=90)
     first = run_ranks(_cls_worker, world, config,
