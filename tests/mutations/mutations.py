@@ -441,6 +441,18 @@ MUTATIONS: list[dict] = [
          bug="resuming mid-epoch skips one batch too few: the last batch before the save is "
              "trained on twice",
          tests=["tests/test_trainer.py", "-k", "resumes_bit_identically"]),
+    dict(id="stream-epoch-not-set", idea="trainer x streams", file="nanocolossal/progress.py",
+         old='for owner in (getattr(loader, "sampler", None), getattr(loader, "dataset", None)):',
+         new='for owner in (getattr(loader, "sampler", None),):',
+         bug="a DataLoader over an IterableDataset is never told the epoch: every epoch repeats "
+             "the first one's order",
+         tests=["tests/test_trainer.py", "-k", "IterableDataset"]),
+    dict(id="batch-not-a-pair-unpacked", idea="engine", file="nanocolossal/engine/engine.py",
+         old="        check_batch(batch, return_loss)\n        inputs, label = batch",
+         new="        inputs, label = batch",
+         bug="a lone tensor of two rows is unpacked into inputs and labels: row 0 is trained to "
+             "predict row 1, without an error",
+         tests=["tests/test_engine.py", "-k", "not_inputs_and_labels"]),
     dict(id="trainer-epoch-end-group", idea="trainer x accumulation",
          file="nanocolossal/trainer.py",
          old="            if len(group) < n:\n",
