@@ -81,10 +81,9 @@ class Trainer:
             self._hooks = sorted(hook_list, key=lambda h: h.priority)
 
     def _execute(self, batch: Any, forward_only: bool):
-        self.last_batch_size = (
-            len(batch[1]) if isinstance(batch, (list, tuple)) and len(batch) > 1 else 0
-        )
-        return self.engine.execute_schedule(batch, forward_only=forward_only)
+        result = self.engine.execute_schedule(batch, forward_only=forward_only)
+        self.last_batch_size = len(batch[1])  # (a pair with labels: the engine checked)
+        return result
 
     def _bar(self, loader: Iterable, desc: str, show: bool, total: Optional[int] = None):
         return tqdm(loader, desc=desc, total=total, leave=False, disable=not show or gpc.rank != 0)
@@ -176,7 +175,8 @@ class Trainer:
                 yield batch
                 continue
             group = [batch, *itertools.islice(batches, n - 1)]
-            if all(isinstance(b, (list, tuple)) and len(b) > 1 for b in group):  # labelled
+            if all(isinstance(b, (list, tuple)) and len(b) == 2 and b[1] is not None
+                   for b in group):  # labelled (else the engine refuses the batch)
                 self.engine.count_targets([b[1] for b in group])
             yield from group[:-1]
             if len(group) < n:

@@ -127,6 +127,21 @@ def test_trainer_max_steps_stops_early_and_still_finishes():
     assert [p for p, _ in log].count("after_train_iter") == 3 and log[-1][0] == "after_train"
 
 
+@pytest.mark.parametrize("batch", ["unlabelled", "a tensor of two rows"])
+def test_trainer_refuses_a_batch_that_is_not_inputs_and_labels_under_accumulation(batch):
+    """The read-ahead counts each group's labels before the engine sees a batch: a batch without
+    them reaches the engine's refusal, not a TypeError of len(None) (or a silent unpacking)."""
+    nc.gpc.config = nc.Config({"gradient_accumulation": 2})
+    try:
+        engine, _ = _engine()
+    finally:
+        nc.gpc.config = nc.Config()
+    x = _data(4).tensors[0]
+    loader = [(x, None)] * 3 if batch == "unlabelled" else [x[:2]] * 3
+    with pytest.raises(TypeError, match=r"\[rank 0\] .*(labels are None|got a tensor)"):
+        Trainer(engine).fit(loader, epochs=1)
+
+
 def test_trainer_lr_hook_steps_per_optimizer_step_under_accumulation():
     nc.gpc.config = nc.Config({"gradient_accumulation": 2})
     try:
