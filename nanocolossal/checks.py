@@ -25,7 +25,6 @@ from torch import nn
 
 from .config import ConfigError
 from .context import gpc
-from .data import loader_length
 
 
 def _digest(text: str) -> str:
@@ -75,6 +74,15 @@ def comparable(value: Any) -> Any:
         return {str(k): comparable(v) for k, v in value.items()}
     kind = value if callable(value) and hasattr(value, "__qualname__") else type(value)
     return f"<{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', kind.__name__)}>"
+
+
+def loader_length(loader: object) -> Optional[int]:
+    """How many batches `loader` yields an epoch, or None for a stream: a loader without
+    `__len__`, or torch's DataLoader over an IterableDataset (it has `__len__`, which raises)."""
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def check_consistency(model: nn.Module, train_dataloader: Iterable,

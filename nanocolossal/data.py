@@ -84,15 +84,6 @@ class DistributedSampler(Sampler[int]):
         self.epoch = epoch
 
 
-def loader_length(loader: object) -> Optional[int]:
-    """How many batches `loader` yields an epoch, or None for a stream: a loader without
-    `__len__`, or torch's DataLoader over an IterableDataset (it has `__len__`, which raises)."""
-    try:
-        return len(loader)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-
-
 def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024,
                    add_sampler: bool = True,
                    drop_last: bool = False, pin_memory: bool = False, pad: bool = True,

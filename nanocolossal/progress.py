@@ -43,8 +43,8 @@ from .checkpoint import (
     set_rng_state,
     stage_path,
 )
+from .checks import loader_length
 from .context import gpc
-from .data import loader_length
 
 __all__ = ["Progress", "skip_batches"]
 

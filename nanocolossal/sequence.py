@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checks import loader_length
 from .config import Config, ConfigError, register_check
 from .context import gpc
-from .data import loader_length
 from .loss_weights import counted_targets, mean_over
 from .nest import map_tensors
 from .tensor.zigzag import share_lengths, zigzag_split

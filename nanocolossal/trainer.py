@@ -26,9 +26,8 @@ from tqdm import tqdm
 
 from . import hooks
 from .checkpoint import PathLike
-from .checks import check_consistency, check_evaluation, debug_barrier
+from .checks import check_consistency, check_evaluation, debug_barrier, loader_length
 from .context import gpc
-from .data import loader_length
 from .engine import Engine, PipelineEngine
 from .logging import get_dist_logger
 from .progress import Progress

@@ -73,3 +73,19 @@ def test_free_ports_lie_below_the_range_the_os_lends_to_outgoing_connections():
     assert {p % dist_helpers._WORKERS for p in ports} == {
         (dist_helpers._PORTS_FROM + dist_helpers._WORKER) % dist_helpers._WORKERS}
     assert len(set(ports)) == len(ports)
+
+
+def test_no_test_module_defines_a_top_level_name_twice():
+    """A second `def _worker` further down a file silently replaces the first for every test that
+    runs it (pyflakes only flags a redefinition of a name not used in between)."""
+    import ast
+    from pathlib import Path
+    twice = {}
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        seen = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                if node.name in seen:
+                    twice.setdefault(path.name, []).append(node.name)
+                seen.add(node.name)
+    assert not twice, twice

@@ -355,7 +355,7 @@ def test_gloo_stage_changing_its_output_shape_is_an_error_on_both_ranks():
     assert "[rank 1] pipeline transfer with rank(s) [0] failed" in receiver
 
 
-def _bad_batch_worker(rank, world_size, port):
+def _unpaired_batch_worker(rank, world_size, port):
     nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2, "timeout": 10}, rank=rank,
               world_size=world_size, host="127.0.0.1", port=port)
     model = build_pipeline_model(_model())
@@ -369,7 +369,7 @@ def _bad_batch_worker(rank, world_size, port):
 
 
 def test_gloo_a_batch_that_is_not_inputs_and_labels_is_refused_on_every_stage():
-    for rank, text in enumerate(run_ranks(_bad_batch_worker, 2, timeout=30)):
+    for rank, text in enumerate(run_ranks(_unpaired_batch_worker, 2, timeout=30)):
         assert f"[rank {rank}] a batch is a pair (inputs, labels), got a tensor" in text, text
 
 

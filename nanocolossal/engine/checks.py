@@ -1,10 +1,8 @@
-"""What the engine refuses: at initialize, before it changes anything, a config the model or data
-cannot run; at every batch, one that is not a pair (inputs, labels)."""
+"""What initialize refuses before it changes anything: a config the model or data cannot run."""
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -86,21 +84,3 @@ def check_batches_fill_micro_batches(M: int, loaders: dict[str, Any]) -> None:
                               f"sample(s), fewer than NUM_MICRO_BATCHES={M}, and would fail "
                               f"after a whole epoch; pass drop_last=True, or pick a batch size "
                               f"that leaves no remainder of {n} or one of at least {M}")
-
-
-def check_batch(batch: Any, return_loss: bool = True) -> None:
-    """A batch is a pair (inputs, labels). A tensor of two rows would unpack into its two rows
-    without a word (row 0 the inputs, row 1 the labels): refuse anything but a pair."""
-    if isinstance(batch, (list, tuple)) and len(batch) == 2:
-        if batch[1] is None and return_loss:
-            raise TypeError(f"[rank {gpc.rank}] the batch's labels are None, and the loss needs "
-                            f"them: have the loader yield (inputs, labels)")
-        return
-    if isinstance(batch, torch.Tensor):
-        got = f"a tensor of shape {tuple(batch.shape)}"
-    elif isinstance(batch, (list, tuple)):
-        got = f"a {type(batch).__name__} of {len(batch)}"
-    else:
-        got = f"a {type(batch).__name__}"
-    raise TypeError(f"[rank {gpc.rank}] a batch is a pair (inputs, labels), got {got}: have the "
-                    f"loader yield (inputs, labels), as a DataLoader over TensorDataset(x, y) does")

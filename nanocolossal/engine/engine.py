@@ -45,7 +45,6 @@ from torch import nn
 from ..context import gpc
 from ..extensions import Extension, synchronising, with_extensions
 from ..nest import map_tensors
-from .checks import check_batch
 
 if TYPE_CHECKING:  # only named: the optimizer is whatever initialize wrapped (amp.py's wrapper)
     from ..amp import MixedPrecisionOptimizer
@@ -170,7 +169,7 @@ class Engine:
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
         """One iteration on `batch` = (inputs, label): forward, loss and (unless forward_only)
         backward."""
-        check_batch(batch, return_loss)
+        _check_batch(batch, return_loss)
         inputs, label = batch
         output = self(inputs)
         loss = self.criterion(output, label) if return_loss else None
@@ -222,7 +221,7 @@ class PipelineEngine(Engine):
                            f"engine.execute_schedule(batch) runs the backward passes")
 
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
-        check_batch(batch, return_loss)
+        _check_batch(batch, return_loss)
         if not forward_only:
             # replicas start the batch with the same BatchNorm statistics. Not when evaluating:
             # ranks may run different numbers of batches (uneven shares), see eval()
@@ -253,3 +252,21 @@ def _check_no_outside_backward(engine: Engine) -> None:
                            f"backward, or a loss.backward() past the engine (call "
                            f"engine.backward(loss): it scales the loss, accumulates and averages "
                            f"the gradients over data ranks)")
+
+
+def _check_batch(batch: Any, return_loss: bool = True) -> None:
+    """A batch is a pair (inputs, labels). A tensor of two rows would unpack into its two rows
+    without a word (row 0 the inputs, row 1 the labels): refuse anything but a pair."""
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        if batch[1] is None and return_loss:
+            raise TypeError(f"[rank {gpc.rank}] the batch's labels are None, and the loss needs "
+                            f"them: have the loader yield (inputs, labels)")
+        return
+    if isinstance(batch, torch.Tensor):
+        got = f"a tensor of shape {tuple(batch.shape)}"
+    elif isinstance(batch, (list, tuple)):
+        got = f"a {type(batch).__name__} of {len(batch)}"
+    else:
+        got = f"a {type(batch).__name__}"
+    raise TypeError(f"[rank {gpc.rank}] a batch is a pair (inputs, labels), got {got}: have the "
+                    f"loader yield (inputs, labels), as a DataLoader over TensorDataset(x, y) does")

@@ -448,7 +448,7 @@ MUTATIONS: list[dict] = [
              "the first one's order",
          tests=["tests/test_trainer.py", "-k", "IterableDataset"]),
     dict(id="batch-not-a-pair-unpacked", idea="engine", file="nanocolossal/engine/engine.py",
-         old="        check_batch(batch, return_loss)\n        inputs, label = batch",
+         old="        _check_batch(batch, return_loss)\n        inputs, label = batch",
          new="        inputs, label = batch",
          bug="a lone tensor of two rows is unpacked into inputs and labels: row 0 is trained to "
              "predict row 1, without an error",
