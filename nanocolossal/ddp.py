@@ -48,6 +48,7 @@ from .config import Config, ConfigError, register_check
 from .context import gpc
 from .extensions import Extension
 from .nest import map_tensors
+from .weak import weakly
 
 
 class _Bucket:
@@ -118,7 +119,7 @@ class DistributedDataParallel(nn.Module):
         self._next_launch = 0           # buckets are launched strictly in order
         self._callback_queued = False
         for p in params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+            p.register_post_accumulate_grad_hook(weakly(self._grad_ready))
 
     def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
         buckets, current, size = [], [], 0
@@ -141,8 +142,9 @@ class DistributedDataParallel(nn.Module):
             self.sync_buffers()
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled():  # the all-reduce even if no parameter here gets a gradient
-            map_tensors(lambda t: t.register_hook(self._queue_finish) if t.requires_grad else t,
-                        out)  # (a stage whose samples all skipped its layers: the others wait)
+            # (a stage whose samples all skipped its layers: the others wait for it)
+            finish = weakly(self._queue_finish)
+            map_tensors(lambda t: t.register_hook(finish) if t.requires_grad else t, out)
         return out
 
     def _grad_ready(self, param: nn.Parameter) -> None:

@@ -4,14 +4,18 @@ A test's ranks are not fresh interpreters (seconds each to import torch): they a
 one server process that imported torch, torchvision and nanocolossal once (`_CTX`, a
 multiprocessing forkserver), and stay up as a pool per world size, running one test's job after
 another. After each job a rank resets what a fresh process would not have inherited (mostly
-`gpc.destroy()`); a job that fails or overstays kills its pool, so one broken test never poisons
-the next. Every process watches the test process and dies with it (`_exit_with_parent`), and
-`kill_tree` ends a launcher together with every rank it started.
+`gpc.destroy()`) and must leave nothing running: a thread, socket or child process more than it
+started with fails the job (`_left_behind`) -- a process group kept alive by a reference cycle
+holds gloo's threads and sockets, and a rank that ran hundreds of such jobs crawls. A job that
+fails or overstays kills its pool, so one broken test never poisons the next. Every process
+watches the test process and dies with it (`_exit_with_parent`), and `kill_tree` ends a launcher
+together with every rank it started.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import itertools
 import multiprocessing as mp
 import os
@@ -20,7 +24,9 @@ import runpy
 import signal
 import sys
 import threading
+import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 # Ranks are forked from one server process that imported these once (a fresh interpreter spends
@@ -93,8 +99,11 @@ def _serve(rank: int, world_size: int, inbox, results, environ: dict) -> None:
     os.environ.clear()
     os.environ.update(environ)
     import torch
+    import tqdm
 
     from nanocolossal.context import gpc
+    tqdm.tqdm.monitor_interval = 0  # its monitor thread would outlive the first job's bar
+    gc.freeze()  # the server's imports: a collection after each job then walks the job's objects
     while True:
         job = inbox.get()
         if job is None:
@@ -102,6 +111,7 @@ def _serve(rank: int, world_size: int, inbox, results, environ: dict) -> None:
         job_id, fn, port, args = job
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        before = _footprint()
         try:
             report = (job_id, rank, True, pickle.dumps(fn(rank, world_size, port, *args)))
         except BaseException:
@@ -112,8 +122,48 @@ def _serve(rank: int, world_size: int, inbox, results, environ: dict) -> None:
             torch.set_grad_enabled(True)
             os.environ.clear()
             os.environ.update(environ)
+        left = _left_behind(before)
+        if left and report[2]:
+            report = (job_id, rank, False, left)
         results.put(report)
     os._exit(0)  # skip interpreter teardown: nothing left to flush, and it can stall
+
+
+def _footprint() -> dict[str, list[str]]:
+    """What this process runs: its threads (by name), sockets and child processes (Linux's
+    /proc; elsewhere Python's threads only)."""
+    if not os.path.isdir("/proc/self/task"):
+        return {"threads": [t.name for t in threading.enumerate()], "sockets": [], "children": []}
+    threads = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            threads.append((task / "comm").read_text().strip())
+    sockets = []
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(fd).startswith("socket:"):
+                sockets.append(fd.name)
+    children = [str(c.pid) for c in mp.active_children()]
+    return {"threads": threads, "sockets": sockets, "children": children}
+
+
+def _left_behind(before: dict[str, list[str]]) -> str:
+    """'' if the job left this rank as it found it; else what it left running (after a garbage
+    collection: a cycle of Python objects holding a process group is freed by it). A thread that
+    is ending (gloo's loop, after its last socket closed) gets a second to finish."""
+    gc.collect()
+    for _ in range(20):
+        after = _footprint()
+        extra = {kind: len(after[kind]) - len(before[kind]) for kind in after}
+        if all(n <= 0 for n in extra.values()):
+            return ""
+        time.sleep(0.05)
+    names = Counter(after["threads"]) - Counter(before["threads"])
+    names.update(t.name for t in threading.enumerate())  # Python's own names, where it started them
+    return (f"the job left {extra['threads']} thread(s) ({dict(names)}), {extra['sockets']} "
+            f"socket(s) and {extra['children']} child process(es) running on this rank: "
+            "something still holds a process group (a hook C++ keeps whose closure reaches the "
+            "model?), or a patch of a module was not undone")
 
 
 # (world size, cuda) -> its ranks, most recently used last

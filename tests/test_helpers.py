@@ -5,6 +5,7 @@ import sys
 import time
 
 import pytest
+import torch
 from dist_helpers import free_port, run_cmd
 
 # a rank that records its pid and then never finishes
@@ -89,3 +90,72 @@ def test_no_test_module_defines_a_top_level_name_twice():
                     twice.setdefault(path.name, []).append(node.name)
                 seen.add(node.name)
     assert not twice, twice
+
+
+# -- a job leaves its ranks as it found them ----------------------------------------------------
+
+class _KeepsItsLastOutput(torch.nn.Module):
+    """Stores its last output, graph and all, as an MoE layer stores its aux loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                       torch.nn.Linear(8, 2))
+        self.last = None
+
+    def forward(self, x):
+        self.last = self.net(x)
+        return self.last
+
+
+LEAN_JOBS = {  # config -> the features whose hooks live in C++ (autograd), out of gc's sight
+    "ddp": {},
+    "zero2": {"zero": {"level": 2}},
+    "zero3": {"zero": {"level": 3}},
+}
+
+
+def _threads_at_the_start_of_a_job(rank, world_size, port, feature):
+    threads = len(os.listdir("/proc/self/task"))
+    import nanocolossal as nc
+    nc.launch(LEAN_JOBS[feature], rank=rank, world_size=world_size, host="127.0.0.1", port=port,
+              timeout=20)
+    model = _KeepsItsLastOutput()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, *_ = nc.initialize(model, optimizer, torch.nn.MSELoss(), verbose=False)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    for _ in range(2):
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        engine.step()
+    return threads
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.timeout(120)
+def test_gloo_pooled_ranks_run_job_after_job_and_keep_no_thread_of_them():
+    """A pooled rank runs job after job: each must end with its process groups gone, or their
+    threads (gloo's loops, the store's) and sockets pile up until the rank crawls. A model whose
+    hooks C++ holds (DDP's, ZeRO-3's) must be freed with the job, even when it keeps a graph."""
+    import dist_helpers
+    counts = [dist_helpers.run_ranks(_threads_at_the_start_of_a_job, 2, feature)
+              for _ in range(25) for feature in LEAN_JOBS]
+    assert counts[3:] == [counts[3]] * len(counts[3:]), counts  # (the first jobs start helpers)
+
+
+_KEPT = []
+
+
+def _keeps_its_process_group(rank, world_size, port):
+    import nanocolossal as nc
+    from nanocolossal.context import gpc
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=20)
+    _KEPT.append(gpc.data_group)
+
+
+@pytest.mark.timeout(60)
+def test_gloo_a_job_that_keeps_a_process_group_fails_naming_what_it_left():
+    import dist_helpers
+    with pytest.raises(AssertionError, match=r"rank 0: the job left \d+ thread\(s\)"):
+        dist_helpers.run_ranks(_keeps_its_process_group, 2)
+    assert dist_helpers.run_ranks(_rank_of_a_job, 2) == [0, 1]  # the next job: fresh ranks

@@ -81,6 +81,7 @@ from ..checks import refuse_unfreezing
 from ..context import gpc
 from ..logging import get_dist_logger
 from ..nest import map_tensors
+from ..weak import weakly
 from .comm import reduce_scatter_shard
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
 from .state_dict import FullStateDict
@@ -177,7 +178,7 @@ class ShardedModel:
         self._use(self.root, [])
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._on_grad_of(output, self._root_pre_backward)
+        self._on_grad_of(output, weakly(self._root_pre_backward))
         for unit in (self.root, *self.children):  # (children: a prefetch this forward skipped)
             unit.free()
 
@@ -195,11 +196,11 @@ class ShardedModel:
         map_tensors(lambda t: found.append(t) if t.requires_grad else None, (args, kwargs))
         if not found:  # the first layer: reduced by the end-of-backward callback
             return None
-        wrapped = iter(_PostBackward.apply(partial(self._post_backward, unit), *found))
+        wrapped = iter(_PostBackward.apply(weakly(self._post_backward, unit), *found))
         return map_tensors(lambda t: next(wrapped) if t.requires_grad else t, (args, kwargs))
 
     def _post_forward(self, unit: _Unit, module: nn.Module, args: Any, output: Any) -> None:
-        self._on_grad_of(output, partial(self._pre_backward, unit))
+        self._on_grad_of(output, weakly(self._pre_backward, unit))
         if not self._queued:  # (a recomputation's saved tensors are read after it)
             unit.free()
         if unit in self.running:
