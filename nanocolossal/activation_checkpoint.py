@@ -14,7 +14,8 @@ block's input is only x = 4·b·s·d bytes. `checkpoint(fn, *args)` keeps the in
     backward   fn(*args) again with autograd, under the forward's RNG and autocast state (the same
                dropout masks, the same dtypes); backpropagate through this copy; hand the args'
                gradients on. The RNG is then put back as backward found it (the next step's
-               masks must not depend on whether we recomputed)
+               masks must not depend on whether we recomputed), and so are fn's module's
+               buffers (BatchNorm counts each batch once in its running statistics)
 
 One micro-batch through L checkpointed blocks (F forward, R recompute, B backward):
 
@@ -77,15 +78,20 @@ import torch
 
 from .config import ConfigError, is_positive_int, register_check
 from .context import gpc
+from .logging import get_dist_logger
 
 _ANCHOR = torch.empty(0, requires_grad=True)  # puts the function in the graph (docstring)
 
 
 class _Replay:
     """What a forward ran under, to run it again alike: the CPU and CUDA generators, the
-    tensor-parallel dropout's own (tensor/base.py: sharded_dropout), autocast."""
+    tensor-parallel dropout's own (tensor/base.py: sharded_dropout), autocast. The buffers of
+    fn's module are put back after the recomputation: BatchNorm counts a batch in its running
+    statistics once, in the forward, as without checkpointing."""
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, fn: Callable, tensors: list[torch.Tensor]) -> None:
+        owner = getattr(fn, "__self__", fn)  # a module, or the module of a bound method
+        self.buffers = list(owner.buffers()) if isinstance(owner, torch.nn.Module) else []
         self.gpus = sorted({t.device.index for t in tensors if t.is_cuda})
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(d) for d in self.gpus]
@@ -97,6 +103,7 @@ class _Replay:
     @contextmanager
     def __call__(self) -> Iterator[None]:
         live = dict(gpc.dropout_generators)
+        self.kept = [b.clone() for b in self.buffers]
         with torch.random.fork_rng(devices=self.gpus), ExitStack() as autocast:
             torch.set_rng_state(self.cpu)
             for device, state in zip(self.gpus, self.cuda):
@@ -112,13 +119,19 @@ class _Replay:
                 gpc.dropout_generators.clear()
                 gpc.dropout_generators.update(live)
 
+    @torch.no_grad()
+    def put_back_buffers(self) -> None:
+        """After the recomputation's backward (which may read them, as BatchNorm does)."""
+        for buffer, before in zip(self.buffers, self.kept):
+            buffer.copy_(before)
+
 
 class CheckpointFunction(torch.autograd.Function):
     """fn's forward without autograd; in backward, fn again with it (the module docstring)."""
 
     @staticmethod
     def forward(ctx: Any, fn: Callable, anchor: torch.Tensor, *args: Any) -> Any:
-        ctx.fn, ctx.replay = fn, _Replay([a for a in args if torch.is_tensor(a)])
+        ctx.fn, ctx.replay = fn, _Replay(fn, [a for a in args if torch.is_tensor(a)])
         ctx.others = [None if torch.is_tensor(a) else a for a in args]  # non-tensors as given
         ctx.save_for_backward(*(a if torch.is_tensor(a) else None for a in args))
         with torch.no_grad():
@@ -136,6 +149,7 @@ class CheckpointFunction(torch.autograd.Function):
                  if torch.is_tensor(o) and o.requires_grad and g is not None]
         if pairs:  # the parameters' gradients accumulate in .grad, as in any backward
             torch.autograd.backward(*zip(*pairs))
+        ctx.replay.put_back_buffers()
         return (None, None, *(a.grad if torch.is_tensor(a) else None for a in args))
 
 
@@ -185,3 +199,15 @@ def block_mode(index: Optional[int]) -> Optional[str]:
         raise ValueError(f"[rank {gpc.rank}] ACTIVATION_CHECKPOINT={mode} recomputes one block "
                          f"in {mode}: build each Block with index=i, its place in the stack")
     return "full" if index % mode == mode - 1 else None
+
+
+def warn_if_nothing_recomputes(model: torch.nn.Module) -> None:
+    """ACTIVATION_CHECKPOINT is read by nc.nn's transformer Blocks (block_mode, which sets their
+    `recompute`); a model built of other blocks would train with nothing recomputed: say so."""
+    mode = gpc.config.get("ACTIVATION_CHECKPOINT")
+    if mode and not any(hasattr(m, "recompute") for m in model.modules()):
+        get_dist_logger().warning(
+            f"[rank {gpc.rank}] ACTIVATION_CHECKPOINT={mode!r} recomputes nanocolossal.nn's "
+            f"transformer Blocks, and this rank's model has none: nothing is checkpointed here; "
+            f"build the blocks as nc.nn.transformer.Block, or call nc.utils.checkpoint(block, x) "
+            f"in the model's forward (and drop the key)")

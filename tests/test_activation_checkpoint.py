@@ -1,6 +1,7 @@
 """Activation checkpointing (nanocolossal/activation_checkpoint.py): a block keeps its input and
 recomputes its activations in backward, under the forward's random state -- the same dropout
 masks, so training is exactly the same, only lighter."""
+import logging
 import sys
 
 import pytest
@@ -318,3 +319,108 @@ def test_deep_a_layer_used_twice_checkpoints_its_uses_together_under_data_parall
             assert message.startswith(f"[rank {rank}] {who}: block.") and \
                 "nc.utils.checkpoint" in message and "together in one call" in message, message
         compare_runs(ref, run_ranks(_twice, 2, config, "together"))
+
+
+# -- what the recomputation leaves, and where it cannot go ---------------------------------------
+
+class NormedNet(nn.Module):
+    """A BatchNorm inside a checkpointed block: the forward updates its running statistics."""
+
+    def __init__(self, ckpt: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh())
+        self.out = nn.Linear(6, 2)
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        return self.out(checkpoint(self.block, x) if self.ckpt else self.block(x))
+
+
+def test_recomputing_a_batchnorm_counts_each_batch_once_in_its_running_statistics():
+    """The recomputation runs the block's forward again; its buffers are put back after it, so
+    BatchNorm's running mean, variance and batch count are those of training without it."""
+    states = []
+    for ckpt in (True, False):
+        model = NormedNet(ckpt).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(8, 4, dtype=torch.float64)).pow(2).mean().backward()
+            opt.step()
+        states.append(model.state_dict())
+    assert states[0]["block.1.num_batches_tracked"] == 2
+    assert_close(states[0], states[1], rtol=0, atol=0)
+
+
+class CheckpointedLinear(nn.Module):
+    """A layer that checkpoints itself inside a pipeline stage (not through the config key)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return checkpoint(self.inner, x)
+
+
+def _zero_bubble_worker(rank, world_size, port, schedule, where):
+    nc.launch({"parallel": {"pipeline": 2}, "NUM_MICRO_BATCHES": 2, "PIPELINE_SCHEDULE": schedule,
+               "NUM_CHUNKS": 2 if schedule == "zbv" else 1}, rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port, timeout=3)
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2)]
+    layers[where] = CheckpointedLinear()
+    stage = build_pipeline_model(nn.Sequential(*layers), 2 if schedule == "zbv" else 1)
+    engine, *_ = nc.initialize(stage, torch.optim.SGD(stage.parameters(), lr=0.1),
+                               nn.CrossEntropyLoss(), verbose=False)
+    try:
+        engine.execute_schedule((torch.randn(4, 4), torch.randint(0, 2, (4,))))
+    except Exception as e:  # noqa: BLE001 (the message is what the test checks)
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.parametrize("schedule, where", [("zero_bubble", 0), ("zero_bubble", 2)])
+def test_gloo_zero_bubble_refuses_a_block_checkpointed_inside_a_stage(schedule, where):
+    """Zero-bubble's W finds the weights by walking autograd's graph, where a reentrant
+    checkpoint hides its block's (the first stage would never train): refused on the stage
+    that holds it, naming the non-reentrant checkpoint that works. (Its peer then waits for
+    it until the job's timeout.)"""
+    said = run_ranks(_zero_bubble_worker, 2, schedule, where, timeout=30)[where // 2]
+    assert said.startswith(f"[rank {where // 2}] the zero-bubble schedules"), said
+    assert "use_reentrant=False" in said and "PIPELINE_SCHEDULE='1f1b'" in said, said
+
+
+def _warned_worker(rank, world_size, port, mode, make):
+    nc.launch({"ACTIVATION_CHECKPOINT": mode}, rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("nanocolossal").addHandler(handler)
+    model = make()
+    try:
+        nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(),
+                      verbose=False)
+    finally:
+        logging.getLogger("nanocolossal").removeHandler(handler)
+    return [line for line in logged if "ACTIVATION_CHECKPOINT" in line]
+
+
+def test_gloo_a_model_without_blocks_is_told_that_nothing_is_recomputed():
+    """ACTIVATION_CHECKPOINT is applied by nc.nn's transformer Blocks; a model of other blocks
+    (a Hugging-Face-style ModuleList) is told, in one line, that nothing is checkpointed."""
+    said = run_ranks(_warned_worker, 1, "full", _hf_style_blocks)[0]
+    assert len(said) == 1 and "nothing is checkpointed here" in said[0], said
+    assert "nc.utils.checkpoint(block, x)" in said[0]
+    assert run_ranks(_warned_worker, 1, "full", _nc_block)[0] == []
+
+
+def _hf_style_blocks():
+    return nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+
+def _nc_block():
+    return Block(DIM, 2)

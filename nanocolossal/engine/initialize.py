@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader
 
 from .. import amp
 from .. import cpu_half as probe
+from ..activation_checkpoint import warn_if_nothing_recomputes
 from ..amp import MixedPrecisionOptimizer
 from ..amp_settings import amp_settings
 from ..config import AMP_TYPE
@@ -61,6 +62,7 @@ from ..pipeline.tied import TiedGradients
 from ..replicas import broadcast_replicas
 from ..sequence import check_sequence_model, sequence_attention, split_loader
 from ..syncbn import convert_sync_batchnorm
+from ..tensor.checks import check_tensor_model
 from ..tensor.layers_2d import SplitLabels, batch_blocks
 from ..zero import MixedShardedOptimizer, Offload, ShardedOptimizer, ShardKeepingDDP
 from ..zero.mixed import MixedParamShardedOptimizer
@@ -84,6 +86,8 @@ def check_inputs(model: nn.Module, loaders: dict[str, Any]) -> Any:
         check_sequence_model(model)
     elif gpc.tensor_size > 1:
         check_tensor_parallel_model(model)
+        check_tensor_model(model, loaders)  # tensor/checks.py: stray parameters, batch blocks
+    warn_if_nothing_recomputes(model)
     return schedule
 
 

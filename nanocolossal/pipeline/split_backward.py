@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from .split_backward_checks import refuse_recomputation
+
 
 class TwoBackwards:
     """The naive split: B and W as two ordinary backwards from the roots. Exact, but W walks the
@@ -51,6 +53,7 @@ class SplitBackward:
                  weights: list) -> None:
         self.roots, self.grads, self.x = roots, grads, x
         spine = _leads_to(roots, get_gradient_edge(x).node if x is not None else None)
+        refuse_recomputation(spine)  # a checkpointed block's weights are not in the graph
         wanted = {id(w): w for w in weights}
         # spine nodes with edges off it -> the weights below those edges
         self.off: dict[Node, list] = {}
