@@ -84,7 +84,7 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confi
                               "pipeline_resnet50.py")
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = nc.get_default_parser()
     parser.set_defaults(config=DEFAULT_CONFIG)
     parser.add_argument("--epochs", type=int, default=None, help="override NUM_EPOCHS")
@@ -117,7 +117,19 @@ def parse_args():
                         help="also save every N steps")
     parser.add_argument("--resume", action="store_true",
                         help="continue from --checkpoint when it exists")
-    return parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def build_config(args):
+    """The config file's keys, overridden by the flags given. `--schedule zbv` without --chunks
+    runs two chunks a rank, the V (as `python -m nanocolossal.pipeline --show` assumes): the
+    file's NUM_CHUNKS is for its own schedule. A --chunks given is kept, and a wrong one refused
+    when the schedule is planned."""
+    chunks = 2 if args.schedule == "zbv" and args.chunks is None else args.chunks
+    return nc.load_config(args.config, NUM_EPOCHS=args.epochs, BATCH_SIZE=args.batch_size,
+                          NUM_MICRO_BATCHES=args.micro_batches, NUM_CHUNKS=chunks,
+                          PIPELINE_SCHEDULE=args.schedule, MODEL=args.model,
+                          parallel=dict(pipeline=args.pipeline), debug=args.debug or None)
 
 
 def build_cifar(args, batch_size: int):
@@ -135,13 +147,8 @@ def build_cifar(args, batch_size: int):
 def main():
     # 1. launch: the config file's keys, some overridden by flags
     args = parse_args()
-    if args.schedule == "zbv" and args.chunks is None:
-        args.chunks = 2  # the V: each rank holds two chunks (as `--show --schedule zbv` assumes)
-    config = nc.load_config(args.config, NUM_EPOCHS=args.epochs, BATCH_SIZE=args.batch_size,
-                            NUM_MICRO_BATCHES=args.micro_batches, NUM_CHUNKS=args.chunks,
-                            PIPELINE_SCHEDULE=args.schedule, MODEL=args.model,
-                            parallel=dict(pipeline=args.pipeline), debug=args.debug or None)
-    nc.launch_from_torch(config=config, backend=args.backend, allow_single_process=True)
+    nc.launch_from_torch(config=build_config(args), backend=args.backend,
+                         allow_single_process=True)
     logger = nc.get_dist_logger()
     cfg = gpc.config
 

@@ -121,6 +121,20 @@ def check_consistency(model: nn.Module, train_dataloader: Iterable,
                                f"on every rank")
 
 
+def check_streams_end_together(has: list[int], read: int) -> None:
+    """After `read` batches each rank said whether it has another (data.AgreedStream): all none
+    is the end of every stream; some only is streams of unequal lengths."""
+    ahead = [r for r, h in enumerate(has) if h]
+    if ahead:
+        ended = [r for r, h in enumerate(has) if not h]
+        raise RuntimeError(
+            f"[rank {gpc.rank}] the ranks' data streams have unequal lengths: after {read} "
+            f"batches, rank(s) {ahead} have another and rank(s) {ended} have none. Every rank "
+            f"must run the same number of steps: give every rank a shard of the same length "
+            f"(drop the remainder), or use a dataset with a length and DistributedSampler "
+            f"(nc.get_dataloader)")
+
+
 def check_evaluation(model: nn.Module, test_dataloader: Iterable) -> None:
     """Collective: `_check_evaluation_batches` alone, before an evaluation outside `fit`."""
     if gpc.is_initialized and gpc.world_size > 1:

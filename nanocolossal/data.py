@@ -15,6 +15,14 @@ sample exactly once, so `pad=False` gives uneven, non-overlapping shares; counts
 over ranks (metrics.Accuracy) are then exact. Call `set_epoch(e)` each epoch (the Trainer
 does) or every epoch repeats the same order.
 
+A stream -- a loader without a length, such as a DataLoader over an IterableDataset -- has no
+count to compare before training, and one rank's may end a batch before another's: the rank
+with the extra batch would wait in its gradient all-reduce until the timeout. `agreed_stream`
+lets a stream's batches through only once every rank has one (one all-reduce of a flag per rank
+per batch; the Trainer uses it), so the ranks stop together, or fail together at once, naming
+the ranks that ran out. A loader with a length passes through (check_consistency compared the
+lengths once, up front): no collective is added to its path.
+
 The dataset builders load the real CIFAR-10/MNIST with torchvision (root from the argument,
 else $DATA, else ./data). Where the files are absent and cannot be downloaded, they say so
 in one line on rank 0 and return a synthetic dataset of the same shape and classes that a
@@ -22,15 +30,17 @@ small model can learn, so every script runs offline.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional, Sized
+from typing import Any, Callable, Iterable, Iterator, Optional, Sized
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .checks import check_streams_end_together, loader_length, peer_failed
 from .context import gpc, on_destroy
 from .logging import get_dist_logger
 
@@ -104,6 +114,46 @@ def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024,
     generator = torch.Generator().manual_seed(seed) if shuffle else None
     return DataLoader(dataset, shuffle=shuffle, generator=generator, drop_last=drop_last,
                       pin_memory=pin_memory, **kwargs)
+
+
+class AgreedStream:
+    """A stream whose batches every rank agrees on (agreed_stream); everything else (sampler,
+    dataset, set_epoch) is the loader's own."""
+
+    def __init__(self, loader: Iterable) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        batches, end = iter(self.loader), object()
+        has = torch.zeros(gpc.world_size, dtype=torch.int32, device=gpc.device)
+        for read in itertools.count():
+            batch = next(batches, end)
+            has.zero_()
+            has[gpc.rank] = int(batch is not end)  # "I have another batch"
+            try:
+                dist.all_reduce(has)
+            except RuntimeError as e:
+                raise peer_failed("the all-reduce of 'has every rank another batch?' (data.py)",
+                                  dist.group.WORLD, e) from e
+            if not bool(has.all()):  # every stream ended here, or some only: an error
+                check_streams_end_together(has.tolist(), read)
+                return
+            yield batch
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+def agreed_stream(loader: Iterable) -> Iterable:
+    """`loader` with its end agreed between the ranks where it is a stream on several ranks;
+    itself otherwise (a length, one process, or already agreed). A loop of your own over a
+    stream: `for x, y in nc.data.agreed_stream(loader)`."""
+    if (loader_length(loader) is not None or isinstance(loader, AgreedStream)
+            or not gpc.is_initialized or gpc.world_size == 1):
+        return loader
+    return AgreedStream(loader)
 
 
 class SyntheticImages(Dataset):

@@ -28,6 +28,7 @@ from . import hooks
 from .checkpoint import PathLike
 from .checks import check_consistency, check_evaluation, debug_barrier, loader_length
 from .context import gpc
+from .data import agreed_stream
 from .engine import Engine, PipelineEngine
 from .logging import get_dist_logger
 from .progress import Progress
@@ -114,6 +115,7 @@ class Trainer:
         self._set_hooks(hooks)
         # disagreeing ranks fail here, not hang later
         check_consistency(self.engine.model, train_dataloader, test_dataloader)
+        train_dataloader = agreed_stream(train_dataloader)  # a stream's end: all ranks at once
         self._call("before_train")
         while self.cur_epoch < epochs:
             stopped = self._train_epoch(train_dataloader, epochs, display_progress, max_steps)

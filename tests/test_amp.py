@@ -345,6 +345,34 @@ def test_amp_trains_when_the_default_dtype_is_float64(opt_level):
     assert all(moved), moved
 
 
+def _float64_worker(rank, world_size, port, config):
+    torch.set_default_dtype(torch.float64)  # (the pool resets it after the job)
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    before = copy.deepcopy(model.state_dict())
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               nn.CrossEntropyLoss(), verbose=False)
+    torch.manual_seed(1 + rank)  # each rank its own batches
+    for _ in range(2):
+        engine.zero_grad()
+        engine.execute_schedule((torch.randn(8, 4), torch.randint(0, 3, (8,))))
+        assert engine.step()
+    moved = [not torch.equal(a, b) for a, b in zip(engine.model.state_dict().values(),
+                                                   before.values())]
+    return moved, {k: v.double() for k, v in engine.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", ["TORCH", "NAIVE"])
+def test_gloo_amp_engine_on_two_ranks_when_the_default_dtype_is_float64(mode):
+    """The whole engine path -- fp16 loss scaling, the overflow flag all-reduced over the ranks,
+    clipping -- under a float64 default dtype: both ranks step every time and stay replicas."""
+    config = dict(fp16=dict(mode=getattr(AMP_TYPE, mode), dtype="float16"), clip_grad_norm=1.0)
+    (moved, state), (_, other) = run_ranks(_float64_worker, 2, config)
+    assert all(moved), moved
+    assert_close(state, other, rtol=0, atol=0)
+
+
 def test_initialize_rejects_unknown_opt_level_and_dtype():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="unknown opt_level 'O4'"):

@@ -7,9 +7,17 @@ import pytest
 import torch
 import torch.utils.data.distributed as torch_dist_data
 from cifar_files import skip_cifar_md5, write_cifar
+from dist_helpers import launch_rank, run_ranks
 
 import nanocolossal as nc
-from nanocolossal.data import DistributedSampler, SyntheticImages, cifar10, mnist, synthetic_images
+from nanocolossal.data import (
+    DistributedSampler,
+    SyntheticImages,
+    agreed_stream,
+    cifar10,
+    mnist,
+    synthetic_images,
+)
 
 # ---- DistributedSampler -------------------------------------------------------------------
 
@@ -62,6 +70,34 @@ def test_get_dataloader_in_one_process_reads_everything_reproducibly():
     first = torch.cat(list(nc.get_dataloader(data, shuffle=True, seed=7, batch_size=6))).tolist()
     again = torch.cat(list(nc.get_dataloader(data, shuffle=True, seed=7, batch_size=6))).tolist()
     assert sorted(first) == data and first == again and first != data
+
+
+# ---- agreed_stream ----------------------------------------------------------------------
+
+class _Rows(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(6))
+
+
+def _agreed_worker(rank, world_size, port):
+    launch_rank(rank, world_size, port)
+    sized = torch.utils.data.DataLoader(list(range(6)), batch_size=2)
+    stream = torch.utils.data.DataLoader(_Rows(), batch_size=2)
+    agreed = agreed_stream(stream)
+    return (agreed_stream(sized) is sized, type(agreed).__name__, agreed_stream(agreed) is agreed,
+            agreed.dataset is stream.dataset, [b.tolist() for b in agreed])
+
+
+def test_gloo_agreed_stream_adds_nothing_to_a_loader_with_a_length():
+    """Only a stream is agreed batch by batch: a loader with a length is returned as it is (its
+    length was compared once, up front: no collective per batch), and so is one process's
+    stream. The agreed stream is still the loader (its dataset, sampler, set_epoch) and yields
+    the same batches."""
+    stream = torch.utils.data.DataLoader(_Rows(), batch_size=2)
+    assert agreed_stream(stream) is stream  # one process: nobody to agree with
+    for sized_kept, kind, kept, same_dataset, batches in run_ranks(_agreed_worker, 2):
+        assert sized_kept and kind == "AgreedStream" and kept and same_dataset
+        assert batches == [[0, 1], [2, 3], [4, 5]]
 
 
 # ---- real on-disk formats -------------------------------------------------------------------

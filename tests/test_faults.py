@@ -9,7 +9,7 @@ import torch
 from dist_helpers import run_ranks
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import nanocolossal as nc
 from nanocolossal.pipeline import build_pipeline_model
@@ -63,6 +63,46 @@ def test_gloo_uneven_batch_counts_are_reported_before_training():
         expected = (f"[rank {rank}] ranks disagree on the number of training batches per epoch: "
                     "rank 0: 3, rank 1: 2")
         assert expected in message
+
+
+class _Shard(IterableDataset):
+    """A rank's own stream of `n` rows (no length: nothing to compare before training)."""
+
+    def __init__(self, n):
+        self.data = _data(n)
+
+    def __iter__(self):
+        return iter(self.data)
+
+
+def _stream_worker(rank, world_size, port, rows, own_loop):
+    engine = _engine({}, rank, world_size, port)
+    loader = DataLoader(_Shard(rows[rank]), batch_size=4)
+    start = time.monotonic()
+    if not own_loop:
+        return _fit_error(engine, loader), time.monotonic() - start
+    try:
+        for x, y in nc.data.agreed_stream(loader):  # a loop of one's own agrees the same way
+            engine.zero_grad()
+            engine.backward(engine.criterion(engine(x), y))
+            engine.step()
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize("own_loop", [False, True], ids=["trainer", "own_loop"])
+def test_gloo_streams_of_unequal_lengths_fail_at_once_naming_the_ranks(own_loop):
+    """Streams (here DataLoaders over IterableDatasets) have no length to compare up front: the
+    ranks agree on every batch instead, so equal streams train to their end and a stream that
+    ends on rank 1 first (3 vs 2 batches) is an error on both ranks at once, not a timeout."""
+    for rank, (message, _) in enumerate(run_ranks(_stream_worker, 2, (12, 12), own_loop)):
+        assert message == "no error", f"rank {rank}: {message}"
+    for rank, (message, seconds) in enumerate(run_ranks(_stream_worker, 2, (12, 8), own_loop)):
+        assert (f"[rank {rank}] the ranks' data streams have unequal lengths: after 2 batches, "
+                f"rank(s) [0] have another and rank(s) [1] have none") in message
+        assert "same length (drop the remainder)" in message and "DistributedSampler" in message
+        assert seconds < TIMEOUT
 
 
 def _transform(x):

@@ -8,6 +8,8 @@ import torch
 from dist_helpers import ROOT, run_script
 from torch import nn
 
+from nanocolossal.pipeline.plan import PlanError, check_sizes
+
 
 def _train(tmp_path, *args):
     # 2 batches of 16 (4 micro-batches of 4): the trace records the second
@@ -45,6 +47,26 @@ def test_deep_train_pipeline_two_chunks_a_rank(tmp_path, flags, schedule):
                  "resnet18").replace("\r", "\n")
     assert f"initialize: pipeline {schedule} x2 stages, 4 micro-batches, 2 chunk(s)" in out
     assert "test accuracy" in out
+
+
+def _script_config(*flags):
+    sys.path.insert(0, str(ROOT))
+    from train_pipeline import build_config, parse_args
+    return build_config(parse_args(list(flags)))
+
+
+def test_schedule_zbv_takes_two_chunks_unless_told_otherwise():
+    """`--schedule zbv` alone runs the V's two chunks a rank (the config file's NUM_CHUNKS = 1
+    is for its own 1F1B), as `python -m nanocolossal.pipeline --show` does; a --chunks given is
+    kept, so a wrong one is refused when the schedule is planned, not quietly replaced."""
+    cfg = _script_config("--schedule", "zbv")
+    assert (cfg.PIPELINE_SCHEDULE, cfg.NUM_CHUNKS) == ("zbv", 2)
+    check_sizes("zbv", cfg.parallel["pipeline"], cfg.NUM_MICRO_BATCHES, cfg.NUM_CHUNKS)
+    assert _script_config().NUM_CHUNKS == 1  # other schedules keep the file's
+    cfg = _script_config("--schedule", "zbv", "--chunks", "3")
+    with pytest.raises(PlanError, match=r"zbv runs two chunks per rank .*NUM_CHUNKS=3; set "
+                                        r"NUM_CHUNKS=2"):
+        check_sizes("zbv", cfg.parallel["pipeline"], cfg.NUM_MICRO_BATCHES, cfg.NUM_CHUNKS)
 
 
 def test_model_choices_are_flat_sequentials_and_a_bad_name_is_named():

@@ -7,6 +7,9 @@
         engine.backward(loss)                # loss scaling, accumulation
         engine.step()                        # unscale, clip, overflow check, optimizer step
 
+A loader without a length (a stream) on several ranks is read through nc.data.agreed_stream(loader)
+(the Trainer does), so that streams ending on some ranks first fail at once, naming them.
+
 The Engine adds nothing to the maths: `initialize` (initialize.py) has already wrapped the model
 (SyncBN, AMP, DDP) and the optimizer (loss scaling, fp32 masters, ZeRO); the Engine runs them in
 the right order and owns the two things a loop gets wrong most often:
