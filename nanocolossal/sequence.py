@@ -40,18 +40,20 @@ all-to-all attention takes shares a token apart (tensor/zigzag.py).
 """
 from __future__ import annotations
 
+from collections.abc import Sized
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from .checks import loader_length
 from .config import Config, ConfigError, register_check
 from .context import gpc
 from .loss_weights import counted_targets, mean_over
 from .nest import map_tensors
-from .tensor.zigzag import share_lengths, zigzag_split
+from .tensor.zigzag import check_length, share_lengths, zigzag_split
 
 ATTENTION = ("ring", "all_to_all")  # parallel.tensor's attention=: how a rank meets the others
 
@@ -133,6 +135,8 @@ def split_loader(loader: Any) -> Any:
     """`loader` as this rank of the sequence group sees it (itself without sequence parallelism)."""
     if loader is None or gpc.sequence_size == 1:
         return loader
+    if even_shares():
+        check_sample_lengths(loader)
     sized = loader_length(loader) is not None
     return (SizedSequenceSplitLoader if sized else SequenceSplitLoader)(loader)
 
@@ -141,9 +145,10 @@ def split_loader(loader: Any) -> Any:
 
 def check_sequence_config(cfg: Config) -> None:
     """parallel.tensor's attention= names a kind we have; all-to-all gives every sequence rank
-    whole heads, so the config's HEADS (train_gpt.py's) must divide by N."""
+    whole heads, so the config's HEADS (train_gpt.py's) must divide by N; ring attention's
+    blocks are equal, so its SEQ_LEN must divide into 2N zig-zag stripes."""
     tensor = (cfg.get("parallel") or {}).get("tensor")
-    if not isinstance(tensor, Mapping) or "attention" not in tensor:
+    if not isinstance(tensor, Mapping):
         return
     kind, n, heads = sequence_attention(cfg), tensor.get("size", 1), cfg.get("HEADS")
     if kind not in ATTENTION:
@@ -154,9 +159,25 @@ def check_sequence_config(cfg: Config) -> None:
                           f"ranks whole heads, but HEADS = {heads} does not divide by {n}; use "
                           f"HEADS a multiple of {n}, a size dividing {heads}, or "
                           f"attention='ring'")
+    seq_len = cfg.get("SEQ_LEN")
+    if tensor.get("mode") == "sequence" and kind == "ring" and isinstance(seq_len, int):
+        check_length(seq_len, n, "SEQ_LEN = ")
 
 
 register_check(check_sequence_config)  # validate_config runs it when a config is loaded
+
+
+def check_sample_lengths(loader: Any) -> None:
+    """Ring attention at initialize: the first sample of a loader's dataset (where batches are
+    its samples stacked) has the sequences' length; refused now, not at the first batch."""
+    dataset = getattr(loader, "dataset", None)
+    if not (isinstance(loader, DataLoader) and loader.collate_fn is default_collate
+            and isinstance(dataset, Sized) and not isinstance(dataset, IterableDataset)
+            and len(dataset) > 0):
+        return
+    # a sample's tensors of 1 or more dims are the batch's of 2 or more: split along dim 1
+    map_tensors(lambda t: check_length(len(t), gpc.sequence_size) if t.dim() else None,
+                dataset[0])
 
 
 def check_sequence_model(model: nn.Module) -> None:

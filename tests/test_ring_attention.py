@@ -14,6 +14,7 @@ from sequence_runs import attention_reference
 from torch.testing import assert_close
 
 import nanocolossal as nc
+from nanocolossal.config import ConfigError
 from nanocolossal.memory import LargestMade, SavedBytes
 from nanocolossal.nn.transformer import Attention
 from nanocolossal.tensor import ring_attention as ring
@@ -118,10 +119,11 @@ def _split_layout(rank, world_size, port):
                       x[:, (2 * world_size - 1 - rank) * c:(2 * world_size - rank) * c]], 1)
     assert torch.equal(mine, want), (mine, want)
     assert torch.equal(gather_sequence(mine, 1, None), x)
-    with pytest.raises(ValueError, match=rf"\[rank {rank}\].*length 10.*multiple of "
-                                         rf"{2 * world_size}"):
+    # ConfigErrors: a sequence length is the user's to choose, said in one line
+    with pytest.raises(ConfigError, match=rf"\[rank {rank}\].*length 10.*multiple of "
+                                          rf"{2 * world_size}"):
         split_sequence(torch.zeros(1, 10), 1, None)
-    with pytest.raises(ValueError, match=rf"\[rank {rank}\].*odd length 3"):
+    with pytest.raises(ConfigError, match=rf"\[rank {rank}\].*odd length 3"):
         ring_attention(*(torch.zeros(1, 1, 3, 2) for _ in range(3)))
     return True
 

@@ -26,6 +26,7 @@ from sequence_runs import (
 )
 from torch import nn
 from torch.testing import assert_close
+from torch.utils.data import DataLoader, TensorDataset
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
@@ -364,15 +365,20 @@ def _refusals(rank, world_size, port):
         with pytest.raises(ConfigError) as err:
             nc.initialize(model, _optimizer(model), verbose=False)
         said[case] = str(err.value)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         gpt(vocab=VOCAB, seq_len=SEQ, dim=16, depth=1, heads=2, dropout=0.1)
     said["dropout"] = str(err.value)
     model = _model()
+    six = TensorDataset(*(torch.zeros(4, 6).long(),) * 2)
+    with pytest.raises(ConfigError) as err:  # a DataLoader's first sample: at initialize
+        nc.initialize(model, _optimizer(model), verbose=False,
+                      train_dataloader=DataLoader(six, batch_size=2))
+    said["length"] = str(err.value)
     engine, loader, *_ = nc.initialize(model, _optimizer(model), verbose=False,
                                        train_dataloader=[(torch.zeros(2, 6).long(),) * 2])
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:  # any other loader: its first batch
         next(iter(loader))
-    said["length"] = str(err.value)
+    said["length of a batch"] = str(err.value)
     with pytest.raises(ValueError) as err:
         engine(torch.zeros(2, 5).long())  # a share given by hand, not by the loader
     said["odd share"] = str(err.value)
@@ -386,7 +392,9 @@ def test_gloo_what_sequence_parallelism_refuses_and_says():
     assert "mixes tokens" in said["vit"] and "mode '1d'/'2d'" in said["vit"]
     assert "no attention that knows the sequence is split" in said["no attention"]
     assert "no attention dropout" in said["dropout"] and "dropout=0" in said["dropout"]
-    assert "sequence length 6" in said["length"] and "nearest: 4, 8" in said["length"]
+    assert said["length"] == said["length of a batch"] == (
+        "[rank 1] sequence length 6 does not split into 2 x 2 zig-zag stripes for 2 "
+        "sequence-parallel ranks; use a multiple of 4 (nearest: 4, 8)")
     launches = ("zero 3 beside a pipeline", "sequence key beside 1d",
                 "sequence key beside sequence", "sequence x4 on 2")
     assert all(said[case].startswith("ConfigError: [rank 1]") for case in launches), said
@@ -398,6 +406,19 @@ def test_gloo_what_sequence_parallelism_refuses_and_says():
     assert "launch a multiple of 4" in said["sequence x4 on 2"]
     # (the message speaks of the whole sequence, 2 x 5 = 10 tokens: engine(x) takes a share)
     assert said["odd share"].startswith("[rank 1]") and "zig-zag" in said["odd share"]
+
+
+def test_config_refuses_a_seq_len_ring_attention_cannot_split():
+    """Ring attention's blocks are equal: SEQ_LEN (train_gpt.py's) must cut into 2N stripes,
+    said when the config is loaded; all-to-all attention takes any length."""
+    ring = dict(SEQ_LEN=6, parallel=SEQ2)
+    with pytest.raises(ConfigError) as err:
+        nc.load_config(ring)
+    assert str(err.value) == ("sequence length SEQ_LEN = 6 does not split into 2 x 2 zig-zag "
+                              "stripes for 2 sequence-parallel ranks; use a multiple of 4 "
+                              "(nearest: 4, 8)")
+    assert nc.load_config(dict(SEQ_LEN=6, parallel={"tensor": {**SEQ2["tensor"],
+                                                               "attention": "all_to_all"}}))
 
 
 def _too_long(rank, world, port):

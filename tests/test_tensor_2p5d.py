@@ -12,15 +12,18 @@ from layer_checks import (
     check_layers,
     embedding_padding,
     generate_feature_split,
+    small_model,
     tiny_gpt_one_process,
     tiny_gpt_run,
     train_small_model,
 )
 from models import error_message
 from torch.testing import assert_close
+from torch.utils.data import DataLoader, TensorDataset
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
+from nanocolossal.config import ConfigError
 from nanocolossal.context import gpc
 
 pytestmark = pytest.mark.timeout(120)
@@ -56,20 +59,45 @@ def test_deep_2p5d_layers_equal_plain_torch_forward_and_backward(world, depth):
                                 "vocab embedding + classifier + loss"])] * world
 
 
+def _loader(samples, batch_size, drop_last=False):
+    """'initialized', or the ConfigError initialize raises for a loader of `samples` ids."""
+    model = small_model()
+    data = TensorDataset(torch.randint(0, 10, (samples, 2)), torch.randint(0, 3, (samples,)))
+    try:
+        nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      col_nn.CrossEntropyLoss(), DataLoader(data, batch_size, drop_last=drop_last),
+                      verbose=False)
+    except ConfigError as e:
+        return str(e)
+    return "initialized"
+
+
 def _errors_worker(rank, world_size, port):
     nc.launch(TESSERACT, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     return {"hidden": error_message(lambda: col_nn.Linear(8, 7)),
-            "batch": error_message(lambda: col_nn.Embedding(10, 8)(torch.zeros(6, 2).long()))}
+            "batch": error_message(lambda: col_nn.Embedding(10, 8)(torch.zeros(6, 2).long())),
+            "batches of 6": _loader(12, 6), "last batch of 2": _loader(10, 4),
+            "last batch dropped": _loader(10, 4, drop_last=True)}
 
 
 def test_gloo_2p5d_bad_shapes_are_one_line_errors():
+    """A batch the 4 grid rows cannot split is refused where it arrives; a loader's batches, the
+    last too, are checked at initialize (10 samples in batches of 4 would fail after 2 steps).
+    All ConfigErrors: one line per rank in a script."""
+    grids = "the 4 rows of the 2.5d grids (2 grids of 2) (tensor size 8)"
     for rank, out in enumerate(run_ranks(_errors_worker, 8, timeout=60)):
         assert out == {
             "hidden": f"[rank {rank}] Linear out_features 7 is not divisible by 2 (tensor parallel "
                       f"2.5d, size 8); choose a multiple of 2",
-            "batch": f"[rank {rank}] a batch of 6 cannot be split over the 4 rows of the 2.5d "
-                     f"grids (2 grids of 2) (tensor size 8); use a batch size that is a multiple "
-                     f"of 4"}
+            "batch": f"[rank {rank}] a batch of 6 cannot be split over {grids}; use a batch size "
+                     f"that is a multiple of 4",
+            "batches of 6": f"[rank {rank}] the train dataloader's batches of 6 cannot be split "
+                            f"over {grids}; use a batch size that is a multiple of 4",
+            "last batch of 2": f"[rank {rank}] the train dataloader's last batch has 2 sample(s), "
+                               f"which cannot be split over {grids}, and would fail after 2 "
+                               f"batches; pass drop_last=True, or pick a batch size that leaves "
+                               f"no remainder of 10 or a multiple of 4",
+            "last batch dropped": "initialized"}
 
 
 def _colossal_worker(rank, world_size, port):

@@ -28,6 +28,7 @@ import nanocolossal as nc
 import nanocolossal.nn as col_nn
 from nanocolossal.checkpoint import merge_checkpoint
 from nanocolossal.checkpoint_merge import load_plain_state_dict
+from nanocolossal.config import ConfigError
 from nanocolossal.layout import layout
 from nanocolossal.trainer import Trainer, hooks
 
@@ -73,26 +74,42 @@ def test_deep_3d_layers_equal_plain_torch_forward_and_backward():
          "vocab embedding + classifier + loss"]] * 8
 
 
+def _config_error(build):
+    """The message of the ConfigError (one line, no traceback, in a script) `build()` raises."""
+    with pytest.raises(ConfigError) as err:
+        build()
+    return str(err.value)
+
+
 def _errors_worker(rank, world_size, port):
     nc.launch(CUBE, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     col_nn.Linear(8, 8)  # a column Linear without its row partner yet:
-    norm = error_message(lambda: col_nn.LayerNorm(8))
+    norm = _config_error(lambda: col_nn.LayerNorm(8))
     col_nn.reset_1d_alternation()
-    return {"norm": norm, "in": error_message(lambda: col_nn.Linear(6, 8)),
-            "batch": error_message(lambda: col_nn.Embedding(10, 8)(torch.zeros(6, 2).long()))}
+    return {"norm": norm, "in": _config_error(lambda: col_nn.Linear(6, 8)),
+            "batch": _config_error(lambda: col_nn.Embedding(10, 8)(torch.zeros(6, 2).long())),
+            "both": _config_error(lambda: col_nn.Linear(8, 8, parallel="row",
+                                                         input_is_split=False))}
 
 
 def test_gloo_3d_bad_shapes_are_one_line_errors():
+    """Said when the layer is built (the batch: when it arrives), as ConfigErrors: a script ends
+    with the message alone on every rank."""
     for rank, out in enumerate(run_ranks(_errors_worker, 8, timeout=60)):
         assert out == {
             "norm": f"[rank {rank}] LayerNorm built after a column Linear under 3d tensor "
                     f"parallelism: its input would be the column Linear's output (layout B), "
-                    f"where only a row Linear fits; build Linears in column/row pairs "
-                    f"(nc.nn.Linear alternates) or pass parallel='row' to the Linear before it",
+                    f"where only a row Linear fits; build Linears in the order data flows, in "
+                    f"column/row pairs (nc.nn.Linear alternates), and pass input_is_split=False "
+                    f"to a column Linear whose input is not the previous Linear's output (as "
+                    f"SwiGLU's second)",
             "in": f"[rank {rank}] Linear in_features 6 is not divisible by 4 (tensor parallel "
                   f"3d, size 8); choose a multiple of 4",
             "batch": f"[rank {rank}] a batch of 6 cannot be split over the 4 batch blocks of the "
-                     f"3d cube (tensor size 8); use a batch size that is a multiple of 4"}
+                     f"3d cube (tensor size 8); use a batch size that is a multiple of 4",
+            "both": f"[rank {rank}] Linear(parallel='row', input_is_split=False) contradict each "
+                    f"other: a column Linear takes a whole input (3d: layout A), a row Linear a "
+                    f"split one (layout B); pass one of them"}
 
 
 def _colossal_worker(rank, world_size, port):

@@ -18,9 +18,43 @@ from train_tensor import vit  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 
+class Scale(nn.Module):
+    """A module of the user's own: alpha * x, alpha a plain nn.Parameter."""
+
+    def __init__(self, requires_grad: bool = True) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor(0.7), requires_grad=requires_grad)
+
+    def forward(self, x):
+        return self.alpha * x
+
+
+def _initialized(*layers):
+    """'initialized', or the ConfigError nc.initialize raises for a model of `layers`."""
+    col_nn.reset_1d_alternation()
+    model = nn.Sequential(*(layer() for layer in layers))
+    try:
+        nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    except ConfigError as e:
+        return str(e)
+    return "initialized"
+
+
+def _stray_parameters(mode):
+    """A scalar between nc.nn Linears, trainable or frozen; 1d: a torch LayerNorm after a pair."""
+    def linear():
+        return col_nn.Linear(8, 8)
+    out = {"stray parameter": _initialized(linear, Scale, linear),
+           "frozen": _initialized(linear, lambda: Scale(requires_grad=False), linear)}
+    if mode == "1d":
+        out["torch layernorm"] = _initialized(linear, linear, lambda: nn.LayerNorm(8))
+    return out
+
+
 def _errors_worker(rank, world_size, port, mode):
     nc.launch({"parallel": {"tensor": {"size": world_size, "mode": mode}}}, rank=rank,
               world_size=world_size, host="127.0.0.1", port=port)
+    stray = _stray_parameters(mode)
     plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     out = {
         "hidden": error_message(lambda: col_nn.Linear(8, 7)),
@@ -39,7 +73,26 @@ def _errors_worker(rank, world_size, port, mode):
         normed = nn.Sequential(col_nn.Linear(4, 4), nn.BatchNorm1d(4))  # one block's statistics
         out["batchnorm"] = error_message(lambda: nc.initialize(
             normed, torch.optim.SGD(normed.parameters(), lr=0.1)))
-    return out
+    return {**out, **stray}
+
+
+def _stray_message(rank, size, mode):
+    return (f"[rank {rank}] parallel.tensor={size} ({mode}) but 1.alpha (Scale's) is not a "
+            f"parameter of a nanocolossal.nn layer: each tensor rank would compute its gradient "
+            f"from the activation it holds and nothing would sum them, so its {size} copies "
+            f"would drift apart; build it from nc.nn layers (e.g. nc.nn.Linear, "
+            f"nc.nn.LayerNorm) or freeze it (requires_grad=False)")
+
+
+def test_gloo_1d_a_parameter_outside_nc_nn_layers_is_refused_at_initialize():
+    """A plain nn.Parameter between a column and a row Linear scales a slice on each rank: its
+    gradient is a piece, and nothing sums the pieces, so its copies would drift apart (after a
+    row Linear it would see the whole activation; no check can tell). initialize refuses it by
+    name, before any step. A frozen one cannot drift; torch's LayerNorm after a pair sees the
+    whole activation, as before."""
+    for rank, out in enumerate(run_ranks(_errors_worker, 2, "1d", timeout=60)):
+        assert out["stray parameter"] == _stray_message(rank, 2, "1d")
+        assert out["frozen"] == out["torch layernorm"] == "initialized"
 
 
 def test_gloo_1d_bad_inputs_are_clear_errors():
@@ -75,6 +128,8 @@ def test_deep_2d_bad_inputs_are_clear_errors():
         assert out["batch"] == (f"[rank {rank}] a batch of 3 cannot be split over the 2 rows of "
                                 "the 2d grid (tensor size 4); use a batch size that is a "
                                 "multiple of 2")
+        assert out["stray parameter"] == _stray_message(rank, 4, "2d")
+        assert out["frozen"] == "initialized"
 
 
 @pytest.mark.parametrize("world, parallel, message", [

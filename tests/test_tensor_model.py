@@ -24,19 +24,25 @@ pytestmark = pytest.mark.timeout(180)
 BATCH, STEPS, CLIP = 8, 3, 0.05
 
 
-def _lesson_worker(rank, world_size, port, xs, ys):
-    nc.launch(dict(parallel=dict(tensor=dict(size=4, mode="2d"))), rank=rank,
-              world_size=world_size, host="127.0.0.1", port=port)
-    torch.manual_seed(0)  # the reference's definition: nc.nn picks the 2d layers after launch
-    model = nn.Sequential(col_nn.Embedding(10, 8), col_nn.Linear(8, 8), nn.Tanh(),
-                          col_nn.LayerNorm(8), col_nn.Classifier(8, 3)).double()
+def _lesson_model():
+    torch.manual_seed(0)  # the reference's definition: nc.nn picks the layout's layers after launch
+    return nn.Sequential(col_nn.Embedding(10, 8), col_nn.Linear(8, 8), nn.Tanh(),
+                         col_nn.LayerNorm(8), col_nn.Classifier(8, 3)).double()
+
+
+def _trained(rank, world_size, port, config, build, xs, ys):
+    """build() trained by the engine (SGD + momentum) on the whole batches xs, ys (one process
+    without `config`); its parameters gathered whole."""
+    if config:
+        nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    model = build()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     engine, *_ = nc.initialize(model, optimizer, col_nn.CrossEntropyLoss(), verbose=False)
     for x, y in zip(xs, ys):  # every rank the whole batch: a grid row keeps its block of it
         engine.zero_grad()
         engine.backward(engine.criterion(engine(x), y))
         engine.step()
-    # each rank holds a block of every weight on the 2 x 2 grid: gather the whole tensors
+    # each rank holds a block of every weight (2d: on the 2 x 2 grid): gather the whole tensors
     return {name: gather_slices(p.detach(), getattr(p, "tensor_splits", []))
             for name, p in engine.model.named_parameters()}
 
@@ -44,17 +50,51 @@ def _lesson_worker(rank, world_size, port, xs, ys):
 def test_gloo_a_model_of_nc_nn_layers_on_a_2d_grid_equals_one_process():
     """One model definition of nc.nn layers: plain torch layers in one process, SUMMA's 2d
     layers on a 2 x 2 grid of ranks (activations and weights in blocks); both train alike."""
-    torch.manual_seed(0)
-    model = nn.Sequential(col_nn.Embedding(10, 8), col_nn.Linear(8, 8), nn.Tanh(),
-                          col_nn.LayerNorm(8), col_nn.Classifier(8, 3)).double()
+    model = _lesson_model()
     xs, ys = torch.randint(0, 10, (3, 8)), torch.randint(0, 3, (3, 8))  # 3 batches of 8 ids
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     for x, y in zip(xs, ys):
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
-    for rank, params in enumerate(run_ranks(_lesson_worker, 4, xs, ys)):
+    grid = dict(parallel=dict(tensor=dict(size=4, mode="2d")))
+    for rank, params in enumerate(run_ranks(_trained, 4, grid, _lesson_model, xs, ys)):
         assert_close(params, model.state_dict(), msg=lambda m: f"rank {rank}: {m}")
+
+
+class SwiGLU(nn.Module):
+    """x + w2(silu(w1(n)) * w3(n)), n = norm(x): w3's input is n, not w1's output (the Linear
+    built before it), so it says so; w2 takes w1's and w3's product, split as w1's output."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = col_nn.LayerNorm(dim)
+        self.w1 = col_nn.Linear(dim, hidden)                        # column
+        self.w3 = col_nn.Linear(dim, hidden, input_is_split=False)  # column: its input is n
+        self.w2 = col_nn.Linear(hidden, dim)                        # row
+
+    def forward(self, x):
+        n = self.norm(x)
+        return x + self.w2(nn.functional.silu(self.w1(n)) * self.w3(n))
+
+
+def _swiglu_model():
+    col_nn.reset_1d_alternation()
+    torch.manual_seed(0)
+    return nn.Sequential(col_nn.Embedding(10, 8), SwiGLU(8, 8), col_nn.LayerNorm(8),
+                         col_nn.Classifier(8, 3)).double()
+
+
+@pytest.mark.parametrize("world, mode", [(2, "1d"), (8, "3d")], ids=["1d x2", "3d 2x2x2"])
+def test_gloo_a_swiglu_mlp_built_in_data_flow_order_equals_one_process(world, mode):
+    """1d and 3d Linears alternate column, row in the order they are built; SwiGLU's second
+    column Linear (w3) takes the block's input, which `input_is_split=False` says. The next
+    LayerNorm then sees layout A (3d) and the whole model trains as one process."""
+    xs, ys = torch.randint(0, 10, (2, 8)), torch.randint(0, 3, (2, 8))  # 2 batches of 8 ids
+    one_process = _trained(0, 1, None, None, _swiglu_model, xs, ys)
+    layout = dict(parallel=dict(tensor=dict(size=world, mode=mode)))
+    for rank, params in enumerate(run_ranks(_trained, world, layout, _swiglu_model, xs, ys)):
+        assert_close(params, one_process, msg=lambda m: f"rank {rank}: {m}")
 
 
 def _model(seed=0):

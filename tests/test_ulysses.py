@@ -226,11 +226,13 @@ def _refusals(rank, world_size, port):
     nc.launch({"parallel": {"tensor": A2A}}, rank=rank, world_size=world_size,
               host="127.0.0.1", port=port)
     said = {"log": layout_note(None)}
-    for case, call in {
-        "heads": lambda: Attention(WIDTH, heads=3),
-        "shares": lambda: ulysses_attention(*(torch.zeros(1, 2, 4 + 2 * rank, 2),) * 3),
-    }.items():
-        with pytest.raises(ValueError) as err:
+    for case, call, kind in [
+        ("heads", lambda: Attention(WIDTH, heads=3), ConfigError),  # when the model is built
+        ("heads given", lambda: ulysses_attention(*(torch.zeros(1, 3, 4, 2),) * 3), ConfigError),
+        ("shares", lambda: ulysses_attention(*(torch.zeros(1, 2, 4 + 2 * rank, 2),) * 3),
+         ValueError),
+    ]:
+        with pytest.raises(kind) as err:
             call()
         said[case] = str(err.value)
     return said
@@ -240,8 +242,13 @@ def _refusals(rank, world_size, port):
 def test_gloo_ulysses_refusals_name_the_rank_and_what_to_change():
     for rank, said in enumerate(run_ranks(_refusals, 2, timeout=20)):
         assert said["log"] == "sequence parallel x2 (all-to-all attention, Ulysses)"
-        assert said["heads"].startswith(f"[rank {rank}] 3 heads") and "sequence ranks" in \
-            said["heads"]
+        # a model's heads are the user's choice: a ConfigError, one line in a script
+        assert said["heads"] == (f"[rank {rank}] 3 heads of a {WIDTH}-wide model do not split "
+                                 f"over 2 sequence ranks; use a number of heads divisible by 2 "
+                                 f"that divides {WIDTH}")
+        assert said["heads given"] == (f"[rank {rank}] all-to-all attention gives each of 2 ranks "
+                                       f"whole heads, but there are 3; use a number of heads "
+                                       f"divisible by 2, or attention='ring'")
         # 4 and 6 tokens: 10 tokens split zig-zag are 5 and 5 -- every rank says so, none waits
         assert said["shares"].startswith(f"[rank {rank}]") and "[4, 6]" in said["shares"] and \
             "[5, 5]" in said["shares"]

@@ -43,7 +43,11 @@ def _run(tmp_path, body: str) -> subprocess.CompletedProcess:
      "grid); use size 1 or 4"),
     (LAUNCH.format(config="'x.py'", port="{port}") + "\nprint(nc.gpc.config.NUM_EPOCHS)\n",
      "[rank 0] x.py has no NUM_EPOCHS: add e.g. NUM_EPOCHS = 10"),
-], ids=["world-not-divisible", "2d-not-square", "missing-key"])
+    # a size the layers cannot split is refused alike, at load (here) or when the model is built
+    ("nc.load_config(dict(SEQ_LEN=6, parallel=dict(tensor=dict(size=2, mode='sequence'))))\n",
+     "[rank 0] sequence length SEQ_LEN = 6 does not split into 2 x 2 zig-zag stripes for 2 "
+     "sequence-parallel ranks; use a multiple of 4 (nearest: 4, 8)"),
+], ids=["world-not-divisible", "2d-not-square", "missing-key", "ring-seq-len"])
 def test_gloo_user_error_ends_in_one_line_without_traceback(tmp_path, body, message):
     result = _run(tmp_path, body.format(port=free_port()))
     assert result.returncode == 1, result.stderr

@@ -19,6 +19,15 @@ the same way, between the cube's two activation layouts (tensor/cube.py). Dropou
 follows the same state: after a column-parallel Linear the activation is split and each rank
 draws its own mask; elsewhere masks are shared (2d, 2.5d, 3d: every activation is split).
 
+The alternation follows the order Linears are built in, which is the order data flows through
+them only in a chain. Where a Linear's input is not the output of the Linear built before it,
+`input_is_split=` says what it is, and the alternation goes on from there. SwiGLU,
+w2(silu(w1(x)) * w3(x)), built in the order data flows:
+
+    w1 = nc.nn.Linear(d, h)                        # column: x whole (1d) / layout A (3d)
+    w3 = nc.nn.Linear(d, h, input_is_split=False)  # column: its input is x, not w1's output
+    w2 = nc.nn.Linear(h, d)                        # row: its input is split like w1's output
+
 `Embedding` and `Classifier` pick the vocabulary-parallel layers, as Colossal-AI does, when the
 table has more than `VOCAB_PARALLEL_LIMIT` rows: there the rows, not the features, are worth
 splitting. `Classifier(..., weight=embedding.weight)` ties the two in every mode.
@@ -34,6 +43,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..config import ConfigError
 from ..context import gpc, on_destroy
 from ..sequence import sequence_share
 from ..tensor import layers_1d, layers_2d, layers_3d
@@ -83,11 +93,12 @@ def check_3d_layout(layer: str) -> None:
     takes; LayerNorm, embeddings and classifiers work on layout A. Built between a column Linear
     and its row partner, they would compute on the wrong blocks, silently: refuse."""
     if gpc.tensor_mode == "3d" and _state["next_is_row"]:
-        raise ValueError(f"[rank {gpc.rank}] {layer} built after a column Linear under 3d "
-                         f"tensor parallelism: its input would be the column Linear's output "
-                         f"(layout B), where only a row Linear fits; build Linears in column/row "
-                         f"pairs (nc.nn.Linear alternates) or pass parallel='row' to the Linear "
-                         f"before it")
+        raise ConfigError(f"[rank {gpc.rank}] {layer} built after a column Linear under 3d "
+                          f"tensor parallelism: its input would be the column Linear's output "
+                          f"(layout B), where only a row Linear fits; build Linears in the order "
+                          f"data flows, in column/row pairs (nc.nn.Linear alternates), and pass "
+                          f"input_is_split=False to a column Linear whose input is not the "
+                          f"previous Linear's output (as SwiGLU's second)")
 
 
 def check_3d_side(parallel: Optional[str]) -> None:
@@ -102,23 +113,39 @@ def check_3d_side(parallel: Optional[str]) -> None:
     else:
         where = ("with no column Linear before it: its input would be in layout A, where only a "
                  "column Linear fits")
-    raise ValueError(f"[rank {gpc.rank}] Linear(parallel={parallel!r}) built {where} under 3d "
-                     f"tensor parallelism; build Linears in column/row pairs (parallel=None "
-                     f"alternates)")
+    raise ConfigError(f"[rank {gpc.rank}] Linear(parallel={parallel!r}) built {where} under 3d "
+                      f"tensor parallelism; build Linears in column/row pairs (parallel=None "
+                      f"alternates), or say where its input comes from with input_is_split=")
+
+
+def check_linear_arguments(parallel: Optional[str], input_is_split: Optional[bool]) -> None:
+    """`parallel` is a side, and `input_is_split`, which also picks one, does not contradict it."""
+    if parallel not in (None, "column", "row"):
+        raise ConfigError(f"[rank {gpc.rank}] Linear(parallel=...) must be 'column', 'row' or "
+                          f"None, got {parallel!r}")
+    if input_is_split is not None and parallel is not None \
+            and input_is_split != (parallel == "row"):
+        raise ConfigError(f"[rank {gpc.rank}] Linear(parallel={parallel!r}, input_is_split="
+                          f"{input_is_split}) contradict each other: a column Linear takes a "
+                          f"whole input (3d: layout A), a row Linear a split one (layout B); "
+                          f"pass one of them")
 
 
 VOCAB_PARALLEL_LIMIT = 2048  # Colossal-AI's default: larger tables split by vocabulary
 
 
 def Linear(in_features: int, out_features: int, bias: bool = True,
-           parallel: Optional[str] = None) -> nn.Module:
-    """`parallel`: "column" or "row" under 1d (None: alternate, starting with column)."""
-    if parallel not in (None, "column", "row"):
-        raise ValueError(f"[rank {gpc.rank}] Linear(parallel=...) must be 'column', 'row' or "
-                         f"None, got {parallel!r}")
+           parallel: Optional[str] = None, input_is_split: Optional[bool] = None) -> nn.Module:
+    """`parallel`: "column" or "row" under 1d and 3d (None: alternate, starting with column).
+    `input_is_split` (1d, 3d): is the input a column Linear's output -- split (1d), in layout B
+    (3d)? None: the Linear built before this one says (the alternation); False, as for an input
+    that is not that Linear's output (SwiGLU's second column Linear: the module docstring)."""
+    check_linear_arguments(parallel, input_is_split)
     if gpc.tensor_mode in GRID:
         return layers_2d.Linear2D(in_features, out_features, bias)
     if gpc.tensor_mode in ALTERNATING:
+        if input_is_split is not None:  # the data flow, as the model says it
+            set_1d_input_is_split(input_is_split)
         if gpc.tensor_mode == "3d":
             check_3d_side(parallel)
             return layers_3d.Linear3D(in_features, out_features, bias, alternate(parallel))

@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..activation_checkpoint import block_mode, checkpoint
+from ..config import ConfigError
 from ..context import gpc
 from ..moe import MoeLayer
 from ..sequence import sequence_attention
@@ -65,13 +66,15 @@ class Attention(nn.Module):
                  "1d": gpc.tensor_size,
                  "sequence": gpc.tensor_size if self.all_to_all else 1}.get(gpc.tensor_mode, 1)
         if gpc.sequence_size > 1 and dropout > 0 and not self.all_to_all:
-            raise ValueError(f"[rank {gpc.rank}] ring attention (mode='sequence') computes the "
-                             f"softmax block by block and has no attention dropout; build the "
-                             f"model with dropout=0 (got {dropout}), or use attention='all_to_all'")
+            raise ConfigError(f"[rank {gpc.rank}] ring attention (mode='sequence') computes "
+                              f"the softmax block by block and has no attention dropout; build "
+                              f"the model with dropout=0 (got {dropout}), or use "
+                              f"attention='all_to_all'")
         if heads % parts or dim % heads:
-            raise ValueError(f"[rank {gpc.rank}] {heads} heads of a {dim}-wide model do not split "
-                             f"over {parts} {'sequence' if self.all_to_all else 'tensor'} ranks; "
-                             f"use a number of heads divisible by {parts} that divides {dim}")
+            raise ConfigError(f"[rank {gpc.rank}] {heads} heads of a {dim}-wide model do not "
+                              f"split over {parts} "
+                              f"{'sequence' if self.all_to_all else 'tensor'} ranks; use a "
+                              f"number of heads divisible by {parts} that divides {dim}")
         self.head_dim, self.scale = dim // heads, (dim // heads) ** -0.5
         self.causal, self.attention = causal, attention
         self.qkv = Linear(dim, 3 * dim, parallel="column")  # 1d: heads split over ranks

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import ConfigError
 from ..context import gpc
 
 # How a parameter is cut: a list of (dim, axis), outermost first. Axis "tensor" splits over all
@@ -134,10 +135,12 @@ def add_bias(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def check_divisible(size: int, parts: int, what: str) -> None:
+    """A size the layer splits must divide: said when the layer is built (a model's size is the
+    user's choice, like the config's: a ConfigError, one line)."""
     if size % parts != 0:
-        raise ValueError(f"[rank {gpc.rank}] {what} {size} is not divisible by "
-                         f"{parts} (tensor parallel {gpc.tensor_mode}, size "
-                         f"{gpc.tensor_size}); choose a multiple of {parts}")
+        raise ConfigError(f"[rank {gpc.rank}] {what} {size} is not divisible by "
+                          f"{parts} (tensor parallel {gpc.tensor_mode}, size "
+                          f"{gpc.tensor_size}); choose a multiple of {parts}")
 
 
 def check_input_split(x: torch.Tensor, layer: str, in_features: int, parts: int,

@@ -58,6 +58,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..config import ConfigError
 from ..context import gpc
 from ..extensions import Extension
 from ..loss_weights import counted_targets, mean_over
@@ -110,12 +111,17 @@ def batch_block(x: torch.Tensor) -> torch.Tensor:
 
 def check_batch(x: torch.Tensor, parts: int) -> None:
     if x.shape[0] % parts != 0:
-        where = {"2d": "rows of the 2d grid",
-                 "2.5d": f"rows of the 2.5d grids ({gpc.tensor_depth} grids of {gpc.summa_dim})",
-                 "3d": "batch blocks of the 3d cube"}[gpc.tensor_mode]
-        raise ValueError(f"[rank {gpc.rank}] a batch of {x.shape[0]} cannot be split over the "
-                         f"{parts} {where} (tensor size {gpc.tensor_size}); use a batch size "
-                         f"that is a multiple of {parts}")
+        raise ConfigError(f"[rank {gpc.rank}] a batch of {x.shape[0]} {batch_split_error(parts)}; "
+                          f"use a batch size that is a multiple of {parts}")
+
+
+def batch_split_error(parts: Optional[int] = None) -> str:
+    """What a batch that does not split into `parts` (this mode's batch blocks) cannot do."""
+    where = {"2d": "rows of the 2d grid",
+             "2.5d": f"rows of the 2.5d grids ({gpc.tensor_depth} grids of {gpc.summa_dim})",
+             "3d": "batch blocks of the 3d cube"}[gpc.tensor_mode]
+    return (f"cannot be split over the {parts or batch_blocks()} {where} (tensor size "
+            f"{gpc.tensor_size})")
 
 
 def grid_batch(x: torch.Tensor) -> torch.Tensor:

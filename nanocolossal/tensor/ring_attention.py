@@ -85,6 +85,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..config import ConfigError
 from .zigzag import (
     Group,
     gather_sequence,
@@ -329,10 +330,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
                          f"{tuple(v.shape)}")
     n, _ = size_and_rank(group)
     if causal and n > 1 and q.shape[-2] % 2:
-        raise ValueError(f"[rank {dist.get_rank()}] causal ring attention needs the zig-zag "
-                         f"layout (2 stripes per rank) but the local sequence has odd length "
-                         f"{q.shape[-2]}; split a sequence of a multiple of {2 * n} tokens with "
-                         f"split_sequence")
+        raise ConfigError(f"[rank {dist.get_rank()}] causal ring attention needs the zig-zag "
+                          f"layout (2 stripes per rank) but the local sequence has odd length "
+                          f"{q.shape[-2]}; split a sequence of a multiple of {2 * n} tokens with "
+                          f"split_sequence")
     # half inputs (or autocast) compute in float32, as FlashAttention keeps its softmax sums:
     # running sums of exp() over N blocks in a half type lose precision. (One process computes
     # its softmax in fp32 under O1 but in the half type under O2/O3: there the ring is finer.)

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..config import ConfigError
 from .comm import exchange
 from .zigzag import Group, share_lengths, size_and_rank, zigzag_positions
 
@@ -136,9 +137,9 @@ def _check(q, k, v, n: int, key_padding_mask, attend) -> None:
         raise ValueError(f"[rank {dist.get_rank()}] q, k, v must have one shape; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[1] % n:
-        raise ValueError(f"[rank {dist.get_rank()}] all-to-all attention gives each of {n} "
-                         f"ranks whole heads, but there are {q.shape[1]}; use a number of heads "
-                         f"divisible by {n}, or attention='ring'")
+        raise ConfigError(f"[rank {dist.get_rank()}] all-to-all attention gives each of {n} "
+                          f"ranks whole heads, but there are {q.shape[1]}; use a number of heads "
+                          f"divisible by {n}, or attention='ring'")
     if key_padding_mask is not None and attend is not None:
         raise ValueError(f"[rank {dist.get_rank()}] pass key_padding_mask or attend, not both: "
                          f"an attend of your own applies its own mask")

@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..config import ConfigError
+
 Group = Optional[dist.ProcessGroup]
 
 
@@ -37,13 +39,16 @@ def zigzag_stripes(n: int, r: int) -> tuple[int, int]:
     return r, 2 * n - 1 - r
 
 
-def _check_length(length: int, n: int) -> None:
+def check_length(length: int, n: int, what: str = "") -> None:
+    """Ring attention's length: 2n equal stripes (`what`: how the message names the length;
+    before launch, as a config is checked, the error hook names the rank)."""
     if length % (2 * n):
         lo, hi = length // (2 * n) * 2 * n, (length // (2 * n) + 1) * 2 * n
-        raise ValueError(f"[rank {dist.get_rank() if dist.is_initialized() else 0}] sequence "
-                         f"length {length} does not split into 2 x {n} zig-zag stripes for {n} "
-                         f"sequence-parallel ranks; use a multiple of {2 * n} (nearest: "
-                         f"{', '.join(str(x) for x in (lo, hi) if x > 0)})")
+        rank = f"[rank {dist.get_rank()}] " if dist.is_initialized() else ""
+        raise ConfigError(f"{rank}sequence length {what}{length} does not split into 2 x {n} "
+                          f"zig-zag stripes for {n} sequence-parallel ranks; use a multiple of "
+                          f"{2 * n} (nearest: "
+                          f"{', '.join(str(x) for x in (lo, hi) if x > 0)})")
 
 
 def zigzag_sizes(length: int, n: int) -> list[int]:
@@ -58,7 +63,7 @@ def zigzag_split(x: torch.Tensor, dim: int, n: int, r: int, even: bool = True) -
     if n == 1:
         return x
     if even:
-        _check_length(x.shape[dim], n)
+        check_length(x.shape[dim], n)
     stripes = x.split(zigzag_sizes(x.shape[dim], n), dim=dim)
     a, b = zigzag_stripes(n, r)
     return torch.cat([stripes[a], stripes[b]], dim=dim)

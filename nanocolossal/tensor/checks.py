@@ -1,0 +1,79 @@
+"""What initialize refuses under tensor parallelism, beside plain torch layers (engine/checks.py).
+
+A parameter outside nanocolossal's layers has no one to sum its gradient over the tensor ranks:
+whether each rank's gradient is whole or a piece depends on where the parameter is used (a
+LayerNorm after a row-parallel Linear sees the whole activation, a scale after a column-parallel
+one a slice), which no check can see. Refused, naming it, rather than let its copies drift.
+
+A batch the grid (2d, 2.5d) or the cube (3d) cannot cut into its batch blocks fails in the
+forward; a loader's last, shorter batch only after an epoch's steps. Checked up front.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ..config import ConfigError
+from ..context import gpc
+from .layers_2d import batch_blocks, batch_split_error
+
+
+def check_tensor_model(model: nn.Module, loaders: dict[str, Any]) -> None:
+    """Every trainable parameter is an nc.nn layer's; every batch splits into the batch blocks."""
+    check_replicated_parameters(model)
+    check_batches_split(loaders)
+
+
+def _torch_layer(module: nn.Module) -> bool:
+    """A torch layer (LayerNorm, BatchNorm, ... or a subclass): 1d gives it whole activations
+    when it sits outside a column/row pair, as the plain-layer check allows."""
+    return any(c.__module__.startswith("torch.nn") for c in type(module).__mro__[:-2])
+
+
+def check_replicated_parameters(model: nn.Module) -> None:
+    """nc.nn's layers mark their parameters (tensor_splits) and reduce their gradients; any other
+    trainable parameter would be a copy per tensor rank that nothing keeps equal."""
+    for owner_name, owner in model.named_modules():
+        for name, p in owner.named_parameters(recurse=False):
+            if not p.requires_grad or hasattr(p, "tensor_splits"):
+                continue
+            if gpc.tensor_mode == "1d" and _torch_layer(owner):
+                continue
+            raise ConfigError(
+                f"[rank {gpc.rank}] parallel.tensor={gpc.tensor_size} ({gpc.tensor_mode}) but "
+                f"{f'{owner_name}.' if owner_name else ''}{name} ({type(owner).__name__}'s) is "
+                f"not a parameter of a nanocolossal.nn layer: each tensor rank would compute "
+                f"its gradient from the activation it holds and nothing would sum them, so its "
+                f"{gpc.tensor_size} copies would drift apart; build it from nc.nn layers "
+                f"(e.g. nc.nn.Linear, nc.nn.LayerNorm) or freeze it (requires_grad=False)")
+
+
+def check_batches_split(loaders: dict[str, Any]) -> None:
+    """Every batch of a DataLoader, the full ones and the last, cuts into the batch blocks; in
+    a pipeline each of its NUM_MICRO_BATCHES micro-batches does (so the batch: a multiple of
+    blocks x micro-batches)."""
+    if batch_blocks() == 1:  # 1d: every rank takes the whole batch
+        return
+    m = gpc.config.get("NUM_MICRO_BATCHES", 1) if gpc.pipeline_size > 1 else 1
+    multiple, cut = batch_blocks() * m, f" ({m} micro-batches)" if m > 1 else ""
+    for name, loader in loaders.items():
+        if not isinstance(loader, DataLoader) or loader.batch_size is None:
+            continue
+        try:
+            n = len(loader.sampler)  # this rank's share where a DistributedSampler shards
+        except TypeError:  # an iterable dataset: no length to check
+            continue
+        full = loader.batch_size if n >= loader.batch_size else 0
+        last = 0 if loader.drop_last else n % loader.batch_size
+        if full % multiple:
+            raise ConfigError(f"[rank {gpc.rank}] the {name} dataloader's batches of {full}"
+                              f"{cut} {batch_split_error()}; use a batch size that is a "
+                              f"multiple of {multiple}")
+        if last % multiple:
+            raise ConfigError(f"[rank {gpc.rank}] the {name} dataloader's last batch has {last} "
+                              f"sample(s){cut}, which {batch_split_error()}, and would fail "
+                              f"after {n // loader.batch_size} batches; pass drop_last=True, or "
+                              f"pick a batch size that leaves no remainder of {n} or a multiple "
+                              f"of {multiple}")
