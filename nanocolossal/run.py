@@ -12,6 +12,7 @@ this process, which has imported torch already, and its outcome is our exit code
 nodes: one `ssh host 'cd $PWD && python -m torch.distributed.run --nnodes K --node_rank i ...'`
 per node, all started at once; if one fails the rest are stopped.
 `--dry-run` prints the commands instead. The scripts call `launch_from_torch`.
+`nanocolossal plan ...` (before a launch: will it fit?) is plan/cli.py's.
 
 A hostfile lists one host name per line (blank lines and `# comments` are ignored).
 """
@@ -182,6 +183,9 @@ def run_here(torchrun_argv: list[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:  # `nanocolossal plan ...`: bytes, traffic and bubble (plan/)
+        from .plan import main as plan
+        return plan(argv[1:])
     if argv[:1] == ["run"]:  # `nanocolossal run ...` and `python -m nanocolossal.run ...` both work
         argv = argv[1:]
     args = build_parser().parse_args(argv)

@@ -1,0 +1,230 @@
+"""The formulas the book teaches, written once: bytes a rank holds (here), elements it hands to
+collectives (traffic.py) and activations at the schedule's peak (activations.py). Each term
+names the file whose docstring teaches it (`--explain` prints them); tests/test_plan.py proves
+them equal to live tensors and count_collectives() on the composition table's layouts.
+
+Model states on one rank, after backward, in the step (Psi its parameters' elements, n its
+tensors, e bytes per element, N the ranks a gradient is averaged over -- data x sequence --,
+pad(x) = ceil(x / N) N, shard(x) = the elements of my N-th of pad(x) that are parameters):
+
+    level  parameters   gradients        optimizer state (SGD: e, AdamW: 8 bytes per element)
+    0      Psi e        Psi e            Psi         + DDP's bucket (Psi + n) e (ddp.py)
+    1      pad(Psi) e   Psi e            shard(Psi)  + DDP's bucket (zero/optimizer.py)
+    2      pad(Psi) e   pad(Psi)/N e     shard(Psi)  (zero/gradients.py)
+    3      pad(u)/N e   pad(u)/N e       shard(u)    per unit u, + 1 element the freed
+                                                     parameters share (zero/sharded_model.py)
+
+One flat buffer per dtype (level 3: per unit, the tied table in the root unit). AdamW adds a
+4-byte step per tensor; clipping keeps the last norm (one element). O2 (amp.py, zero/mixed.py):
+e = 2 for the half parameters (LayerNorms stay fp32), fp32 masters of what my optimizer steps
+(without ZeRO their fp32 gradients too). Offload (zero/offload.py): masters, state and an fp32
+copy of my gradient shard in CPU memory; at levels 2-3 the device's shard is freed by the copy.
+A gradient handler or MoE's (moe/grads.py) replaces DDP's bucket. One data rank: no DDP.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Optional
+
+from .model import GPT, Tensor, rank_tensors, stage_layers
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
+TEACHES = {  # term -> the file whose docstring teaches it
+    "parameters": "nanocolossal/zero/optimizer.py (flat buffers), tensor/*.py (splits)",
+    "gradients": "nanocolossal/ddp.py (buckets), zero/gradients.py (level 2's shard)",
+    "optimizer": "nanocolossal/zero/optimizer.py (the shard's state), zero/sharded_model.py",
+    "masters": "nanocolossal/amp.py (O2's fp32 masters), zero/mixed.py (of my shard)",
+    "cpu": "nanocolossal/zero/offload.py (masters and state in CPU memory)",
+    "activations": "nanocolossal/memory.py (SavedBytes), activation_checkpoint.py, "
+                   "pipeline/simulate.py (micro-batches in flight)",
+    "logits": "nanocolossal/tensor/vocab_parallel.py (split by vocabulary, never gathered)",
+    "all_reduce": "nanocolossal/ddp.py, tensor/comm.py (1d's g), loss_weights.py, clip.py",
+    "all_gather": "nanocolossal/zero/comm.py (the updated shards), tensor/layers_1d.py",
+    "reduce_scatter": "nanocolossal/zero/sharded_model.py (level 3's gradients)",
+    "p2p": "nanocolossal/pipeline/p2p.py, tensor/ring_attention.py",
+    "all_to_all": "nanocolossal/tensor/ulysses.py, moe/dispatch.py",
+    "bubble": "nanocolossal/pipeline/simulate.py (bubble_formula)",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the model on `world` ranks, as a config says it (config.py's keys)."""
+    world: int = 1
+    pipeline: int = 1
+    tensor: int = 1
+    mode: Optional[str] = None         # '1d', '2d', '2.5d', '3d', 'sequence'
+    depth: int = 1                     # 2.5d's grids
+    attention: str = "ring"            # sequence: 'ring' or 'all_to_all'
+    zero: int = 0
+    offload: bool = False
+    amp: Optional[str] = None          # 'O1', 'O2', 'O3'
+    checkpoint: Optional[str] = None   # 'full', 'selective'
+    schedule: str = "1f1b"
+    micro_batches: int = 1
+    chunks: int = 1
+    accumulation: int = 1
+    ep: int = 1
+    batch: int = 8                     # sequences per data rank and optimizer step
+    param_bytes: int = 4               # the model's dtype: 4 (fp32) or 8 (the tests' float64)
+    half_bytes: int = 2
+    optimizer: str = "adamw"           # 'adamw' (2 fp32 states + a step) or 'sgd' (momentum)
+    clip: bool = False
+    handler: bool = False              # gradient_handler: one all-reduce after backward, no DDP
+    backend: str = "nccl"              # 'gloo': zero/comm.py's stand-ins
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def data(self) -> int:
+        return self.world // (self.pipeline * self.tensor)
+
+    @property
+    def replicas(self) -> int:
+        """The ranks a gradient is averaged over (gpc.gradient_group): data x sequence ranks."""
+        return self.data * (self.tensor if self.mode == "sequence" else 1)
+
+    @property
+    def v_shape(self) -> bool:
+        return self.schedule == "zbv"
+
+    def describe(self) -> dict:
+        d = {"world": self.world, "data": self.data, "pipeline": self.pipeline,
+             "tensor": self.tensor, "mode": self.mode, "zero": self.zero,
+             "offload": self.offload, "amp": self.amp, "checkpoint": self.checkpoint,
+             "schedule": self.schedule if self.pipeline > 1 else None,
+             "micro_batches": self.micro_batches, "chunks": self.chunks, "ep": self.ep}
+        if self.mode == "sequence":
+            d["attention"] = self.attention
+        if self.mode == "2.5d":
+            d["depth"] = self.depth
+        return d
+
+
+@dataclass
+class Rank:
+    """One kind of rank: where it sits, and what the formulas give it."""
+    kind: str
+    pipeline_rank: int
+    bytes: dict
+    elements: dict
+    bubble: float
+
+
+# -- model states ------------------------------------------------------------------------------
+
+def pad(n: int, N: int) -> int:
+    return math.ceil(n / N) * N
+
+
+def shard_of(n: int, N: int, r: int) -> int:
+    """The parameters' elements in shard r of a flat buffer of n (zero/optimizer.py)."""
+    s = math.ceil(n / N)
+    return max(0, min(s, n - r * s))
+
+
+def _buffers(ts: tuple[Tensor, ...], lay: Layout) -> list[tuple[int, int, int]]:
+    """(elements, bytes per element, tensors) of each flat buffer: one per dtype (and, at level
+    3, per unit; the tied table in the root unit): zero/optimizer.py, unit_order.py."""
+    return _grouped(ts, lay.zero == 3, lay.amp, lay.half_bytes, lay.param_bytes)
+
+
+@lru_cache(maxsize=4096)
+def _grouped(ts: tuple[Tensor, ...], by_unit: bool, amp: Optional[str], half: int,
+             full: int) -> list[tuple[int, int, int]]:
+    groups: dict = {}
+    for t in ts:
+        e = half if amp in ("O2", "O3") and not (amp == "O2" and t.fp32_under_o2) else full
+        key = (t.unit if by_unit else "", e)
+        n, k = groups.get(key, (0, 0))
+        groups[key] = (n + t.numel, k + 1)
+    return [(n, e, k) for (_, e), (n, k) in groups.items()]
+
+
+def model_states(ts: list[Tensor], lay: Layout, data_rank: int = 0) -> dict:
+    """Bytes of parameters, gradients, optimizer state, masters and CPU (offload) on one rank."""
+    N, r = lay.replicas, data_rank
+    state = 4 * 2 if lay.optimizer == "adamw" else None  # AdamW: exp_avg, exp_avg_sq in fp32
+    out = dict.fromkeys(("parameters", "gradients", "optimizer", "masters", "cpu"), 0)
+    ddp = N > 1 and lay.zero in (0, 1) and not lay.handler and not m_experts(ts)
+    for n, e, k in _buffers(ts, lay):
+        if ddp:
+            out["gradients"] += (n + k) * e  # DDP's bucket: gradients + a "used" flag each
+        master_e = 4 if e < 4 and lay.amp == "O2" else e  # fp32 masters of half parameters
+        per = state or master_e                            # SGD: momentum in the master's dtype
+        steps = 4 * k if state else 0                      # AdamW's step counter per tensor
+        if lay.zero == 0:
+            out["parameters"] += n * e
+            out["gradients"] += n * e
+            out["optimizer"] += n * per + steps
+            if master_e != e:  # O2: fp32 masters and their fp32 gradients (amp.py)
+                out["masters"] += n * master_e
+                out["gradients"] += n * master_e
+        else:
+            mine = shard_of(n, N, r)
+            out["parameters"] += (pad(n, N) // N if lay.zero == 3 else pad(n, N)) * e
+            if lay.zero == 1:
+                out["gradients"] += n * e
+            elif not lay.offload:  # offload: my device shard is freed by the copy-out
+                out["gradients"] += pad(n, N) // N * e
+            if lay.offload:  # masters, state and a copy of my gradient shard: offload.py
+                master_e = max(4, e)
+                out["cpu"] += mine * (master_e + (state or master_e) + master_e) + steps
+                continue
+            out["optimizer"] += mine * per + steps
+            if master_e != e:
+                out["masters"] += mine * master_e
+    if lay.zero == 3 and N > 1:
+        out["parameters"] += lay.param_bytes  # the one-element storage freed parameters share
+    if lay.clip:
+        out["optimizer"] += 4 if lay.amp else lay.param_bytes  # the last gradient norm
+    return out
+
+
+def m_experts(ts: list[Tensor]) -> bool:
+    """Experts' gradients meet in moe/grads.py's handler, not in DDP's buckets."""
+    return any(t.expert for t in ts)
+
+
+# -- the ranks ---------------------------------------------------------------------------------
+
+def rank_kinds(m: GPT, lay: Layout) -> list[tuple[str, int]]:
+    """(kind, pipeline rank): first, middle and last stage where they differ."""
+    P = lay.pipeline
+    if P == 1:
+        return [("every rank", 0)]
+    kinds = [("first stage", 0)]
+    if P > 2:
+        kinds.append(("middle stage", 1))
+    return kinds + [("last stage", P - 1)]
+
+
+def plan_layout(m: GPT, lay: Layout) -> list[Rank]:
+    """Every rank kind's bytes, elements per step and bubble."""
+    return [plan_rank(m, lay, p, kind) for kind, p in rank_kinds(m, lay)]
+
+
+def plan_rank(m: GPT, lay: Layout, p: int, kind: str = "", data_rank: int = 0) -> Rank:
+    """Pipeline rank p's (data rank `data_rank`'s: ZeRO's last shards are shorter) plan."""
+    from .activations import activation_bytes
+    from .traffic import traffic
+    chunks = stage_layers(m, lay.pipeline, lay.chunks, p, lay.v_shape)
+    layers = tuple(layer for c in chunks for layer in c)
+    ts = rank_tensors(m, layers, lay.mode, lay.tensor, lay.depth, lay.ep)
+    b = model_states(ts, lay, data_rank)
+    b["activations"], b["logits"] = activation_bytes(m, lay, p, chunks)
+    b["total"] = sum(v for k, v in b.items() if k != "cpu")
+    return Rank(kind, p, b, traffic(m, lay, p, chunks, ts), pipeline_bubble(lay))
+
+
+def pipeline_bubble(lay: Layout) -> float:
+    """simulate.py's bubble_formula for the layout's schedule (0 without a pipeline)."""
+    if lay.pipeline == 1:
+        return 0.0
+    from ..pipeline.simulate import bubble_formula
+    return bubble_formula(lay.schedule, lay.pipeline, lay.micro_batches, lay.chunks)
+
+
+def with_backend(lay: Layout, backend: str) -> Layout:
+    return replace(lay, backend=backend)
