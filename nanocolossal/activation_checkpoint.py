@@ -72,11 +72,11 @@ run.
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from .config import ConfigError, is_positive_int, register_check
+from .config import is_positive_int
 from .context import gpc
 from .logging import get_dist_logger
 
@@ -176,22 +176,11 @@ def check_backward() -> None:
 MODES = ("full", "selective")
 
 
-def check_activation_checkpoint(cfg: Mapping) -> None:
-    """ACTIVATION_CHECKPOINT: 'full', 'selective', a positive integer N, or None (off)."""
-    mode = cfg.get("ACTIVATION_CHECKPOINT")
-    if not (mode is None or mode in MODES or is_positive_int(mode)):
-        raise ConfigError(f"ACTIVATION_CHECKPOINT={mode!r}: use 'full' (recompute each block), "
-                          f"'selective' (recompute attention's softmax(q k^T) v), an integer N "
-                          f"(every N-th block in full) or leave it out")
-
-
-register_check(check_activation_checkpoint)  # validate_config runs it when a config is loaded
-
-
 def block_mode(index: Optional[int]) -> Optional[str]:
     """What transformer block number `index` recomputes under the job's config: 'full',
     'selective' or None."""
     mode = gpc.config.get("ACTIVATION_CHECKPOINT")
+    from .config_checks import check_activation_checkpoint  # (which imports MODES from here)
     check_activation_checkpoint(gpc.config)  # (a gpc.config changed by hand too)
     if not is_positive_int(mode):
         return mode

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .compat.apex import NO_EFFECT, RENAMED
-from .config import AMP_TYPE, ConfigError, register_check
+from .config import AMP_TYPE, ConfigError
 
 # the scaler's own arguments (amp_scaler.DynamicLossScaler), accepted in every mode
 SCALER = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
@@ -84,6 +84,3 @@ def amp_settings(fp16: Mapping[str, Any], cpu_half: Optional[torch.dtype],
             return opt_level, None
         fp16["dtype"] = cpu_half
     return opt_level, fp16
-
-
-register_check(check_fp16_config)  # validate_config runs it when a config is loaded

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import numbers
 import os
 import runpy
 from enum import Enum
@@ -159,21 +158,14 @@ def load_config(config: ConfigLike, **overrides: Any) -> Config:
             value = {**cfg.get(key, {}), **{k: v for k, v in value.items() if v is not None}}
         if value is not None:
             cfg[key] = value
+    from .config_checks import validate_config  # (it imports the features, which import us)
     validate_config(cfg)
     return cfg
 
 
-# Each feature checks its own part of a config (zero=..., fp16=..., the MoE keys): it registers
-# its check when its module is imported (importing any part of nanocolossal imports them all),
-# and validate_config runs them. Functions run before that, e.g. launch_hardening's hook that
-# ends a script on a bad config with its message alone, register with on_load.
-_CHECKS: list[Callable[[Config], None]] = []
+# Functions to run before a config is checked, e.g. launch_hardening's hook that ends a script on
+# a bad config with its message alone (config_checks.py holds the checks themselves).
 _ON_LOAD: list[Callable[[], None]] = []
-
-
-def register_check(check: Callable[[Config], None]) -> None:
-    """Run `check(cfg)` (raising ConfigError) on every config loaded from now on."""
-    _CHECKS.append(check)
 
 
 def on_load(hook: Callable[[], None]) -> None:
@@ -281,21 +273,3 @@ def moe_size(cfg: Mapping) -> int:
         raise ConfigError(f"parallel.moe size must be a positive integer (moe=dict(size=EP)), "
                           f"got {value!r}")
     return value
-
-
-def validate_config(cfg: Config) -> None:
-    """Raise ConfigError for any value we understand but cannot honour."""
-    parallel_settings(cfg)
-    for check in _CHECKS:  # each feature's own section (zero/settings.py, amp_settings.py, ...)
-        check(cfg)
-    for key in ("gradient_accumulation", "BATCH_SIZE", "NUM_EPOCHS"):
-        value = cfg.get(key)
-        if value is not None and not is_positive_int(value):
-            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
-    if "debug" in cfg and not isinstance(cfg.debug, bool):
-        raise ConfigError(f"debug must be True or False, got {cfg.debug!r}")
-    for key in ("clip_grad_norm", "timeout"):
-        value = cfg.get(key)
-        positive = isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
-        if value is not None and not positive:
-            raise ConfigError(f"{key} must be a positive number, got {value!r}")

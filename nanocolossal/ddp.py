@@ -36,7 +36,7 @@ the sum in that precision, as torch's bf16_compress_hook (bench_ddp.py measures 
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import Collection, Iterator, Mapping, Optional
+from typing import Collection, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,6 @@ from torch import nn
 
 from .checks import check_same_model, peer_failed, ready_twice, refuse_unfreezing
 from .collectives import broadcast_buffers, broadcast_coalesced
-from .config import Config, ConfigError, register_check
 from .context import gpc
 from .extensions import Extension
 from .nest import map_tensors
@@ -316,18 +315,3 @@ class BroadcastBuffers(Extension):
 # -- the config's ddp=dict(...) section, checked when a config is loaded (config.py) -----------
 
 DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "compress")  # DDP's, by config
-
-
-def check_ddp_config(cfg: Config) -> None:
-    ddp = cfg.get("ddp", {})
-    if not isinstance(ddp, Mapping):
-        raise ConfigError(f"ddp must be a dict of {', '.join(DDP_OPTIONS)}; got {ddp!r}")
-    unknown = sorted(set(ddp) - set(DDP_OPTIONS))
-    if unknown:
-        raise ConfigError(f"ddp must be a dict of {', '.join(DDP_OPTIONS)}; got {ddp!r} "
-                          f"(unknown: {', '.join(unknown)})")
-    if ddp.get("compress") not in (None, "bf16", "fp16"):
-        raise ConfigError(f"ddp.compress must be None, 'bf16' or 'fp16', got {ddp['compress']!r}")
-
-
-register_check(check_ddp_config)

@@ -24,7 +24,7 @@ group's first rank at the start, as DDP does, so the replicas start equal.
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .checks import check_still_frozen
 from .collectives import broadcast_coalesced, by_dtype
-from .config import Config, ConfigError, register_check
 from .context import gpc
 from .extensions import Extension
 
@@ -85,23 +84,3 @@ class DataParallelGradientHandler(Extension):
 
 
 # -- the config's gradient_handler=[...], checked when a config is loaded (config.py) ---------
-
-def check_gradient_handler_config(cfg: Config) -> None:
-    handlers = cfg.get("gradient_handler")
-    if handlers is None:
-        return
-    entries = handlers if isinstance(handlers, (list, tuple)) else [handlers]
-    extra = sorted({k for h in entries if isinstance(h, Mapping) for k in h} - {"type"})
-    if extra:
-        raise ConfigError(f"gradient_handler entries take only type, e.g. "
-                          f"[dict(type='DataParallelGradientHandler')] (unknown: "
-                          f"{', '.join(extra)})")
-    types = [h.get("type") if isinstance(h, Mapping) else h for h in entries]
-    # both all-reduce over gpc.gradient_group: data ranks, times sequence ranks if any
-    if types not in (["DataParallelGradientHandler"], ["SequenceParallelGradientHandler"]):
-        raise ConfigError(f"gradient_handler {types} is not supported; use "
-                          f"[dict(type='DataParallelGradientHandler')] (or leave it out for "
-                          f"overlapped DDP)")
-
-
-register_check(check_gradient_handler_config)

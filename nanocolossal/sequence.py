@@ -49,7 +49,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from .checks import loader_length
-from .config import Config, ConfigError, register_check
+from .config import ConfigError
 from .context import gpc
 from .loss_weights import counted_targets, mean_over
 from .nest import map_tensors
@@ -142,29 +142,6 @@ def split_loader(loader: Any) -> Any:
 
 
 # -- hardening: what the config and initialize refuse -------------------------------------------
-
-def check_sequence_config(cfg: Config) -> None:
-    """parallel.tensor's attention= names a kind we have; all-to-all gives every sequence rank
-    whole heads, so the config's HEADS (train_gpt.py's) must divide by N; ring attention's
-    blocks are equal, so its SEQ_LEN must divide into 2N zig-zag stripes."""
-    tensor = (cfg.get("parallel") or {}).get("tensor")
-    if not isinstance(tensor, Mapping):
-        return
-    kind, n, heads = sequence_attention(cfg), tensor.get("size", 1), cfg.get("HEADS")
-    if kind not in ATTENTION:
-        raise ConfigError(f"parallel.tensor attention={kind!r} is not a kind of sequence-parallel "
-                          f"attention; use 'ring' (the default) or 'all_to_all' (Ulysses)")
-    if kind == "all_to_all" and isinstance(heads, int) and heads % n:
-        raise ConfigError(f"parallel.tensor attention='all_to_all' gives each of {n} sequence "
-                          f"ranks whole heads, but HEADS = {heads} does not divide by {n}; use "
-                          f"HEADS a multiple of {n}, a size dividing {heads}, or "
-                          f"attention='ring'")
-    seq_len = cfg.get("SEQ_LEN")
-    if tensor.get("mode") == "sequence" and kind == "ring" and isinstance(seq_len, int):
-        check_length(seq_len, n, "SEQ_LEN = ")
-
-
-register_check(check_sequence_config)  # validate_config runs it when a config is loaded
 
 
 def check_sample_lengths(loader: Any) -> None:

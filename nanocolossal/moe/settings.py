@@ -29,7 +29,7 @@ import numbers
 from typing import Any, Mapping, Optional
 
 from ..checks import forward_talks
-from ..config import ConfigError, is_positive_int, moe_size, parallel_settings, register_check
+from ..config import ConfigError, is_positive_int
 from .layer import moe_layers
 from .router import CAPACITY_FACTOR_EVAL
 
@@ -68,31 +68,4 @@ def moe_aux_weight(cfg: Mapping) -> float:
     return _number(cfg, "MOE_AUX_WEIGHT", AUX_WEIGHT, positive=False)
 
 
-def check_moe(cfg: Mapping) -> None:
-    """Refuse a bad MoE config, or one that does not compose, by key."""
-    settings = moe_model_settings(cfg)
-    ep = moe_size(cfg)
-    if ep == 1:
-        return
-    _, T, mode, _, _ = parallel_settings(cfg)
-    refused = {"tensor": T > 1 and mode != "sequence",
-               "sequence": mode == "sequence", "zero": "zero" in cfg}
-    why = {"tensor": f"experts are whole MLPs on their ranks, not {mode} shards",
-           "sequence": "tokens are already split over the sequence ranks",
-           "zero": "ZeRO shards every parameter over the data ranks, experts are not replicated "
-                   "there"}
-    for key, bad in refused.items():
-        if bad:
-            where = "parallel.tensor" if key in ("tensor", "sequence") else "zero"
-            raise ConfigError(f"parallel.moe (expert parallelism x{ep}) does not combine with "
-                              f"{where} ({key}): {why[key]}; remove one of them")
-    if settings is not None:
-        E = settings["num_experts"]
-        if E % ep and ep % E:
-            raise ConfigError(f"NUM_EXPERTS={E} does not fit parallel.moe size {ep}: one must "
-                              f"divide the other (E/EP experts per rank, or each expert on EP/E "
-                              f"ranks)")
-
-
-register_check(check_moe)  # validate_config runs it when a config is loaded
 forward_talks(lambda model: "the model's MoE layers exchange tokens" if moe_layers(model) else None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..config import Config, ConfigError, is_positive_int, register_check
+from ..config import Config, ConfigError, is_positive_int
 from ..context import gpc
 from .plan import SCHEDULES
 from .schedule import Schedule, check_on_this_pipeline
@@ -90,6 +90,3 @@ def check_pipeline_config(cfg: Config) -> None:
                                   and all(map(is_positive_int, shape))):
         raise ConfigError(f"TENSOR_SHAPE must be a non-empty list of positive ints (one "
                           f"micro-batch's activation), got {shape!r}")
-
-
-register_check(check_pipeline_config)  # validate_config runs it when a config is loaded

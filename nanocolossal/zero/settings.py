@@ -9,8 +9,7 @@ check_optimizer: what initialize refuses -- an optimizer that cannot step segmen
 """
 from __future__ import annotations
 
-import numbers
-from typing import Any, Mapping, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -18,7 +17,7 @@ from torch import nn
 from ..amp import MixedPrecisionOptimizer
 from ..checks import forward_talks
 from ..compat.zero_v01 import v01_settings
-from ..config import AMP_TYPE, Config, ConfigError, parallel_settings, register_check
+from ..config import Config, ConfigError
 from ..context import gpc
 
 ZERO_KEYS = ("level", "reduce_bucket_size_mb", "overlap_communication", "offload")
@@ -31,58 +30,6 @@ def zero_settings(cfg: Config) -> tuple[dict, dict, list[str]]:
     if "model_config" not in zero and "optimizer_config" not in zero:
         return dict(zero), {}, []
     return v01_settings(zero, bool(cfg.get("fp16")))
-
-
-def check_zero(cfg: Config) -> None:
-    """zero=dict(level=1|2|3, reduce_bucket_size_mb=25, overlap_communication=True), or v0.1's
-    dict(model_config=..., optimizer_config=...)."""
-    if "zero" not in cfg:
-        return
-    P = parallel_settings(cfg)[0]
-    if not isinstance(cfg.zero, Mapping):
-        raise ConfigError(f"zero must be a dict such as dict(level=2), got {cfg.zero!r}")
-    zero: Any = zero_settings(cfg)[0]
-    unknown = sorted(set(zero) - set(ZERO_KEYS))
-    if unknown:
-        raise ConfigError(f"unknown zero key(s) {unknown}; zero understands {', '.join(ZERO_KEYS)}")
-    level = zero.get("level")
-    if level not in (1, 2, 3) or isinstance(level, bool):
-        raise ConfigError(f"zero level must be 1, 2 or 3, got {level!r}: zero=dict(level=1) "
-                          f"shards the optimizer state, 2 also the gradients, 3 also the "
-                          f"parameters")
-    size = zero.get("reduce_bucket_size_mb", 25)
-    if not isinstance(size, numbers.Real) or isinstance(size, bool) or size <= 0:
-        raise ConfigError(f"zero.reduce_bucket_size_mb must be a positive number, got {size!r}")
-    if not isinstance(zero.get("overlap_communication", True), bool):
-        raise ConfigError("zero.overlap_communication must be True or False")
-    offload = zero.get("offload")
-    if offload is not None and offload not in OFFLOAD:
-        raise ConfigError(f"zero.offload={offload!r}: only 'cpu' is built here (fp32 masters and "
-                          f"optimizer state in CPU memory, the step on the CPU); use "
-                          f"offload='cpu', or remove offload to keep them on the model's device")
-    if level == 1 and zero.get("overlap_communication") is False:
-        raise ConfigError("zero.overlap_communication=False applies to levels 2 and 3; level 1 "
-                          "reduces gradients with DDP, which always overlaps: remove it")
-    if cfg.get("gradient_handler"):
-        raise ConfigError("zero and gradient_handler both say how gradients are reduced; remove "
-                          "gradient_handler (zero reduces them itself)")
-    if P > 1 and level == 3:  # every micro-batch's forward and backward would gather the stage
-        raise ConfigError(f"zero level 3 with a pipeline (pipeline={P}) is not supported: a stage "
-                          f"would gather its parameters for each of its micro-batches, forward and "
-                          f"backward (2M all-gathers a step); use zero level 1 or 2 with a "
-                          f"pipeline (ZeRO over each stage's data ranks), or level 3 without one")
-    fp16 = cfg.get("fp16")
-    if isinstance(fp16, Mapping) and "mode" in fp16:
-        mode = AMP_TYPE.parse(fp16["mode"])
-        level_amp = {AMP_TYPE.TORCH: "O1", AMP_TYPE.NAIVE: "O2"}.get(mode,
-                                                                     fp16.get("opt_level", "O1"))
-        if level_amp == "O3":  # no fp32 masters to shard: the state would be half
-            raise ConfigError(f"zero with fp16 {mode.name} O3 (half parameters, no fp32 master "
-                              f"weights) is not supported; use O2 (mode=AMP_TYPE.NAIVE) with zero, "
-                              f"or fp16=dict(mode=AMP_TYPE.TORCH) (O1)")
-
-
-register_check(check_zero)  # validate_config runs it when a config is loaded
 
 
 def _gathers_in_forward(model: nn.Module) -> Optional[str]:
