@@ -10,10 +10,11 @@ Forward, per channel, over N = sum of all ranks' sample counts (times spatial si
                                          invstd = 1 / sqrt(var + eps)
     y = (x - mu) * invstd * w + b
 
-S2 / N - mu^2 subtracts two large numbers when the mean is large next to the spread: in fp32,
-x ~ 1000 with variance 2.6 came out 4% off. So each rank sums S1 in float64 and sends
-S2 = M2 + m (2 S1 - n m), the same number, from M2, its sum of squares around its own mean m
-(centred: accurate in fp32); the sums and the subtraction are float64 (2C + 1 numbers: one count).
+That is `naive_statistics`. Its S2 / N - mu^2 subtracts two large numbers when the mean is large
+next to the spread: in fp32, x ~ 1000 with variance 2.6 came out 4% off. So `statistics`, which
+runs, has each rank sum S1 in float64 and send S2 = M2 + m (2 S1 - n m), the same number, from
+M2, its sum of squares around its own mean m (centred: accurate in fp32); the sums and the
+subtraction are float64 (2C + 1 numbers: one count).
 
 Uneven per-rank batches are weighted correctly because counts, not means, are summed.
 running_var uses the unbiased var * N / (N - 1), as BatchNorm does.
@@ -45,26 +46,45 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .context import gpc
 
 
+def naive_statistics(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> tuple:
+    """The textbook's global mean and variance per channel of x (N, C, ...): one all-reduce of
+    [sum x, sum x^2, n], then mu = S1 / N, var = S2 / N - mu^2. Exact in real numbers; in fp32
+    the subtraction cancels when the mean is large next to the spread (the module docstring)."""
+    C, dims = x.shape[1], [0, *range(2, x.dim())]
+    n = x.new_full((1,), x.numel() // C)
+    stats = torch.cat([x.sum(dims), x.square().sum(dims), n])
+    dist.all_reduce(stats, group=group)
+    total = stats[-1]
+    mean = stats[:C] / total
+    var = (stats[C:2 * C] / total - mean * mean).clamp(min=0)
+    return mean, var, total
+
+
+def statistics(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> tuple:
+    """naive_statistics, the cancellation removed: each rank sums S1 in float64 and sends
+    S2 = M2 + m (2 S1 - n m), M2 its squares around its own mean m (accurate in fp32); the
+    sums and S2 / N - mu^2 in float64. (mean, var, N) in x's dtype."""
+    C, dims = x.shape[1], [0, *range(2, x.dim())]
+    shape = [1, C] + [1] * (x.dim() - 2)
+    n = x.numel() // C
+    s1 = x.sum(dims, dtype=torch.float64)
+    m = (s1 / max(n, 1)).to(x.dtype)
+    m2 = (x - m.view(shape)).square().sum(dims)
+    m = m.double()
+    stats = torch.cat([s1, m2.double() + m * (2 * s1 - n * m), s1.new_full((1,), float(n))])
+    dist.all_reduce(stats, group=group)
+    total = stats[-1]
+    mean = stats[:C] / total
+    var = (stats[C:2 * C] / total - mean * mean).clamp_(min=0)
+    return mean.to(x.dtype), var.to(x.dtype), total.to(x.dtype)
+
+
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
-        C = x.shape[1]
-        dims = [0] + list(range(2, x.dim()))
-        shape = [1, C] + [1] * (x.dim() - 2)
+        shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # statistics in >= fp32
-        n = x.numel() // C
-        # S1 summed in float64; S2 = M2 + m (2 S1 - n m) exactly, M2 the sum of squares around
-        # my mean m (centred: accurate in fp32); the sums and S2/N - mu^2 in float64
-        s1 = xf.sum(dims, dtype=torch.float64)
-        m = (s1 / max(n, 1)).to(xf.dtype)
-        m2 = (xf - m.view(shape)).square().sum(dims)
-        m = m.double()
-        stats = torch.cat([s1, m2.double() + m * (2 * s1 - n * m), s1.new_full((1,), float(n))])
-        dist.all_reduce(stats, group=group)
-        total = stats[-1]
-        mean64 = stats[:C] / total
-        var = (stats[C:2 * C] / total - mean64 * mean64).clamp_(min=0).to(xf.dtype)
-        mean, total = mean64.to(xf.dtype), total.to(xf.dtype)
+        mean, var, total = statistics(xf, group)
         invstd = torch.rsqrt(var + eps)
         if running_mean is not None:
             with torch.no_grad():

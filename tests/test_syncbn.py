@@ -9,7 +9,12 @@ from torch import nn
 from torch.testing import assert_close
 
 import nanocolossal as nc
-from nanocolossal.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from nanocolossal.syncbn import (
+    SyncBatchNorm,
+    convert_sync_batchnorm,
+    naive_statistics,
+    statistics,
+)
 
 pytestmark = pytest.mark.timeout(120)
 BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
@@ -42,6 +47,27 @@ def test_gloo_syncbn_on_two_ranks_equals_batchnorm_on_the_whole_batch():
         optimizer.step()
     for rank, state in enumerate(run_ranks(_lesson_worker, 2, xs, ys)):
         assert_close(state, model.state_dict(), msg=lambda m: f"rank {rank}: {m}")
+
+
+def _statistics_worker(rank, world_size, port, x):
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    mine = x.chunk(world_size)[rank]
+    bn = SyncBatchNorm(x.shape[1], momentum=1.0)  # running_var = this batch's (unbiased)
+    bn(mine)
+    return naive_statistics(mine, None)[1], statistics(mine, None)[1], bn.running_var
+
+
+def test_gloo_the_naive_sums_lose_a_large_means_variance_and_the_centred_ones_keep_it():
+    """sum x^2 / N - mu^2 in fp32 cancels when the mean is large next to the spread (x ~ 1000,
+    variance 2.6); each rank's squares around its own mean, summed in float64, do not: SyncBN's
+    statistics in fp32 are those of float64."""
+    torch.manual_seed(0)
+    x = 1000 + 1.6 * torch.randn(64, 3)
+    exact = x.double().var(0, unbiased=False).float()
+    naive, centred, running_var = run_ranks(_statistics_worker, 2, x)[0]
+    assert ((naive - exact).abs() / exact).max() > 0.01  # a percent or more off
+    assert_close(centred, exact, rtol=1e-5, atol=0)
+    assert_close(running_var, x.double().var(0).float(), rtol=1e-5, atol=0)
 
 
 def _inputs(sizes, spatial):

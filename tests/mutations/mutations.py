@@ -46,6 +46,12 @@ MUTATIONS: list[dict] = [
          new="unbiased = var",
          bug="running_var is updated with the biased batch variance (no N / (N - 1))",
          tests=["tests/test_syncbn.py"]),
+    dict(id="syncbn-naive-statistics", idea="SyncBN", file="nanocolossal/syncbn.py",
+         old="        mean, var, total = statistics(xf, group)",
+         new="        mean, var, total = naive_statistics(xf, group)",
+         bug="the forward takes the textbook's S2 / N - mu^2 in fp32, which cancels when the "
+             "mean is large next to the spread",
+         tests=["tests/test_syncbn.py"]),
     # -- AMP -------------------------------------------------------------------------------------
     dict(id="amp-skipped-unscale", idea="AMP", file="nanocolossal/amp.py",
          old="        return unscale_grads(grads, self.backward_scale)",
@@ -398,7 +404,8 @@ MUTATIONS: list[dict] = [
          bug="load_checkpoint restores the model but not the optimizer: a resumed run starts its "
              "momentum afresh (the plain route, a merged model with a fresh optimizer, is right)",
          tests=["tests/test_composition.py", "-k", "resumed"]),
-    dict(id="ckpt-saved-mid-group", idea="checkpoint x accumulation", file="nanocolossal/amp.py",
+    dict(id="ckpt-saved-mid-group", idea="checkpoint x accumulation",
+         file="nanocolossal/plain_optimizer.py",
          old="    def backward(self, loss: torch.Tensor) -> None:\n        self.open_group = True",
          new="    def backward(self, loss: torch.Tensor) -> None:\n        self.open_group = False",
          bug="the optimizer forgets that a backward opened an accumulation group: a checkpoint "
@@ -418,8 +425,8 @@ MUTATIONS: list[dict] = [
              "a skipped batch): they are added into the next step's",
          tests=["tests/test_engine.py", "-k", "dropped_by_zero_grad"]),
     dict(id="amp-stale-overflow-flag", idea="engine x amp", file="nanocolossal/amp.py",
-         old="        self.zero_grad()\n        self._flag = None\n",
-         new="        self.zero_grad()\n",
+         old="        super().drop_gradients()\n        self._flag = None\n",
+         new="        super().drop_gradients()\n",
          bug="a dropped backward's overflow flag outlives zero_grad: the next step skips its "
              "unscale (fp16: gradients times the loss scale; O2: masters without gradients)",
          tests=["tests/test_engine.py", "-k", "dropped_by_zero_grad and fp16"]),
