@@ -37,15 +37,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..activation_checkpoint import block_mode, checkpoint
-from ..config import ConfigError
 from ..context import gpc
 from ..moe import MoeLayer
 from ..sequence import sequence_attention
 from ..tensor.ring_attention import ring_attention
 from ..tensor.ulysses import ulysses_attention
 from .layers import Dropout, LayerNorm, Linear
-
-ATTENTION = ("fused", "explicit")  # how attention on the whole sequence is computed
+from .transformer_checks import check_attention
 
 
 class Attention(nn.Module):
@@ -57,24 +55,9 @@ class Attention(nn.Module):
     def __init__(self, dim: int, heads: int, dropout: float = 0.0, causal: bool = False,
                  attention: str = "fused") -> None:
         super().__init__()
-        if attention not in ATTENTION:
-            raise ValueError(f"[rank {gpc.rank}] attention={attention!r}: use one of "
-                             f"{', '.join(map(repr, ATTENTION))}")
         # Ulysses: each sequence rank attends for whole heads of its own
         self.all_to_all = gpc.sequence_size > 1 and sequence_attention() == "all_to_all"
-        parts = {"2d": gpc.summa_dim, "2.5d": gpc.summa_dim, "3d": gpc.cube_dim,
-                 "1d": gpc.tensor_size,
-                 "sequence": gpc.tensor_size if self.all_to_all else 1}.get(gpc.tensor_mode, 1)
-        if gpc.sequence_size > 1 and dropout > 0 and not self.all_to_all:
-            raise ConfigError(f"[rank {gpc.rank}] ring attention (mode='sequence') computes "
-                              f"the softmax block by block and has no attention dropout; build "
-                              f"the model with dropout=0 (got {dropout}), or use "
-                              f"attention='all_to_all'")
-        if heads % parts or dim % heads:
-            raise ConfigError(f"[rank {gpc.rank}] {heads} heads of a {dim}-wide model do not "
-                              f"split over {parts} "
-                              f"{'sequence' if self.all_to_all else 'tensor'} ranks; use a "
-                              f"number of heads divisible by {parts} that divides {dim}")
+        check_attention(dim, heads, dropout, attention, self.all_to_all)
         self.head_dim, self.scale = dim // heads, (dim // heads) ** -0.5
         self.causal, self.attention = causal, attention
         self.qkv = Linear(dim, 3 * dim, parallel="column")  # 1d: heads split over ranks
