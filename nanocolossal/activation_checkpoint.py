@@ -14,8 +14,8 @@ block's input is only x = 4·b·s·d bytes. `checkpoint(fn, *args)` keeps the in
     backward   fn(*args) again with autograd, under the forward's RNG and autocast state (the same
                dropout masks, the same dtypes); backpropagate through this copy; hand the args'
                gradients on. The RNG is then put back as backward found it (the next step's
-               masks must not depend on whether we recomputed), and so are fn's module's
-               buffers (BatchNorm counts each batch once in its running statistics)
+               masks must not depend on whether we recomputed), and so are the buffers of
+               the modules fn ran (BatchNorm counts each batch once in its statistics)
 
 One micro-batch through L checkpointed blocks (F forward, R recompute, B backward):
 
@@ -75,6 +75,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from .config import is_positive_int
 from .context import gpc
@@ -86,12 +87,10 @@ _ANCHOR = torch.empty(0, requires_grad=True)  # puts the function in the graph (
 class _Replay:
     """What a forward ran under, to run it again alike: the CPU and CUDA generators, the
     tensor-parallel dropout's own (tensor/base.py: sharded_dropout), autocast. The buffers of
-    fn's module are put back after the recomputation: BatchNorm counts a batch in its running
-    statistics once, in the forward, as without checkpointing."""
+    every module the recomputation runs (fn a module, a method, a closure) are put back after
+    it: BatchNorm counts a batch in its running statistics once, as without checkpointing."""
 
-    def __init__(self, fn: Callable, tensors: list[torch.Tensor]) -> None:
-        owner = getattr(fn, "__self__", fn)  # a module, or the module of a bound method
-        self.buffers = list(owner.buffers()) if isinstance(owner, torch.nn.Module) else []
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.gpus = sorted({t.device.index for t in tensors if t.is_cuda})
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(d) for d in self.gpus]
@@ -103,7 +102,12 @@ class _Replay:
     @contextmanager
     def __call__(self) -> Iterator[None]:
         live = dict(gpc.dropout_generators)
-        self.kept = [b.clone() for b in self.buffers]
+        self.kept: dict[torch.nn.Module, list[torch.Tensor]] = {}
+
+        def keep(module: torch.nn.Module, args: Any) -> None:  # its buffers before it runs again
+            if module not in self.kept:
+                self.kept[module] = [b.clone() for b in module.buffers(recurse=False)]
+        watch = register_module_forward_pre_hook(keep)
         with torch.random.fork_rng(devices=self.gpus), ExitStack() as autocast:
             torch.set_rng_state(self.cpu)
             for device, state in zip(self.gpus, self.cuda):
@@ -116,14 +120,16 @@ class _Replay:
             try:
                 yield
             finally:
+                watch.remove()
                 gpc.dropout_generators.clear()
                 gpc.dropout_generators.update(live)
 
     @torch.no_grad()
     def put_back_buffers(self) -> None:
         """After the recomputation's backward (which may read them, as BatchNorm does)."""
-        for buffer, before in zip(self.buffers, self.kept):
-            buffer.copy_(before)
+        for module, kept in self.kept.items():
+            for buffer, before in zip(module.buffers(recurse=False), kept):
+                buffer.copy_(before)
 
 
 class CheckpointFunction(torch.autograd.Function):
@@ -131,7 +137,7 @@ class CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, fn: Callable, anchor: torch.Tensor, *args: Any) -> Any:
-        ctx.fn, ctx.replay = fn, _Replay(fn, [a for a in args if torch.is_tensor(a)])
+        ctx.fn, ctx.replay = fn, _Replay([a for a in args if torch.is_tensor(a)])
         ctx.others = [None if torch.is_tensor(a) else a for a in args]  # non-tensors as given
         ctx.save_for_backward(*(a if torch.is_tensor(a) else None for a in args))
         with torch.no_grad():
@@ -195,8 +201,9 @@ def warn_if_nothing_recomputes(model: torch.nn.Module) -> None:
     `recompute`); a model built of other blocks would train with nothing recomputed: say so."""
     mode = gpc.config.get("ACTIVATION_CHECKPOINT")
     if mode and not any(hasattr(m, "recompute") for m in model.modules()):
+        where = "this pipeline stage holds" if gpc.pipeline_size > 1 else "this model has"
         get_dist_logger().warning(
             f"[rank {gpc.rank}] ACTIVATION_CHECKPOINT={mode!r} recomputes nanocolossal.nn's "
-            f"transformer Blocks, and this rank's model has none: nothing is checkpointed here; "
-            f"build the blocks as nc.nn.transformer.Block, or call nc.utils.checkpoint(block, x) "
-            f"in the model's forward (and drop the key)")
+            f"transformer Blocks, and {where} none: nothing is checkpointed here; where the "
+            f"blocks are your own, build them as nc.nn.transformer.Block, or call "
+            f"nc.utils.checkpoint(block, x) in the model's forward")

@@ -42,9 +42,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checks import check_same_model, peer_failed, ready_twice, refuse_unfreezing
+from .checks import peer_failed, ready_twice
 from .collectives import broadcast_buffers, broadcast_coalesced
 from .context import gpc
+from .ddp_checks import check_ddp
 from .extensions import Extension
 from .nest import map_tensors
 from .weak import weakly
@@ -93,11 +94,11 @@ class DistributedDataParallel(nn.Module):
                  gradient_as_bucket_view: bool = False, compress: Optional[str] = None,
                  reduced_elsewhere: Collection[nn.Parameter] = ()) -> None:
         super().__init__()
-        _check_arguments(compress)
         self.module = module
         if process_group is None:
             process_group = gpc.gradient_group or dist.group.WORLD  # data (x sequence) ranks
         self.process_group = process_group
+        check_ddp(self, compress)  # a launched job, one model on every rank, none unfrozen later
         self.world_size = dist.get_world_size(self.process_group)
         self.src_rank = dist.get_global_rank(self.process_group, 0)
         self.broadcast_buffers = broadcast_buffers
@@ -106,13 +107,11 @@ class DistributedDataParallel(nn.Module):
         self.wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compress)
         self.require_sync = True
 
-        check_same_model(self.module, self.process_group, "DistributedDataParallel")
         broadcast_coalesced(list(module.parameters()) + list(module.buffers()), self.src_rank,
                              self.process_group)
 
         skip = {id(q) for q in reduced_elsewhere}  # another pipeline chunk's DDP reduces them
         params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
-        refuse_unfreezing(self, module, lambda: self.name)  # no bucket slot: never averaged
         self.buckets = self._make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next_launch = 0           # buckets are launched strictly in order
@@ -267,15 +266,6 @@ class DistributedDataParallel(nn.Module):
                           f"of {len(self.buckets)}", self.process_group, error) from error
 
 
-def _check_arguments(compress: Optional[str]) -> None:
-    if compress not in (None, "bf16", "fp16"):
-        raise ValueError(f"[rank {gpc.rank}] compress must be None, 'bf16' or 'fp16', got "
-                         f"{compress!r}")
-    if not dist.is_initialized():
-        raise RuntimeError("DistributedDataParallel needs a launched job: call "
-                           "nanocolossal.launch* first")
-
-
 class DdpSync(Extension):
     """DDP's part in the Engine and the pipeline executor (extensions.py): of the backwards
     before a step only the last averages -- a group's last micro-step, or a pipeline chunk's
@@ -312,6 +302,6 @@ class BroadcastBuffers(Extension):
             broadcast_buffers(module)
 
 
-# -- the config's ddp=dict(...) section, checked when a config is loaded (config.py) -----------
+# -- the config's ddp=dict(...) keys (config_checks.py checks them) ---------------------------
 
 DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "compress")  # DDP's, by config

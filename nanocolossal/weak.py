@@ -14,6 +14,11 @@ from typing import Any, Callable
 
 
 def weakly(method: Callable, *args: Any) -> Callable:
-    """`partial(method, *args)`, holding `method`'s object by a weak reference."""
+    """`partial(method, *args)`, holding `method`'s object by a weak reference. Once the owner
+    is gone (a DDP wrapper dropped, the model wrapped again) its hook does nothing."""
     ref = weakref.WeakMethod(method)
-    return lambda *more: ref()(*args, *more)
+
+    def call(*more: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args, *more)
+    return call

@@ -324,9 +324,10 @@ def test_deep_a_layer_used_twice_checkpoints_its_uses_together_under_data_parall
 # -- what the recomputation leaves, and where it cannot go ---------------------------------------
 
 class NormedNet(nn.Module):
-    """A BatchNorm inside a checkpointed block: the forward updates its running statistics."""
+    """A BatchNorm inside a checkpointed block: the forward updates its running statistics.
+    `ckpt`: the block checkpointed as a module, a bound method, a closure, or not at all."""
 
-    def __init__(self, ckpt: bool) -> None:
+    def __init__(self, ckpt: str) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.block = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh())
@@ -334,15 +335,19 @@ class NormedNet(nn.Module):
         self.ckpt = ckpt
 
     def forward(self, x):
-        return self.out(checkpoint(self.block, x) if self.ckpt else self.block(x))
+        fn = {"module": self.block, "method": self.block.forward,
+              "closure": lambda t: self.block(t)}.get(self.ckpt)
+        return self.out(self.block(x) if fn is None else checkpoint(fn, x))
 
 
-def test_recomputing_a_batchnorm_counts_each_batch_once_in_its_running_statistics():
-    """The recomputation runs the block's forward again; its buffers are put back after it, so
-    BatchNorm's running mean, variance and batch count are those of training without it."""
+@pytest.mark.parametrize("ckpt", ["module", "method", "closure"])
+def test_recomputing_a_batchnorm_counts_each_batch_once_in_its_running_statistics(ckpt):
+    """The recomputation runs the block's forward again; the buffers of every module it runs
+    are put back after it, so BatchNorm's running mean, variance and batch count are those of
+    training without it, whatever fn is."""
     states = []
-    for ckpt in (True, False):
-        model = NormedNet(ckpt).double()
+    for how in (ckpt, None):
+        model = NormedNet(how).double()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         torch.manual_seed(1)
         for _ in range(2):

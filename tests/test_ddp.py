@@ -2,6 +2,7 @@
 import collections
 import contextlib
 import copy
+import gc
 
 import pytest
 import torch
@@ -31,9 +32,7 @@ def _lesson_worker(rank, world_size, port, xs, ys):
     return model.module.state_dict()
 
 
-def test_gloo_ddp_on_two_ranks_equals_one_process():
-    """Two ranks, each on half of every batch, averaging gradients in backward, take the steps
-    one process takes on the whole batch: data parallelism changes where, not what, we compute."""
+def _lesson_one_process():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     xs, ys = torch.randn(3, 8, 4, dtype=torch.float64), torch.randint(0, 3, (3, 8))  # 3 batches
@@ -42,8 +41,39 @@ def test_gloo_ddp_on_two_ranks_equals_one_process():
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
+    return xs, ys, model.state_dict()
+
+
+def test_gloo_ddp_on_two_ranks_equals_one_process():
+    """Two ranks, each on half of every batch, averaging gradients in backward, take the steps
+    one process takes on the whole batch: data parallelism changes where, not what, we compute."""
+    xs, ys, whole = _lesson_one_process()
     for rank, state in enumerate(run_ranks(_lesson_worker, 2, xs, ys)):
-        assert_close(state, model.state_dict(), msg=lambda m: f"rank {rank}: {m}")
+        assert_close(state, whole, msg=lambda m: f"rank {rank}: {m}")
+
+
+def _wrapped_again_worker(rank, world_size, port, xs, ys):
+    nc.launch({}, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    DDP(net)  # a first wrapper, dropped at once: its hooks stay on the parameters, idle
+    gc.collect()
+    model = DDP(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for x, y in zip(xs, ys):
+        x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model.module.state_dict()
+
+
+def test_gloo_a_model_wrapped_again_trains_as_one_process():
+    """A dropped wrapper (a notebook's second initialize) is freed with its process group's
+    share; the hooks it left on the parameters do nothing, and the new wrapper averages once."""
+    xs, ys, whole = _lesson_one_process()
+    for rank, state in enumerate(run_ranks(_wrapped_again_worker, 2, xs, ys)):
+        assert_close(state, whole, msg=lambda m: f"rank {rank}: {m}")
 
 
 class Net(nn.Module):

@@ -19,7 +19,7 @@ from layer_checks import (
 )
 from models import error_message
 from torch.testing import assert_close
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
@@ -59,14 +59,17 @@ def test_deep_2p5d_layers_equal_plain_torch_forward_and_backward(world, depth):
                                 "vocab embedding + classifier + loss"])] * world
 
 
-def _loader(samples, batch_size, drop_last=False):
-    """'initialized', or the ConfigError initialize raises for a loader of `samples` ids."""
+def _loader(samples, batch_size, drop_last=False, sampler=False):
+    """'initialized', or the ConfigError initialize raises for a loader of `samples` ids (its
+    batches made by batch_size=, or by a batch_sampler= of the user's)."""
     model = small_model()
     data = TensorDataset(torch.randint(0, 10, (samples, 2)), torch.randint(0, 3, (samples,)))
+    batches = BatchSampler(SequentialSampler(data), batch_size, drop_last)
+    loader = (DataLoader(data, batch_sampler=batches) if sampler else
+              DataLoader(data, batch_size, drop_last=drop_last))
     try:
         nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                      col_nn.CrossEntropyLoss(), DataLoader(data, batch_size, drop_last=drop_last),
-                      verbose=False)
+                      col_nn.CrossEntropyLoss(), loader, verbose=False)
     except ConfigError as e:
         return str(e)
     return "initialized"
@@ -77,7 +80,8 @@ def _errors_worker(rank, world_size, port):
     return {"hidden": error_message(lambda: col_nn.Linear(8, 7)),
             "batch": error_message(lambda: col_nn.Embedding(10, 8)(torch.zeros(6, 2).long())),
             "batches of 6": _loader(12, 6), "last batch of 2": _loader(10, 4),
-            "last batch dropped": _loader(10, 4, drop_last=True)}
+            "last batch dropped": _loader(10, 4, drop_last=True),
+            "a batch sampler's last batch": _loader(10, 4, sampler=True)}
 
 
 def test_gloo_2p5d_bad_shapes_are_one_line_errors():
@@ -97,7 +101,12 @@ def test_gloo_2p5d_bad_shapes_are_one_line_errors():
                                f"which cannot be split over {grids}, and would fail after 2 "
                                f"batches; pass drop_last=True, or pick a batch size that leaves "
                                f"no remainder of 10 or a multiple of 4",
-            "last batch dropped": "initialized"}
+            "last batch dropped": "initialized",
+            "a batch sampler's last batch": f"[rank {rank}] the train dataloader's last batch "
+                                            f"has 2 sample(s), which cannot be split over "
+                                            f"{grids}, and would fail after 2 batches; pass "
+                                            f"drop_last=True, or pick a batch size that leaves "
+                                            f"no remainder of 10 or a multiple of 4"}
 
 
 def _colossal_worker(rank, world_size, port):

@@ -48,6 +48,7 @@ def _stray_parameters(mode):
            "frozen": _initialized(linear, lambda: Scale(requires_grad=False), linear)}
     if mode == "1d":
         out["torch layernorm"] = _initialized(linear, linear, lambda: nn.LayerNorm(8))
+        out["torch prelu"] = _initialized(linear, nn.PReLU, linear)  # on a slice: refused too
     return out
 
 
@@ -88,11 +89,13 @@ def test_gloo_1d_a_parameter_outside_nc_nn_layers_is_refused_at_initialize():
     """A plain nn.Parameter between a column and a row Linear scales a slice on each rank: its
     gradient is a piece, and nothing sums the pieces, so its copies would drift apart (after a
     row Linear it would see the whole activation; no check can tell). initialize refuses it by
-    name, before any step. A frozen one cannot drift; torch's LayerNorm after a pair sees the
-    whole activation, as before."""
+    name, before any step, as is a torch layer's that is no normalisation (a PReLU). A frozen
+    one cannot drift; torch's LayerNorm after a pair sees the whole activation, as before."""
     for rank, out in enumerate(run_ranks(_errors_worker, 2, "1d", timeout=60)):
         assert out["stray parameter"] == _stray_message(rank, 2, "1d")
         assert out["frozen"] == out["torch layernorm"] == "initialized"
+        assert out["torch prelu"].startswith(f"[rank {rank}] parallel.tensor=2 (1d) but 1.weight "
+                                             f"(PReLU's) is not a parameter of a nanocolossal.nn")
 
 
 def test_gloo_1d_bad_inputs_are_clear_errors():

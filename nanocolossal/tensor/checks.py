@@ -26,10 +26,11 @@ def check_tensor_model(model: nn.Module, loaders: dict[str, Any]) -> None:
     check_batches_split(loaders)
 
 
-def _torch_layer(module: nn.Module) -> bool:
-    """A torch layer (LayerNorm, BatchNorm, ... or a subclass): 1d gives it whole activations
-    when it sits outside a column/row pair, as the plain-layer check allows."""
-    return any(c.__module__.startswith("torch.nn") for c in type(module).__mro__[:-2])
+def _torch_norm(module: nn.Module) -> bool:
+    """A torch normalisation layer (LayerNorm, GroupNorm, BatchNorm, or a subclass): 1d gives it
+    whole activations outside a column/row pair, where such layers sit. Another torch layer with
+    a parameter (PReLU, ...) may sit between the two, on a slice: refused like any other."""
+    return isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm))
 
 
 def check_replicated_parameters(model: nn.Module) -> None:
@@ -39,7 +40,7 @@ def check_replicated_parameters(model: nn.Module) -> None:
         for name, p in owner.named_parameters(recurse=False):
             if not p.requires_grad or hasattr(p, "tensor_splits"):
                 continue
-            if gpc.tensor_mode == "1d" and _torch_layer(owner):
+            if gpc.tensor_mode == "1d" and _torch_norm(owner):
                 continue
             raise ConfigError(
                 f"[rank {gpc.rank}] parallel.tensor={gpc.tensor_size} ({gpc.tensor_mode}) but "
@@ -59,14 +60,17 @@ def check_batches_split(loaders: dict[str, Any]) -> None:
     m = gpc.config.get("NUM_MICRO_BATCHES", 1) if gpc.pipeline_size > 1 else 1
     multiple, cut = batch_blocks() * m, f" ({m} micro-batches)" if m > 1 else ""
     for name, loader in loaders.items():
-        if not isinstance(loader, DataLoader) or loader.batch_size is None:
+        # batch_size= makes a BatchSampler too; a batch_sampler= of the user's may say its size
+        batches = getattr(loader, "batch_sampler", None)
+        size = getattr(batches, "batch_size", None)
+        if not isinstance(loader, DataLoader) or size is None:
             continue
         try:
-            n = len(loader.sampler)  # this rank's share where a DistributedSampler shards
-        except TypeError:  # an iterable dataset: no length to check
+            n = len(batches.sampler)  # this rank's share where a DistributedSampler shards
+        except (AttributeError, TypeError):  # an iterable dataset: no length to check
             continue
-        full = loader.batch_size if n >= loader.batch_size else 0
-        last = 0 if loader.drop_last else n % loader.batch_size
+        full = size if n >= size else 0
+        last = 0 if getattr(batches, "drop_last", False) else n % size
         if full % multiple:
             raise ConfigError(f"[rank {gpc.rank}] the {name} dataloader's batches of {full}"
                               f"{cut} {batch_split_error()}; use a batch size that is a "
@@ -74,6 +78,6 @@ def check_batches_split(loaders: dict[str, Any]) -> None:
         if last % multiple:
             raise ConfigError(f"[rank {gpc.rank}] the {name} dataloader's last batch has {last} "
                               f"sample(s){cut}, which {batch_split_error()}, and would fail "
-                              f"after {n // loader.batch_size} batches; pass drop_last=True, or "
+                              f"after {n // size} batches; pass drop_last=True, or "
                               f"pick a batch size that leaves no remainder of {n} or a multiple "
                               f"of {multiple}")
