@@ -16,6 +16,7 @@ from . import (
     checkpoint,
     checks,
     config,
+    config_checks,
     core,
     cpu_half,
     data,
@@ -46,11 +47,14 @@ from .launch import (
 from .logging import get_dist_logger
 from .progress import Progress
 
+config.check_with(config_checks.validate_config)  # every config loaded: config_checks.py's list
+
 __all__ = [
     "AMP_TYPE", "Config", "ConfigError", "DistributedSampler", "Engine", "LaunchError",
     "PipelineEngine", "Progress",
-    "amp", "builder", "checkpoint", "checks", "config", "core", "cpu_half", "data", "ddp", "hooks",
-    "metrics", "nn", "parallel", "pipeline", "progress", "syncbn", "tensor", "trainer", "utils",
+    "amp", "builder", "checkpoint", "checks", "config", "config_checks", "core", "cpu_half",
+    "data", "ddp", "hooks", "metrics", "nn", "parallel", "pipeline", "progress", "syncbn",
+    "tensor", "trainer", "utils",
     "get_dataloader", "get_default_parser", "get_dist_logger", "gpc", "initialize", "launch",
     "launch_from_openmpi", "launch_from_slurm", "launch_from_torch", "load_config",
 ]

@@ -158,14 +158,21 @@ def load_config(config: ConfigLike, **overrides: Any) -> Config:
             value = {**cfg.get(key, {}), **{k: v for k, v in value.items() if v is not None}}
         if value is not None:
             cfg[key] = value
-    from .config_checks import validate_config  # (it imports the features, which import us)
-    validate_config(cfg)
+    for check in _CHECKS:  # config_checks.validate_config: every section's check, in order
+        check(cfg)
     return cfg
 
 
-# Functions to run before a config is checked, e.g. launch_hardening's hook that ends a script on
-# a bad config with its message alone (config_checks.py holds the checks themselves).
+# What a loaded config goes through: config_checks.validate_config, installed by the package's
+# __init__ (the checks import the features, which import this module). Functions to run before,
+# e.g. launch_hardening's hook that ends a script on a bad config with its message alone.
+_CHECKS: list[Callable[[Config], None]] = []
 _ON_LOAD: list[Callable[[], None]] = []
+
+
+def check_with(check: Callable[[Config], None]) -> None:
+    """Run `check(cfg)` (raising ConfigError) on every config loaded from now on."""
+    _CHECKS.append(check)
 
 
 def on_load(hook: Callable[[], None]) -> None:

@@ -1,6 +1,6 @@
 """Extension points: how a feature changes the training loop without the loop knowing it.
 
-The Engine (engine/engine.py) and the pipeline executor (pipeline/schedule.py) are the textbook
+The Engine (engine/engine.py) and the pipeline executor (pipeline/executor.py) are the textbook
 loops -- forward, criterion, backward, step; a plan's forwards and backwards -- and import no
 feature. A feature that must act inside them is an `Extension` written in its own module;
 `initialize` (engine/initialize.py) builds the list from the config, one named step per feature,

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent / "nanocolossal"
 
 # each file and the project modules it may import: its own parts and the layers beneath it
 LEAN = {"engine/engine.py": {"context", "extensions", "nest"},
-        "pipeline/schedule.py": {"context", "extensions", "nest", "p2p", "plan",
-                                 "split_backward", "steps"},
+        "pipeline/executor.py": {"context", "extensions", "executor_checks", "p2p", "plan",
+                                 "steps"},
         "config.py": set(), "layout.py": {"config"}, "context.py": {"config", "layout"},
         "logging.py": {"context"},
         "checks.py": {"config", "context"}}

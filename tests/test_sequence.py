@@ -217,7 +217,7 @@ def test_deep_trainer_hooks_under_sequence_report_one_process_numbers(trainer_re
     world, parallel = TRAINER_LAYOUTS[name]
     ref = trainer_reference
     config = dict(NUM_MICRO_BATCHES=2, clip_grad_norm=CLIP, parallel=parallel)
-    # a pipeline sums its micro-batches' losses in float32 (pipeline/schedule.py, total_loss),
+    # a pipeline sums its micro-batches' losses in float32 (pipeline/executor.py, total_loss),
     # whatever the model's dtype: its reported loss is one process's to float32 only
     rel = 1e-7 if "pipeline" in name else 1e-10
     for run in run_ranks(_trainer_run, world, config, timeout=60):

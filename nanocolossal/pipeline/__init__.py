@@ -6,11 +6,13 @@
     zero_bubble.py  ZB-H1 and ZB-V: the backward split into B and W, W's filling the bubble
     simulate.py   run plans without processes (deadlocks, memory) and draw their timelines
     p2p.py        batched sends/receives between neighbouring stages, with a shape handshake
-    schedule.py   the executor that runs a plan: forward_backward_step
+    executor.py   the executor that runs a plan: forward_backward_step (Executor, Run)
+    executor_features.py  what it leaves out: the split backward's W, a chunk's own loss, tracing
     split_backward.py  zero-bubble's backward in two: B (the input's gradient), W (the weights')
 
     python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--chunks 2] [--schedule S]
 """
+from .executor import Executor
 from .partition import PipelineChunks, PipelinePart, balanced_split, build_pipeline_model
 from .plan import all_plans, build_plan, compute_order, one_f_one_b, warmup_count
 from .schedules import (
@@ -24,7 +26,7 @@ from .schedules import (
 from .simulate import render, simulate
 from .steps import PlanError
 
-__all__ = ["GPipeSchedule", "InterleavedPipelineSchedule", "PipelineChunks", "PipelineSchedule",
-           "PipelinePart", "PlanError", "ZBVSchedule", "ZeroBubbleSchedule", "all_plans",
-           "balanced_split", "build_pipeline_model", "build_plan", "compute_order",
+__all__ = ["Executor", "GPipeSchedule", "InterleavedPipelineSchedule", "PipelineChunks",
+           "PipelineSchedule", "PipelinePart", "PlanError", "ZBVSchedule", "ZeroBubbleSchedule",
+           "all_plans", "balanced_split", "build_pipeline_model", "build_plan", "compute_order",
            "make_schedule", "one_f_one_b", "render", "simulate", "warmup_count"]

@@ -5,7 +5,8 @@ aux loss), w = MOE_AUX_WEIGHT. Without a pipeline that is what engine.criterion 
 training (`MoeAuxLoss.loss`). Cut into stages, the MoE layers of stage 0 never see the loss:
 only the last stage applies the criterion. But the aux loss of a layer depends only on that
 layer's router, so its gradient is local to the stage that holds it. The executor
-(schedule.py) therefore, per micro-batch m and chunk c, after F(c, m) (`MoeAuxLoss.extra_loss`):
+(executor_features.py's OwnLosses) therefore, per micro-batch m and chunk c, after F(c, m)
+(`MoeAuxLoss.extra_loss`):
 
     aux(c, m) = w x (sum of chunk c's MoE layers' aux loss of micro-batch m) x share(m)
 

@@ -11,10 +11,10 @@ A receiver must allocate a buffer of the right shape and dtype before data arriv
 first transfer across each stage boundary *for each micro-batch size* is preceded by a
 small metadata message [dtype, ndim, *shape]; every stage knows the sizes (it splits the
 same batch), so a smaller last batch costs one more handshake, and later micro-batches of
-that size must match it: a stage whose output changes shape is stopped with an error
-naming both ranks. TENSOR_SHAPE (tensor_shape) skips the handshake for micro-batches of
-its leading size. Gradients cross a boundary backwards with the shape of its activation,
-which both sides already know.
+that size must match it (p2p_checks.py names both ranks where a stage's output changed).
+TENSOR_SHAPE (tensor_shape) skips the handshake for micro-batches of its leading size.
+Gradients cross a boundary backwards with the shape and dtype of its activation, which both
+sides already know; an integer activation (token ids) has none.
 
 Within a batch, operations are ordered by (kind, source, destination, micro-batch) on both
 sides and tagged, so a message is matched with its own receive on gloo (tags) and on NCCL
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..context import gpc
+from .p2p_checks import check_agreed, check_sendable, send_errors, transfer_errors
 from .steps import Transfer, stage_rank
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -70,7 +71,7 @@ class StageComm:
         """Post ops as one batch; wait for the receives (and, unless told otherwise, the sends)."""
         if not ops:
             return
-        try:
+        with transfer_errors(ops, where):
             works = dist.batch_isend_irecv(ops)
             # coalesced (NCCL): one handle for the whole batch, wait for it
             if len(works) != len(ops):
@@ -82,25 +83,15 @@ class StageComm:
                     self._sending.append((work, op.tensor))  # keeps the tensor alive until sent
                 else:
                     work.wait()
-        except RuntimeError as e:
-            peers = sorted({op.peer for op in ops})
-            raise RuntimeError(f"[rank {gpc.rank}] pipeline transfer with "
-                               f"rank(s) {peers} failed at {where} "
-                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                               "a peer may have stopped or timed out (timeout "
-                               f"{gpc.timeout.total_seconds():.0f} s)") from e
 
     def flush(self, where: str = "end of batch") -> None:
         """Wait for every send still in flight (sends are not waited for when posted: a rank goes
         on computing while its activations travel, as only receives gate the next step)."""
-        try:
-            for work, _ in self._sending:
+        sending = self._sending
+        self._sending = []
+        with send_errors(where):
+            for work, _ in sending:
                 work.wait()
-        except RuntimeError as e:
-            raise RuntimeError(f"[rank {gpc.rank}] a pipeline send did not complete at "
-                               f"{where}: {e}") from e
-        finally:
-            self._sending = []
 
     def _handshake(self, sends: dict, recvs: Sequence[Transfer], where: str) -> None:
         """Announce/learn the shapes of first-time activation transfers."""
@@ -124,37 +115,20 @@ class StageComm:
             self.shapes[(t.src, self.sizes[t.mb])] = (tuple(dims[:ndim]), _DTYPES[code])
 
     def exchange(self, sends: dict, recvs: Sequence[Transfer], where: str) -> dict:
-        """Post all sends ({Transfer: tensor}) and receives together; returns {Transfer: tensor}."""
-        for t, x in sends.items():
-            if t.what == "act" and x.dim() + 2 > _META_LEN:
-                raise ValueError(f"[rank {gpc.rank}] stage output has {x.dim()} dimensions; at "
-                                 f"most {_META_LEN - 2}")
-            if t.what == "act" and x.dtype not in _DTYPES:
-                raise ValueError(f"[rank {gpc.rank}] stage output dtype {x.dtype} cannot be sent "
-                                 f"between stages")
+        """Post all sends ({Transfer: tensor}) and receives together; returns {Transfer: tensor}.
+        An integer activation (token ids) has no gradient: neither end posts one for it."""
+        check_sendable(sends, _DTYPES, _META_LEN)
         self._handshake(sends, recvs, where)
         ops, received = [], {}
         for t in sorted(sends, key=_key):
             x = sends[t]
-            shape, dtype = self._meta_of(t.src if t.what == "act" else t.dst, t.mb)
-            if tuple(x.shape) != shape or x.dtype != dtype:
-                peer = self._rank(t.dst)
-                if self.fixed is not None and (shape, dtype) == self.fixed and \
-                        not x.is_floating_point():
-                    raise RuntimeError(
-                        f"[rank {gpc.rank}] {where}: the {t.what} of micro-batch {t.mb} for rank "
-                        f"{peer} is {x.dtype}, but TENSOR_SHAPE fixes every boundary at "
-                        f"{dtype}; remove TENSOR_SHAPE from the config (the stages then agree "
-                        f"on each boundary's shape and dtype by themselves)")
-                raise RuntimeError(
-                    f"[rank {gpc.rank}] {where}: the {t.what} of micro-batch {t.mb} for rank "
-                    f"{peer} has shape {tuple(x.shape)} and dtype {x.dtype}, but rank {gpc.rank} "
-                    f"and rank {peer} agreed on {shape} {dtype} for micro-batches of this size; a "
-                    f"stage must give the same shape for the same number of samples, or set "
-                    f"TENSOR_SHAPE correctly")
+            agreed = self._meta_of(t.src if t.what == "act" else t.dst, t.mb)
+            check_agreed(t, x, agreed, self.fixed, self._rank(t.dst), where)
             ops.append(dist.P2POp(dist.isend, x.contiguous(), self._rank(t.dst), tag=_tag(t)))
         for t in sorted(recvs, key=_key):
             shape, dtype = self._meta_of(t.src if t.what == "act" else t.dst, t.mb)
+            if t.what == "grad" and not dtype.is_floating_point:
+                continue
             buffer = torch.empty(shape, dtype=dtype, device=gpc.device)
             received[t] = buffer
             ops.append(dist.P2POp(dist.irecv, buffer, self._rank(t.src), tag=_tag(t)))

@@ -33,7 +33,7 @@ Zero bubble (ZB-H1, ZB-V; zero_bubble.py) splits each backward in two, B the inp
 and W the weights', and fills the bubble with the W's nobody waits for.
 
 `one_f_one_b` below is 1F1B on one rank as the textbooks draw it, in one screen, and is what the
-executor (schedule.py) runs for 1F1B training (evaluation, forwards only, goes by `round_plan`);
+executor (executor.py) runs for 1F1B, training and evaluation (forwards only);
 `round_plan` is the same loop generalised to GPipe and interleaved chunks (a test proves it gives
 `one_f_one_b`'s plan), and to ZB-H1's order (`zero_bubble_order`); ZB-V's order (`zbv_order`)
 runs with its messages on time (`on_time_plan`). `build_plan` picks among the three.
@@ -42,10 +42,12 @@ runs with its messages on time (`on_time_plan`). `build_plan` picks among the th
 """
 from __future__ import annotations
 
+# SCHEDULES, check_sizes and PlanError are also named here, as before
+from .plan_checks import SCHEDULES as SCHEDULES
+from .plan_checks import check_sizes
 from .steps import (
     Comm,
     Compute,
-    PlanError,
     Step,
     Transfer,
     received_by,
@@ -53,18 +55,18 @@ from .steps import (
     v_shaped,
     virtual_stage,
 )
+from .steps import PlanError as PlanError
 from .zero_bubble import on_time_plan, zbv_order, zero_bubble_order
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
 
-
-def one_f_one_b(P: int, M: int, rank: int) -> list[Step]:
+def one_f_one_b(P: int, M: int, rank: int, forward_only: bool = False) -> list[Step]:
     """1F1B on pipeline rank `rank` of P, M micro-batches: the textbook loop.
 
     Before each forward a rank receives its input activation (unless it is the first stage),
     before each backward the gradient of its output (unless it is the last); after each it sends
     the result on. One communication batch between two computations posts the sends of the one
     before with the receives of the one after, so neighbours never wait on each other in a ring.
+    Evaluation (`forward_only`) runs the forwards alone.
     """
     first, last = rank == 0, rank == P - 1
     plan: list[Step] = []
@@ -85,12 +87,14 @@ def one_f_one_b(P: int, M: int, rank: int) -> list[Step]:
             sends = () if first else (Transfer("grad", rank, rank - 1, m),)
 
     warmup = min(P - rank - 1, M)  # forwards until the first micro-batch's gradient can return
+    if forward_only:                             # evaluation: the forwards alone
+        warmup = M
     for m in range(warmup):                      # warm-up
         run("F", m)
     for i in range(M - warmup):                  # steady state: one forward, one backward
         run("F", warmup + i)
         run("B", i)
-    for m in range(M - warmup, M):               # cool-down: drain the backwards in flight
+    for m in range(M - warmup, 0 if forward_only else M):  # cool-down: the backwards in flight
         run("B", m)
     if sends:
         plan.append(Comm(sends, ()))
@@ -166,11 +170,11 @@ def compute_order(schedule: str, P: int, M: int, V: int, rank: int,
 
 def build_plan(schedule: str, P: int, M: int, V: int, rank: int,
                forward_only: bool = False) -> list[Step]:
-    """What rank `rank` runs: for training under 1F1B the textbook loop (`one_f_one_b`), for zbv
+    """What rank `rank` runs: under 1F1B the textbook loop (`one_f_one_b`), for zbv
     messages on time (`on_time_plan`), for the others `round_plan`."""
-    if schedule == "1f1b" and not forward_only:
+    if schedule == "1f1b":
         check_sizes(schedule, P, M, V)
-        return one_f_one_b(P, M, rank)
+        return one_f_one_b(P, M, rank, forward_only)
     if schedule == "zbv":
         orders = [compute_order(schedule, P, M, V, r, forward_only) for r in range(P)]
         return on_time_plan(orders, P, V, rank, v_shaped(schedule))
@@ -206,30 +210,3 @@ def round_plan(schedule: str, P: int, M: int, V: int, rank: int,
 def all_plans(schedule: str, P: int, M: int, V: int = 1,
               forward_only: bool = False) -> list[list[Step]]:
     return [build_plan(schedule, P, M, V, r, forward_only) for r in range(P)]
-
-
-# -- the combinations no schedule can run ------------------------------------------------------
-
-def check_sizes(schedule: str, P: int, M: int, V: int) -> None:
-    """Raise PlanError for a combination no schedule can run."""
-    if schedule not in SCHEDULES:
-        raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if P < 1 or M < 1 or V < 1:
-        raise PlanError(f"stages, micro-batches and chunks must be >= 1, got P={P}, M={M}, V={V}")
-    if schedule == "zbv" and V != 2:
-        raise PlanError(f"zbv runs two chunks per rank (a V), got NUM_CHUNKS={V}; set "
-                        f"NUM_CHUNKS=2")
-    if schedule not in ("interleaved", "zbv") and V != 1:
-        raise PlanError(f"{schedule} runs one chunk per rank; use the interleaved schedule for "
-                        f"NUM_CHUNKS={V}")
-    if schedule == "interleaved" and P < 2:
-        raise PlanError("the interleaved schedule needs at least 2 pipeline stages")
-    if schedule == "zbv" and M < 2 * P - 1:
-        raise PlanError(f"zbv needs NUM_MICRO_BATCHES >= 2 x pipeline size - 1 = {2 * P - 1} "
-                        f"(rank 0's forwards before micro-batch 0 comes back up the V), got {M}")
-    if schedule == "interleaved" and M % P != 0:
-        raise PlanError(f"the interleaved schedule needs NUM_MICRO_BATCHES a multiple of the "
-                        f"pipeline size: M={M}, P={P}; use M={((M + P - 1) // P) * P}")
-    if M < P:
-        raise PlanError(f"NUM_MICRO_BATCHES={M} is smaller than the pipeline size {P}: stages "
-                        f"would idle most of the time; use at least {P} micro-batches")

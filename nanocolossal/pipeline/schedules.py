@@ -1,4 +1,4 @@
-"""The schedules by name: each is the executor (schedule.py) with a plan (plan.py), so a class
+"""The schedules by name: each is the executor (executor.py) with a plan (plan.py), so a class
 here says only which plan and how many chunks per rank.
 
     gpipe         all forwards, then all backwards                    1 chunk
@@ -16,8 +16,9 @@ from typing import Optional, Sequence
 
 from ..config import Config, ConfigError, is_positive_int
 from ..context import gpc
+from .executor_checks import check_on_this_pipeline
+from .executor_features import Schedule
 from .plan import SCHEDULES
-from .schedule import Schedule, check_on_this_pipeline
 from .steps import PlanError
 
 

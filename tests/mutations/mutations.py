@@ -181,9 +181,9 @@ MUTATIONS: list[dict] = [
              "order, 0 to V-1, instead of V-1 down to 0",
          tests=["tests/test_pipeline_plan.py"]),
     dict(id="pipe-microbatch-share", idea="pipeline schedule",
-         file="nanocolossal/pipeline/schedule.py",
-         old="self.share = [len(y) / n for y in y_mb]",
-         new="self.share = [1 / len(y_mb) for y in y_mb]",
+         file="nanocolossal/pipeline/executor.py",
+         old="self.share = [len(y) / n for y in self.y_mb]",
+         new="self.share = [1 / len(self.y_mb) for y in self.y_mb]",
          bug="each micro-batch's loss weighs 1/M, not its share of the samples: wrong when a "
              "batch does not split evenly (13 samples in 4 micro-batches)",
          tests=["tests/test_pipeline.py", "-k", "any_batch"]),
@@ -297,6 +297,21 @@ MUTATIONS: list[dict] = [
          bug="each reduction overwrites my gradient shard instead of adding to it: only the "
              "last backward before a step counts",
          tests=["tests/test_zero3.py", "-k", "gradient_accumulation"]),
+    dict(id="zero3-watch-after-gather", idea="ZeRO 3 rules",
+         file="nanocolossal/zero/sharded_model_checks.py",
+         old="                                                 prepend=True),",
+         new="                                                 ),",
+         bug="the first forward's watch marks a unit running only after the timeline has "
+             "gathered it: the gather's own writes look like reads outside the unit, and every "
+             "unit joins the root unit (nothing sharded is freed any more)",
+         tests=["tests/test_zero3.py", "-k", "models_as_written"]),
+    dict(id="zero3-unit-order-unchecked", idea="ZeRO 3 rules",
+         file="nanocolossal/zero/sharded_model_checks.py",
+         old="agreed = same_everywhere(self.fingerprint, self.group, gpc.device)",
+         new="agreed = True",
+         bug="the step no longer compares the units each rank gathered: same-sized units run "
+             "on different ranks put parameters together from two units' shards, silently",
+         tests=["tests/test_zero3.py", "-k", "refused_at_the_step"]),
     dict(id="zero-shard-size-floor-plus-one", idea="ZeRO 1/2",
          file="nanocolossal/zero/optimizer.py",
          old="self.shard = math.ceil(self.numel / size)  # padded: N shards of equal size",

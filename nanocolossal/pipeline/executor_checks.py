@@ -1,0 +1,59 @@
+"""The executor's refusals and misuse errors (executor.py calls each by one line), said before
+anything is sent, with the rank and what to change."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..context import gpc
+from .plan_checks import check_sizes
+from .steps import PlanError
+
+
+def check_on_this_pipeline(name: str, M: int, V: int) -> None:
+    """The plan's sizes against the launched pipeline, the error naming this rank."""
+    try:
+        check_sizes(name, gpc.pipeline_size, M, V)
+    except PlanError as e:
+        raise PlanError(f"[rank {gpc.rank}] {e}") from None
+
+
+def check_call(executor: Any, chunks: list, batch: Any) -> None:
+    """The model's chunks and the batch fit the plan."""
+    M, V = executor.num_microbatches, executor.num_chunks
+    check_on_this_pipeline(executor.name, M, V)
+    if len(chunks) != V:
+        raise ValueError(f"[rank {gpc.rank}] {executor.name} schedule expects {V} model chunk(s), "
+                         f"got {len(chunks)}; build the model with build_pipeline_model(..., "
+                         f"num_chunks={V})")
+    n = len(batch[0])
+    if n < M:
+        raise ValueError(f"[rank {gpc.rank}] batch size {n} is smaller than "
+                         f"NUM_MICRO_BATCHES={M}; use batches of at least {M} samples (or "
+                         f"drop_last=True in the dataloader)")
+
+
+def check_criterion(run: Any, criterion: Optional[Callable], forward_only: bool,
+                    return_loss: bool) -> None:
+    if any(run.is_last) and criterion is None and (return_loss or not forward_only):
+        raise ValueError(f"[rank {gpc.rank}] the last pipeline stage needs a criterion to "
+                         f"compute the loss")
+
+
+def check_output(output: Any, v: int) -> None:
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"[rank {gpc.rank}] pipeline part {v} returned "
+                        f"{type(output).__name__}; stages must return one tensor")
+
+
+def check_input_used(x: torch.Tensor, v: int, m: int) -> None:
+    """A floating input no gradient reached is an error: zeros sent back would give the earlier
+    stage's parameters zero gradients where one process leaves them None, and momentum or weight
+    decay would still move them -- a silent difference."""
+    if x.grad is None:
+        raise RuntimeError(
+            f"[rank {gpc.rank}] pipeline part {v} did not use its input in micro-batch {m}: no "
+            f"gradient flows back to part {v - 1}, whose parameters one process would leave "
+            f"without a gradient; make part {v} use its input, or end part {v - 1} with an output "
+            f"that needs no gradient (integer ids, or .detach())")
