@@ -5,10 +5,11 @@ their memory and traffic; gradients.py is level 2's backward; mixed.py the fp32 
 under AMP O2), level 3 also the parameters
 (sharded_model.py: the gather / free / reduce-scatter timeline; sharded_params.py: the shards;
 unit_order.py: which modules are units, and the rules they follow; sharded_model_checks.py:
-those rules enforced beside the timeline; state_dict.py: the model's state_dict made whole). state.py: checkpoints, the plain optimizer's state put together
-from every rank's segments; load.py: a rank reads only the files with its own. comm.py: the
-collectives ZeRO adds; settings.py: the zero=dict(...) config; offload.py: masters and optimizer
-state in CPU memory, the step on the CPU (offload='cpu').
+those rules enforced beside the timeline; state_dict.py: the model's state_dict made whole).
+state.py: checkpoints, the plain optimizer's state put together from every rank's segments;
+load.py: a rank reads only the files with its own. comm.py: the collectives ZeRO adds;
+settings.py: the zero=dict(...) config; offload.py: masters and optimizer state in CPU memory,
+the step on the CPU (offload='cpu').
 Turned on by the config:
 
     zero = dict(level=2, reduce_bucket_size_mb=25, overlap_communication=True)

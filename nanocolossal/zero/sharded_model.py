@@ -17,18 +17,13 @@ reduce-scatter of the unit's gradients, which keeps only my shard of them):
                 L0:                                                    g | grads | free | rs
     step        each rank steps its shards; nothing is gathered after: the next forward does
 
-Prefetch (overlap_communication=True): as a unit starts, so does the gather of the unit that
-followed it last forward (backward: this forward's order reversed); a changed order wastes one.
-
 How the hooks know: a forward pre-hook gathers the unit and passes its inputs through an
 identity autograd function whose backward runs when the gradients of the inputs are done,
 i.e. when the unit's backward has ended ("post-backward"). A forward hook frees the unit and
 puts a hook on its outputs, which fires when their gradients arrive, i.e. just before the
 unit's backward ("pre-backward": gather). Reductions start in a fixed order (last unit first),
 as DDP's buckets do, so every rank issues the same collectives whatever order autograd reaches
-the units in. Every data rank must run the same units in the same order (as FSDP requires):
-unit_order.py checks it before every step (debug=True: before every gather, the way to a named
-error where units of different sizes would first make gloo abort a later collective).
+the units in.
 
 Calls: a unit may run several times before a backward (a block called twice, a siamese loss
 over two forwards). Each call gathers and frees on its own, forward and backward (k calls: k
@@ -47,9 +42,19 @@ recomputes in backward: gathered if it is not, neither counted nor freed there (
 call frees it); under use_reentrant=True its forward ran without grad and counted nothing, so
 the recomputation's post-backward reduces it: such a unit may run once per forward only.
 
-A unit's parameters read outside its forward (a tied head, the model calling
-F.linear(x, self.transformer.wte.weight)) would read the freed NaN placeholder: the first
-forward finds such reads (unit_order.py) and that unit joins the root unit.
+The optimisation, after the naive path (overlap_communication=True): as a unit starts, so does
+the gather of the unit that followed it last forward (backward: this forward's order reversed;
+a changed order wastes one), and a unit's reduction runs while autograd computes the next
+unit's, at most one in flight. False: each collective is waited for at once.
+
+The rules, installed beside the timeline (sharded_model_checks.py: Rules, called by one line at
+each gather, at the end of backward and before the step; unit_order.py says why): every data
+rank gathers the same units in the same order (as FSDP requires), checked before every step
+(debug=True: before every gather); a unit's parameters read outside its forward (a tied head,
+F.linear(x, self.transformer.wte.weight) in the model's forward) would read the freed NaN
+placeholder, so the first forward finds such reads and that unit joins the root unit; a
+gradient that arrives after its unit was reduced, and unfreezing a frozen parameter, are
+refused.
 
 Memory per rank (fp32 parameters, Adam, Psi = elements the optimizer steps, N ranks; each
 unit's buffers padded to a multiple of N):
@@ -61,9 +66,7 @@ unit's buffers padded to a multiple of N):
 
 Traffic per step, per rank: gathers in forward and backward, a reduce-scatter, Psi (N-1)/N each:
 3 Psi (N-1)/N, 1.5x DDP's (gloo: 4, zero/comm.py; tests/test_zero_traffic.py).
-Accumulation: each backward adds into my gradient shard. Overlap: a unit's reduction runs while
-autograd computes the next unit's; at most one in flight (overlap_communication=False: each waits
-at once, nothing is prefetched).
+Accumulation: each backward adds into my gradient shard.
 
 Checkpoints: model.state_dict() gathers every unit (collective, state_dict.py); save and load do
 not (my segments, state.py and load.py); load_state_dict of full tensors keeps my shard.
@@ -77,15 +80,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import refuse_unfreezing
-from ..context import gpc
-from ..logging import get_dist_logger
 from ..nest import map_tensors
 from ..weak import weakly
 from .comm import reduce_scatter_shard
+from .sharded_model_checks import Rules
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
 from .state_dict import FullStateDict
-from .unit_order import FirstForwardWatch, UnitOrder, plan_units, refuse_late_gradients
+from .unit_order import plan_units
 
 __all__ = ["ShardedModel", "plan_units"]  # (plan_units: the policy, unit_order.py)
 
@@ -133,9 +134,6 @@ class ShardedModel:
                  units: list[nn.Module], overlap_communication: bool = True) -> None:
         self.model, self.optimizer, self.group = model, optimizer, optimizer.group
         self.size, self.overlap = optimizer.size, overlap_communication
-        # every data rank must gather the same units in the same order: checked (unit_order.py)
-        self.unit_order = UnitOrder(self.group, bool(gpc.config.get("debug")))
-        optimizer.before_step = self._before_step  # (called first in its step: sharded_params)
         names = {id(m): n for n, m in model.named_modules()}
         self.children: list[_Unit] = []
         for i, module in enumerate(units):
@@ -151,39 +149,18 @@ class ShardedModel:
         self._next, self._pending, self._queued = 0, [], False  # (_queued: in a backward)
         self.seen: list[_Unit] = []  # prefetch: this forward's units in order, the last one's
         self.previous: list[_Unit] = []
-        self.running: list[_Unit] = []  # units whose forward is under way
         model.register_forward_pre_hook(self._root_pre_forward)
         model.register_forward_hook(self._root_post_forward, always_call=True)
-        FirstForwardWatch(model, self)  # a unit read outside its forward joins the root unit
-        refuse_unfreezing(model, model, lambda: "zero")  # frozen now: no gradient path
+        optimizer.before_step = self._before_step  # (called first in its step: sharded_params)
+        self.rules = Rules(self)  # unit order, reads outside a unit...: sharded_model_checks.py
         FullStateDict(model, [b for unit in self.order for b in unit.buffers], optimizer)
 
-    # -- forward ----------------------------------------------------------------------------
-    def _use(self, unit: _Unit, then: list[_Unit]) -> None:
-        """Gather `unit` (or wait for its prefetch), then start gathering the unit after it in
-        `then`, so that transfer runs while this unit computes."""
-        self._gather(unit)
-        unit.wait()
-        if self.overlap and unit in then[:-1] and not then[then.index(unit) + 1].ready:
-            self._gather(then[then.index(unit) + 1], async_op=True)
-
-    def _gather(self, unit: _Unit, async_op: bool = False) -> None:
-        if self.size > 1 and not all(b.gathered for b in unit.buffers):
-            self.unit_order.record_gather(self.order.index(unit), unit.name)
-        unit.gather(self.group, async_op)
-
+    # -- forward: gather a unit before it runs, free it after -------------------------------
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         self.previous, self.seen = self.seen or self.previous, []  # this forward repeats that one
-        self.running.clear()
         self._use(self.root, [])
 
-    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._on_grad_of(output, weakly(self._root_pre_backward))
-        for unit in (self.root, *self.children):  # (children: a prefetch this forward skipped)
-            unit.free()
-
     def _pre_forward(self, unit: _Unit, module: nn.Module, args: Any, kwargs: dict) -> Any:
-        self.running.append(unit)
         if self._queued:  # recomputed in backward (a checkpointed unit): no count, no prefetch
             self._use(unit, [])
         else:
@@ -203,21 +180,13 @@ class ShardedModel:
         self._on_grad_of(output, weakly(self._pre_backward, unit))
         if not self._queued:  # (a recomputation's saved tensors are read after it)
             unit.free()
-        if unit in self.running:
-            self.running.remove(unit)
 
-    @staticmethod
-    def _on_grad_of(output: Any, hook: Callable[[], None]) -> None:
-        """hook() once, when the first gradient of a tensor of `output` arrives."""
-        if torch.is_grad_enabled():
-            once = [hook]
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._on_grad_of(output, weakly(self._root_pre_backward))
+        for unit in (self.root, *self.children):  # (children: a prefetch this forward skipped)
+            unit.free()
 
-            def fire(grad: torch.Tensor) -> None:
-                if once:
-                    once.pop()()
-            map_tensors(lambda t: t.register_hook(fire) if t.requires_grad else None, output)
-
-    # -- backward ---------------------------------------------------------------------------
+    # -- backward: gather again before a unit's backward, free and reduce-scatter after -----
     def _root_pre_backward(self) -> None:
         if not self._queued:  # once per backward: the end-of-backward callback
             self._queued = True
@@ -292,28 +261,39 @@ class ShardedModel:
         for unit in self.order:
             unit.ready, unit.active = False, 0
         self._next, self._queued = 0, False
-        refuse_late_gradients(self.model, self.optimizer.unit_of)
+        self.rules.backward_ended()
 
     def _before_step(self) -> None:
-        if self.size > 1:
-            self.unit_order.check()
+        self.rules.before_step()
         for unit in self.children:  # calls no backward reached (a forward whose loss was
             unit.calls = 0          # dropped) would keep their unit from an early reduction
 
-    # -- a parameter read outside its unit (unit_order.py: FirstForwardWatch) ---------------
-    def join_root(self, unit: _Unit, param: torch.Tensor) -> None:
-        """From now on `unit` is part of the root unit: gathered now (for the op that read
-        `param`), then for every whole forward and backward."""
-        if unit not in self.children:  # (joined already)
-            return
-        self._use(unit, [])
-        for hook in unit.hooks:
-            hook.remove()
-        self.children.remove(unit)
-        self.order.remove(unit)
-        self.root.buffers += unit.buffers
-        unit.buffers = []  # (this forward's hooks on it now do nothing)
-        name = next(n for n, p in self.model.named_parameters() if p is param)
-        get_dist_logger().info(f"zero level 3: {name} is read outside unit {unit.name!r}, which "
-                               f"joins the root unit (gathered for the whole forward and "
-                               f"backward)")
+    # -- the plumbing: gather and wait; a hook on the gradients of a unit's outputs ---------
+    def _use(self, unit: _Unit, then: list[_Unit]) -> None:
+        """Gather `unit` (or wait for its prefetch) before it computes."""
+        self._gather(unit)
+        unit.wait()
+        if self.overlap:
+            self._prefetch(unit, then)
+
+    def _gather(self, unit: _Unit, async_op: bool = False) -> None:
+        self.rules.gathering(unit)  # every rank gathers the same units in the same order
+        unit.gather(self.group, async_op)
+
+    @staticmethod
+    def _on_grad_of(output: Any, hook: Callable[[], None]) -> None:
+        """hook() once, when the first gradient of a tensor of `output` arrives."""
+        if torch.is_grad_enabled():
+            once = [hook]
+
+            def fire(grad: torch.Tensor) -> None:
+                if once:
+                    once.pop()()
+            map_tensors(lambda t: t.register_hook(fire) if t.requires_grad else None, output)
+
+    # -- the optimisation: prefetch (overlap_communication=True) ----------------------------
+    def _prefetch(self, unit: _Unit, then: list[_Unit]) -> None:
+        """Start gathering the unit after `unit` in `then` (last forward's order; in backward
+        this forward's, reversed), so that its transfer runs while `unit` computes."""
+        if unit in then[:-1] and not then[then.index(unit) + 1].ready:
+            self._gather(then[then.index(unit) + 1], async_op=True)

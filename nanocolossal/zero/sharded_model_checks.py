@@ -1,0 +1,183 @@
+"""ZeRO level 3's rules, installed beside the gather / free / reduce-scatter timeline.
+
+sharded_model.py builds `Rules(sharded)` once and calls it at three points, one line each:
+
+    gathering(unit)     before every gather (prefetches too): Rule 2's fingerprint, UnitOrder
+    backward_ended()    after every reduction of a backward: no gradient may arrive late
+    before_step()       first in the optimizer's step: Rule 2 checked across the data group
+
+and, from here, without a call from the timeline:
+
+    FirstForwardWatch   Rule 1: the first forward runs under OutsideUse; a unit whose parameter
+                        an op reads while the unit is not running joins the root unit (join_root)
+    refuse_unfreezing   a parameter frozen now has no gradient path: unfreezing it is refused
+
+The rules themselves (why a unit read outside its forward reads NaN, why every rank must gather
+the same units in the same order) are unit_order.py's docstring. Non-finite gradients (a read of
+a freed parameter after all) are refused by the optimizer's step (sharded_params.py).
+"""
+from __future__ import annotations
+
+from collections import deque
+from functools import partial
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..checks import refuse_unfreezing, same_everywhere
+from ..context import gpc
+from ..logging import get_dist_logger
+from ..nest import map_tensors
+
+_PRIME = 2**61 - 1  # the hash stays an int64 (an all-reduce's element)
+_METADATA = {"shape", "size", "dim", "ndim", "numel", "nelement", "dtype", "device", "layout",
+             "requires_grad", "is_leaf", "grad", "stride", "element_size", "itemsize", "nbytes",
+             "data_ptr", "untyped_storage", "is_contiguous", "is_cuda", "__len__"}
+
+
+class Rules:
+    """Every rule of one ShardedModel (`sharded`); its timeline calls the three methods."""
+
+    def __init__(self, sharded: Any) -> None:
+        self.sharded = sharded
+        self.unit_order = UnitOrder(sharded.group, bool(gpc.config.get("debug")))
+        FirstForwardWatch(sharded)  # a unit read outside its forward joins the root unit
+        refuse_unfreezing(sharded.model, sharded.model, lambda: "zero")  # frozen now: no path
+
+    def gathering(self, unit: Any) -> None:
+        """`unit` is about to be gathered (or its prefetch started)."""
+        if self.sharded.size > 1 and not all(b.gathered for b in unit.buffers):
+            self.unit_order.record_gather(self.sharded.order.index(unit), unit.name)
+
+    def backward_ended(self) -> None:
+        refuse_late_gradients(self.sharded.model, self.sharded.optimizer.unit_of)
+
+    def before_step(self) -> None:
+        if self.sharded.size > 1:
+            self.unit_order.check()
+
+
+class OutsideUse(TorchFunctionMode):
+    """While entered: found(unit, param) for each op that reads the values of a parameter of a
+    unit not running. `unit_of`: id(param) -> its unit; `running`: the units whose forward is
+    under way (a list the caller keeps)."""
+
+    def __init__(self, unit_of: dict[int, Any], running: list, found: Callable) -> None:
+        super().__init__()
+        self.unit_of, self.running, self.found = unit_of, running, found
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__"):  # a property: p.shape, p.T
+            name = getattr(func.__self__, "__name__", "")
+        if name not in _METADATA:  # a freed parameter's shape is right; its values are not
+            map_tensors(self._check, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _check(self, t: Any) -> None:
+        unit = self.unit_of.get(id(t))
+        if unit is not None and unit not in self.running:
+            self.found(unit, t)
+
+
+class FirstForwardWatch:
+    """Rule 1 on a ShardedModel: its first forward that completes runs under OutsideUse, and a
+    unit whose parameter an op reads while the unit is not running joins the root unit
+    (join_root). Entered after the root unit is gathered, left before the units are freed (a
+    free writes every parameter); a unit is running from before its gather to after its free."""
+
+    def __init__(self, sharded: Any) -> None:
+        self.sharded, self.mode, self.running = sharded, None, []
+        model = sharded.model
+        self.hooks = [model.register_forward_pre_hook(self._enter),
+                      model.register_forward_hook(self._leave, always_call=True, prepend=True)]
+        for unit in sharded.children:
+            module = model.get_submodule(unit.name)
+            self.hooks += [
+                module.register_forward_pre_hook(lambda *_, u=unit: self.running.append(u),
+                                                 prepend=True),
+                module.register_forward_hook(lambda *_, u=unit: self._stopped(u))]
+
+    def _stopped(self, unit: Any) -> None:
+        if unit in self.running:
+            self.running.remove(unit)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        sharded = self.sharded
+        unit_of = {id(p): u for u in sharded.children for b in u.buffers for p in b.params}
+        self.running.clear()  # (a forward that raised left its units here)
+        self.mode = OutsideUse(unit_of, self.running, partial(join_root, sharded))
+        self.mode.__enter__()
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.mode is not None:  # a forward that raised (output None) is not the one watched
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+            if output is not None:
+                for hook in self.hooks:
+                    hook.remove()
+
+
+def join_root(sharded: Any, unit: Any, param: torch.Tensor) -> None:
+    """From now on `unit` is part of the root unit: gathered now (for the op that read `param`),
+    then for every whole forward and backward."""
+    if unit not in sharded.children:  # (joined already)
+        return
+    sharded._use(unit, [])
+    for hook in unit.hooks:
+        hook.remove()
+    sharded.children.remove(unit)
+    sharded.order.remove(unit)
+    sharded.root.buffers += unit.buffers
+    unit.buffers = []  # (this forward's hooks on it now do nothing)
+    name = next(n for n, p in sharded.model.named_parameters() if p is param)
+    get_dist_logger().info(f"zero level 3: {name} is read outside unit {unit.name!r}, which "
+                           f"joins the root unit (gathered for the whole forward and backward)")
+
+
+class UnitOrder:
+    """The gathers of one ShardedModel since the last step, checked across its data group."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], debug: bool) -> None:
+        self.group, self.debug = group, debug
+        self.fingerprint, self.names = 0, deque(maxlen=8)  # (names: the last few, for errors)
+
+    def record_gather(self, index: int, name: str) -> None:
+        """Unit number `index` (named `name`) is about to be gathered."""
+        if self.debug and not same_everywhere(index, self.group, gpc.device):
+            raise RuntimeError(f"[rank {gpc.rank}] zero level 3: this rank gathers unit {name!r} "
+                               f"while another data rank gathers another: every data rank must "
+                               f"run the same units (branch inside a unit)")
+        self.fingerprint = (self.fingerprint * 1_000_003 + index + 1) % _PRIME
+        self.names.append(name)
+
+    def check(self) -> None:
+        """Before a step (collective over the data group): the same gathers on every rank?"""
+        agreed = same_everywhere(self.fingerprint, self.group, gpc.device)
+        names, self.fingerprint = list(self.names), 0
+        self.names.clear()
+        if not agreed:
+            raise RuntimeError(
+                f"[rank {gpc.rank}] zero level 3: the data ranks gathered different units since "
+                f"the last step (this rank, last: {', '.join(names) or 'none'}), so parameters "
+                f"were put together from different units' shards; every data rank must run the "
+                f"same units in the same order: move a branch inside a unit (a child module), "
+                f"or use zero level 2 (debug=True names the first unit that differs)")
+
+
+def refuse_late_gradients(model: nn.Module, unit_of: dict[int, int]) -> None:
+    """After backward every gradient of a sharded parameter has been reduced into my shard, so
+    a full .grad left over arrived after its unit's reduction (a parameter read outside the
+    forward, a reentrant checkpoint of a unit called twice): it would be lost, so refuse."""
+    late = [n for n, p in model.named_parameters() if p.grad is not None and id(p) in unit_of]
+    if late:
+        raise RuntimeError(f"[rank {gpc.rank}] zero level 3: {', '.join(late[:4])} got a "
+                           f"gradient after its unit was reduced, so it would be lost: compute "
+                           f"anything that reads parameters (a penalty over model.parameters()) "
+                           f"inside the model's forward, and checkpoint a unit that runs more "
+                           f"than once per forward with use_reentrant=False")
