@@ -26,10 +26,13 @@ log_softmax on a CPU (on CUDA it is an fp32 op) -- upcast there, or use torch's 
         scaled.backward()
     optimizer.clip_grad_norm(1.0)   # optional: acts on unscaled gradients
     optimizer.step()                # skipped (and S backed off) on overflow
+
+MixedPrecisionOptimizer is an fp32 run's optimizer (plain_optimizer.py) plus, in the order a
+step meets them: (O2) fp32 masters; the loss scale S; unscale, check and agree on an overflow;
+step or skip, and update S. Its checkpoint state is amp_state.py's; clipping is clip.py's.
 """
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Union
 
@@ -38,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .amp_casts import Autocast, autocast_loss, cast_io, is_norm
+from .amp_checks import check_initialize
 from .amp_scaler import (
     DynamicLossScaler,
     make_scaler,
@@ -45,10 +49,12 @@ from .amp_scaler import (
     unscale_and_check_fused,
     unscale_grads,
 )
-from .clip import clip_, global_norm, model_holders
+from .amp_state import AmpState
+from .clip import SplitOver, clip_grad_norm_
 from .config import AMP_TYPE  # owned by the config (it names the modes)
 from .context import gpc
 from .logging import get_dist_logger
+from .plain_optimizer import PlainOptimizer
 
 # nc.amp.X: this file's names, and the loss scaler's and the config's that users reach from here
 __all__ = ["AMP_TYPE", "OPT_LEVELS", "DynamicLossScaler", "MixedPrecisionOptimizer",
@@ -56,59 +62,87 @@ __all__ = ["AMP_TYPE", "OPT_LEVELS", "DynamicLossScaler", "MixedPrecisionOptimiz
            "unscale_and_check_fused", "unscale_grads"]
 
 
-class MixedPrecisionOptimizer:
-    """Wraps a torch optimizer with loss scaling, overflow skipping and (O2) fp32 master weights."""
+def make_masters(optimizer: torch.optim.Optimizer) -> list[tuple[nn.Parameter, nn.Parameter]]:
+    """O2: an fp32 master for each half parameter, put in its place in the optimizer's groups
+    (the same group dicts, so LR schedulers keep working); returns the (half, master) pairs."""
+    pairs = []
+    for group in optimizer.param_groups:
+        masters = []
+        for p in group["params"]:
+            if p.dtype == torch.float32:
+                masters.append(p)
+                continue
+            master = nn.Parameter(p.detach().float())
+            master.__dict__.update(p.__dict__)  # tensor-parallel marks (splits, ...)
+            pairs.append((p, master))
+            masters.append(master)
+        group["params"] = masters
+    return pairs
+
+
+class MixedPrecisionOptimizer(AmpState, PlainOptimizer):
+    """A torch optimizer with loss scaling, overflow skipping and (O2) fp32 master weights.
+
+        backward   (loss * S).backward()                       half gradients, times S
+        step       masters' gradients = the model's / S        unscale
+                   any inf/nan? all-reduced (MAX) over the job  check, agree: all skip together
+                   step the masters, round them into the model  step -- or skip
+                   S backs off after an overflow, grows after   update
+                   a clean stretch (amp_scaler.py)
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, scaler: Optional[DynamicLossScaler] = None,
                  master_weights: bool = False, check_finite: bool = False) -> None:
-        self.optimizer, self.scaler = optimizer, scaler
+        super().__init__(optimizer)
+        self.scaler = scaler
         # skip steps whose gradients are inf/nan on any rank: always with a scaler, else if asked
         self.check_finite = check_finite or scaler is not None
-        # O2: (half model parameter, its fp32 master)
-        self._master_pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-        if master_weights:
-            for group in optimizer.param_groups:  # same group dicts, so LR schedulers keep working
-                masters = []
-                for p in group["params"]:
-                    if p.dtype == torch.float32:
-                        masters.append(p)
-                    else:
-                        master = nn.Parameter(p.detach().float())
-                        master.__dict__.update(p.__dict__)  # tensor-parallel marks (splits, ...)
-                        self._master_pairs.append((p, master))
-                        masters.append(master)
-                group["params"] = masters
+        self._master_pairs = make_masters(optimizer) if master_weights else []
         self._flag: Optional[torch.Tensor] = None  # this step's overflow flag, once unscaled
-        self._loaded = False  # the model was loaded since the last step: the masters follow it
+        self._loaded = False  # the model was loaded since the last step (amp_state.py)
         # bools and ints, or tensors on the device where the optimizer skips on its own (step)
         self._last_skipped: Union[bool, torch.Tensor] = False
         self._skipped: Union[int, torch.Tensor] = 0
-        self.weighed_ranks = 1  # G where the engine weighs a counted loss: see backward_scale
-        self.open_group = False  # a backward since the last step: gradients no file holds
 
-    def params(self) -> Iterator[nn.Parameter]:
-        """The parameters the optimizer updates (fp32 masters under O2)."""
-        for group in self.optimizer.param_groups:
-            yield from group["params"]
+    # -- masters (O2): gradients in, weights out ------------------------------------------------
+    def _grads_to_masters(self) -> None:
+        """The half model's gradients feed the fp32 masters (zero/offload.py: on the CPU)."""
+        for model_param, master in self._master_pairs:
+            master.grad = None if model_param.grad is None else model_param.grad.float()
+
+    def _masters_to_model(self) -> None:
+        """The updated masters rounded into the half model (zero/offload.py: from the CPU)."""
+        with torch.no_grad():
+            halves = [p for p, _ in self._master_pairs]
+            torch._foreach_copy_(halves, [m for _, m in self._master_pairs])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for model_param, _ in self._master_pairs:
             model_param.grad = None
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        super().zero_grad(set_to_none)
 
     def drop_gradients(self) -> None:
-        """Forget what backwards since the last step left: the gradients, their overflow flag
-        (once unscaled or clipped) and the open group (the engine's zero_grad)."""
-        self.zero_grad()
+        """Also the overflow flag of the dropped gradients, once unscaled or clipped."""
+        super().drop_gradients()
         self._flag = None
-        self.open_group = False
+
+    # -- scale ----------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def backward_scale(self) -> float:
+        """What backward multiplies by and unscale_ divides by: the loss scale S, or S / G where
+        the loss is weighed by counted targets (loss_weights.py, set by initialize): there a
+        rank's piece of the loss may carry up to G x its sample share (G: the ranks the gradient
+        average divides by), and dividing S by G keeps its half gradients one process's size."""
+        return self.loss_scale / self.weighed_ranks if self.scaler is not None else 1.0
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.open_group = True
-        if self.scaler is not None:
-            loss = loss * self.backward_scale
-        loss.backward()
+        super().backward(loss * self.backward_scale if self.scaler is not None else loss)
 
+    # -- unscale, check, agree ------------------------------------------------------------------
     def overflow_flag(self) -> torch.Tensor:
         """Turn scaled gradients into true fp32-master gradients (once per step) and return a
         one-element tensor on the device: 1 if any rank of the job found an inf/nan gradient.
@@ -140,24 +174,21 @@ class MixedPrecisionOptimizer:
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return found
 
-    def _grads_to_masters(self) -> None:
-        """O2: the half model's gradients feed the fp32 masters (zero/offload.py: on the CPU)."""
-        for model_param, master in self._master_pairs:
-            master.grad = None if model_param.grad is None else model_param.grad.float()
+    def unscale_(self) -> bool:
+        """overflow_flag, read: True if any rank found an inf/nan gradient."""
+        return bool(self.overflow_flag().item())
 
+    # -- step or skip, update S -----------------------------------------------------------------
     def step(self) -> Union[bool, torch.Tensor]:
         """Unscale, then step unless some rank found an inf/nan; returns whether a step was
-        taken. A scaler (or a plain optimizer) needs the host to decide: one read of the flag
-        per step. Without a scaler, an optimizer that skips on its own -- torch's fused ones take
-        the flag as their `found_inf` -- steps with nothing read: step returns a 0-d bool tensor,
-        the skip is counted on the device (skipped_steps reads it when asked) and not logged."""
+        taken. The host decides: one read of the flag per step (but see the variant below)."""
         flag = self.overflow_flag()
         self.open_group = False
-        if not self.check_finite:  # fp32, or the check turned off: nothing to decide
+        if not self.check_finite:  # the check turned off: nothing to decide
             skipped: Union[bool, torch.Tensor] = False
             self._step()
         elif self.scaler is None and getattr(self.optimizer, "_step_supports_amp_scaling", False):
-            skipped = self._step_deciding_on_device(flag)
+            skipped = self._step_deciding_on_device(flag)  # the optimised variant, below
         else:
             skipped = bool(flag.item())  # the host decides: one read of the flag
             if not skipped:
@@ -168,14 +199,11 @@ class MixedPrecisionOptimizer:
         self._count_skipped(skipped)
         return not skipped if isinstance(skipped, bool) else skipped.logical_not()
 
-    def _step_deciding_on_device(self, flag: torch.Tensor) -> torch.Tensor:
-        """torch's fused optimizers take the flag as their `found_inf` and skip on the device."""
-        self.optimizer.found_inf = flag.reshape(())
-        try:
-            self._step()
-        finally:
-            del self.optimizer.found_inf
-        return flag[0] > 0
+    def _step(self) -> None:
+        """The optimizer's step; O2: the updated masters copied into the half model."""
+        self.optimizer.step()
+        if self._master_pairs:
+            self._masters_to_model()
 
     def _count_skipped(self, skipped: Union[bool, torch.Tensor]) -> None:
         if skipped is True and self.scaler is None:  # a scaler's back-off says it; here, say it
@@ -183,95 +211,28 @@ class MixedPrecisionOptimizer:
                                       f"every rank ({self.skipped_steps + 1} skipped so far)")
         self._last_skipped, self._skipped = skipped, self._skipped + skipped
 
-    def _step(self) -> None:
-        """The optimizer's step; O2: the updated masters copied into the half model."""
-        self.optimizer.step()
-        if self._master_pairs:
-            self._masters_to_model()
+    # -- the optimised variant: the skip decided on the device, nothing read --------------------
+    def _step_deciding_on_device(self, flag: torch.Tensor) -> torch.Tensor:
+        """Without a scaler (nothing for the host to update), torch's fused optimizers take the
+        flag as their `found_inf` and skip on the device: step returns a 0-d bool tensor, and
+        the skip is counted there (skipped_steps reads it when asked) and not logged."""
+        self.optimizer.found_inf = flag.reshape(())
+        try:
+            self._step()
+        finally:
+            del self.optimizer.found_inf
+        return flag[0] > 0
 
-    def _masters_to_model(self) -> None:
-        """O2: the updated masters rounded into the half model (zero/offload.py: from the CPU)."""
-        with torch.no_grad():
-            halves = [p for p, _ in self._master_pairs]
-            torch._foreach_copy_(halves, [m for _, m in self._master_pairs])
-
-    # -- the global norm, each element counted once, clipped (clip.py) ----------------------
+    # -- clip (clip.py), on the unscaled gradients ----------------------------------------------
     def clip_grad_norm_(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
-                        split_over: Optional[tuple[dict[int, float], Any]] = None
-                        ) -> torch.Tensor:
-        """Clip unscaled gradients to the global norm of the whole model; returns the norm as a
-        0-d tensor (inf where a gradient overflowed: then nothing is clipped).
+                        split_over: Optional[SplitOver] = None) -> torch.Tensor:
+        """PlainOptimizer's, after unscaling; the norm is inf where a gradient overflowed, and
+        then nothing is clipped (the step is skipped with its gradients as they are)."""
+        skip = self.overflow_flag()[0] > 0
+        return clip_grad_norm_(list(self.params()), max_norm, self.holders, group, split_over,
+                               skip)
 
-        `group`: the ranks holding the *other* parts of the model (pipeline stages, tensor
-        slices). `split_over` = (weight by id(param), group): parameters split over another
-        group -- ZeRO's segments over the data ranks, MoE's experts over the expert-parallel
-        ranks (moe/grads.py) -- add their squares x weight, summed over that group first."""
-        found = self.overflow_flag()[0] > 0
-        # float32 sums (half gradients overflow), float64 for a float64 model (a float32
-        # coefficient would round its clipped gradients)
-        float64 = any(p.dtype == torch.float64 for p in self.params())
-        acc = torch.float64 if float64 else torch.float32
-        params = [p for p in self.params() if p.grad is not None]
-        norm = global_norm(params, self.holders, group, split_over, acc)
-        clip_([p.grad for p in params], max_norm, norm, keep=found)
-        return torch.where(found, torch.full_like(norm, math.inf), norm)
-
-    def holders(self, param: nn.Parameter) -> int:
-        """Ranks of the model group holding this exact parameter (clip.py)."""
-        return model_holders(param)
-
-    def clip_grad_norm(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
-                       **kwargs: Any) -> float:
-        """clip_grad_norm_, its norm read as a float (the host waits for the device)."""
-        return self.clip_grad_norm_(max_norm, group, **kwargs).item()
-
-    # -- a model loaded after initialize; checkpoints -------------------------------------------
-    def follow_loads(self, model: nn.Module) -> None:
-        """model.load_state_dict after this: the fp32 masters take the loaded weights at the next
-        step (read then: ZeRO 3 keeps its slice after the load's hooks). An optimizer state loaded
-        after the model brings its own masters (load_state_dict)."""
-        model.register_load_state_dict_post_hook(self._model_loaded)
-
-    def _model_loaded(self, module: nn.Module, incompatible: Any) -> None:
-        self._loaded = True
-
-    def _masters_from_model(self) -> None:
-        """The loaded weights become the masters: else the step would write the old masters
-        over them."""
-        with torch.no_grad():
-            for model_param, master in self._master_pairs:
-                master.copy_(model_param.detach())
-        self._loaded = False
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "masters": [master.detach().clone() for _, master in self._master_pairs]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._loaded = False  # the masters come from `state` (or stay), not from the model
-        plain = "optimizer" not in state  # a plain torch optimizer's state
-        self.optimizer.load_state_dict(state if plain else state["optimizer"])
-        if not plain and self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        masters = [] if plain else state.get("masters") or []
-        with torch.no_grad():
-            for (model_param, master), saved in zip(self._master_pairs, masters):
-                master.copy_(saved)
-                model_param.copy_(saved)
-            if not masters:  # saved without O2 (an fp32 run): masters of the loaded half model
-                for model_param, master in self._master_pairs:
-                    master.copy_(model_param)
-
-    # -- what the engine and the logs read ------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler is not None else 1.0
-
+    # -- what ZeRO, MoE and the logs read -------------------------------------------------------
     @property
     def skipped_steps(self) -> int:
         """Steps skipped on a non-finite gradient (read from the device when asked)."""
@@ -280,14 +241,6 @@ class MixedPrecisionOptimizer:
     @property
     def last_step_skipped(self) -> bool:
         return bool(self._last_skipped)
-
-    @property
-    def backward_scale(self) -> float:
-        """What backward multiplies by and unscale_ divides by: the loss scale S, or S / G where
-        the loss is weighed by counted targets (loss_weights.py, set by initialize): there a
-        rank's piece of the loss may carry up to G x its sample share (G: the ranks the gradient
-        average divides by), and dividing S by G keeps its half gradients one process's size."""
-        return self.loss_scale / self.weighed_ranks if self.scaler is not None else 1.0
 
     def master_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """O2's (half model parameter, fp32 master) pairs; empty otherwise."""
@@ -301,10 +254,6 @@ class MixedPrecisionOptimizer:
             group["params"] = [half_of.get(id(q), q) for q in group["params"]]
         self._master_pairs = []
 
-    def unscale_(self) -> bool:
-        """overflow_flag, read: True if any rank found an inf/nan gradient."""
-        return bool(self.overflow_flag().item())
-
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 
@@ -317,12 +266,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
     """Prepare `model` in place for `opt_level` and wrap `optimizer` (apex's amp.initialize).
     `outputs` (per pipeline chunk; default all): is its output the model's, cast to fp32?
     `keep_batchnorm_fp32` (O2/O3; default: O2 only): normalisation layers stay fp32."""
-    if opt_level not in OPT_LEVELS:
-        raise ValueError(f"[rank {gpc.rank}] unknown opt_level {opt_level!r}; use one of "
-                         f"{', '.join(OPT_LEVELS)}")
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"[rank {gpc.rank}] amp dtype must be "
-                         f"torch.float16 or torch.bfloat16, got {dtype}")
+    check_initialize(opt_level, dtype, OPT_LEVELS)  # (amp_checks.py)
     device_type = device_type or next(model.parameters()).device.type
     keep_norms = opt_level == "O2" if keep_batchnorm_fp32 is None else keep_batchnorm_fp32
     # a ModuleList (pipeline chunks) has no forward of its own: each chunk gets the hooks

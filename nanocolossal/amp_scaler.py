@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from .amp_checks import check_not_stuck, check_scaler_settings
 from .context import gpc
 
 
@@ -39,16 +40,9 @@ class DynamicLossScaler:
                  backoff_factor: float = 0.5, growth_interval: int = 2000, hysteresis: int = 1,
                  min_scale: float = 1.0, max_scale: float = 2.0**24,
                  max_consecutive_overflows: int = 32) -> None:
-        rules = {
-            "growth_factor > 1": growth_factor > 1,
-            "0 < backoff_factor < 1": 0 < backoff_factor < 1,
-            "growth_interval >= 1": growth_interval >= 1,
-            "hysteresis >= 1": hysteresis >= 1,
-            "0 < min_scale <= init_scale <= max_scale": 0 < min_scale <= init_scale <= max_scale,
-        }
-        broken = [rule for rule, holds in rules.items() if not holds]
-        if broken:
-            raise ValueError(f"DynamicLossScaler needs {' and '.join(broken)}; got {locals()}")
+        check_scaler_settings(dict(init_scale=init_scale, growth_factor=growth_factor,
+                                   backoff_factor=backoff_factor, growth_interval=growth_interval,
+                                   hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale))
         self.scale = float(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval = growth_interval
@@ -66,13 +60,7 @@ class DynamicLossScaler:
             self.hysteresis_tracker -= 1
             if self.hysteresis_tracker <= 0:
                 self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-            at_the_floor = self.scale <= self.min_scale
-            if at_the_floor and self.consecutive_overflows >= self.max_consecutive_overflows:
-                raise FloatingPointError(
-                    f"[rank {gpc.rank}] step {self.steps}: gradients overflowed "
-                    f"{self.consecutive_overflows} steps in a row and the loss scale is down to "
-                    f"min_scale={self.min_scale:g}; the loss is probably NaN/inf (check the "
-                    f"inputs, the learning rate, or a division by zero in the loss)")
+            check_not_stuck(self)  # at min_scale, overflowing on and on: the loss is inf/nan
             return
         self.consecutive_overflows = 0
         self.growth_tracker += 1

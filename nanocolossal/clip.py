@@ -17,11 +17,14 @@ count exactly once, wherever it lives:
       the expert-parallel ranks)                    (w_p = 1 / its holders there)
 
 `global_norm` is that table (`group_norm` adds its two sums); `clip_` scales by the one
-coefficient. Both stay on the device: the norm is a 0-d tensor nobody waits for (the Engine's
+coefficient; `clip_grad_norm_` is both, what an optimizer's clip_grad_norm_ calls (fp32's:
+plain_optimizer.py; AMP's, on unscaled gradients and never on a step about to be skipped: amp.py).
+Everything stays on the device: the norm is a 0-d tensor nobody waits for (the Engine's
 `last_grad_norm` reads it when asked).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -29,6 +32,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .context import gpc
+
+# (weight by id(param), group): parameters split over another group than the model's
+SplitOver = tuple[dict[int, float], Optional[dist.ProcessGroup]]
 
 
 def one_process_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -79,8 +85,7 @@ def group_norm(model_squares: torch.Tensor, split_squares: torch.Tensor,
 
 def global_norm(params: list[nn.Parameter], holders: Callable[[nn.Parameter], int],
                 model_group: Optional[dist.ProcessGroup],
-                split_over: Optional[tuple[dict[int, float], Optional[dist.ProcessGroup]]],
-                acc: torch.dtype) -> torch.Tensor:
+                split_over: Optional[SplitOver], acc: torch.dtype) -> torch.Tensor:
     """The table above for the gradients of `params`: each weighed by 1 / its holders in the
     model group; those in `split_over` = (weight by id(param), group) also by their weight,
     summed over that group first."""
@@ -104,3 +109,20 @@ def clip_(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor,
         coef = torch.where(keep, torch.ones_like(coef), coef)
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
+                    holders: Callable[[nn.Parameter], int],
+                    group: Optional[dist.ProcessGroup] = None,
+                    split_over: Optional[SplitOver] = None,
+                    skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Clip the gradients of `params` to their global norm (the table above: `group` holds the
+    model's other parts, `split_over` the parameters split over another group); returns the norm
+    as a 0-d tensor, inf where `skip` (a 0-d bool: an overflowed step keeps its gradients)."""
+    # float32 sums (half gradients overflow); float64 for a float64 model (a float32
+    # coefficient would round its clipped gradients)
+    acc = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    with_grads = [p for p in params if p.grad is not None]
+    norm = global_norm(with_grads, holders, group, split_over, acc)
+    clip_([p.grad for p in with_grads], max_norm, norm, keep=skip)
+    return norm if skip is None else torch.where(skip, torch.full_like(norm, math.inf), norm)

@@ -11,8 +11,9 @@ A loader without a length (a stream) on several ranks is read through nc.data.ag
 (the Trainer does), so that streams ending on some ranks first fail at once, naming them.
 
 The Engine adds nothing to the maths: `initialize` (initialize.py) has already wrapped the model
-(SyncBN, AMP, DDP) and the optimizer (loss scaling, fp32 masters, ZeRO); the Engine runs them in
-the right order and owns the two things a loop gets wrong most often:
+(SyncBN, AMP, DDP) and the optimizer (fp32: plain_optimizer.py; AMP adds loss scaling and fp32
+masters, amp.py; ZeRO shards either); the Engine runs them in the right order and owns the two
+things a loop gets wrong most often:
 
 Gradient accumulation (gradient_accumulation=N): each backward adds loss / N, and only the last of
 the N may average gradients over the data ranks, so communication happens once; zero_grad acts only
@@ -49,8 +50,8 @@ from ..context import gpc
 from ..extensions import Extension, synchronising, with_extensions
 from ..nest import map_tensors
 
-if TYPE_CHECKING:  # only named: the optimizer is whatever initialize wrapped (amp.py's wrapper)
-    from ..amp import MixedPrecisionOptimizer
+if TYPE_CHECKING:  # only named: fp32's plain_optimizer.py, or what AMP and ZeRO make of it
+    from ..plain_optimizer import PlainOptimizer
 
 
 def _to_device(obj: Any) -> Any:
@@ -60,7 +61,7 @@ def _to_device(obj: Any) -> Any:
 class Engine:
     """One process's model (maybe DDP-wrapped), optimizer and criterion: the loop's five calls."""
 
-    def __init__(self, model: nn.Module, optimizer: MixedPrecisionOptimizer,
+    def __init__(self, model: nn.Module, optimizer: PlainOptimizer,
                  criterion: Optional[Callable] = None,
                  forward_module: Optional[nn.Module] = None, gradient_accumulation: int = 1,
                  clip_grad_norm: float = 0.0, extensions: Sequence[Extension] = ()) -> None:
@@ -198,7 +199,7 @@ class PipelineEngine(Engine):
     executor too: each backward of a chunk synchronises through them, and the last part's loss
     and every chunk's own loss (MoE) come through them, per micro-batch."""
 
-    def __init__(self, model: nn.Module, optimizer: MixedPrecisionOptimizer,
+    def __init__(self, model: nn.Module, optimizer: PlainOptimizer,
                  criterion: Optional[Callable], schedule: Any, chunks: list,
                  clip_grad_norm: float = 0.0, extensions: Sequence[Extension] = ()) -> None:
         super().__init__(model, optimizer, criterion, clip_grad_norm=clip_grad_norm,

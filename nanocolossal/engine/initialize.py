@@ -59,6 +59,7 @@ from ..moe.settings import moe_aux_weight
 from ..pipeline.moe_aux import MoeAuxLoss
 from ..pipeline.steps import virtual_stage
 from ..pipeline.tied import TiedGradients
+from ..plain_optimizer import PlainOptimizer
 from ..replicas import broadcast_replicas
 from ..sequence import check_sequence_model, sequence_attention, split_loader
 from ..syncbn import convert_sync_batchnorm
@@ -98,10 +99,10 @@ def apply_sync_bn(model: nn.Module) -> tuple[nn.Module, LogNote]:
 
 
 def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Optional[Callable]
-              ) -> tuple[nn.Module, MixedPrecisionOptimizer, Optional[Callable], LogNote]:
+              ) -> tuple[nn.Module, PlainOptimizer, Optional[Callable], LogNote]:
     fp16 = gpc.config.get("fp16")
-    if fp16 is None:  # fp32: no scaling, the same interface
-        return model, MixedPrecisionOptimizer(optimizer), criterion, None
+    if fp16 is None:  # fp32: the plain optimizer and the global-norm clip (plain_optimizer.py)
+        return model, PlainOptimizer(optimizer), criterion, None
     if gpc.config.get("zero") is not None:  # Colossal-AI v0.1's optimizer_config scaler keys
         fp16 = type(fp16)({**fp16, **zero_settings(gpc.config)[1]})
     ask_cpu = gpc.device.type == "cpu" and "dtype" not in fp16 and fp16.get("enabled", True)
@@ -116,7 +117,7 @@ def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Opt
             f"overrides")
     if kwargs is None:
         off = "off (enabled=False)" if fp16.get("enabled") is False else "in float32 on this CPU"
-        return model, MixedPrecisionOptimizer(optimizer), criterion, f"{name} {off}"
+        return model, PlainOptimizer(optimizer), criterion, f"{name} {off}"
     # O1 with a criterion: the loss runs under autocast, the output needs no fp32 copy (amp.py);
     # else one process casts only the model's output to fp32: here the last stage's last chunk
     # (a TENSOR_SHAPE fixes every stage boundary at fp32, skipping the dtype handshake: keep all)
