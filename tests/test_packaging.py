@@ -65,12 +65,12 @@ def test_wheel_in_a_clean_venv_imports_every_module(tmp_path):
     )
 
 
-def test_the_readme_reading_order_names_files_that_exist_with_their_line_counts():
-    """The README's reading order is how a learner finds the code: every file it names exists
-    and has the number of lines it states (a name without a folder is in the row's last named
-    folder, or at the top). Regenerate the counts with `wc -l` when a file changes."""
+def test_every_file_by_idea_names_files_that_exist_with_their_line_counts():
+    """docs/files.md, every file in reading order, is how a learner finds the rest of the code:
+    every file it names exists and has the number of lines it states (a name without a folder
+    is in the row's last named folder, or at the top). Regenerate the counts with `wc -l`."""
     package = ROOT / "nanocolossal"
-    lines = (ROOT / "README.md").read_text().splitlines()
+    lines = (ROOT / "docs" / "files.md").read_text().splitlines()
     rows = lines[lines.index("| file | lines | what it teaches |") + 2:]
     checked = 0
     for row in rows:
@@ -91,3 +91,46 @@ def test_the_readme_reading_order_names_files_that_exist_with_their_line_counts(
         assert counted == stated, f"README row {names_cell}: stated {stated}, counted {counted}"
         checked += 1
     assert checked > 20
+
+
+def _span(path: Path, name: str) -> int:
+    """Lines of top-level function or class `name` (or `Class.method`) in `path`, decorators,
+    def and docstring included; `__doc__`: the module's docstring."""
+    import ast
+    body = ast.parse(path.read_text()).body
+    if name == "__doc__":
+        return body[0].end_lineno - body[0].lineno + 1
+    node = None
+    for part in name.split("."):
+        node = next((n for n in body if getattr(n, "name", None) == part), None)
+        assert node is not None, f"README's first reading names {name}, not in {path.name}"
+        body = node.body
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    return node.end_lineno - first + 1
+
+
+def test_the_first_reading_names_functions_that_exist_with_their_line_counts():
+    """The README's first reading, the book: each row names the functions and classes to read
+    (`file.py`: `name`, `Class.method`; files apart by ';'), with their lines (a test checks
+    them: regenerate from this test's message); all of it at most about 2,500 lines."""
+    package = ROOT / "nanocolossal"
+    lines = (ROOT / "README.md").read_text().splitlines()
+    rows = lines[lines.index("| step | read | lines | what it teaches |") + 2:]
+    counted_rows, total = [], 0
+    for row in rows:
+        if not row.startswith("| "):
+            break
+        _, read, stated = row.split(" | ")[:3]
+        counted, folder = 0, ""
+        for part in read.split("; "):  # a file without a folder: in the row's last named one
+            file, *names = re.findall(r"`([^`]+)`", part)
+            if "/" in file:
+                folder = str(Path(file).parent)
+            elif folder and (package / folder / file).exists():
+                file = f"{folder}/{file}"
+            counted += sum(_span(package / file, name) for name in names)
+        counted_rows.append((read, int(stated), counted))
+        total += counted
+    wrong = [(read, stated, counted) for read, stated, counted in counted_rows if stated != counted]
+    assert not wrong, f"stated, counted: {wrong}"
+    assert len(counted_rows) >= 10 and total <= 2600, (len(counted_rows), total)
