@@ -68,6 +68,9 @@ is complete) refuse, naming the remedy -- checkpoint the two uses together in on
 whose inputs need no gradient (the first block reading data) still has parameters that do: an
 empty tensor that needs one (_ANCHOR) keeps the function in the graph, or its backward would never
 run.
+
+Before a launch, `nanocolossal plan` computes these activation bytes and bubbles
+(nanocolossal/plan/activations.py).
 """
 from __future__ import annotations
 

@@ -21,6 +21,8 @@ coefficient; `clip_grad_norm_` is both, what an optimizer's clip_grad_norm_ call
 plain_optimizer.py; AMP's, on unscaled gradients and never on a step about to be skipped: amp.py).
 Everything stays on the device: the norm is a 0-d tensor nobody waits for (the Engine's
 `last_grad_norm` reads it when asked).
+
+Before a launch, `nanocolossal plan` computes these elements sent (nanocolossal/plan/traffic.py).
 """
 from __future__ import annotations
 

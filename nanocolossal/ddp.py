@@ -32,6 +32,8 @@ the sum in that precision, as torch's bf16_compress_hook (bench_ddp.py measures 
 
 `no_sync()` skips the communication (gradient accumulation); gradients keep accumulating in
 `.grad` and the next synchronised backward averages the accumulated sum.
+
+Before a launch, `nanocolossal plan` computes these bytes (nanocolossal/plan/formulas.py).
 """
 from __future__ import annotations
 

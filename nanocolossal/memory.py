@@ -11,6 +11,9 @@ SavedBytes sees activations (activation_checkpoint.py's formula, pipeline schedu
 micro-batches); LargestMade sees transient tensors no one saves, such as a block of attention
 scores (ring_attention.py: the explicit blocks make one, a fused kernel's tiles are its own
 memory, never a tensor).
+
+Before a launch, `nanocolossal plan` computes these activation bytes and bubbles
+(nanocolossal/plan/activations.py).
 """
 from __future__ import annotations
 

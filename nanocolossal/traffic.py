@@ -17,6 +17,8 @@ depends on the algorithm; for the ring that NCCL and the ZeRO paper assume (N ra
 
 Counted while the block runs: every call made as `dist.<collective>(...)` (how this library calls
 them); a collective imported by name elsewhere is not seen. Not thread-safe (one block at a time).
+
+Before a launch, `nanocolossal plan` computes these elements sent (nanocolossal/plan/traffic.py).
 """
 from __future__ import annotations
 

@@ -34,6 +34,8 @@ splitting. `Classifier(..., weight=embedding.weight)` ties the two in every mode
 
 Each layer is built from the plain layer's random draws, so under one seed every layout
 starts from the same model (see tensor/base.py).
+
+Before a launch, `nanocolossal plan` computes these per-rank shapes (nanocolossal/plan/model.py).
 """
 from __future__ import annotations
 

@@ -19,6 +19,8 @@ sides already know; an integer activation (token ids) has none.
 Within a batch, operations are ordered by (kind, source, destination, micro-batch) on both
 sides and tagged, so a message is matched with its own receive on gloo (tags) and on NCCL
 (first in, first out per pair of ranks).
+
+Before a launch, `nanocolossal plan` computes these elements sent (nanocolossal/plan/traffic.py).
 """
 from __future__ import annotations
 

@@ -11,6 +11,9 @@ weight gradient w, an unsplit backward b + w; communication free; zero_bubble.py
 `earliest_starts`) and `render` draws it, as in the docstrings of plan.py and zero_bubble.py;
 the bubble it measures is the formula's (`bubble_formula`): (P - 1) / (V * M + P - 1), ZB-H1's
 (P - 1)(f + b - w) idle per rank and ZB-V's (P - 1) f.
+
+Before a launch, `nanocolossal plan` computes these activation bytes and bubbles
+(nanocolossal/plan/activations.py).
 """
 from __future__ import annotations
 

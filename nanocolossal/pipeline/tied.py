@@ -18,6 +18,8 @@ data-parallel mean: stages may reduce differently -- with MoE only in later bloc
 runs DDP (averaged in backward) and the last stage a gradient handler (averaged at end_group);
 summing first would hand stage 0 the other stage's un-averaged gradient, a different one on
 each data rank. initialize.py puts it after the handlers for that.
+
+Before a launch, `nanocolossal plan` computes these elements sent (nanocolossal/plan/traffic.py).
 """
 from __future__ import annotations
 

@@ -19,6 +19,8 @@ Embedding and PatchEmbedding split the embedding dimension and gather it; the Cl
 splits its input features (row-parallel) so the class count need not divide T; LayerNorm
 and the loss act on replicated activations and stay plain (replicated parameters get
 identical gradients on every rank, so they stay identical).
+
+Before a launch, `nanocolossal plan` computes these elements sent (nanocolossal/plan/traffic.py).
 """
 from __future__ import annotations
 

@@ -48,6 +48,8 @@ Every layer here but Linear2D only needs to know which group splits the hidden d
 which splits the batch (`blocks()`); 3d's layout A (tensor/cube.py: batch over the cube's
 (x, y) plane, hidden over z) is such a layout too, so LayerNorm, Embedding, PatchEmbedding,
 Classifier and the loss serve 3d as they are (layers_3d.py names them).
+
+Before a launch, `nanocolossal plan` computes these per-rank shapes (nanocolossal/plan/model.py).
 """
 from __future__ import annotations
 

@@ -23,6 +23,8 @@ rank (x, y, z) gathers E's block (vocabulary y, hidden z) along x, looks up batc
 the ids in it (zeros outside its vocabulary), and the y axis sums and scatters the result by
 batch: block (x, y), hidden z -- layout A. Its backward sums E's gradient over x and keeps each
 rank's slice (the all-gather's conjugate).
+
+Before a launch, `nanocolossal plan` computes these per-rank shapes (nanocolossal/plan/model.py).
 """
 from __future__ import annotations
 

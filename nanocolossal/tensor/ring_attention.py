@@ -77,6 +77,8 @@ Which path runs (half inputs compute in float32 either way, see ring_attention):
                                              padding as its attn_mask, the diagonal is_causal
     'fused'      other    any                the explicit blocks (CUDA's flash / efficient
                                              kernels are not wired in here)
+
+Before a launch, `nanocolossal plan` computes these elements sent (nanocolossal/plan/traffic.py).
 """
 from __future__ import annotations
 

@@ -43,6 +43,8 @@ attends over all keys); a query that sees no key gets 0, as ring attention gives
 
 Backward is autograd's: the all-to-all's gradient is the reverse all-to-all (tensor/comm.py's
 `exchange`), the reorder's an index_add, the attention's its own.
+
+Before a launch, `nanocolossal plan` computes these elements sent (nanocolossal/plan/traffic.py).
 """
 from __future__ import annotations
 

@@ -19,6 +19,8 @@ over T tensor ranks: rank j holds the tokens [j*V/T, (j+1)*V/T).
 Per rank the logits take b*s*V/T elements instead of b*s*V, and the loss's traffic is three
 numbers per token. The classifier may be given the embedding's weight (`weight=`): both split
 the same rows, so the tied matrix is one Parameter on each rank.
+
+Before a launch, `nanocolossal plan` computes these per-rank shapes (nanocolossal/plan/model.py).
 """
 from __future__ import annotations
 

@@ -28,6 +28,8 @@ and reduce-scatters it (sharded_model.py, zero/comm.py); FSDP2 shards per unit f
 
 Gradient accumulation: under no_sync() (the Engine's first N-1 micro-steps) nothing is
 reduced and .grad accumulates in full, as with DDP; the last micro-step reduces it once.
+
+Before a launch, `nanocolossal plan` computes these bytes (nanocolossal/plan/formulas.py).
 """
 from __future__ import annotations
 

@@ -36,6 +36,8 @@ Checkpoints: state_dict() returns what one process's O2 MixedPrecisionOptimizer 
 plain optimizer state and "masters", one whole fp32 tensor per half parameter in its order --
 gathered from every rank's segments; load_state_dict() keeps mine: any data size, or one
 process's O2. O3 (half parameters, no masters: nothing fp32 to shard) is refused (settings.py).
+
+Before a launch, `nanocolossal plan` computes these bytes (nanocolossal/plan/formulas.py).
 """
 from __future__ import annotations
 

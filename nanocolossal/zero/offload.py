@@ -46,6 +46,8 @@ The CPU step itself does not overlap device compute (the device is idle during i
 written again only after the next copy-out's wait, so no copy-in still reads it. Off CUDA (and in
 the tests) offload_device and the model's device are both the CPU: the copies are plain copies
 and training is bit for bit that of the same run without offload.
+
+Before a launch, `nanocolossal plan` computes these bytes (nanocolossal/plan/formulas.py).
 """
 from __future__ import annotations
 

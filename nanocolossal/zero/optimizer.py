@@ -55,6 +55,8 @@ are a plain optimizer's state_dict. Loading, a rank reads the files holding its 
 
 fp16: the scaler's overflow check is agreed job-wide (amp.py). AMP O1 keeps fp32 parameters;
 O2 (half parameters, fp32 masters) shards the masters too: mixed.py, the paper's formulas.
+
+Before a launch, `nanocolossal plan` computes these bytes (nanocolossal/plan/formulas.py).
 """
 from __future__ import annotations
 

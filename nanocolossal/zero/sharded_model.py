@@ -70,6 +70,8 @@ Accumulation: each backward adds into my gradient shard.
 
 Checkpoints: model.state_dict() gathers every unit (collective, state_dict.py); save and load do
 not (my segments, state.py and load.py); load_state_dict of full tensors keeps my shard.
+
+Before a launch, `nanocolossal plan` computes these bytes (nanocolossal/plan/formulas.py).
 """
 from __future__ import annotations
 
