@@ -1,6 +1,7 @@
 """The job description: a Python file of plain assignments, as in Colossal-AI.
 
     # config.py
+    from nanocolossal.amp import AMP_TYPE
     BATCH_SIZE = 128
     NUM_EPOCHS = 2
     parallel = dict(pipeline=2)

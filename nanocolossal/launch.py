@@ -1,6 +1,6 @@
 """Launch: turn N independent processes into one job.
 
-Every process of a job needs four things -- its `rank`, the `world_size`, and the `host:port`
+Every process of a job needs three things -- its `rank`, the `world_size`, and the `host:port`
 where rank 0 listens (the rendezvous) -- plus the config. Launchers differ only in *where*
 those come from:
 

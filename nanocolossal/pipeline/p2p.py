@@ -12,7 +12,8 @@ first transfer across each stage boundary *for each micro-batch size* is precede
 small metadata message [dtype, ndim, *shape]; every stage knows the sizes (it splits the
 same batch), so a smaller last batch costs one more handshake, and later micro-batches of
 that size must match it (p2p_checks.py names both ranks where a stage's output changed).
-TENSOR_SHAPE (tensor_shape) skips the handshake for micro-batches of its leading size.
+TENSOR_SHAPE (tensor_shape) skips the handshake for micro-batches of its leading size (their
+dtype is then float32: a half-precision activation needs the handshake).
 Gradients cross a boundary backwards with the shape and dtype of its activation, which both
 sides already know; an integer activation (token ids) has none.
 

@@ -29,7 +29,7 @@ Calls: a unit may run several times before a backward (a block called twice, a s
 over two forwards). Each call gathers and frees on its own, forward and backward (k calls: k
 gathers each way, one reduction); the unit counts its calls with grad, each post-backward counts
 one off, and the last one reduces it -- autograd has then summed every call's gradient into
-.grad. A block B called twice (a unit stays gathered while any of its calls is in backward):
+.grad. A block B called twice (each call's backward gathers the unit again and frees it after):
 
     forward     B: g | call 1 | free | g | call 2 | free                    calls: 2
     backward    B:                          g | call 2 | free | g | call 1 | free | rs  calls: 1, 0
