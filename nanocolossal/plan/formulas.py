@@ -11,8 +11,8 @@ pad(x) = ceil(x / N) N, shard(x) = the elements of my N-th of pad(x) that are pa
     0      Psi e        Psi e            Psi         + DDP's bucket (Psi + n) e (ddp.py)
     1      pad(Psi) e   Psi e            shard(Psi)  + DDP's bucket (zero/optimizer.py)
     2      pad(Psi) e   pad(Psi)/N e     shard(Psi)  (zero/gradients.py)
-    3      pad(u)/N e   pad(u)/N e       shard(u)    per unit u, + 1 element the freed
-                                                     parameters share (zero/sharded_model.py)
+    3      pad(u)/N e   pad(u)/N e       shard(u)    per unit u, + 1 element per dtype the
+                                                     freed parameters share (sharded_model.py)
 
 One flat buffer per dtype (level 3: per unit, the tied table in the root unit). AdamW adds a
 4-byte step per tensor; clipping keeps the last norm (one element). O2 (amp.py, zero/mixed.py):
@@ -40,9 +40,11 @@ TEACHES = {  # term -> the file whose docstring teaches it
     "activations": "nanocolossal/memory.py (SavedBytes), activation_checkpoint.py, "
                    "pipeline/simulate.py (micro-batches in flight)",
     "logits": "nanocolossal/tensor/vocab_parallel.py (split by vocabulary, never gathered)",
-    "all_reduce": "nanocolossal/ddp.py, tensor/comm.py (1d's g), loss_weights.py, clip.py",
-    "all_gather": "nanocolossal/zero/comm.py (the updated shards), tensor/layers_1d.py",
-    "reduce_scatter": "nanocolossal/zero/sharded_model.py (level 3's gradients)",
+    "all_reduce": "nanocolossal/ddp.py, tensor/comm.py (1d's g), tensor/summa.py (2d's reduces), "
+                  "moe/grads.py, moe/balance.py, loss_weights.py, clip.py",
+    "all_gather": "nanocolossal/zero/comm.py (the updated shards), tensor/layers_1d.py, "
+                  "tensor/summa.py (2d's broadcasts), tensor/cube.py (3d)",
+    "reduce_scatter": "nanocolossal/zero/sharded_model.py (level 3's gradients), tensor/cube.py",
     "p2p": "nanocolossal/pipeline/p2p.py, tensor/ring_attention.py",
     "all_to_all": "nanocolossal/tensor/ulysses.py, moe/dispatch.py",
     "bubble": "nanocolossal/pipeline/simulate.py (bubble_formula)",
@@ -175,8 +177,8 @@ def model_states(ts: list[Tensor], lay: Layout, data_rank: int = 0) -> dict:
             out["optimizer"] += mine * per + steps
             if master_e != e:
                 out["masters"] += mine * master_e
-    if lay.zero == 3 and N > 1:
-        out["parameters"] += lay.param_bytes  # the one-element storage freed parameters share
+    if lay.zero == 3 and N > 1:  # the one-element storage freed parameters share, per dtype
+        out["parameters"] += sum({e for _, e, _ in _buffers(ts, lay)})
     if lay.clip:
         out["optimizer"] += 4 if lay.amp else lay.param_bytes  # the last gradient norm
     return out

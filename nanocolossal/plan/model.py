@@ -118,7 +118,7 @@ def tensors(m: GPT, mode: Optional[str] = None, T: int = 1, depth: int = 1,
         add("norm2.bias", vec, fp32=True)
         if m.is_moe(b):
             add("mlp.router", m.experts * D)
-            for e in range(m.experts // ep):
+            for e in range(max(1, m.experts // ep)):  # ep > E: each expert replicated
                 for name, n in (("fc1.weight", r * D * D), ("fc1.bias", r * D),
                                 ("fc2.weight", D * r * D), ("fc2.bias", D)):
                     add(f"mlp.experts.{e}.{name}", n, expert=True)

@@ -4,14 +4,23 @@ this rank's tokens x the model's width over the whole step (all micro-batches, a
 
     data parallel   all-reduce   Psi + n            (gradients, a "used" flag each: ddp.py)
     ZeRO 1, 2       all-gather   sum pad(Psi)       (the updated shards: zero/optimizer.py)
-    ZeRO 2          all-reduce   Psi + n            (buckets, my shard kept: zero/gradients.py)
-    ZeRO 3          all-gather   2 sum_u pad(u)     (each unit for its forward and its backward)
-                    reduce-scatter sum_u pad(u)     (an all-reduce on gloo: zero/comm.py)
-                    all-reduce   n + 2 + 1          (flags, the units' order, the overflow check)
+    ZeRO 2          all-reduce   Psi + n            (buckets, my shard kept: zero/gradients.py;
+                                                 even on one data rank)
+    ZeRO 3          all-gather   2 k sum_u pad(u)   (each unit for its forward and its backward,
+                                                 in each of k micro-steps: sharded_params.py)
+                    reduce-scatter k sum_u pad(u)   (an all-reduce on gloo: zero/comm.py)
+                    all-reduce   k n + 2 + 1        (flags, the units' order, the overflow check)
     tensor 1d       all-reduce   B S D per row-parallel Linear forward and column-parallel one
                                  backward, the embedding's sum (tensor/comm.py's f and g),
                                  3 B S for the vocab-parallel loss (tensor/vocab_parallel.py)
                     all-gather   B S D (the position table's dim-split lookup)
+    tensor 2d, 2.5d, 3d          SUMMA's broadcasts and reduces, the cube's gathers and
+                                 scatters, per Linear (grid_traffic: summa.py, cube.py)
+    MoE             all-to-all   4 E C D per MoE layer and forward, C = max(ceil(cf T / E), 4)
+                                 (dispatch and combine each way: moe/dispatch.py, router.py)
+                    all-reduce   2 (2 E + 2) per MoE layer and forward (moe/balance.py); the
+                                 handler's dense Psi + n over the data ranks and the experts'
+                                 over an expert's data ranks, no DDP (moe/grads.py)
     pipeline        p2p          B S D per part boundary and direction (pipeline/p2p.py)
                     all-reduce   V D/T + 1 for the tied table on the first and last stage
                                  (pipeline/tied.py); 2 for the reported loss
@@ -26,7 +35,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .formulas import COLLECTIVES, Layout, _buffers, pad
-from .model import GPT, Tensor
+from .model import GPT, Tensor, grid
 
 
 def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tensor]) -> dict:
@@ -39,15 +48,23 @@ def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tenso
     bsd = tokens * m.dim
     blocks = sum(1 for layer in layers if 0 < layer < head)
     # data parallel and ZeRO
-    if N > 1 and lay.zero in (0, 1, 2):
+    if m.experts and lay.zero == 0 and not lay.handler:  # moe/grads.py's handler, no DDP
+        dense = [t.numel for t in ts if not t.expert]
+        experts = [t.numel for t in ts if t.expert]
+        c["all_reduce"] += (sum(dense) + len(dense)) * (N > 1)
+        holders = N // lay.ep * max(1, lay.ep // m.experts)  # an expert's data ranks
+        c["all_reduce"] += (sum(experts) + len(experts)) * (holders > 1)
+    elif N > 1 and lay.zero in (0, 1) or lay.zero == 2:  # level 2 reduces even on 1 data rank
         c["all_reduce"] += psi + n
     if N > 1 and lay.zero in (1, 2):
         c["all_gather"] += sum(pad(k, N) for k, _, _ in _buffers(ts, lay))
     if N > 1 and lay.zero == 3:
         units = sum(pad(k, N) for k, _, _ in _buffers(ts, lay))
-        c["all_gather"] += 2 * units
-        c["all_reduce" if lay.backend == "gloo" else "reduce_scatter"] += units
-        c["all_reduce"] += n + 2 + 1
+        k = lay.accumulation  # every micro-step gathers, reduces and flags again
+        c["all_gather"] += 2 * units * k
+        c["all_reduce" if lay.backend == "gloo" else "reduce_scatter"] += units * k
+        c["all_reduce"] += n * k + 2 + 1
+    micro = lay.accumulation if P == 1 else 1
     # tensor 1d: Megatron's f and g
     if lay.mode == "1d" and T > 1:
         again = 2 if lay.checkpoint == "full" else 1     # a checkpointed forward runs twice
@@ -57,7 +74,6 @@ def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tenso
             c["all_gather"] += bsd                       # the position table's columns
         if head in layers:
             c["all_reduce"] += bsd + 3 * tokens          # the classifier's input; the loss
-    micro = lay.accumulation if P == 1 else 1
     if lay.mode == "sequence" and T > 1:
         if lay.attention == "ring":  # K, V around the ring; back: K, V again, then dK, dV
             c["p2p"] += (2 * (T - 1) * 2 + 2 * T) * bsd * blocks
@@ -66,15 +82,17 @@ def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tenso
             c["all_gather"] += micro * T * (blocks + (0 in layers))  # the shares' lengths
         pieces = lay.micro_batches if P > 1 else micro  # per micro-batch: loss_weights.py
         c["all_reduce"] += 2 * pieces * (head in layers)  # the sequence share, the pieces
-    if lay.mode in ("2d", "2.5d", "3d") and T > 1:   # an estimate, not proven by a test
-        q = T ** 0.5 if lay.mode != "3d" else T ** (1 / 3)
-        weights = sum(t.numel for t in ts)
-        c["all_gather" if lay.mode == "3d" else "all_reduce"] += round(
-            3 * (bsd * 6 / q + weights / 3) * blocks / max(1, blocks))
-    if m.experts:  # dispatch and combine, forward and backward (moe/dispatch.py)
-        cap = -(-int(m.capacity * tokens * m.top_k) // m.experts)
+    if lay.mode in ("2d", "2.5d", "3d") and T > 1:
+        passes = lay.accumulation if P == 1 else lay.micro_batches  # forwards per step
+        c.update(grid_traffic(m, lay, layers, passes))
+    if m.experts:  # dispatch and combine, forward and backward (moe/dispatch.py), per forward
+        from ..moe.router import expert_capacity
+        passes = lay.accumulation if P == 1 else lay.micro_batches
+        cap = expert_capacity(tokens // passes, m.experts, m.capacity)  # moe/router.py
         moe_layers = sum(1 for layer in layers if 0 < layer < head and m.is_moe(layer - 1))
-        c["all_to_all"] += 4 * m.experts * cap * m.dim * moe_layers * (lay.ep > 1)
+        c["all_to_all"] += 4 * m.experts * cap * m.dim * moe_layers * (lay.ep > 1) * passes
+        # the balance loss's 2 E + 2 sums, forward and backward (moe/balance.py)
+        c["all_reduce"] += 2 * (2 * m.experts + 2) * passes * moe_layers * (N > 1)
     # pipeline: activations down, gradients up; the tied table; the reported loss
     if P > 1:
         for v, chunk in enumerate(chunks):
@@ -92,10 +110,86 @@ def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tenso
         c["all_reduce"] += lay.accumulation              # the targets, counted over data ranks
     if lay.clip:  # the squares summed over the data ranks, then over the model's other ranks
         model_ranks = P * (1 if lay.mode == "sequence" else T)
-        c["all_reduce"] += (N > 1 and lay.zero > 0) + (model_ranks > 1)
-    if N > 1 and (lay.zero in (1, 2) and lay.amp or lay.amp in ("O2", "O3")):
+        split = lay.zero > 0 or m.experts and not lay.handler  # ZeRO's shards, moe/grads.py
+        c["all_reduce"] += (N > 1 and split) + (model_ranks > 1)
+    if N > 1 and lay.zero != 3 and (lay.zero and lay.amp or lay.amp in ("O2", "O3")):
         c["all_reduce"] += 1                             # any inf / nan, agreed job-wide
     return {k: c.get(k, 0) for k in COLLECTIVES}
+
+
+def grid_traffic(m: GPT, lay: Layout, layers: set, k: int) -> Counter:
+    """2d / 2.5d / 3d on a grid of side q (2.5d: `depth` grids; gloo counts SUMMA's broadcasts
+    as all-gathers and its reduces as all-reduces), k forward passes a step, t = the rows (tokens)
+    of an activation block: B S / (q depth) on the grid, B S / q^2 on the cube. A Linear i -> o
+    with X = t i / q, W = o i / q^2 (2d) or X = B S i / q^2, W = o i / q^2, Y = B S o / q^2 (3d):
+
+        SUMMA (tensor/summa.py)     forward   broadcast q (X + k W)
+                                    backward  broadcast q (X + k W), reduce q (X + k W)
+        2.5d (layers_2d.py)         backward  all-reduce k W over the depth group (across_grids)
+        cube (tensor/cube.py)       forward   all-gather X + k W, reduce-scatter Y
+                                    backward  all-gather Y, reduce-scatter X + k W
+
+    The vocabulary-parallel classifier is the tied table's product: SUMMA's A B^T form (C = t V / q,
+    E = V D / q^2: broadcast q k E + q C + q k E, reduce q C + q k E: vocab_parallel_2d.py), the
+    cube's column product (layers_3d.py). The embedding: 2d sums the grid's lookups down the
+    column (all-reduce B S D / (q depth), gathered back in backward); 3d gathers E along x and
+    reduce-scatters the lookups over y (B S D / q^2 each way). Every layout (layers_2d.py):
+    a vector along the hidden split (biases, LayerNorms, the position table) has its gradient
+    summed over the batch group, k o / q; a LayerNorm's mean and variance are row sums, 2 t
+    forward and 2 t backward; the loss is the 1d vocabulary-parallel one along a row (3 t) and
+    two sums over the batch (vocab_parallel.py)."""
+    c: Counter = Counter()
+    T, cube = lay.tensor, lay.mode == "3d"
+    q = grid(lay.mode, T, lay.depth)
+    d = lay.depth if lay.mode == "2.5d" else 1
+    B, S, D, V, r, head = lay.batch, m.seq, m.dim, m.vocab, m.mlp_ratio, m.layers - 1
+    t = B * S // (q * q if cube else q * d)
+    again = 2 if lay.checkpoint == "full" else 1
+
+    def linear(i: int, o: int, passes: int = 1) -> None:
+        w = k * o * i // (q * q)
+        if cube:
+            x, y = B * S * i // (q * q), B * S * o // (q * q)
+            c["all_gather"] += passes * (x + w) + y
+            c["reduce_scatter"] += passes * y + x + w
+        else:
+            x = t * i // q
+            c["all_gather"] += (passes + 1) * q * (x + w)
+            c["all_reduce"] += q * (x + w) + (w if d > 1 else 0)
+        c["all_reduce"] += k * o // q                 # the bias, summed over the batch group
+
+    def layer_norm(passes: int = 1) -> None:
+        c["all_reduce"] += 2 * t * (passes + 1) + 2 * k * D // q
+
+    for layer in layers:
+        if 0 < layer < head:
+            layer_norm(again)
+            layer_norm(again)
+            for i, o in ((D, 3 * D), (D, D), (D, r * D), (r * D, D)):
+                linear(i, o, again)
+        elif layer == 0:
+            c["all_reduce"] += k * S * D // q         # the position table's gradient
+            if cube:
+                e, found = k * V * D // (q * q), B * S * D // (q * q)
+                c["all_gather"] += e + found
+                c["reduce_scatter"] += found + e
+            else:
+                found = B * S * D // (q * d)
+                c["all_reduce"] += found + (k * V * D // (q * q) if d > 1 else 0)
+                c["all_gather"] += found
+    if head in layers:
+        layer_norm()
+        e = k * V * D // (q * q)
+        if cube:
+            x, y = B * S * D // (q * q), B * S * V // (q * q)
+            c["all_gather"] += x + e + y
+            c["reduce_scatter"] += y + x + e
+        else:
+            logits = t * V // q
+            c["all_gather"] += 2 * q * e + q * logits
+            c["all_reduce"] += q * logits + q * e + (e if d > 1 else 0)
+        c["all_reduce"] += 3 * t + 2 * k
+    return c
 
 
 def _part(lay: Layout, p: int, chunk: int) -> int:
