@@ -403,8 +403,9 @@ def test_deep_replicas_built_under_per_rank_seeds_start_as_rank_0s(layout):
 # -- a backward without a step: dropped by zero_grad, as torch drops it; one past the engine ------
 
 def _dropped_backward_worker(rank, world_size, port, config, steps, junk=True):
-    """A junk batch's backward, dropped by zero_grad before any step; then `steps` real steps
-    on this rank's share of the whole batches."""
+    """A junk batch's backward, dropped by zero_grad before any step (`junk` 'closed': one
+    micro-step of a group closed early, as an epoch's short last group is); then `steps` real
+    steps on this rank's share of the whole batches."""
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port)
     model = _model()
     if gpc.pipeline_size > 1:
@@ -426,7 +427,12 @@ def _dropped_backward_worker(rank, world_size, port, config, steps, junk=True):
             if m < micro - 1:
                 engine.step()  # not the group's end: no step
     junk_x, junk_y = _batch(99, 4)
-    if junk:
+    if junk == "closed":
+        engine.close_group()
+        engine.zero_grad()
+        share = slice(rank, None, world_size)
+        engine.backward(engine.criterion(engine(junk_x[share] * 100), junk_y[share]))
+    elif junk:
         backward((junk_x * 100, junk_y))
     if junk and "fp16" in config:  # the loop looks at the unscaled gradients before it drops them
         engine.optimizer.unscale_()
@@ -451,19 +457,32 @@ def test_gloo_a_backward_dropped_by_zero_grad_leaves_nothing_behind(config):
     """torch's zero_grad drops gradients no step used (a dry run, a batch the loop skips); a
     whole group that took no step is dropped alike by the engine's: the steps that follow are one
     process's steps without that batch."""
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(2):
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(_batch(step, 4)[0]), _batch(step, 4)[1]).backward()
-        optimizer.step()
-    want = model.state_dict()
+    want = _two_steps_one_process()
     held = {}
     for rank, state in enumerate(run_ranks(_dropped_backward_worker, 2, config, 2)):
         # (a pipeline stage holds its layers, under the whole model's keys)
         assert_close(state, {k: want[k] for k in state}, msg=lambda m: f"rank {rank}: {m}")
         held.update(state)
     assert held.keys() == want.keys()
+
+
+def _two_steps_one_process():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(_batch(step, 4)[0]), _batch(step, 4)[1]).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def test_gloo_a_closed_group_that_took_no_step_is_dropped_by_zero_grad():
+    """A group closed early (close_group: an epoch's short last group) is whole after its first
+    backward: a zero_grad before its step drops it, and the close, like any whole group's."""
+    want = _two_steps_one_process()
+    config = {"gradient_accumulation": 2}
+    for rank, state in enumerate(run_ranks(_dropped_backward_worker, 2, config, 2, "closed")):
+        assert_close(state, want, msg=lambda m: f"rank {rank}: {m}")
 
 
 O2 = {"mode": AMP_TYPE.NAIVE, "dtype": "float16", "initial_scale": 1024.0}

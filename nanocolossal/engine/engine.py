@@ -75,6 +75,7 @@ class Engine:
         self._grad_norm: Optional[torch.Tensor] = None  # the last clip's, on the device
         self._micro = 0  # backward calls since the last real step
         self._closing = False  # close_group(): the current group ends at the next backward
+        self._ended = False    # the last backward ended its group (its step is due)
 
     @property
     def gradient_handler(self) -> Any:
@@ -123,10 +124,13 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Clear the gradients before a group. Mid-group a no-op: the group's gradients must
-        survive. A whole group that took no step is dropped, as torch's zero_grad drops it."""
-        if 0 < self._micro < self.gradient_accumulation:
+        survive. A whole group that took no step (closed early too) is dropped, as torch's
+        zero_grad drops it; a close asked for before the group's first backward stays."""
+        if self._micro > 0 and not self._ended:
             return
-        self._micro = 0
+        if self._micro > 0:  # a whole group that took no step: its close goes with it
+            self._closing = False
+        self._micro, self._ended = 0, False
         self.optimizer.drop_gradients()
 
     def _group_ends(self) -> bool:
@@ -134,9 +138,10 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         self._micro += 1
+        self._ended = self._group_ends()
         loss = loss / self.gradient_accumulation
         # extensions: gradients are averaged once, on the last of the accumulated backwards
-        with synchronising(self.extensions, 0, last=self._group_ends()):
+        with synchronising(self.extensions, 0, last=self._ended):
             self.optimizer.backward(loss)
 
     def step(self) -> Union[bool, torch.Tensor]:
@@ -146,7 +151,7 @@ class Engine:
             if self._micro == 0:
                 _check_no_outside_backward(self)
             return False
-        self._micro, self._closing = 0, False
+        self._micro, self._closing, self._ended = 0, False, False
         for extension in self.extensions:  # extensions: handlers' averages, then tied sums
             extension.end_group()
         if self.clip_grad_norm:
@@ -237,6 +242,7 @@ class PipelineEngine(Engine):
             # one more batch of gradients (gradient_accumulation is 1 here: each batch is a group;
             # its micro-batches accumulate inside the schedule), which no file holds until step()
             self._micro += 1
+            self._ended = True
             self.optimizer.open_group = True
         if label is not None:  # the labels of each micro-batch's output, in order
             per_micro_batch = label.tensor_split(self.schedule.num_microbatches)

@@ -434,7 +434,7 @@ MUTATIONS: list[dict] = [
              "saved before engine.step() is taken without the batch's gradients",
          tests=["tests/test_checkpoint.py", "-k", "middle_of_an_accumulation_group and pipeline"]),
     dict(id="engine-zero-grad-keeps-unstepped", idea="engine", file="nanocolossal/engine/engine.py",
-         old="        if 0 < self._micro < self.gradient_accumulation:\n",
+         old="        if self._micro > 0 and not self._ended:\n",
          new="        if self._micro != 0:\n",
          bug="engine.zero_grad() keeps the gradients of a backward that took no step (a dry run, "
              "a skipped batch): they are added into the next step's",
