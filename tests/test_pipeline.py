@@ -933,3 +933,33 @@ def test_deep_zero_x_interleaved_x_weight_shared_by_two_chunks_of_one_stage_equa
     check_states(results, states[-1], F64)
     for rank, (_, our_norms) in enumerate(results):
         assert our_norms == pytest.approx(norms, rel=1e-9), f"rank {rank}"
+
+
+def _traffic_worker(rank, world_size, port, schedule, chunks):
+    """Elements this rank hands to each collective in a training batch (after a first one)."""
+    from nanocolossal.traffic import count_collectives
+    nc.launch(dict(parallel=dict(pipeline=2, data=2), NUM_MICRO_BATCHES=4,
+                   PIPELINE_SCHEDULE=schedule, NUM_CHUNKS=chunks), rank=rank,
+              world_size=world_size, host="127.0.0.1", port=port)
+    torch.manual_seed(0)
+    stage = build_pipeline_model(nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)]), chunks)
+    engine, *_ = nc.initialize(stage, torch.optim.SGD(stage.parameters(), lr=0.1),
+                               nn.MSELoss(), verbose=False)
+    batch = (torch.randn(8, 8), torch.randn(8, 8))
+    engine.zero_grad()
+    engine.execute_schedule(batch)
+    engine.step()
+    with count_collectives() as counted:
+        engine.zero_grad()
+        engine.execute_schedule(batch)
+        engine.step()
+    return counted["all_reduce"]
+
+
+def test_gloo_zero_bubble_x_data_parallel_averages_each_gradient_once():
+    """A W step is several backwards (split_backward.py); the data-parallel average runs in the
+    last one only, so ZB-H1 and ZB-V all-reduce what 1F1B and interleaved do, not once per
+    backward call."""
+    for split, plain, chunks in [("zero_bubble", "1f1b", 1), ("zbv", "interleaved", 2)]:
+        assert run_ranks(_traffic_worker, 4, split, chunks) == \
+            run_ranks(_traffic_worker, 4, plain, chunks), split

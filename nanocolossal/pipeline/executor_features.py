@@ -26,9 +26,10 @@ class SplitRun(Run):
     def backward(self, step: Compute) -> None:
         if step.kind == "B":
             return super().backward(step)
-        c = step.chunk
-        with synchronising(self.extensions, c, last=step == self.last_backward[c]):
-            self.held.pop((c, step.mb)).weight_grads()
+        c, last = step.chunk, step == self.last_backward[step.chunk]
+        # extensions: a chunk's gradients are averaged once, in its last W's last backward (DDP)
+        self.held.pop((c, step.mb)).weight_grads(
+            lambda final: synchronising(self.extensions, c, last=last and final))
 
     def backprop(self, roots: list, grads: list, x: torch.Tensor, c: int, m: int) -> None:
         weights = [p for p in self.chunks[c].parameters() if p.requires_grad]

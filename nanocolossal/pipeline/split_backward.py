@@ -20,12 +20,16 @@ by autograd, not by us. A root that does not reach x (a chunk's own loss) is W's
 """
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import nullcontext
+from functools import partial
+from typing import Callable, ContextManager, Optional
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from .split_backward_checks import refuse_recomputation
+
+Around = Callable[[bool], ContextManager]  # W's backward calls run inside around(last call?)
 
 
 class TwoBackwards:
@@ -41,8 +45,9 @@ class TwoBackwards:
         if self.x is not None and self.roots:
             torch.autograd.backward(self.roots, self.grads, inputs=[self.x], retain_graph=True)
 
-    def weight_grads(self) -> None:
-        torch.autograd.backward(self.roots, self.grads, inputs=self.weights)
+    def weight_grads(self, around: Around = lambda last: nullcontext()) -> None:
+        with around(True):
+            torch.autograd.backward(self.roots, self.grads, inputs=self.weights)
 
 
 class SplitBackward:
@@ -90,8 +95,11 @@ class SplitBackward:
     def _arrive(self, node: Node, grad: tuple) -> None:
         self.arrived[node] = grad
 
-    def weight_grads(self) -> None:
-        """W: into the weights' .grad, from where B left each gradient, the output last."""
+    def weight_grads(self, around: Around = lambda last: nullcontext()) -> None:
+        """W: into the weights' .grad, from where B left each gradient, the output last. W is
+        several backwards; the last runs inside around(True), the others inside around(False)
+        (what averages gradients at the end of a backward, DDP, must run once: in the last)."""
+        calls = []
         for node, weights in self.off.items():
             grad = self.arrived.get(node)
             if grad is None:  # B never reached it: from the output, then
@@ -99,10 +107,15 @@ class SplitBackward:
                 continue
             edges = [GradientEdge(node, i) for i, g in enumerate(grad) if g is not None]
             if edges:
-                torch.autograd.backward(edges, [g for g in grad if g is not None],
-                                        inputs=weights, retain_graph=True)
+                calls.append(partial(torch.autograd.backward, edges,
+                                     [g for g in grad if g is not None], inputs=weights,
+                                     retain_graph=True))
         if self.from_output:
-            torch.autograd.backward(self.roots, self.grads, inputs=self.from_output)
+            calls.append(partial(torch.autograd.backward, self.roots, self.grads,
+                                 inputs=self.from_output))
+        for i, call in enumerate(calls):
+            with around(i == len(calls) - 1):
+                call()
 
 
 def _leads_to(roots: list, target: Optional[Node]) -> dict:
