@@ -110,6 +110,8 @@ DEEP = {
     "moe x interleaved x data2 x zero1": "traffic no-states",
     "ring x zero3 x accum2": "traffic",
     "O2 fp16 x 1d x data2 x zero3 x accum2": "traffic no-states",
+    "zero_bubble x data2 x zero2": "traffic",
+    "zbv x data2 x zero2": "traffic",
 }
 
 
