@@ -80,9 +80,9 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from .activation_checkpoint_checks import check_backward
 from .config import is_positive_int
 from .context import gpc
-from .logging import get_dist_logger
 
 _ANCHOR = torch.empty(0, requires_grad=True)  # puts the function in the graph (docstring)
 
@@ -169,18 +169,7 @@ def checkpoint(fn: Callable, *args: Any) -> Any:
     return CheckpointFunction.apply(fn, _ANCHOR, *args)
 
 
-# -- checks and the config key ------------------------------------------------------------------
-
-def check_backward() -> None:
-    """The recomputation's backward puts the parameters' gradients in .grad; only a plain
-    loss.backward() collects them there."""
-    if not torch.autograd._is_checkpoint_valid():
-        raise RuntimeError(f"[rank {gpc.rank}] activation checkpointing recomputes in a backward "
-                           f"of its own, whose parameter gradients land in .grad: "
-                           f"torch.autograd.grad(...) and backward(inputs=...) would miss them; "
-                           f"call loss.backward(), or use torch.utils.checkpoint(..., "
-                           f"use_reentrant=False)")
-
+# -- the config key (config_checks.py checks it) --------------------------------------------------
 
 MODES = ("full", "selective")
 
@@ -197,16 +186,3 @@ def block_mode(index: Optional[int]) -> Optional[str]:
         raise ValueError(f"[rank {gpc.rank}] ACTIVATION_CHECKPOINT={mode} recomputes one block "
                          f"in {mode}: build each Block with index=i, its place in the stack")
     return "full" if index % mode == mode - 1 else None
-
-
-def warn_if_nothing_recomputes(model: torch.nn.Module) -> None:
-    """ACTIVATION_CHECKPOINT is read by nc.nn's transformer Blocks (block_mode, which sets their
-    `recompute`); a model built of other blocks would train with nothing recomputed: say so."""
-    mode = gpc.config.get("ACTIVATION_CHECKPOINT")
-    if mode and not any(hasattr(m, "recompute") for m in model.modules()):
-        where = "this pipeline stage holds" if gpc.pipeline_size > 1 else "this model has"
-        get_dist_logger().warning(
-            f"[rank {gpc.rank}] ACTIVATION_CHECKPOINT={mode!r} recomputes nanocolossal.nn's "
-            f"transformer Blocks, and {where} none: nothing is checkpointed here; where the "
-            f"blocks are your own, build them as nc.nn.transformer.Block, or call "
-            f"nc.utils.checkpoint(block, x) in the model's forward")

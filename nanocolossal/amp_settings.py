@@ -27,19 +27,6 @@ MODE_KEYS = {  # beyond SCALER, RENAMED, mode, dtype, enabled
     AMP_TYPE.NAIVE: (),
     AMP_TYPE.APEX: ("opt_level", "loss_scale", "keep_batchnorm_fp32", "master_weights"),
 }
-def check_fp16_config(cfg: Mapping[str, Any]) -> None:
-    """fp16=dict(mode=AMP_TYPE.X, ...), checked when a config is loaded."""
-    fp16 = cfg.get("fp16")
-    if fp16 is None:
-        return
-    if not isinstance(fp16, Mapping) or "mode" not in fp16:
-        raise ConfigError(f"fp16 must be a dict with a mode, e.g. dict(mode=AMP_TYPE.TORCH), "
-                          f"got {fp16!r}")
-    try:
-        AMP_TYPE.parse(fp16["mode"])
-    except ValueError as e:
-        raise ConfigError(f"fp16.mode: {e}") from None
-    check_fp16(fp16)
 
 
 def check_fp16(fp16: Mapping[str, Any]) -> None:

@@ -24,7 +24,7 @@ import numbers
 from typing import Any, Mapping
 
 from .activation_checkpoint import MODES
-from .amp_settings import check_fp16_config
+from .amp_settings import check_fp16
 from .config import AMP_TYPE, Config, ConfigError, is_positive_int, moe_size, parallel_settings
 from .ddp import DDP_OPTIONS
 from .moe.settings import moe_model_settings
@@ -190,6 +190,21 @@ def check_moe(cfg: Mapping) -> None:
             raise ConfigError(f"NUM_EXPERTS={E} does not fit parallel.moe size {ep}: one must "
                               f"divide the other (E/EP experts per rank, or each expert on EP/E "
                               f"ranks)")
+
+
+def check_fp16_config(cfg: Mapping[str, Any]) -> None:
+    """fp16=dict(mode=AMP_TYPE.X, ...), checked when a config is loaded."""
+    fp16 = cfg.get("fp16")
+    if fp16 is None:
+        return
+    if not isinstance(fp16, Mapping) or "mode" not in fp16:
+        raise ConfigError(f"fp16 must be a dict with a mode, e.g. dict(mode=AMP_TYPE.TORCH), "
+                          f"got {fp16!r}")
+    try:
+        AMP_TYPE.parse(fp16["mode"])
+    except ValueError as e:
+        raise ConfigError(f"fp16.mode: {e}") from None
+    check_fp16(fp16)
 
 
 SECTIONS = (check_fp16_config, check_zero, check_ddp_config, check_gradient_handler_config,

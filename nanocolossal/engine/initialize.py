@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader
 
 from .. import amp
 from .. import cpu_half as probe
-from ..activation_checkpoint import warn_if_nothing_recomputes
+from ..activation_checkpoint_checks import warn_if_nothing_recomputes
 from ..amp import MixedPrecisionOptimizer
 from ..amp_settings import amp_settings
 from ..config import AMP_TYPE
