@@ -123,6 +123,11 @@ def _time_layers(layers: nn.Sequential, sample_input: torch.Tensor) -> list[floa
     return costs
 
 
+def uniform_sizes(n: int, parts: int) -> list[int]:
+    """partition='uniform': n layers into parts, the first n % parts one layer longer."""
+    return [n // parts + (1 if k < n % parts else 0) for k in range(parts)]
+
+
 def partition_sizes(layers: nn.Sequential, parts: int, partition: Union[str, Sequence[int]],
                     sample_input: Optional[torch.Tensor] = None) -> tuple[list[int], list[float]]:
     """(layer counts per part, cost per layer) for the chosen method."""
@@ -143,7 +148,7 @@ def partition_sizes(layers: nn.Sequential, parts: int, partition: Union[str, Seq
                              f"counts summing to {n}, the number of layers")
         return sizes, params
     if partition == "uniform":
-        return [n // parts + (1 if k < n % parts else 0) for k in range(parts)], [1.0] * n
+        return uniform_sizes(n, parts), [1.0] * n
     if partition == "parameters":
         return balanced_split(params, parts), params
     if partition == "profile":

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
+from ..pipeline.partition import uniform_sizes
 from ..pipeline.steps import virtual_stage
 
 
@@ -131,12 +132,6 @@ def tensors(m: GPT, mode: Optional[str] = None, T: int = 1, depth: int = 1,
     out += [Tensor("head.norm.weight", vec, head, str(head), fp32_under_o2=True),
             Tensor("head.norm.bias", vec, head, str(head), fp32_under_o2=True)]
     return tuple(out)
-
-
-def uniform_sizes(n: int, parts: int) -> list[int]:
-    """partition='uniform' (pipeline/partition.py): n layers into parts, the first n % parts
-    one layer longer."""
-    return [n // parts + (1 if k < n % parts else 0) for k in range(parts)]
 
 
 def stage_layers(m: GPT, P: int, V: int, rank: int, v_shape: bool) -> list[list[int]]:

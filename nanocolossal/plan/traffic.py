@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..pipeline.steps import stage_rank, virtual_stage
 from .formulas import COLLECTIVES, Layout, _buffers, pad
 from .model import GPT, Tensor, grid
 
@@ -193,12 +194,10 @@ def grid_traffic(m: GPT, lay: Layout, layers: set, k: int) -> Counter:
 
 
 def _part(lay: Layout, p: int, chunk: int) -> int:
-    from ..pipeline.steps import virtual_stage
     return virtual_stage(chunk, p, lay.pipeline, lay.v_shape)
 
 
 def _same_rank(lay: Layout, a: int, b: int) -> bool:
-    from ..pipeline.steps import stage_rank
     return stage_rank(a, lay.pipeline, lay.v_shape) == stage_rank(b, lay.pipeline, lay.v_shape)
 
 
