@@ -21,6 +21,7 @@ import atexit
 import json
 import os
 import runpy
+import socket
 import subprocess
 import sys
 import tempfile
@@ -78,8 +79,12 @@ def measure(command: list[str]) -> dict:
     """Run `command` (torchrun ... SCRIPT ARGS, or python SCRIPT ARGS) with rank 0 traced."""
     script_at = next(i for i, a in enumerate(command) if a.endswith(".py"))
     traced = [*command[:script_at], __file__, "--trace", *command[script_at:]]
-    if traced[0] == "torchrun":
-        traced = [sys.executable, "-m", "torch.distributed.run", *traced[1:]]
+    if traced[0] == "torchrun":  # on a free port: several measurements may run at once
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        traced = [sys.executable, "-m", "torch.distributed.run", f"--master_port={port}",
+                  *traced[1:]]
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = {**os.environ, "PATH_LINES_OUT": out.name, "OMP_NUM_THREADS": "1"}
         subprocess.run(traced, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
