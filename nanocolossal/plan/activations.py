@@ -17,6 +17,10 @@ input, b s D a, and one block's tensors are back during its backward (activation
 'selective' recomputes attention's core only. A pipeline rank holds the micro-batches its plan
 has in flight (pipeline/simulate.py: GPipe M, 1F1B P - rank, ZB-H1 P, ...). 2d, 2.5d and 3d
 split every activation over q x q (or q x q x q / q) ranks: there the formula is an estimate.
+Each MoE layer also keeps its last routing between steps (moe/layer.py's `layer.routing`, read
+for its drops), for the n = b s tokens of a micro-batch, E experts, k choices each, in at least
+fp32 (moe/router.py: r = max(4, a) bytes): probs n E r, combine weights n k r, chosen experts and
+their places n k 8 each, kept n k 1, and the aux loss, r.
 Not modelled: the allocator's fragmentation, CUDA workspaces, NCCL buffers, transient tensors
 (a backward's gradients in flight: memory.py's LargestMade).
 """
@@ -80,6 +84,15 @@ def activation_bytes(m: GPT, lay: Layout, p: int, chunks: list[list[int]]) -> tu
     kept = [c - recompute for c, recompute in per_chunk]
     peak = flight * sum(kept) // len(kept) + max(r for _, r in per_chunk)
     return peak - logits * flight, logits * flight
+
+
+def routing_bytes(m: GPT, lay: Layout, layers: tuple[int, ...]) -> int:
+    """The last routing the MoE layers among `layers` keep (moe/layer.py)."""
+    micro = lay.micro_batches if lay.pipeline > 1 else lay.accumulation
+    n = lay.batch // micro * m.seq
+    r = max(4, act_bytes(lay))
+    one = n * m.experts * r + n * m.top_k * (r + 8 + 8 + 1) + r
+    return one * sum(1 for layer in layers if 0 < layer < m.layers - 1 and m.is_moe(layer - 1))
 
 
 @lru_cache(maxsize=256)

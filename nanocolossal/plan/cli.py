@@ -24,8 +24,8 @@ from .formulas import COLLECTIVES, TEACHES, Layout, Rank, plan_layout
 from .layouts import load, search
 from .model import GPT
 
-BYTES = ("parameters", "gradients", "optimizer", "masters", "activations", "logits", "cpu",
-         "total")
+BYTES = ("parameters", "gradients", "optimizer", "masters", "activations", "logits", "routing",
+         "cpu", "total")
 UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10,
          "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -79,9 +79,10 @@ def show_layout(m: GPT, lay: Layout, ranks: list[Rank], memory: Optional[int]) -
              f"; batch {lay.batch} per data rank; {lay.optimizer}",
              f"layout: {head}", ""]
     width = max(len(r.kind) for r in ranks) + 2
-    lines.append("bytes".ljust(width) + "".join(f"{k:>13}" for k in BYTES))
+    shown = [k for k in BYTES if k != "routing" or m.experts]
+    lines.append("bytes".ljust(width) + "".join(f"{k:>13}" for k in shown))
     for r in ranks:
-        lines.append(r.kind.ljust(width) + "".join(f"{human(r.bytes[k]):>13}" for k in BYTES))
+        lines.append(r.kind.ljust(width) + "".join(f"{human(r.bytes[k]):>13}" for k in shown))
     lines += ["", "elements/step".ljust(width) + "".join(f"{k:>15}" for k in COLLECTIVES) +
               "   ring sends/rank   bubble"]
     for r in ranks:

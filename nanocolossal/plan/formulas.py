@@ -17,9 +17,10 @@ pad(x) = ceil(x / N) N, shard(x) = the elements of my N-th of pad(x) that are pa
 One flat buffer per dtype (level 3: per unit, the tied table in the root unit). AdamW adds a
 4-byte step per tensor; clipping keeps the last norm (one element). O2 (amp.py, zero/mixed.py):
 e = 2 for the half parameters (LayerNorms stay fp32), fp32 masters of what my optimizer steps
-(without ZeRO their fp32 gradients too). Offload (zero/offload.py): masters, state and an fp32
-copy of my gradient shard in CPU memory; at levels 2-3 the device's shard is freed by the copy.
-A gradient handler or MoE's (moe/grads.py) replaces DDP's bucket. One data rank: no DDP.
+and, in the step, their fp32 gradients (at levels 2-3 these replace the half gradient shard).
+Offload (zero/offload.py): masters, state and an fp32 copy of my gradient shard in CPU memory; at
+levels 2-3 the device's shard is freed by the copy. A gradient handler or MoE's (moe/grads.py:
+experts split over ranks) replaces DDP's bucket. One data rank: no DDP.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ TEACHES = {  # term -> the file whose docstring teaches it
     "activations": "nanocolossal/memory.py (SavedBytes), activation_checkpoint.py, "
                    "pipeline/simulate.py (micro-batches in flight)",
     "logits": "nanocolossal/tensor/vocab_parallel.py (split by vocabulary, never gathered)",
+    "routing": "nanocolossal/moe/layer.py (each MoE layer's last routing), moe/router.py",
     "all_reduce": "nanocolossal/ddp.py, tensor/comm.py (1d's g), tensor/summa.py (2d's reduces), "
                   "moe/grads.py, moe/balance.py, loss_weights.py, clip.py",
     "all_gather": "nanocolossal/zero/comm.py (the updated shards), tensor/layers_1d.py, "
@@ -128,7 +130,7 @@ def shard_of(n: int, N: int, r: int) -> int:
 
 def _buffers(ts: tuple[Tensor, ...], lay: Layout) -> list[tuple[int, int, int]]:
     """(elements, bytes per element, tensors) of each flat buffer: one per dtype (and, at level
-    3, per unit; the tied table in the root unit): zero/optimizer.py, unit_order.py."""
+    3, per unit; the tied table in the root unit): zero/optimizer.py, sharded_model.py."""
     return _grouped(ts, lay.zero == 3, lay.amp, lay.half_bytes, lay.param_bytes)
 
 
@@ -149,7 +151,7 @@ def model_states(ts: list[Tensor], lay: Layout, data_rank: int = 0) -> dict:
     N, r = lay.replicas, data_rank
     state = 4 * 2 if lay.optimizer == "adamw" else None  # AdamW: exp_avg, exp_avg_sq in fp32
     out = dict.fromkeys(("parameters", "gradients", "optimizer", "masters", "cpu"), 0)
-    ddp = N > 1 and lay.zero in (0, 1) and not lay.handler and not m_experts(ts)
+    ddp = N > 1 and lay.zero in (0, 1) and not lay.handler and not m_experts(ts, lay)
     for n, e, k in _buffers(ts, lay):
         if ddp:
             out["gradients"] += (n + k) * e  # DDP's bucket: gradients + a "used" flag each
@@ -168,15 +170,16 @@ def model_states(ts: list[Tensor], lay: Layout, data_rank: int = 0) -> dict:
             out["parameters"] += (pad(n, N) // N if lay.zero == 3 else pad(n, N)) * e
             if lay.zero == 1:
                 out["gradients"] += n * e
-            elif not lay.offload:  # offload: my device shard is freed by the copy-out
+            elif not lay.offload and master_e == e:  # offload: freed by the copy-out
                 out["gradients"] += pad(n, N) // N * e
             if lay.offload:  # masters, state and a copy of my gradient shard: offload.py
                 master_e = max(4, e)
                 out["cpu"] += mine * (master_e + (state or master_e) + master_e) + steps
                 continue
             out["optimizer"] += mine * per + steps
-            if master_e != e:
-                out["masters"] += mine * master_e
+            if master_e != e:  # O2: my shard's fp32 masters, and in the step their fp32
+                out["masters"] += mine * master_e  # gradients (the half shard freed: mixed.py)
+                out["gradients"] += mine * master_e
     if lay.zero == 3 and N > 1:  # the one-element storage freed parameters share, per dtype
         out["parameters"] += sum({e for _, e, _ in _buffers(ts, lay)})
     if lay.clip:
@@ -184,9 +187,10 @@ def model_states(ts: list[Tensor], lay: Layout, data_rank: int = 0) -> dict:
     return out
 
 
-def m_experts(ts: list[Tensor]) -> bool:
-    """Experts' gradients meet in moe/grads.py's handler, not in DDP's buckets."""
-    return any(t.expert for t in ts)
+def m_experts(ts: list[Tensor], lay: Layout) -> bool:
+    """Experts split over ranks meet in moe/grads.py's handler, not in DDP's buckets; experts
+    every data rank holds (expert parallel x1) are DDP's as any parameter."""
+    return lay.ep > 1 and any(t.expert for t in ts)
 
 
 # -- the ranks ---------------------------------------------------------------------------------
@@ -209,13 +213,14 @@ def plan_layout(m: GPT, lay: Layout) -> list[Rank]:
 
 def plan_rank(m: GPT, lay: Layout, p: int, kind: str = "", data_rank: int = 0) -> Rank:
     """Pipeline rank p's (data rank `data_rank`'s: ZeRO's last shards are shorter) plan."""
-    from .activations import activation_bytes
+    from .activations import activation_bytes, routing_bytes
     from .traffic import traffic
     chunks = stage_layers(m, lay.pipeline, lay.chunks, p, lay.v_shape)
     layers = tuple(layer for c in chunks for layer in c)
     ts = rank_tensors(m, layers, lay.mode, lay.tensor, lay.depth, lay.ep)
     b = model_states(ts, lay, data_rank)
     b["activations"], b["logits"] = activation_bytes(m, lay, p, chunks)
+    b["routing"] = routing_bytes(m, lay, layers)
     b["total"] = sum(v for k, v in b.items() if k != "cpu")
     return Rank(kind, p, b, traffic(m, lay, p, chunks, ts), pipeline_bubble(lay))
 
