@@ -130,7 +130,7 @@ def test_deep_plan_equals_live_tensors_and_collectives(row):
     _assert_row(row, DEEP[row])
 
 
-# -- the command line: bad input in one line, the big plan in well under 2 seconds -----------
+# -- the command line: bad input in one line, the big plan searched ----------------------------
 
 def _run(argv, capsys):
     from nanocolossal.plan import main
@@ -163,17 +163,15 @@ SEVEN_B = dict(VOCAB=32000, SEQ_LEN=4096, DIM=4096, DEPTH=32, HEADS=32, MLP_RATI
                fp16=dict(mode="torch", dtype="bfloat16"))
 
 
-def test_plan_7b_on_64_ranks_searched_in_under_2_seconds(tmp_path, capsys):
-    """A 7B-parameter GPT on 64 ranks of 80 GiB: its own plan and every layout, searched."""
-    import time
+def test_plan_7b_on_64_ranks_searched(tmp_path, capsys):
+    """A 7B-parameter GPT on 64 ranks of 80 GiB: its own plan and every layout, searched (how
+    long it takes: bench/bench_plan.py)."""
     path = tmp_path / "gpt7b.py"
     path.write_text("".join(f"{k} = {v!r}\n" for k, v in SEVEN_B.items()))
-    start = time.perf_counter()
     code, out, err = _run(["--config", str(path), "--world", "64", "--memory", "80GiB",
                            "--search"], capsys)
-    took = time.perf_counter() - start
     assert code == 0, err
-    assert "layouts fit in 80.0 GiB" in out and took < 2, (took, out[-2000:])
+    assert "layouts fit in 80.0 GiB" in out, out[-2000:]
 
 
 def test_plan_json_has_the_config_layout_first(capsys):
