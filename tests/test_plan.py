@@ -15,8 +15,8 @@ import pytest
 from dist_helpers import ROOT, run_ranks
 from plan_runs import gpt_worker
 
-from nanocolossal.plan.formulas import plan_rank
 from nanocolossal.plan.layouts import load
+from nanocolossal.plan.ranks import plan_rank
 
 sys.path.insert(0, str(ROOT))
 import test_composition as tc  # noqa: E402

@@ -20,9 +20,10 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 from ..config import ConfigError
-from .formulas import COLLECTIVES, TEACHES, Layout, Rank, plan_layout
+from .formulas import COLLECTIVES, TEACHES, Layout
 from .layouts import load, search
 from .model import GPT
+from .ranks import Rank, plan_layout
 
 BYTES = ("parameters", "gradients", "optimizer", "masters", "activations", "logits", "routing",
          "cpu", "total")

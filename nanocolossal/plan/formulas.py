@@ -25,11 +25,11 @@ experts split over ranks) replaces DDP's bucket. One data rank: no DDP.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional
 
-from .model import GPT, Tensor, rank_tensors, stage_layers
+from .model import Tensor
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 TEACHES = {  # term -> the file whose docstring teaches it
@@ -104,16 +104,6 @@ class Layout:
         if self.mode == "2.5d":
             d["depth"] = self.depth
         return d
-
-
-@dataclass
-class Rank:
-    """One kind of rank: where it sits, and what the formulas give it."""
-    kind: str
-    pipeline_rank: int
-    bytes: dict
-    elements: dict
-    bubble: float
 
 
 # -- model states ------------------------------------------------------------------------------
@@ -191,47 +181,3 @@ def m_experts(ts: list[Tensor], lay: Layout) -> bool:
     """Experts split over ranks meet in moe/grads.py's handler, not in DDP's buckets; experts
     every data rank holds (expert parallel x1) are DDP's as any parameter."""
     return lay.ep > 1 and any(t.expert for t in ts)
-
-
-# -- the ranks ---------------------------------------------------------------------------------
-
-def rank_kinds(m: GPT, lay: Layout) -> list[tuple[str, int]]:
-    """(kind, pipeline rank): first, middle and last stage where they differ."""
-    P = lay.pipeline
-    if P == 1:
-        return [("every rank", 0)]
-    kinds = [("first stage", 0)]
-    if P > 2:
-        kinds.append(("middle stage", 1))
-    return kinds + [("last stage", P - 1)]
-
-
-def plan_layout(m: GPT, lay: Layout) -> list[Rank]:
-    """Every rank kind's bytes, elements per step and bubble."""
-    return [plan_rank(m, lay, p, kind) for kind, p in rank_kinds(m, lay)]
-
-
-def plan_rank(m: GPT, lay: Layout, p: int, kind: str = "", data_rank: int = 0) -> Rank:
-    """Pipeline rank p's (data rank `data_rank`'s: ZeRO's last shards are shorter) plan."""
-    from .activations import activation_bytes, routing_bytes
-    from .traffic import traffic
-    chunks = stage_layers(m, lay.pipeline, lay.chunks, p, lay.v_shape)
-    layers = tuple(layer for c in chunks for layer in c)
-    ts = rank_tensors(m, layers, lay.mode, lay.tensor, lay.depth, lay.ep)
-    b = model_states(ts, lay, data_rank)
-    b["activations"], b["logits"] = activation_bytes(m, lay, p, chunks)
-    b["routing"] = routing_bytes(m, lay, layers)
-    b["total"] = sum(v for k, v in b.items() if k != "cpu")
-    return Rank(kind, p, b, traffic(m, lay, p, chunks, ts), pipeline_bubble(lay))
-
-
-def pipeline_bubble(lay: Layout) -> float:
-    """simulate.py's bubble_formula for the layout's schedule (0 without a pipeline)."""
-    if lay.pipeline == 1:
-        return 0.0
-    from ..pipeline.simulate import bubble_formula
-    return bubble_formula(lay.schedule, lay.pipeline, lay.micro_batches, lay.chunks)
-
-
-def with_backend(lay: Layout, backend: str) -> Layout:
-    return replace(lay, backend=backend)

@@ -36,7 +36,7 @@ from collections import Counter
 
 from ..pipeline.steps import stage_rank, virtual_stage
 from .formulas import COLLECTIVES, Layout, _buffers, pad
-from .model import GPT, Tensor, grid
+from .model import GPT, Tensor, grid, stage_layers
 
 
 def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tensor]) -> dict:
@@ -204,7 +204,6 @@ def _same_rank(lay: Layout, a: int, b: int) -> bool:
 def _tied_apart(m: GPT, lay: Layout) -> bool:
     """Whether the embedding and the head sit on two pipeline ranks (pipeline/tied.py sums the
     table's gradients between them); zbv's V puts both on rank 0."""
-    from .model import stage_layers
     holders = {p for p in range(lay.pipeline) for chunk in stage_layers(
         m, lay.pipeline, lay.chunks, p, lay.v_shape) for layer in chunk
         if layer in (0, m.layers - 1)}
