@@ -47,7 +47,7 @@ from .launch import (
 from .logging import get_dist_logger
 from .progress import Progress
 
-config.check_with(config_checks.validate_config)  # every config loaded: config_checks.py's list
+config.CHECKS.append(config_checks.validate_config)  # every config loaded: config_checks' list
 
 __all__ = [
     "AMP_TYPE", "Config", "ConfigError", "DistributedSampler", "Engine", "LaunchError",

@@ -27,10 +27,6 @@ from .config import ConfigError
 from .context import gpc
 
 
-def _digest(text: str) -> str:
-    return hashlib.sha1(text.encode()).hexdigest()[:12]
-
-
 def describe_parameters(model: nn.Module) -> list[tuple]:
     """(name, shape, dtype) of every parameter: what must agree for ranks to hold the same model."""
     return [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
@@ -93,7 +89,8 @@ def check_consistency(model: nn.Module, train_dataloader: Iterable,
     mine = {"batches": loader_length(train_dataloader),
             "test batches": loader_length(test_dataloader),
             "config": comparable(dict(gpc.config)),
-            "model": _digest(repr(describe_parameters(model))), "stage": gpc.pipeline_rank,
+            "model": hashlib.sha1(repr(describe_parameters(model)).encode()).hexdigest(),
+            "stage": gpc.pipeline_rank,
             "experts": gpc.ep_rank}  # parallel.moe: ranks of an EP group hold other experts
     everyone: list[Any] = [None] * gpc.world_size
     dist.all_gather_object(everyone, mine)
@@ -104,8 +101,7 @@ def check_consistency(model: nn.Module, train_dataloader: Iterable,
             f"[rank {gpc.rank}] ranks disagree on the number of training batches per epoch: "
             f"{listed}. Every rank must run the same number of steps, or the collectives of the "
             f"extra steps wait forever; shard the same dataset with DistributedSampler (pad=True "
-            f"or drop_last=True) "
-            f"on every rank")
+            f"or drop_last=True) on every rank")
     _check_evaluation_batches([e["test batches"] for e in everyone], model)
     for r, other in enumerate(everyone):
         if other["config"] != mine["config"]:
@@ -197,13 +193,13 @@ def check_still_frozen(model: nn.Module, frozen: list,
                            f"and freeze it with lr=0")
 
 
-def refuse_unfreezing(hooked: nn.Module, model: nn.Module, who: Callable[[], str]) -> None:
+def refuse_unfreezing(hooked: nn.Module, model: nn.Module, who: Callable[[], str]) -> Any:
     """Before every training forward of `hooked`, check_still_frozen on the parameters of
     `model` frozen now (DDP's wrapper and ZeRO 3's model install it when they are built; `who`
     is read when it fires: ZeRO 1 renames its DDP after building it)."""
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    if frozen:
-        hooked.register_forward_pre_hook(
+    if frozen:  # (returns the hook's handle, else None)
+        return hooked.register_forward_pre_hook(
             lambda *_: check_still_frozen(model, frozen, who()) if torch.is_grad_enabled()
             else None)
 

@@ -21,12 +21,11 @@ lacks says which file and what to add (`MissingKeyError`):
     configs/x.py has no NUM_EPOCHS: add e.g. NUM_EPOCHS = 10
 
 Both are user errors, not bugs: a script ends with the message alone, one line per rank, no
-traceback (the hook that does this is in launch_hardening.py).
+traceback (the hook that does this is in launch_checks.py).
 """
 from __future__ import annotations
 
 import inspect
-import math
 import os
 import runpy
 from enum import Enum
@@ -123,10 +122,9 @@ class AMP_TYPE(Enum):
         """Accept an AMP_TYPE or its string value; anything else is a ValueError."""
         if isinstance(mode, cls):
             return mode
-        if isinstance(mode, str):
-            for member in cls:
-                if mode.lower() in (member.value, member.name.lower()):
-                    return member
+        for member in cls:
+            if isinstance(mode, str) and mode.lower() in (member.value, member.name.lower()):
+                return member
         choices = ", ".join(f"AMP_TYPE.{m.name}" for m in cls)
         raise ValueError(f"unknown fp16 mode {mode!r}; use one of {choices}")
 
@@ -142,7 +140,7 @@ def load_config(config: ConfigLike, **overrides: Any) -> Config:
 
         load_config(args.config, NUM_EPOCHS=args.epochs, parallel=dict(pipeline=args.pipeline))
     """
-    for hook in _ON_LOAD:  # (launch_hardening: a bad config ends a script in one line per rank)
+    for hook in ON_LOAD:  # launch_checks' hook: a bad config ends a script in one line per rank
         hook()
     if config is None:
         cfg = Config()
@@ -159,30 +157,16 @@ def load_config(config: ConfigLike, **overrides: Any) -> Config:
             value = {**cfg.get(key, {}), **{k: v for k, v in value.items() if v is not None}}
         if value is not None:
             cfg[key] = value
-    for check in _CHECKS:  # config_checks.validate_config: every section's check, in order
+    for check in CHECKS:  # config_checks.validate_config: every section's check, in order
         check(cfg)
     return cfg
 
 
-# What a loaded config goes through: config_checks.validate_config, installed by the package's
-# __init__ (the checks import the features, which import this module). Functions to run before,
-# e.g. launch_hardening's hook that ends a script on a bad config with its message alone.
-_CHECKS: list[Callable[[Config], None]] = []
-_ON_LOAD: list[Callable[[], None]] = []
-
-
-def check_with(check: Callable[[Config], None]) -> None:
-    """Run `check(cfg)` (raising ConfigError) on every config loaded from now on."""
-    _CHECKS.append(check)
-
-
-def on_load(hook: Callable[[], None]) -> None:
-    """Call `hook()` whenever a config is about to be loaded (and checked)."""
-    _ON_LOAD.append(hook)
-
-
-# the parallel table's keys: each a layout axis (context.py)
-_PARALLEL_KEYS = ("pipeline", "data", "tensor", "sequence", "moe")
+# What load_config runs before it loads (ON_LOAD) and on what it loaded (CHECKS), appended by the
+# modules that hold them: config_checks.validate_config by the package's __init__ (the checks
+# import the features, which import this module), the user-error hook by launch_checks.
+ON_LOAD: list[Callable[[], None]] = []
+CHECKS: list[Callable[[Config], None]] = []
 
 
 def is_positive_int(value: Any) -> bool:
@@ -190,94 +174,24 @@ def is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _parallel_size(value: Any, key: str, known: tuple[str, ...] = ("size",)) -> int:
-    """`tensor=4` and `tensor=dict(size=4, mode='2d')` are both Colossal-AI spellings. A key
-    the dict does not know (a misspelt one, or one for another mode) is refused."""
-    unknown = sorted(set(value) - set(known)) if isinstance(value, Mapping) else []
-    if unknown:
-        raise ConfigError(f"unknown parallel.{key} key(s) {unknown}; parallel.{key} "
-                          f"understands {', '.join(known)}")
-    size = value.get("size", 1) if isinstance(value, Mapping) else value
-    if not is_positive_int(size):
-        raise ConfigError(f"parallel.{key} must be a positive "
-                          f"integer (or dict(size=N)), got {value!r}")
-    return size
-
-
-TENSOR_MODES = ("1d", "2d", "2.5d", "3d", "sequence")
+def size_of(value: Any) -> int:
+    """`tensor=4` and `tensor=dict(size=4, mode='2d')` are both Colossal-AI spellings."""
+    return value.get("size", 1) if isinstance(value, Mapping) else value
 
 
 def parallel_settings(cfg: Mapping) -> tuple[int, int, Optional[str], Optional[int], int]:
     """`parallel` -> (pipeline size P, tensor size T, tensor mode or None, data size or None,
-    2.5d's depth or 1)."""
+    2.5d's depth or 1). The refusals ran when the config was loaded (config_checks.py)."""
     parallel = cfg.get("parallel") or {}
-    if not isinstance(parallel, Mapping):
-        raise ConfigError(f"parallel must be a dict such as dict(pipeline=2), got {parallel!r}")
-    unknown = set(parallel) - set(_PARALLEL_KEYS)
-    if unknown:
-        raise ConfigError(f"unknown parallel key(s) {sorted(unknown)}; supported: "
-                          f"{', '.join(_PARALLEL_KEYS)} (data size is world // (pipeline * "
-                          f"tensor) unless given)")
-    if "sequence" in parallel and _parallel_size(parallel["sequence"], "sequence") > 1:
-        raise ConfigError("sequence parallelism is written parallel=dict(tensor=dict(size=N, "
-                          "mode='sequence')), as Colossal-AI: the sequence ranks take the tensor "
-                          "ranks' place, so it combines with pipeline and data, not with a "
-                          "1d/2d tensor split; remove parallel.sequence")
-    P = _parallel_size(parallel.get("pipeline", 1), "pipeline")
     tensor = parallel.get("tensor", 1)
-    mode = tensor.get("mode") if isinstance(tensor, Mapping) else None
-    if mode is not None and not isinstance(mode, str):
-        raise ConfigError(f"parallel.tensor mode must be a string such as '1d', got {mode!r}")
-    # (attention: sequence.py checks it)
-    extra = {"2.5d": ("depth",), "sequence": ("attention",)}.get(mode, ())
-    T = _parallel_size(tensor, "tensor", ("size", "mode", *extra))
-    if (T > 1 or mode is not None) and mode not in TENSOR_MODES:  # a typo even at size 1
-        raise ConfigError(f"parallel.tensor needs mode='1d', '2d', '2.5d', '3d' or 'sequence' "
-                          f"(got {mode!r}), e.g. tensor=dict(size={T}, mode='1d')")
-    if T == 1:
-        mode = None
-    depth = 1
-    if mode in ("2d", "2.5d", "3d"):
-        depth = grid_shape(T, mode, tensor.get("depth") if mode == "2.5d" else 1)[1]
+    T = size_of(tensor)
+    mode = tensor.get("mode") if T > 1 and isinstance(tensor, Mapping) else None
+    depth = tensor.get("depth", 1) if mode == "2.5d" else 1
+    P = size_of(parallel.get("pipeline", 1))
     data = parallel.get("data")
-    return P, T, mode, None if data is None else _parallel_size(data, "data"), depth
+    return P, T, mode, None if data is None else size_of(data), depth
 
 
-def grid_shape(T: int, mode: str, depth: Any = 1) -> tuple[int, int]:
-    """(q, depth) of a 2d grid (T = q * q), a 2.5d stack of grids (T = q * q * depth) or a 3d
-    cube (T = q ** 3, depth 1), or a ConfigError naming the numbers."""
-    if mode == "3d":
-        q = round(T ** (1 / 3))
-        if q ** 3 != T:
-            below = max(n for n in range(1, q + 2) if n ** 3 <= T)
-            raise ConfigError(f"parallel.tensor size {T} is not a cube, which mode='3d' needs "
-                              f"(a q x q x q cube); use size {below ** 3} or {(below + 1) ** 3}")
-        return q, 1
-    if mode == "2.5d" and not is_positive_int(depth):
-        raise ConfigError(f"parallel.tensor mode='2.5d' needs depth, a positive integer (the "
-                          f"number of stacked q x q grids), got {depth!r}; e.g. "
-                          f"tensor=dict(size={T}, mode='2.5d', depth=2)")
-    q = math.isqrt(T // depth)
-    if mode == "2d" and q * q != T:
-        raise ConfigError(f"parallel.tensor size {T} is not a perfect square, which mode='2d' "
-                          f"needs (a q x q grid); use size {q * q} or {(q + 1) ** 2}")
-    if q * q * depth != T:
-        raise ConfigError(f"parallel.tensor size {T} is not q * q * depth for depth {depth}, "
-                          f"which mode='2.5d' needs ({depth} stacked q x q grids); use size "
-                          f"{max(q, 1) ** 2 * depth} or {(q + 1) ** 2 * depth}")
-    return q, depth
-
-
-def moe_size(cfg: Mapping) -> int:
-    """parallel.moe: dict(size=EP) or EP; 1 without it (moe/settings.py checks the rest)."""
-    value = (cfg.get("parallel") or {}).get("moe", 1)
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - {"size"})
-        if unknown:
-            raise ConfigError(f"parallel.moe takes only size (the expert-parallel size EP), got "
-                              f"unknown key(s) {unknown}; e.g. moe=dict(size=2)")
-        value = value.get("size", 1)
-    if not is_positive_int(value):
-        raise ConfigError(f"parallel.moe size must be a positive integer (moe=dict(size=EP)), "
-                          f"got {value!r}")
-    return value
+def ep_size(cfg: Mapping) -> int:
+    """EP, the expert-parallel size: parallel.moe, as dict(size=EP) or EP; 1 without it."""
+    return size_of((cfg.get("parallel") or {}).get("moe", 1))

@@ -1,7 +1,7 @@
 """Every check a config gets when it is loaded, in one list.
 
-`load_config` (config.py) ends with `validate_config(cfg)`: the layout first (config.py's
-`parallel_settings`: the sizes, each tensor mode's grid), then each feature's section in
+`load_config` (config.py) ends with `validate_config(cfg)`: the layout first (`check_parallel`:
+the sizes, each tensor mode's grid), then each feature's section in
 SECTIONS' order -- a check returns at once where the config lacks its section -- then the keys
 every script reads. Each raises ConfigError naming the key, what is wrong and what to write:
 
@@ -20,12 +20,13 @@ check_inputs).
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Mapping
 
-from .activation_checkpoint import MODES
+from .activation_checkpoint_checks import check_activation_checkpoint
 from .amp_settings import check_fp16
-from .config import AMP_TYPE, Config, ConfigError, is_positive_int, moe_size, parallel_settings
+from .config import AMP_TYPE, ConfigError, ep_size, is_positive_int, parallel_settings, size_of
 from .ddp import DDP_OPTIONS
 from .moe.settings import moe_model_settings
 from .pipeline.schedules import check_pipeline_config
@@ -37,17 +38,17 @@ MOE_KEYS = ("NUM_EXPERTS", "MOE_TOP_K", "MOE_CAPACITY_FACTOR", "MOE_EVAL_CAPACIT
             "MOE_AUX_WEIGHT")
 
 
-def validate_config(cfg: Config) -> None:
+def validate_config(cfg: Mapping) -> None:
     """Raise ConfigError for any value we understand but cannot honour."""
-    parallel_settings(cfg)
+    check_parallel(cfg)
     for check in SECTIONS:
         check(cfg)
     for key in ("gradient_accumulation", "BATCH_SIZE", "NUM_EPOCHS"):
         value = cfg.get(key)
         if value is not None and not is_positive_int(value):
             raise ConfigError(f"{key} must be a positive integer, got {value!r}")
-    if "debug" in cfg and not isinstance(cfg.debug, bool):
-        raise ConfigError(f"debug must be True or False, got {cfg.debug!r}")
+    if "debug" in cfg and not isinstance(cfg["debug"], bool):
+        raise ConfigError(f"debug must be True or False, got {cfg['debug']!r}")
     for key in ("clip_grad_norm", "timeout"):
         value = cfg.get(key)
         positive = isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
@@ -55,14 +56,111 @@ def validate_config(cfg: Config) -> None:
             raise ConfigError(f"{key} must be a positive number, got {value!r}")
 
 
-def check_zero(cfg: Config) -> None:
+# the parallel table's keys: each a layout axis (layout.py)
+PARALLEL_KEYS = ("pipeline", "data", "tensor", "sequence", "moe")
+TENSOR_MODES = ("1d", "2d", "2.5d", "3d", "sequence")
+
+
+def check_parallel(cfg: Mapping) -> None:
+    """`parallel`: known keys, positive sizes, a tensor mode we have and its grid's shape."""
+    parallel = cfg.get("parallel") or {}
+    if not isinstance(parallel, Mapping):
+        raise ConfigError(f"parallel must be a dict such as dict(pipeline=2), got {parallel!r}")
+    unknown = set(parallel) - set(PARALLEL_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown parallel key(s) {sorted(unknown)}; supported: "
+                          f"{', '.join(PARALLEL_KEYS)} (data size is world // (pipeline * "
+                          f"tensor) unless given)")
+    if "sequence" in parallel and _checked_size(parallel["sequence"], "sequence") > 1:
+        raise ConfigError("sequence parallelism is written parallel=dict(tensor=dict(size=N, "
+                          "mode='sequence')), as Colossal-AI: the sequence ranks take the tensor "
+                          "ranks' place, so it combines with pipeline and data, not with a "
+                          "1d/2d tensor split; remove parallel.sequence")
+    _checked_size(parallel.get("pipeline", 1), "pipeline")
+    if parallel.get("data") is not None:
+        _checked_size(parallel["data"], "data")
+    tensor = parallel.get("tensor", 1)
+    mode = tensor.get("mode") if isinstance(tensor, Mapping) else None
+    if mode is not None and not isinstance(mode, str):
+        raise ConfigError(f"parallel.tensor mode must be a string such as '1d', got {mode!r}")
+    # (attention: check_sequence_config checks it)
+    extra = {"2.5d": ("depth",), "sequence": ("attention",)}.get(mode, ())
+    T = _checked_size(tensor, "tensor", ("size", "mode", *extra))
+    if (T > 1 or mode is not None) and mode not in TENSOR_MODES:  # a typo even at size 1
+        raise ConfigError(f"parallel.tensor needs mode='1d', '2d', '2.5d', '3d' or 'sequence' "
+                          f"(got {mode!r}), e.g. tensor=dict(size={T}, mode='1d')")
+    if T > 1 and mode in ("2d", "2.5d", "3d"):
+        check_grid(T, mode, tensor.get("depth") if mode == "2.5d" else 1)
+
+
+def _checked_size(value: Any, key: str, known: tuple[str, ...] = ("size",)) -> int:
+    """A size, as N or dict(size=N, ...); a key the dict does not know (a misspelt one, or one
+    for another mode) is refused."""
+    unknown = sorted(set(value) - set(known)) if isinstance(value, Mapping) else []
+    if unknown:
+        raise ConfigError(f"unknown parallel.{key} key(s) {unknown}; parallel.{key} "
+                          f"understands {', '.join(known)}")
+    size = size_of(value)
+    if not is_positive_int(size):
+        raise ConfigError(f"parallel.{key} must be a positive "
+                          f"integer (or dict(size=N)), got {value!r}")
+    return size
+
+
+def check_grid(T: int, mode: str, depth: Any = 1) -> None:
+    """A 2d grid (T = q * q), a 2.5d stack of grids (T = q * q * depth) or a 3d cube
+    (T = q ** 3), or a ConfigError naming the numbers."""
+    if mode == "3d":
+        q = round(T ** (1 / 3))
+        if q ** 3 != T:
+            below = max(n for n in range(1, q + 2) if n ** 3 <= T)
+            raise ConfigError(f"parallel.tensor size {T} is not a cube, which mode='3d' needs "
+                              f"(a q x q x q cube); use size {below ** 3} or {(below + 1) ** 3}")
+        return
+    if mode == "2.5d" and not is_positive_int(depth):
+        raise ConfigError(f"parallel.tensor mode='2.5d' needs depth, a positive integer (the "
+                          f"number of stacked q x q grids), got {depth!r}; e.g. "
+                          f"tensor=dict(size={T}, mode='2.5d', depth=2)")
+    q = math.isqrt(T // depth)
+    if mode == "2d" and q * q != T:
+        raise ConfigError(f"parallel.tensor size {T} is not a perfect square, which mode='2d' "
+                          f"needs (a q x q grid); use size {q * q} or {(q + 1) ** 2}")
+    if q * q * depth != T:
+        raise ConfigError(f"parallel.tensor size {T} is not q * q * depth for depth {depth}, "
+                          f"which mode='2.5d' needs ({depth} stacked q x q grids); use size "
+                          f"{max(q, 1) ** 2 * depth} or {(q + 1) ** 2 * depth}")
+
+
+def check_world(cfg: Mapping, world_size: int) -> None:
+    """At launch, once the world size is known: W = D * P * T, parallel.data (if given) is that
+    D, and EP divides D (expert groups are carved out of the data ranks)."""
+    P, T, _, wanted, _ = parallel_settings(cfg)
+    if world_size % (P * T) != 0:
+        raise ConfigError(f"world size {world_size} is not divisible by pipeline x tensor = {P} "
+                          f"x {T} = {P * T}; launch a multiple of {P * T} processes or change "
+                          f"parallel")
+    D = world_size // (P * T)
+    if wanted is not None and wanted != D:
+        raise ConfigError(f"parallel.data={wanted} but world size {world_size} // (pipeline x "
+                          f"tensor) = {D}; drop parallel.data (it is inferred) or launch "
+                          f"{wanted * P * T} processes")
+    ep = ep_size(cfg)
+    if D % ep:
+        step = ep * P * T
+        raise ConfigError(f"parallel.moe size {ep} does not divide the data-parallel size "
+                          f"{D} (world size {world_size}): expert parallelism is carved "
+                          f"out of the data ranks; launch a multiple of {step} processes "
+                          f"(e.g. {step * (D // ep + 1)}), or use a moe size dividing {D}")
+
+
+def check_zero(cfg: Mapping) -> None:
     """zero=dict(level=1|2|3, reduce_bucket_size_mb=25, overlap_communication=True), or v0.1's
     dict(model_config=..., optimizer_config=...)."""
     if "zero" not in cfg:
         return
     P = parallel_settings(cfg)[0]
-    if not isinstance(cfg.zero, Mapping):
-        raise ConfigError(f"zero must be a dict such as dict(level=2), got {cfg.zero!r}")
+    if not isinstance(cfg["zero"], Mapping):
+        raise ConfigError(f"zero must be a dict such as dict(level=2), got {cfg['zero']!r}")
     zero: Any = zero_settings(cfg)[0]
     unknown = sorted(set(zero) - set(ZERO_KEYS))
     if unknown:
@@ -104,7 +202,7 @@ def check_zero(cfg: Config) -> None:
                               f"or fp16=dict(mode=AMP_TYPE.TORCH) (O1)")
 
 
-def check_ddp_config(cfg: Config) -> None:
+def check_ddp_config(cfg: Mapping) -> None:
     ddp = cfg.get("ddp", {})
     if not isinstance(ddp, Mapping):
         raise ConfigError(f"ddp must be a dict of {', '.join(DDP_OPTIONS)}; got {ddp!r}")
@@ -116,7 +214,7 @@ def check_ddp_config(cfg: Config) -> None:
         raise ConfigError(f"ddp.compress must be None, 'bf16' or 'fp16', got {ddp['compress']!r}")
 
 
-def check_gradient_handler_config(cfg: Config) -> None:
+def check_gradient_handler_config(cfg: Mapping) -> None:
     handlers = cfg.get("gradient_handler")
     if handlers is None:
         return
@@ -134,16 +232,7 @@ def check_gradient_handler_config(cfg: Config) -> None:
                           f"overlapped DDP)")
 
 
-def check_activation_checkpoint(cfg: Mapping) -> None:
-    """ACTIVATION_CHECKPOINT: 'full', 'selective', a positive integer N, or None (off)."""
-    mode = cfg.get("ACTIVATION_CHECKPOINT")
-    if not (mode is None or mode in MODES or is_positive_int(mode)):
-        raise ConfigError(f"ACTIVATION_CHECKPOINT={mode!r}: use 'full' (recompute each block), "
-                          f"'selective' (recompute attention's softmax(q k^T) v), an integer N "
-                          f"(every N-th block in full) or leave it out")
-
-
-def check_sequence_config(cfg: Config) -> None:
+def check_sequence_config(cfg: Mapping) -> None:
     """parallel.tensor's attention= names a kind we have; all-to-all gives every sequence rank
     whole heads, so the config's HEADS (train_gpt.py's) must divide by N; ring attention's
     blocks are equal, so its SEQ_LEN must divide into 2N zig-zag stripes."""
@@ -166,24 +255,31 @@ def check_sequence_config(cfg: Config) -> None:
 
 def check_moe(cfg: Mapping) -> None:
     """Refuse a bad MoE config, or one that does not compose, by key."""
-    ep = moe_size(cfg)
+    moe = (cfg.get("parallel") or {}).get("moe", 1)
+    if isinstance(moe, Mapping) and set(moe) - {"size"}:
+        raise ConfigError(f"parallel.moe takes only size (the expert-parallel size EP), got "
+                          f"unknown key(s) {sorted(set(moe) - {'size'})}; e.g. moe=dict(size=2)")
+    ep = ep_size(cfg)
+    if not is_positive_int(ep):
+        raise ConfigError(f"parallel.moe size must be a positive integer (moe=dict(size=EP)), "
+                          f"got {ep!r}")
     if ep == 1 and not any(key in cfg for key in MOE_KEYS):
         return
     settings = moe_model_settings(cfg)
     if ep == 1:
         return
     _, T, mode, _, _ = parallel_settings(cfg)
-    refused = {"tensor": T > 1 and mode != "sequence",
-               "sequence": mode == "sequence", "zero": "zero" in cfg}
-    why = {"tensor": f"experts are whole MLPs on their ranks, not {mode} shards",
-           "sequence": "tokens are already split over the sequence ranks",
-           "zero": "ZeRO shards every parameter over the data ranks, experts are not replicated "
-                   "there"}
-    for key, bad in refused.items():
-        if bad:
-            where = "parallel.tensor" if key in ("tensor", "sequence") else "zero"
-            raise ConfigError(f"parallel.moe (expert parallelism x{ep}) does not combine with "
-                              f"{where} ({key}): {why[key]}; remove one of them")
+    why = None
+    if mode == "sequence":
+        why = "parallel.tensor (sequence): tokens are already split over the sequence ranks"
+    elif T > 1:
+        why = f"parallel.tensor (tensor): experts are whole MLPs on their ranks, not {mode} shards"
+    elif "zero" in cfg:
+        why = ("zero (zero): ZeRO shards every parameter over the data ranks, experts are not "
+               "replicated there")
+    if why:
+        raise ConfigError(f"parallel.moe (expert parallelism x{ep}) does not combine with {why}; "
+                          f"remove one of them")
     if settings is not None:
         E = settings["num_experts"]
         if E % ep and ep % E:

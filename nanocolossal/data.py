@@ -51,18 +51,21 @@ class DistributedSampler(Sampler[int]):
     """Shard a dataset over the data-parallel ranks (defaults from gpc)."""
 
     def __init__(self, dataset: Sized, num_replicas: Optional[int] = None,
-                 rank: Optional[int] = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 pad: bool = True) -> None:
+                 rank: Optional[int] = None, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, pad: bool = True) -> None:
         self.num_replicas = gpc.data_size if num_replicas is None else num_replicas
         self.rank = gpc.data_rank if rank is None else rank
         if self.num_replicas < 1 or not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"[rank {gpc.rank}] sampler rank {self.rank} is not in "
                              f"[0, num_replicas={self.num_replicas})")
-        self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
-        self.drop_last, self.pad = drop_last, pad
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.pad = pad
         self.epoch = 0
-        n, R = len(dataset), self.num_replicas
+        n = len(dataset)
+        R = self.num_replicas
         if drop_last:
             self.total_size = (n // R) * R
         elif pad:
@@ -95,15 +98,10 @@ class DistributedSampler(Sampler[int]):
 
 
 def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024,
-                   add_sampler: bool = True,
-                   drop_last: bool = False, pin_memory: bool = False, pad: bool = True,
-                   **kwargs) -> DataLoader:
-    """A DataLoader giving this data-parallel rank its share; `batch_size` is per rank.
-
-    With `add_sampler` a DistributedSampler splits the data over the data-parallel ranks (one
-    share when alone) and shuffles with seed + epoch; `pad=False` makes exact, uneven evaluation
-    shares. Without it, a plain DataLoader shuffles with a generator seeded by `seed`.
-    """
+                   add_sampler: bool = True, drop_last: bool = False, pin_memory: bool = False,
+                   pad: bool = True, **kwargs) -> DataLoader:
+    """A DataLoader giving this data-parallel rank its share (DistributedSampler, unless not
+    `add_sampler`: then shuffled by a generator seeded by `seed`); `batch_size` is per rank."""
     pin_memory = pin_memory and torch.cuda.is_available()  # pinning without a GPU only warns
     # also with one replica: each epoch's order is a function of seed + epoch, so resumable
     if add_sampler:
@@ -124,7 +122,8 @@ class AgreedStream:
         self.loader = loader
 
     def __iter__(self) -> Iterator[Any]:
-        batches, end = iter(self.loader), object()
+        batches = iter(self.loader)
+        end = object()
         has = torch.zeros(gpc.world_size, dtype=torch.int32, device=gpc.device)
         for read in itertools.count():
             batch = next(batches, end)
@@ -157,7 +156,7 @@ def agreed_stream(loader: Iterable) -> Iterable:
 
 
 class SyntheticImages(Dataset):
-    """Learnable stand-in for an image dataset: class template + noise, made on demand.
+    """Learnable stand-in for an image dataset (C, H, W): class template + noise, on demand.
 
     Each class has a fixed smooth random template; sample i is its class's template, shifted
     by up to `max_shift` pixels and scaled in contrast, plus Gaussian noise, all derived from
@@ -165,23 +164,24 @@ class SyntheticImages(Dataset):
     normalised images (about zero mean, unit scale). A small CNN learns it in an epoch or two.
     """
 
-    def __init__(self, size: int, shape: tuple[int, ...], num_classes: int, seed: int = 0,
-                 noise: float = 1.0, max_shift: int = 4) -> None:
+    def __init__(self, size: int, shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10,
+                 seed: int = 0, noise: float = 1.0, max_shift: int = 4) -> None:
         if size < 1 or num_classes < 2:
             raise ValueError(f"synthetic dataset needs size >= 1 and num_classes >= 2, got {size}, "
                              f"{num_classes}")
-        self.size, self.shape, self.num_classes = size, tuple(shape), num_classes
-        self.seed, self.noise, self.max_shift = seed, noise, max_shift
+        self.size = size
+        self.shape = tuple(shape)
+        self.num_classes = num_classes
+        self.seed = seed
+        self.noise = noise
+        self.max_shift = max_shift
         # templates shared by train and test
         g = torch.Generator().manual_seed(1234567 + num_classes)
-        # images: upsample a coarse pattern so templates are smooth, like pictures
-        if len(self.shape) == 3:
-            coarse = torch.randn(num_classes, shape[0], max(1, shape[1] // 4),
-                                 max(1, shape[2] // 4), generator=g)
-            self.templates = torch.nn.functional.interpolate(coarse, size=shape[1:],
-                                                             mode="bilinear", align_corners=False)
-        else:
-            self.templates = torch.randn(num_classes, *shape, generator=g)
+        # upsample a coarse pattern, so that templates are smooth, like pictures
+        C, H, W = self.shape
+        coarse = torch.randn(num_classes, C, max(1, H // 4), max(1, W // 4), generator=g)
+        self.templates = torch.nn.functional.interpolate(coarse, size=(H, W), mode="bilinear",
+                                                         align_corners=False)
         self.targets = torch.randint(num_classes, (size,),
                                      generator=torch.Generator().manual_seed(seed))
 
@@ -196,16 +196,13 @@ class SyntheticImages(Dataset):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i + 1)
         x = self.templates[label]
         # shift and contrast vary per sample, so a linear model is not enough
-        if len(self.shape) == 3:
-            dy, dx = (int(v) for v in torch.randint(-self.max_shift, self.max_shift + 1, (2,),
-                                                    generator=g))
-            x = torch.roll(x, shifts=(dy, dx), dims=(1, 2)) * (0.5 + torch.rand((), generator=g))
+        dy, dx = (int(v) for v in torch.randint(-self.max_shift, self.max_shift + 1, (2,),
+                                                generator=g))
+        x = torch.roll(x, shifts=(dy, dx), dims=(1, 2)) * (0.5 + torch.rand((), generator=g))
         return x + self.noise * torch.randn(self.shape, generator=g), label
 
 
-def synthetic_images(size: int, shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10,
-                     seed: int = 0, noise: float = 1.0) -> SyntheticImages:
-    return SyntheticImages(size, shape, num_classes, seed, noise)
+synthetic_images = SyntheticImages  # the function's name the scripts know
 
 
 def data_root(root: Optional[str] = None) -> str:
@@ -249,9 +246,8 @@ def _load_or_synthesize(name: str, folder: str, build: Callable[[], Dataset], ro
                 get_dist_logger().warning(
                     f"{name} {cause} under {where}: using a synthetic {name}-shaped stand-in "
                     f"({'x'.join(map(str, shape))}, 10 classes); use --data DIR or --download for "
-                    f"the real one",
-                    ranks=[0])
-            return synthetic_images(synthetic_size or size, shape, 10, seed=0 if train else 1)
+                    f"the real one", ranks=[0])
+            return SyntheticImages(synthetic_size or size, shape, 10, seed=0 if train else 1)
 
 
 def cifar10(root: Optional[str] = None, train: bool = True, download: bool = False,

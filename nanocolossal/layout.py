@@ -17,7 +17,7 @@ ranks form a q x q grid, tensor_rank = row * q + col: a *row group* (same row, e
 splits the hidden dimension, a *column group* (same col, every row) splits the batch.
 mode='2.5d' stacks `depth` such grids, tensor_rank = grid_depth * q * q + row * q + col: rows
 and columns are each grid's own, and a *depth group* (same row and col, every grid) holds the
-same weight blocks for different samples. mode='3d' is a q x q x q cube, tensor_rank =
+same weight tiles for different samples. mode='3d' is a q x q x q cube, tensor_rank =
 cube_x * q * q + cube_y * q + cube_z, with one group along each axis (tensor/cube.py says what
 each axis splits).
 For mode='sequence' the T ranks of a "tensor" group split every *sequence* instead
@@ -32,32 +32,35 @@ a pure function of the sizes that the tests check for many shapes without starti
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
-
-from .config import ConfigError
 
 
 @dataclass
 class Layout:
-    """Every group of a job as lists of global ranks, in the order new_group must be called."""
-    data: list[list[int]] = field(default_factory=list)      # same (pipeline, tensor) rank
-    pipeline: list[list[int]] = field(default_factory=list)  # same (data, tensor) rank, stage order
-    tensor: list[list[int]] = field(default_factory=list)    # one stage of one replica
-    row: list[list[int]] = field(default_factory=list)       # 2d: same grid row (splits hidden)
-    col: list[list[int]] = field(default_factory=list)       # 2d: same grid column (splits batch)
-    depth: list[list[int]] = field(default_factory=list)     # 2.5d: same row and column, each grid
-    batch: list[list[int]] = field(default_factory=list)     # 2.5d: same column, each grid and row
-    cube_x: list[list[int]] = field(default_factory=list)    # 3d: same (y, z), every x
-    cube_y: list[list[int]] = field(default_factory=list)    # 3d: same (x, z), every y
-    cube_z: list[list[int]] = field(default_factory=list)    # 3d: same (x, y), every z
-    plane_xy: list[list[int]] = field(default_factory=list)  # 3d: same z, every (x, y)
-    plane_xz: list[list[int]] = field(default_factory=list)  # 3d: same y, every (x, z)
-    model: list[list[int]] = field(default_factory=list)     # one whole model replica: P * T ranks
-    gradient: list[list[int]] = field(default_factory=list)  # same parameters: average grads here
-    ep: list[list[int]] = field(default_factory=list)        # moe: EP consecutive data ranks
-    # moe: for each G dividing EP, the data ranks with equal data_rank % G (hold the same experts)
+    """Every group of a job as lists of global ranks, in the order new_group must be called;
+    gpc keeps each as gpc.<name>_group and gpc.<name>_ranks."""
+    data: list[list[int]] = field(default_factory=list)       # same (pipeline, tensor) rank
+    pipeline: list[list[int]] = field(default_factory=list)   # same (data, tensor) rank, in order
+    tensor: list[list[int]] = field(default_factory=list)     # one stage of one replica
+    tensor_row: list[list[int]] = field(default_factory=list)    # 2d: same row (splits hidden)
+    tensor_col: list[list[int]] = field(default_factory=list)    # 2d: same column (splits batch)
+    tensor_depth: list[list[int]] = field(default_factory=list)  # 2.5d: same row, col; each grid
+    tensor_batch: list[list[int]] = field(default_factory=list)  # 2.5d: same col; each grid, row
+    tensor_x: list[list[int]] = field(default_factory=list)   # 3d: same (y, z), every x
+    tensor_y: list[list[int]] = field(default_factory=list)   # 3d: same (x, z), every y
+    tensor_z: list[list[int]] = field(default_factory=list)   # 3d: same (x, y), every z
+    tensor_xy: list[list[int]] = field(default_factory=list)  # 3d: same z, every (x, y)
+    tensor_xz: list[list[int]] = field(default_factory=list)  # 3d: same y, every (x, z)
+    model: list[list[int]] = field(default_factory=list)      # one whole model replica: P * T ranks
+    gradient: list[list[int]] = field(default_factory=list)   # sequence: same parameters
+    ep: list[list[int]] = field(default_factory=list)         # EP consecutive data ranks
+    # for each G dividing EP, the data ranks with equal data_rank % G (hold the same experts)
     expert_data: dict[int, list[list[int]]] = field(default_factory=dict)
+
+
+# the groups gpc builds from a Layout, in the order every rank creates them (EP's: context.py)
+GROUPS = tuple(f.name for f in fields(Layout) if f.name not in ("ep", "expert_data"))
 
 
 def coordinates(rank: int, P: int, T: int) -> tuple[int, int, int]:
@@ -67,58 +70,59 @@ def coordinates(rank: int, P: int, T: int) -> tuple[int, int, int]:
     return data_rank, pipeline_rank, tensor_rank
 
 
-def data_size(world: int, P: int, T: int) -> int:
-    """D = world / (P * T) replicas, or a ConfigError that says what to launch instead."""
-    if world % (P * T) != 0:
-        raise ConfigError(f"world size {world} is not divisible by pipeline x tensor = {P} x {T} = "
-                          f"{P * T}; launch a multiple of {P * T} processes or change parallel")
-    return world // (P * T)
-
-
 def layout(world: int, P: int = 1, T: int = 1, mode: Optional[str] = None,
            ep: int = 1, depth: int = 1) -> Layout:
     """The groups of a world of `world` ranks with P stages, T tensor ranks (2.5d: `depth`
-    grids) and expert parallelism EP (pure function)."""
-    D = data_size(world, P, T)
+    grids) and expert parallelism EP (pure function; config_checks.check_world refuses a world
+    that does not divide)."""
+    D = world // (P * T)
     rank = lambda d, p, t: d * P * T + p * T + t  # noqa: E731 -- the formula, read as such
     out = Layout()
     out.data = [[rank(d, p, t) for d in range(D)] for p in range(P) for t in range(T)]
     out.pipeline = [[rank(d, p, t) for p in range(P)] for d in range(D) for t in range(T)]
     out.tensor = [[rank(d, p, t) for t in range(T)] for d in range(D) for p in range(P)]
     out.model = [[rank(d, p, t) for p in range(P) for t in range(T)] for d in range(D)]
-    out.gradient = out.data  # sequence: every (data, sequence) rank of a stage, below
-    if mode == "sequence":
+    if mode == "sequence":  # every (data, sequence) rank of a stage; else the data group
         out.gradient = [[rank(d, p, t) for d in range(D) for t in range(T)] for p in range(P)]
     if mode in ("2d", "2.5d"):
-        q = math.isqrt(T // depth)
-        at = lambda k, r, c: k * q * q + r * q + c  # noqa: E731 -- grid k, row r, column c
-        for group in out.tensor:
-            out.row += [[group[at(k, r, c)] for c in range(q)] for k in range(depth)
-                        for r in range(q)]
-            out.col += [[group[at(k, r, c)] for r in range(q)] for k in range(depth)
-                        for c in range(q)]
-            if depth > 1:
-                out.depth += [[group[at(k, r, c)] for k in range(depth)] for r in range(q)
-                              for c in range(q)]
-                out.batch += [[group[at(k, r, c)] for k in range(depth) for r in range(q)]
-                              for c in range(q)]
+        _grids(out, math.isqrt(T // depth), depth)
     if mode == "3d":
-        q = round(T ** (1 / 3))
-        at = lambda x, y, z: x * q * q + y * q + z  # noqa: E731 -- the cube's coordinates
-        for group in out.tensor:
-            pairs = [(a, b) for a in range(q) for b in range(q)]
-            out.cube_x += [[group[at(i, a, b)] for i in range(q)] for a, b in pairs]
-            out.cube_y += [[group[at(a, i, b)] for i in range(q)] for a, b in pairs]
-            out.cube_z += [[group[at(a, b, i)] for i in range(q)] for a, b in pairs]
-            out.plane_xy += [[group[at(a, b, z)] for a, b in pairs] for z in range(q)]
-            out.plane_xz += [[group[at(a, y, b)] for a, b in pairs] for y in range(q)]
-    out.ep, out.expert_data = moe_layout(out.data, ep)
+        _cube(out, round(T ** (1 / 3)))
+    if ep > 1:
+        out.ep, out.expert_data = ep_layout(out.data, ep)
     return out
 
 
-def moe_layout(data: list[list[int]], ep: int) -> tuple[list[list[int]], dict]:
+def _grids(out: Layout, q: int, depth: int) -> None:
+    """2d, 2.5d: each tensor group as `depth` q x q grids, their rows, columns and depth."""
+    at = lambda k, r, c: k * q * q + r * q + c  # noqa: E731 -- grid k, row r, column c
+    for group in out.tensor:
+        out.tensor_row += [[group[at(k, r, c)] for c in range(q)] for k in range(depth)
+                    for r in range(q)]
+        out.tensor_col += [[group[at(k, r, c)] for r in range(q)] for k in range(depth)
+                    for c in range(q)]
+        if depth > 1:
+            out.tensor_depth += [[group[at(k, r, c)] for k in range(depth)] for r in range(q)
+                          for c in range(q)]
+            out.tensor_batch += [[group[at(k, r, c)] for k in range(depth) for r in range(q)]
+                          for c in range(q)]
+
+
+def _cube(out: Layout, q: int) -> None:
+    """3d: each tensor group as a q x q x q cube, its axes and planes."""
+    at = lambda x, y, z: x * q * q + y * q + z  # noqa: E731 -- the cube's coordinates
+    pairs = [(a, b) for a in range(q) for b in range(q)]
+    for group in out.tensor:
+        out.tensor_x += [[group[at(i, a, b)] for i in range(q)] for a, b in pairs]
+        out.tensor_y += [[group[at(a, i, b)] for i in range(q)] for a, b in pairs]
+        out.tensor_z += [[group[at(a, b, i)] for i in range(q)] for a, b in pairs]
+        out.tensor_xy += [[group[at(a, b, z)] for a, b in pairs] for z in range(q)]
+        out.tensor_xz += [[group[at(a, y, b)] for a, b in pairs] for y in range(q)]
+
+
+def ep_layout(data: list[list[int]], ep: int) -> tuple[list[list[int]], dict]:
     """Expert parallelism inside each data group (ranks in data-rank order): EP groups are EP
-    consecutive data ranks. A layer of E experts trades tokens within its exchange block, the
+    consecutive data ranks. A layer of E experts trades tokens with its *peers*, the
     G = min(E, EP) consecutive ranks that hold all E experts between them (moe/placement.py), so
     an expert is held by the data ranks with equal data_rank % G -- one group list per G
     dividing EP.
@@ -126,20 +130,7 @@ def moe_layout(data: list[list[int]], ep: int) -> tuple[list[list[int]], dict]:
     has its own expert groups: a stage's experts only ever meet the same stage's replicas.
 
         D = 4, EP = 2:  ep [0 1] [2 3];  G=2: [0 2] [1 3];  G=1: [0 1 2 3]"""
-    if ep == 1:
-        return [], {}
     eps = [ranks[i:i + ep] for ranks in data for i in range(0, len(ranks), ep)]
-    blocks = [g for g in range(1, ep + 1) if ep % g == 0]
-    return eps, {g: [ranks[i::g] for ranks in data for i in range(g)] for g in blocks}
+    peer_counts = [g for g in range(1, ep + 1) if ep % g == 0]
+    return eps, {g: [ranks[i::g] for ranks in data for i in range(g)] for g in peer_counts}
 
-
-def check_moe_world(ep: int, data_size: int, world_size: int) -> None:
-    """EP divides the data-parallel size D: expert groups are carved out of the data ranks.
-    The world is D x (the pipeline and tensor sizes), so the fix is a multiple of EP x those."""
-    if data_size % ep:
-        step = ep * (world_size // data_size)
-        raise ConfigError(f"parallel.moe size {ep} does not divide the data-parallel size "
-                          f"{data_size} (world size {world_size}): expert parallelism is carved "
-                          f"out of the data ranks; launch a multiple of {step} processes "
-                          f"(e.g. {step * (data_size // ep + 1)}), or use a moe size dividing "
-                          f"{data_size}")

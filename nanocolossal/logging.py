@@ -28,13 +28,7 @@ _FORMAT = "%(asctime)s [rank %(rank)s] %(levelname)s %(name)s: %(message)s"
 class _StdoutHandler(logging.StreamHandler):
     """Writes to whatever sys.stdout is *now* (pytest and tqdm swap it)."""
 
-    @property  # type: ignore[override]
-    def stream(self):
-        return sys.stdout
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
+    stream = property(lambda self: sys.stdout, lambda self, value: None)  # type: ignore
 
 
 class DistributedLogger:

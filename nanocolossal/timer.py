@@ -21,11 +21,9 @@ class Timer:
         self.reset()
 
     def reset(self) -> None:
-        self.elapsed, self.history, self._started = 0.0, [], None
-
-    @property
-    def is_running(self) -> bool:
-        return self._started is not None
+        self.elapsed = 0.0
+        self.history: list[float] = []
+        self._started: float | None = None
 
     def start(self) -> None:
         """Begin an interval (a start while running -- an exception skipped the stop -- begins

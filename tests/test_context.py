@@ -80,12 +80,12 @@ def test_gloo_destroy_forgets_what_the_job_left_in_other_modules(tmp_path, monke
 
     from dist_helpers import free_port
 
-    from nanocolossal import data, launch_hardening
+    from nanocolossal import data, launch_checks
     from nanocolossal.nn import layers
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
     nc.launch({"debug": True}, rank=0, world_size=1, host="127.0.0.1", port=free_port())
     assert os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
-    assert sys.excepthook is launch_hardening._print_user_error
+    assert sys.excepthook is launch_checks._print_user_error
     layers._state["next_is_row"] = True   # the job built a column-parallel Linear
     data._announced.add(("CIFAR-10", "/data"))   # and said once that it used a stand-in
     logger = nc.get_dist_logger()
@@ -94,7 +94,7 @@ def test_gloo_destroy_forgets_what_the_job_left_in_other_modules(tmp_path, monke
     gpc.destroy()
     # (torch's init_process_group wraps sys.excepthook for good: ours is what must be gone)
     assert "TORCH_DISTRIBUTED_DEBUG" not in os.environ
-    assert sys.excepthook is not launch_hardening._print_user_error
+    assert sys.excepthook is not launch_checks._print_user_error
     assert layers._state["next_is_row"] is False and not data._announced
     plain = logging.getLogger("nanocolossal")
     assert plain.level == logging.INFO

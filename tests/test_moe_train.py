@@ -41,7 +41,8 @@ import nanocolossal as nc
 import nanocolossal.nn as col_nn
 from nanocolossal.checkpoint import merge_checkpoint
 from nanocolossal.config import AMP_TYPE, ConfigError, load_config
-from nanocolossal.context import ParallelContext, gpc
+from nanocolossal.config_checks import check_world
+from nanocolossal.context import gpc
 from nanocolossal.moe import moe_aux_loss
 
 sys.path.insert(0, str(ROOT))
@@ -556,11 +557,10 @@ def test_gloo_moe_bad_configs_say_what_to_change():
     moe2 = {"parallel": {"moe": {"size": 2}}}
     with pytest.raises(ConfigError, match=r"parallel.moe size 2 does not divide the data-parallel "
                                           r"size 3 \(world size 3\).*launch a multiple of 2"):
-        ParallelContext.parallel_sizes(load_config(moe2), 3)
+        check_world(load_config(moe2), 3)
     with pytest.raises(ConfigError, match=r"data-parallel size 3 \(world size 6\).*launch a "
                                           r"multiple of 4 processes \(e.g. 8\)"):
-        ParallelContext.parallel_sizes(load_config({**moe2, "parallel": {"moe": 2,
-                                                                         "pipeline": 2}}), 6)
+        check_world(load_config({**moe2, "parallel": {"moe": 2, "pipeline": 2}}), 6)
     cases = {
         "NUM_EXPERTS=3 does not fit parallel.moe size 2": {**moe2, "NUM_EXPERTS": 3},
         r"MOE_CAPACITY_FACTOR must be a number > 0, got 0": {"NUM_EXPERTS": 4,
@@ -603,7 +603,7 @@ def test_moe_bad_config_values_are_refused_by_key():
             load_config(config)
     with pytest.raises(ConfigError, match=r"parallel.moe size 4 does not divide the "
                                           r"data-parallel size 2 \(world size 2\)"):
-        ParallelContext.parallel_sizes(load_config({"parallel": {"moe": {"size": 4}}}), 2)
+        check_world(load_config({"parallel": {"moe": {"size": 4}}}), 2)
 
 
 @pytest.mark.timeout(10)

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from nanocolossal.config import ConfigError
-from nanocolossal.context import ParallelContext
+from nanocolossal.config_checks import check_world
 from nanocolossal.layout import coordinates, layout
 
 
@@ -22,7 +22,8 @@ SHAPES = [(P * T * D, P, T,
 @pytest.mark.parametrize("world, P, T, mode", SHAPES)
 def test_layout_groups_partition_the_world_as_the_formulas_say(world, P, T, mode):
     groups = layout(world, P, T, mode)
-    kinds = ["data", "pipeline", "tensor", "model"] + (["row", "col"] if mode == "2d" else [])
+    kinds = ["data", "pipeline", "tensor", "model"]
+    kinds += ["tensor_row", "tensor_col"] if mode == "2d" else []
     for kind in kinds:
         members = sorted(r for g in getattr(groups, kind) for r in g)
         assert members == list(range(world)), f"{kind}: every rank in exactly one group"
@@ -38,17 +39,18 @@ def test_layout_groups_partition_the_world_as_the_formulas_say(world, P, T, mode
             q = math.isqrt(T)
             row, col = divmod(t, q)
             base = d * P * T + p * T
-            assert mine["row"] == [base + row * q + c for c in range(q)]  # same row: splits hidden
+            # same row: splits hidden
+            assert mine["tensor_row"] == [base + row * q + c for c in range(q)]
             # same column: splits batch
-            assert mine["col"] == [base + r * q + col for r in range(q)]
+            assert mine["tensor_col"] == [base + r * q + col for r in range(q)]
 
 
 def test_layout_of_the_tutorial_config_on_8_ranks():
     groups = layout(8, P=2, T=4, mode="2d")
     assert groups.tensor == [[0, 1, 2, 3],
                              [4, 5, 6, 7]] and groups.pipeline == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert groups.row == [[0, 1], [2, 3], [4, 5],
-                          [6, 7]] and groups.col == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups.tensor_row == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups.tensor_col == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups.data == [[r] for r in range(8)]
 
 
@@ -60,4 +62,4 @@ def test_layout_of_the_tutorial_config_on_8_ranks():
 ])
 def test_world_that_does_not_fit_is_a_clear_error(world, parallel, message):
     with pytest.raises(ConfigError, match=message):
-        ParallelContext.parallel_sizes({"parallel": parallel}, world)
+        check_world({"parallel": parallel}, world)

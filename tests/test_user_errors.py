@@ -12,9 +12,9 @@ import textwrap
 import pytest
 from dist_helpers import BackgroundCmd, free_port
 
-from nanocolossal import launch_hardening
+from nanocolossal import launch_checks
 from nanocolossal.config import ConfigError, MissingKeyError
-from nanocolossal.launch_hardening import LaunchError
+from nanocolossal.launch_checks import LaunchError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,11 +71,11 @@ def hook(monkeypatch):
     """Install the hook over a recorder of what it passes on; the test's end uninstalls it."""
     passed_on = []
     monkeypatch.setattr(sys, "excepthook", lambda *args: passed_on.append(args[0]))
-    launch_hardening.install_user_error_hook()
-    launch_hardening.install_user_error_hook()  # twice is once
+    launch_checks.install_user_error_hook()
+    launch_checks.install_user_error_hook()  # twice is once
     yield passed_on
-    launch_hardening.uninstall_user_error_hook()
-    assert sys.excepthook is not launch_hardening._print_user_error
+    launch_checks.uninstall_user_error_hook()
+    assert sys.excepthook is not launch_checks._print_user_error
 
 
 def test_user_errors_print_their_rank_and_message_and_bugs_are_passed_on(hook, capsys,

@@ -44,7 +44,7 @@ def require_mode(name: str, mode: str, layout_a: bool = False) -> None:
                          f"is {gpc.tensor_mode!r}; use the {gpc.tensor_mode} class, or nc.nn's "
                          f"layer of the same meaning, which follows the mode")
     if layout_a:
-        layers.check_3d_layout(name)
+        layers.check_3d_layout(name, layers._state["next_is_row"])
 
 
 def in_mode(base: type, name: str, mode: str, doc: str) -> type:
