@@ -29,45 +29,36 @@ M under GPipe) holds at its peak, in saved tensors,
     'full'                   k·L·x + A - x        (the recomputation's input is the kept x)
     saved                    (k·L - 1)·(A - x)    ~ 94% of k·L·A for large k·L (A/x ~ 16)
 
-(bench/bench_activation_checkpoint.py, k·L = 4 blocks: (L·x + A - x) / L·A = 0.28 of the bytes;
-the head's logits, never checkpointed, come on top of both.)
-
 for one more forward per block (~1/3 more compute: a backward costs about two forwards).
+(bench/bench_activation_checkpoint.py, k·L = 4 blocks: 0.28 of the bytes; the head's logits,
+never checkpointed, come on top of both.)
 
 ACTIVATION_CHECKPOINT in the config, read by nn/transformer.py's Block (block_mode):
 
     'full'       each block recomputed whole, as above
-    'selective'  only attention's core, softmax(q k^T / sqrt(d)) v, recomputed from q, k, v:
-                 Megatron's selective recomputation (Korthikanti et al. 2022) -- drop what is
-                 big and cheap to recompute, keep the matmuls' outputs, as torchtitan's
-                 'selective' does. With attention='explicit' that drops the b·h·s² tensors
-                 (the softmax; with dropout its mask and the product too: 4 to 12 bytes a
-                 score in fp32); the fused kernel never holds them, so there it drops only the
-                 log-sum-exp (the output stays: it is the projection's input). Ring attention
-                 (sequence parallelism) holds no s x s block either: not recomputed
+    'selective'  only attention's core, softmax(q k^T / sqrt(d)) v, recomputed from q, k, v
+                 (Megatron's selective recomputation, Korthikanti et al. 2022; torchtitan's):
+                 drop what is big and cheap to recompute, the b·h·s² scores of explicit
+                 attention (4 to 12 bytes each in fp32, with dropout); the fused kernel never
+                 holds them (it drops only the log-sum-exp), nor does ring attention
     N            every N-th block whole (blocks N-1, 2N-1, ...: torchtitan's per-layer option)
 
-Composes: tensor parallelism (1d/2d) and sequence parallelism run a block's forward collectives
-again in its recomputation -- every rank of the group recomputes the same block at the same
-point of backward, so they still pair up. AMP: the forward's autocast state is restored. ZeRO 3
-(zero/sharded_model.py): a Block checkpointed inside itself recomputes while its unit is
-gathered for its backward (the pre-backward hook on its output fires first): nothing is
-gathered again, unit_order.py sees nothing new. A unit checkpointed from outside,
-checkpoint(block, x), is gathered again by its forward pre-hook as backward reaches it -- at the
-same point on every rank, so unit_order's per-step fingerprint (and debug=True's per-gather
-check) agree -- and reduced after; such a unit may run once per forward. MoE: a block whose MLP
-is an MoE layer is not recomputed whole (its load-balancing loss is a by-product of the forward,
-which runs without autograd here): 'selective' only.
+Composes: tensor and sequence parallelism run a block's forward collectives again in its
+recomputation -- every rank of the group recomputes the same block at the same point of
+backward, so they still pair up. AMP: the forward's autocast state is restored. ZeRO 3: a Block
+checkpointed inside itself recomputes while its unit is gathered for its backward (nothing is
+gathered again); one checkpointed from outside, checkpoint(block, x), is gathered again by its
+forward pre-hook as backward reaches it -- at the same point on every rank -- and may run once
+per forward. MoE: a block whose MLP is an MoE layer is not recomputed whole (its load-balancing
+loss is a by-product of the forward, which runs without autograd here): 'selective' only.
 
 Written on torch.autograd.Function, Colossal-AI's and Megatron's way: the recomputation is a
-backward of its own inside the outer one. torch's use_reentrant=False variant (saved-tensor
-hooks) also allows torch.autograd.grad; here that is refused (check_backward). Being a backward
-of its own, each call accumulates its parameters' gradients once: a layer used by two calls gets
-two gradients in one outer backward, which DDP and ZeRO 1/2 (reducing a gradient the moment it
-is complete) refuse, naming the remedy -- checkpoint the two uses together in one call. A block
-whose inputs need no gradient (the first block reading data) still has parameters that do: an
-empty tensor that needs one (_ANCHOR) keeps the function in the graph, or its backward would never
-run.
+backward of its own inside the outer one (torch.autograd.grad is refused: check_backward), so
+each call accumulates its parameters' gradients once: a layer used by two calls gets two
+gradients in one outer backward, which DDP and ZeRO 1/2 refuse, naming the remedy (checkpoint
+the two uses together). A block whose inputs need no gradient (the first, reading data) still
+has parameters that do: an empty tensor that needs one (_ANCHOR) keeps the function in the
+graph, or its backward would never run.
 
 Before a launch, `nanocolossal plan` computes these activation bytes and bubbles
 (nanocolossal/plan/activations.py).
@@ -80,7 +71,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from .activation_checkpoint_checks import check_backward
+from .activation_checkpoint_checks import check_activation_checkpoint, check_backward
 from .config import is_positive_int
 from .context import gpc
 
@@ -89,9 +80,8 @@ _ANCHOR = torch.empty(0, requires_grad=True)  # puts the function in the graph (
 
 class _Replay:
     """What a forward ran under, to run it again alike: the CPU and CUDA generators, the
-    tensor-parallel dropout's own (tensor/base.py: sharded_dropout), autocast. The buffers of
-    every module the recomputation runs (fn a module, a method, a closure) are put back after
-    it: BatchNorm counts a batch in its running statistics once, as without checkpointing."""
+    tensor-parallel dropout's own (tensor/base.py), autocast; and the buffers of every module
+    the recomputation runs, put back after it (the module docstring)."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.gpus = sorted({t.device.index for t in tensors if t.is_cuda})
@@ -169,16 +159,12 @@ def checkpoint(fn: Callable, *args: Any) -> Any:
     return CheckpointFunction.apply(fn, _ANCHOR, *args)
 
 
-# -- the config key (config_checks.py checks it) --------------------------------------------------
-
-MODES = ("full", "selective")
-
+# -- the config key (activation_checkpoint_checks.py checks it) -----------------------------------
 
 def block_mode(index: Optional[int]) -> Optional[str]:
     """What transformer block number `index` recomputes under the job's config: 'full',
     'selective' or None."""
     mode = gpc.config.get("ACTIVATION_CHECKPOINT")
-    from .config_checks import check_activation_checkpoint  # (which imports MODES from here)
     check_activation_checkpoint(gpc.config)  # (a gpc.config changed by hand too)
     if not is_positive_int(mode):
         return mode

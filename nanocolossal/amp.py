@@ -1,11 +1,9 @@
 """Mixed precision: compute in 16 bits, keep what accumulates in 32.
 
-fp16 halves memory traffic and runs on tensor cores, but it has a narrow range: gradients below
-~6e-8 flush to zero. Loss scaling (amp_scaler.py) lifts them back into range: scale the loss by
-S before backward, divide the gradients by S before the step, and skip the step (and lower S)
-when a gradient overflowed. Every rank must make the same decision, so the overflow flag is
-all-reduced (MAX) over the whole job before anyone steps. bfloat16 has fp32's range, so it needs
-no scaling. (On a CPU, which half type is fast is read from its instruction set: cpu_half.py.)
+fp16 halves memory traffic and runs on tensor cores, but gradients below ~6e-8 flush to zero:
+loss scaling (amp_scaler.py) lifts them into range, and a step whose gradients overflowed is
+skipped -- on every rank alike. bfloat16 has fp32's range: no scaling. (On a CPU, which half
+type is fast is read from its instruction set: cpu_half.py.)
 
 The opt levels (as apex):
     O0  fp32 everything                                              (reference)
@@ -14,11 +12,9 @@ The opt levels (as apex):
         that the optimizer updates and copies back after each step
     O3  fp16 everything, no master weights                           (speed baseline)
 Model outputs come back in fp32 so the loss is computed in full precision -- except under the
-Engine at O1, which runs the criterion under autocast too (torch's recipe; Colossal-AI's
-TorchAMPLoss): autocast computes torch's losses (cross_entropy, nll_loss, mse_loss, ...) in fp32
-anyway, and no fp32 copy of the output (GPT logits: b x s x V x 4 bytes) is held through backward
-(autocast_loss). What autocast keeps in half stays half in a criterion of your own, though: a
-log_softmax on a CPU (on CUDA it is an fp32 op) -- upcast there, or use torch's loss.
+Engine at O1, which runs the criterion under autocast too (torch's recipe): autocast computes
+torch's losses in fp32 anyway, and no fp32 copy of the output is held through backward
+(amp_casts.py: autocast_loss).
 
     from nanocolossal import amp                # apex: from apex import amp
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
@@ -27,9 +23,17 @@ log_softmax on a CPU (on CUDA it is an fp32 op) -- upcast there, or use torch's 
     optimizer.clip_grad_norm(1.0)   # optional: acts on unscaled gradients
     optimizer.step()                # skipped (and S backed off) on overflow
 
-MixedPrecisionOptimizer is an fp32 run's optimizer (plain_optimizer.py) plus, in the order a
-step meets them: (O2) fp32 masters; the loss scale S; unscale, check and agree on an overflow;
-step or skip, and update S. Its checkpoint state is amp_state.py's; clipping is clip.py's.
+initialize's `outputs` (per pipeline chunk; default all): is its output the model's, cast to
+fp32? `keep_batchnorm_fp32` (O2/O3; default: O2 only): normalisation layers stay fp32.
+
+MixedPrecisionOptimizer is an fp32 run's optimizer (plain_optimizer.py) plus the steps of its
+docstring, in that order; the optimised variant last (torch's fused optimizers skip on the
+device). Checkpoint state: amp_state.py; clipping: clip.py. The check runs with or without a
+scaler (apex's loss_scale="dynamic": bf16 never scales, but a non-finite gradient must never
+reach the weights); nothing waits for the device but step's one read of the flag. Under
+counted-target weighting (loss_weights.py) a rank's piece of the loss may carry up to G x its
+sample share (G: the ranks the gradient average divides by): backward multiplies by S / G
+(`backward_scale`), which keeps its half gradients one process's size.
 """
 from __future__ import annotations
 
@@ -40,10 +44,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .amp_casts import Autocast, autocast_loss, cast_io, is_norm
-from .amp_checks import check_initialize
+from .amp_casts import autocast_loss, cast_to_half, hook_autocast
+from .amp_checks import check_initialize, count_skipped
 from .amp_scaler import (
     DynamicLossScaler,
+    find_non_finite,
     make_scaler,
     unscale_and_check,
     unscale_and_check_fused,
@@ -53,7 +58,6 @@ from .amp_state import AmpState
 from .clip import SplitOver, clip_grad_norm_
 from .config import AMP_TYPE  # owned by the config (it names the modes)
 from .context import gpc
-from .logging import get_dist_logger
 from .plain_optimizer import PlainOptimizer
 
 # nc.amp.X: this file's names, and the loss scaler's and the config's that users reach from here
@@ -91,6 +95,12 @@ class MixedPrecisionOptimizer(AmpState, PlainOptimizer):
                    a clean stretch (amp_scaler.py)
     """
 
+    _flag: Optional[torch.Tensor] = None  # this step's overflow flag, once unscaled
+    _loaded = False  # the model was loaded since the last step (amp_state.py)
+    # step's counters (amp_checks.py): tensors on the device where the optimizer skips on its own
+    _last_skipped: Union[bool, torch.Tensor] = False
+    _skipped: Union[int, torch.Tensor] = 0
+
     def __init__(self, optimizer: torch.optim.Optimizer, scaler: Optional[DynamicLossScaler] = None,
                  master_weights: bool = False, check_finite: bool = False) -> None:
         super().__init__(optimizer)
@@ -98,11 +108,6 @@ class MixedPrecisionOptimizer(AmpState, PlainOptimizer):
         # skip steps whose gradients are inf/nan on any rank: always with a scaler, else if asked
         self.check_finite = check_finite or scaler is not None
         self._master_pairs = make_masters(optimizer) if master_weights else []
-        self._flag: Optional[torch.Tensor] = None  # this step's overflow flag, once unscaled
-        self._loaded = False  # the model was loaded since the last step (amp_state.py)
-        # bools and ints, or tensors on the device where the optimizer skips on its own (step)
-        self._last_skipped: Union[bool, torch.Tensor] = False
-        self._skipped: Union[int, torch.Tensor] = 0
 
     # -- masters (O2): gradients in, weights out ------------------------------------------------
     def _grads_to_masters(self) -> None:
@@ -133,10 +138,7 @@ class MixedPrecisionOptimizer(AmpState, PlainOptimizer):
 
     @property
     def backward_scale(self) -> float:
-        """What backward multiplies by and unscale_ divides by: the loss scale S, or S / G where
-        the loss is weighed by counted targets (loss_weights.py, set by initialize): there a
-        rank's piece of the loss may carry up to G x its sample share (G: the ranks the gradient
-        average divides by), and dividing S by G keeps its half gradients one process's size."""
+        """What backward multiplies by: S, or S / G under counted targets (module docstring)."""
         return self.loss_scale / self.weighed_ranks if self.scaler is not None else 1.0
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -144,28 +146,26 @@ class MixedPrecisionOptimizer(AmpState, PlainOptimizer):
 
     # -- unscale, check, agree ------------------------------------------------------------------
     def overflow_flag(self) -> torch.Tensor:
-        """Turn scaled gradients into true fp32-master gradients (once per step) and return a
-        one-element tensor on the device: 1 if any rank of the job found an inf/nan gradient.
-
-        The check runs with or without a scaler (apex's loss_scale="dynamic": bf16 never scales,
-        but a non-finite gradient must still never reach the weights). Nothing here waits for
-        the device: the flag is read (step) only where the host must decide."""
-        if self._flag is not None:
-            return self._flag
-        if self._loaded:  # model.load_state_dict since the last step (follow_loads)
-            self._masters_from_model()
-        self._flag = self._agreed(self._unscale_and_check())
+        """Unscale once per step; a one-element device tensor, 1 if any rank found an inf/nan."""
+        if self._flag is None:
+            if self._loaded:  # model.load_state_dict since the last step (follow_loads)
+                self._masters_from_model()
+            self._flag = self._agreed(self._unscale_and_check())
         return self._flag
 
     def _unscale_and_check(self) -> torch.Tensor:
-        """The masters' gradients from the model's, unscaled; this rank's flag (ZeRO offload
-        checks on the device before its copy-out instead: zero/mixed.py)."""
-        self._grads_to_masters()
+        """The masters' gradients from the model's, unscaled; this rank's flag (zero/mixed.py)."""
+        if self._master_pairs:
+            self._grads_to_masters()
         grads = [p.grad for p in self.params() if p.grad is not None]
-        if not self.check_finite:  # the fused kernel's flag: fp32 always
-            return torch.zeros(1, device=grads[0].device if grads else gpc.device,
-                               dtype=torch.float32)
-        return unscale_grads(grads, self.backward_scale)  # amp_scaler.py: fused where it can
+        if self.scaler is not None:
+            return unscale_grads(grads, self.backward_scale)  # amp_scaler.py: fused where it can
+        # nothing scaled (bf16): only the check, which writes no gradient -- if asked
+        found = torch.zeros(1, device=grads[0].device if grads else gpc.device,
+                            dtype=torch.float32)  # fp32: the fused kernel's flag
+        if self.check_finite:
+            find_non_finite(grads, found)
+        return found
 
     def _agreed(self, found: torch.Tensor) -> torch.Tensor:
         """The flag all-reduced (MAX) over the job: every rank skips together."""
@@ -180,23 +180,20 @@ class MixedPrecisionOptimizer(AmpState, PlainOptimizer):
 
     # -- step or skip, update S -----------------------------------------------------------------
     def step(self) -> Union[bool, torch.Tensor]:
-        """Unscale, then step unless some rank found an inf/nan; returns whether a step was
-        taken. The host decides: one read of the flag per step (but see the variant below)."""
+        """Unscale, then step unless some rank found an inf/nan; returns whether it stepped."""
         flag = self.overflow_flag()
         self.open_group = False
-        if not self.check_finite:  # the check turned off: nothing to decide
-            skipped: Union[bool, torch.Tensor] = False
-            self._step()
-        elif self.scaler is None and getattr(self.optimizer, "_step_supports_amp_scaling", False):
+        fused = getattr(self.optimizer, "_step_supports_amp_scaling", False)  # takes found_inf
+        if self.check_finite and self.scaler is None and fused:  # nothing for the host to update
             skipped = self._step_deciding_on_device(flag)  # the optimised variant, below
         else:
-            skipped = bool(flag.item())  # the host decides: one read of the flag
+            skipped = self.check_finite and bool(flag.item())  # the host reads the flag once
             if not skipped:
                 self._step()
             if self.scaler is not None:
                 self.scaler.update(skipped)
         self._flag = None
-        self._count_skipped(skipped)
+        count_skipped(self, skipped)  # (amp_checks.py: the counters, and a warning)
         return not skipped if isinstance(skipped, bool) else skipped.logical_not()
 
     def _step(self) -> None:
@@ -205,17 +202,11 @@ class MixedPrecisionOptimizer(AmpState, PlainOptimizer):
         if self._master_pairs:
             self._masters_to_model()
 
-    def _count_skipped(self, skipped: Union[bool, torch.Tensor]) -> None:
-        if skipped is True and self.scaler is None:  # a scaler's back-off says it; here, say it
-            get_dist_logger().warning(f"non-finite gradient on some rank: this step is skipped on "
-                                      f"every rank ({self.skipped_steps + 1} skipped so far)")
-        self._last_skipped, self._skipped = skipped, self._skipped + skipped
-
     # -- the optimised variant: the skip decided on the device, nothing read --------------------
     def _step_deciding_on_device(self, flag: torch.Tensor) -> torch.Tensor:
-        """Without a scaler (nothing for the host to update), torch's fused optimizers take the
-        flag as their `found_inf` and skip on the device: step returns a 0-d bool tensor, and
-        the skip is counted there (skipped_steps reads it when asked) and not logged."""
+        """Without a scaler, torch's fused optimizers take the flag as their `found_inf` and skip
+        on the device: step returns a 0-d bool tensor, and the skip is counted there
+        (skipped_steps reads it when asked) and not logged."""
         self.optimizer.found_inf = flag.reshape(())
         try:
             self._step()
@@ -263,35 +254,25 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
                device_type: Optional[str] = None, outputs: Optional[list[bool]] = None,
                keep_batchnorm_fp32: Optional[bool] = None,
                **scaler_kwargs: Any) -> tuple[nn.Module, MixedPrecisionOptimizer]:
-    """Prepare `model` in place for `opt_level` and wrap `optimizer` (apex's amp.initialize).
-    `outputs` (per pipeline chunk; default all): is its output the model's, cast to fp32?
-    `keep_batchnorm_fp32` (O2/O3; default: O2 only): normalisation layers stay fp32."""
+    """Prepare `model` in place for `opt_level`, wrap `optimizer` (the module docstring)."""
     check_initialize(opt_level, dtype, OPT_LEVELS)  # (amp_checks.py)
     device_type = device_type or next(model.parameters()).device.type
-    keep_norms = opt_level == "O2" if keep_batchnorm_fp32 is None else keep_batchnorm_fp32
     # a ModuleList (pipeline chunks) has no forward of its own: each chunk gets the hooks
     chunks = model if isinstance(model, nn.ModuleList) else [model]
     for chunk, is_output in zip(chunks, outputs or [True] * len(chunks)):
         if opt_level == "O1":
-            autocast = Autocast(device_type, dtype, output_fp32=is_output)
-            chunk.register_forward_pre_hook(autocast.enter)
-            chunk.register_forward_hook(autocast.exit, always_call=True)
+            hook_autocast(chunk, device_type, dtype, output_fp32=is_output)
         elif opt_level in ("O2", "O3"):
-            chunk.to(dtype)
-            if keep_norms:  # normalisation statistics need fp32's precision
-                for module in chunk.modules():
-                    if is_norm(module):
-                        module.float()
-                        cast_io(module, torch.float32, dtype)
-            cast_io(chunk, dtype, torch.float32 if is_output else None)
+            keep_norms = opt_level == "O2" if keep_batchnorm_fp32 is None else keep_batchnorm_fp32
+            cast_to_half(chunk, dtype, keep_norms, output_fp32=is_output)
     mixed = opt_level != "O0"  # O0 is the fp32 reference
     needs_scaling = mixed and dtype == torch.float16  # fp32 and bf16 have the range to need none
     scaler = make_scaler(loss_scale, **scaler_kwargs) if needs_scaling else None
     # apex's loss_scale="dynamic" also means "skip non-finite steps": keep that in bf16 too
     check_finite = mixed and loss_scale == "dynamic"
-    mixed_optimizer = MixedPrecisionOptimizer(optimizer, scaler, master_weights=opt_level == "O2",
-                                              check_finite=check_finite)
-    mixed_optimizer.follow_loads(model)
+    mixed_optimizer = MixedPrecisionOptimizer(optimizer, scaler, opt_level == "O2", check_finite)
+    if opt_level == "O2":  # (amp_state.py: only masters must follow a loaded model)
+        mixed_optimizer.follow_loads(model)
     return model, mixed_optimizer
 
 

@@ -1,6 +1,6 @@
 """How mixed precision changes a model: hooks that cast, registered by amp.initialize.
 
-    O1     autocast entered before the model's forward and left after it (`Autocast`); the
+    O1     autocast entered before the model's forward and left after it (`hook_autocast`); the
            output upcast to fp32 where it is the model's (the loss is computed in fp32)
     O2/O3  the model cast to half; each module's floating inputs cast to its dtype on the way
            in, the model's output to fp32 on the way out (`cast_io`); under O2 normalisation
@@ -8,7 +8,9 @@
     loss   under the Engine at O1, the criterion runs under autocast too (`autocast_loss`)
 
 A module can be hooked twice (a criterion two engines share, a model given to amp.initialize
-twice): each autocast its hooks enter goes on one stack on the module, left innermost first.
+twice): each autocast its hooks enter goes on one stack on the module, left innermost first --
+its exit hooks run in the order of its enter hooks, and leaving the outer autocast first would
+leave autocast on after the forward (each restores the state it found).
 """
 from __future__ import annotations
 
@@ -39,48 +41,55 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def cast_io(module: nn.Module, input_dtype: torch.dtype,
-             output_dtype: Optional[torch.dtype]) -> None:
+            output_dtype: Optional[torch.dtype]) -> None:
     """Hooks that cast a module's floating inputs and outputs (None: outputs as they are)."""
     module.register_forward_pre_hook(lambda m, args: _cast_floats(args, input_dtype))
     if output_dtype is not None:
         module.register_forward_hook(lambda m, args, out: _cast_floats(out, output_dtype))
 
 
-class Autocast:
-    """Enter autocast before the model's forward and leave it after (even if forward raises)."""
-
-    def __init__(self, device_type: str, dtype: torch.dtype, output_fp32: bool = True) -> None:
-        self.device_type, self.dtype = device_type, dtype
-        self.output_fp32 = output_fp32
-
-    def enter(self, module, args) -> None:
-        ctx = torch.autocast(self.device_type, dtype=self.dtype)
-        ctx.__enter__()
-        _entered(module).append(ctx)
-
-    def exit(self, module, args, output) -> Any:
-        # the innermost autocast first, whichever hook entered it: a module hooked twice (a
-        # criterion or model passed to two initialize calls) runs its exit hooks in the order of
-        # its enter hooks, and leaving the outer autocast first would leave autocast on after
-        # the forward (each restores the state it found)
-        _entered(module).pop().__exit__(None, None, None)
-        return _upcast_halves(output) if self.output_fp32 else output
+def cast_to_half(model: nn.Module, dtype: torch.dtype, keep_norms: bool,
+                 output_fp32: bool) -> None:
+    """O2/O3: the model in `dtype`, its inputs cast down, its output up (if it is the model's);
+    `keep_norms`: normalisation statistics need fp32's precision."""
+    model.to(dtype)
+    if keep_norms:
+        for module in model.modules():
+            if is_norm(module):
+                module.float()
+                cast_io(module, torch.float32, dtype)
+    cast_io(model, dtype, torch.float32 if output_fp32 else None)
 
 
-def _entered(module: nn.Module) -> list:
-    """The autocasts that the module's hooks entered and did not leave yet, innermost last."""
-    return module.__dict__.setdefault("_amp_autocasts", [])
+def hook_autocast(module: nn.Module, device_type: str, dtype: torch.dtype,
+                  output_fp32: bool) -> None:
+    """O1: the module's forward runs under autocast (left even if it raises), its output upcast
+    if `output_fp32`."""
+    entered = module.__dict__.setdefault("_amp_autocasts", [])  # one stack per module
+
+    def enter(module: nn.Module, args: Any) -> None:
+        autocast = torch.autocast(device_type, dtype=dtype)
+        autocast.__enter__()
+        entered.append(autocast)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> Any:
+        entered.pop().__exit__(None, None, None)  # the innermost first (the module docstring)
+        return _upcast_halves(output) if output_fp32 else output
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def autocast_loss(criterion: Callable, device_type: str, dtype: torch.dtype) -> Callable:
-    """The criterion run under autocast, its loss returned in fp32 (O1 under the Engine, whose
-    model output then stays as autocast made it). A module keeps its identity (hooks, as the
-    model's): the features that read its reduction or ignore_index still find them."""
-    autocast = Autocast(device_type, dtype, output_fp32=True)
-    if isinstance(criterion, nn.Module):
-        criterion.register_forward_pre_hook(autocast.enter)
-        criterion.register_forward_hook(autocast.exit, always_call=True)
-        return criterion
+    """The criterion run under autocast, its loss returned in fp32 (O1 under the Engine)."""
+    if not isinstance(criterion, nn.Module):
+        return _autocast_function(criterion, device_type, dtype)
+    # hooks: a module keeps its identity (features read its reduction or ignore_index)
+    hook_autocast(criterion, device_type, dtype, output_fp32=True)
+    return criterion
+
+
+def _autocast_function(criterion: Callable, device_type: str, dtype: torch.dtype) -> Callable:
+    """autocast_loss for a criterion that is a plain function: a wrapper."""
 
     @wraps(criterion)
     def under_autocast(*args: Any, **kwargs: Any) -> Any:

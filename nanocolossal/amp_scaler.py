@@ -9,11 +9,14 @@ gradients into range; divide them by S again before the optimizer sees them:
 S must be as large as possible without overflowing. DynamicLossScaler searches for it: on an
 inf/NaN gradient the step is skipped and S halves (backoff); after `growth_interval` clean steps
 S doubles. So unscaling also *checks*: it reports whether any gradient holds an inf or a NaN.
+With hysteresis=1 the sequence of S is torch.amp.GradScaler's as long as S stays inside
+[min_scale, max_scale] (tested); GradScaler has no such clamps.
 
-Unscaling is shown twice: first the plain loop (one gradient at a time), then torch's fused
-kernel, which does the same for a whole list in one launch (tested equal). bfloat16 has fp32's
-range and needs no scaling (amp.py decides when a scaler is used), only the check: it reads the
-gradients and writes none.
+Unscaling is shown twice: first the plain loop (one gradient at a time, a few kernel launches
+each; the flag set by a tensor op, not an `if`, so a GPU never stops to tell the CPU what it
+found), then the optimised variant: torch's fused kernel, one launch for a whole list (tested
+equal). bfloat16 has fp32's range and needs no scaling (amp.py decides when a scaler is used),
+only the check (find_non_finite): it reads the gradients and writes none.
 """
 from __future__ import annotations
 
@@ -26,10 +29,7 @@ from .context import gpc
 
 
 class DynamicLossScaler:
-    """The loss scale S and its update rule.
-
-    With hysteresis=1 the sequence is torch.amp.GradScaler's as long as S stays inside
-    [min_scale, max_scale] (tested); GradScaler has no such clamps, so outside them they differ.
+    """The loss scale S and its update rule (the module docstring).
 
     hysteresis: overflows tolerated before backing off (refilled at each growth).
     max_consecutive_overflows: at min_scale, this many overflowing steps in a row raise an
@@ -40,16 +40,19 @@ class DynamicLossScaler:
                  backoff_factor: float = 0.5, growth_interval: int = 2000, hysteresis: int = 1,
                  min_scale: float = 1.0, max_scale: float = 2.0**24,
                  max_consecutive_overflows: int = 32) -> None:
-        check_scaler_settings(dict(init_scale=init_scale, growth_factor=growth_factor,
-                                   backoff_factor=backoff_factor, growth_interval=growth_interval,
-                                   hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale))
         self.scale = float(init_scale)
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
-        self.hysteresis, self.min_scale, self.max_scale = hysteresis, min_scale, max_scale
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self.max_scale = max_scale
         self.max_consecutive_overflows = max_consecutive_overflows
-        self.growth_tracker, self.hysteresis_tracker = 0, hysteresis
-        self.consecutive_overflows, self.steps = 0, 0
+        check_scaler_settings(self)  # one that can grow, back off, and stay in its range
+        self.growth_tracker = 0  # clean steps since the last growth or overflow
+        self.hysteresis_tracker = hysteresis  # overflows left before backing off
+        self.consecutive_overflows = 0
+        self.steps = 0
 
     def update(self, found_inf: bool) -> None:
         """Back off after an overflow (once hysteresis runs out), grow after a clean stretch."""
@@ -81,11 +84,7 @@ class DynamicLossScaler:
 def unscale_and_check(grads: list[torch.Tensor], found_inf: torch.Tensor,
                       inv_scale: torch.Tensor) -> None:
     """The plain loop: for each gradient, note an inf/NaN in `found_inf` (set to 1), then
-    multiply it by `inv_scale` = 1/S (both one-element tensors).
-
-    The flag is set with a tensor op rather than an `if` on the gradient's value, so that a GPU
-    never stops to tell the CPU what it found -- but each gradient still costs a few kernel
-    launches."""
+    multiply it by `inv_scale` = 1/S (both one-element tensors)."""
     for grad in grads:
         all_finite = torch.isfinite(grad).all()
         found_inf.masked_fill_(all_finite.logical_not(), 1.0)
@@ -100,9 +99,7 @@ def unscale_and_check_fused(grads: list[torch.Tensor], found_inf: torch.Tensor,
 
 
 def find_non_finite(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """Only the check, for gradients nothing scaled (bf16): set `found_inf` to 1 if any gradient
-    holds an inf or a NaN. Each gradient is read once and written never: the largest |g| of
-    each (one fused launch per list) is inf or NaN exactly when the gradient holds one."""
+    """Only the check (bf16): `found_inf` = 1 if some gradient's largest |g| is inf or NaN."""
     grads = [g for g in grads if g.numel()]  # (an empty tensor has no largest element)
     if not grads:  # a rank whose shard holds no gradient this step has nothing to find
         return
@@ -115,11 +112,9 @@ def find_non_finite(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
 
 
 def unscale_grads(grads: list[torch.Tensor], loss_scale: float) -> torch.Tensor:
-    """Multiply every gradient by 1/loss_scale in place; returns a one-element tensor that is 1
-    if any of them held an inf or a NaN, else 0.
-
-    One fused launch per (device, dtype) group, the plain loop where no fused kernel exists.
-    A scale of 1 has nothing to undo: the check alone, which writes no gradient."""
+    """Multiply every gradient by 1/loss_scale in place (fused per device and dtype, the plain
+    loop where no fused kernel exists); returns a one-element tensor, 1 if any held an inf or a
+    NaN. A scale of 1 has nothing to undo: the check alone, which writes no gradient."""
     device = grads[0].device if grads else gpc.device
     # fp32 whatever the default dtype: torch's fused kernel takes no other
     found_inf = torch.zeros(1, device=device, dtype=torch.float32)

@@ -16,42 +16,15 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .compat.apex import NO_EFFECT, RENAMED
-from .config import AMP_TYPE, ConfigError
-
-# the scaler's own arguments (amp_scaler.DynamicLossScaler), accepted in every mode
-SCALER = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
-          "min_scale", "max_scale", "max_consecutive_overflows")
-MODE_KEYS = {  # beyond SCALER, RENAMED, mode, dtype, enabled
-    AMP_TYPE.TORCH: (),
-    AMP_TYPE.NAIVE: (),
-    AMP_TYPE.APEX: ("opt_level", "loss_scale", "keep_batchnorm_fp32", "master_weights"),
-}
-
-
-def check_fp16(fp16: Mapping[str, Any]) -> None:
-    """Refuse keys that fp16's mode does not take, naming them and what to do."""
-    mode = AMP_TYPE.parse(fp16["mode"])
-    allowed = {"mode", "dtype", "enabled", *SCALER, *RENAMED, *MODE_KEYS[mode]}
-    for key in fp16:
-        if key in allowed:
-            continue
-        hint = NO_EFFECT.get(key, f"{mode.name} takes {', '.join(sorted(allowed - {'mode'}))}")
-        raise ConfigError(f"fp16.{key} has no effect with mode=AMP_TYPE.{mode.name}: {hint}")
-    if fp16.get("dtype") not in (None, "float16", "bfloat16", torch.float16, torch.bfloat16):
-        raise ConfigError(f"fp16.dtype must be 'float16' or 'bfloat16', got {fp16['dtype']!r}")
-    level = fp16.get("opt_level", "O1")
-    if "master_weights" in fp16 and fp16["master_weights"] != (level == "O2"):
-        raise ConfigError(f"fp16.master_weights={fp16['master_weights']} with opt_level {level}: "
-                          f"here only O2 keeps fp32 master weights; use opt_level 'O2' for "
-                          f"masters, 'O1' or 'O3' without, and leave master_weights out")
+from .amp_checks import check_fp16
+from .compat.apex import RENAMED
+from .config import AMP_TYPE
 
 
 def amp_settings(fp16: Mapping[str, Any], cpu_half: Optional[torch.dtype],
                  on_cpu: bool) -> tuple[str, Optional[dict]]:
-    """fp16=dict(mode=AMP_TYPE.X, ...) -> (opt_level, keyword arguments for amp.initialize), or
-    (opt_level, None) to stay in float32: `enabled=False`, or on a CPU (`on_cpu`) with no dtype
-    asked for whose fast half type `cpu_half` (cpu_half.py) is None."""
+    """fp16=dict(...) -> (opt_level, amp.initialize's keyword arguments), or (opt_level, None) to
+    stay in float32: `enabled=False`, or `on_cpu` with no dtype asked and `cpu_half` None."""
     check_fp16(fp16)
     fp16 = dict(fp16)
     mode = AMP_TYPE.parse(fp16.pop("mode"))

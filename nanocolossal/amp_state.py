@@ -6,6 +6,8 @@
                     masters) gives the half model's weights as masters
     follow_loads(model)      model.load_state_dict after initialize: the masters take the loaded
                     weights at the next step, else the step would write the old ones over them
+                    (read then: ZeRO 3 keeps its slice after the load's hooks); an optimizer
+                    state loaded after the model brings its own masters (load_state_dict)
 
 An fp32 run saves the same layout (plain_optimizer.py), so either resumes from the other's file.
 ZeRO saves one process's layout too, gathered from the shards (zero/state.py).
@@ -37,14 +39,11 @@ class AmpState:
             for (model_param, master), saved in zip(self._master_pairs, masters):
                 master.copy_(saved)
                 model_param.copy_(saved)
-            if not masters:  # saved without O2 (an fp32 run): masters of the loaded half model
-                for model_param, master in self._master_pairs:
-                    master.copy_(model_param)
+        if not masters:  # saved without O2 (an fp32 run): masters of the loaded half model
+            self._masters_from_model()
 
     def follow_loads(self, model: nn.Module) -> None:
-        """model.load_state_dict after this: the fp32 masters take the loaded weights at the next
-        step (read then: ZeRO 3 keeps its slice after the load's hooks). An optimizer state loaded
-        after the model brings its own masters (load_state_dict)."""
+        """model.load_state_dict after this: the masters take its weights at the next step."""
         model.register_load_state_dict_post_hook(self._model_loaded)
 
     def _model_loaded(self, module: nn.Module, incompatible: Any) -> None:

@@ -19,10 +19,10 @@ count exactly once, wherever it lives:
 `global_norm` is that table (`group_norm` adds its two sums); `clip_` scales by the one
 coefficient; `clip_grad_norm_` is both, what an optimizer's clip_grad_norm_ calls (fp32's:
 plain_optimizer.py; AMP's, on unscaled gradients and never on a step about to be skipped: amp.py).
-Everything stays on the device: the norm is a 0-d tensor nobody waits for (the Engine's
-`last_grad_norm` reads it when asked).
-
-Before a launch, `nanocolossal plan` computes these elements sent (nanocolossal/plan/traffic.py).
+The norm stays on the device, a 0-d tensor nobody waits for (`last_grad_norm` reads it when
+asked). Sums run in float32 (half gradients overflow), float64 for a float64 model (a float32
+coefficient would round its clipped gradients). `nanocolossal plan` computes these elements
+sent before a launch (plan/traffic.py).
 """
 from __future__ import annotations
 
@@ -45,11 +45,10 @@ def one_process_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def model_holders(param: nn.Parameter) -> int:
-    """Ranks of the model group holding this exact parameter, read from the marks the features
-    that place it leave: the tensor ranks with an identical copy (`tensor_replicas`, tensor/
-    base.py; unmarked, every tensor rank holds it), times the pipeline stages sharing it
-    (`pipeline_copies`, a tied weight: pipeline/tied.py). Sequence ranks split tokens, not
-    weights: there the norm sums over the stages alone (gpc.other_parts_group), so 1 x copies."""
+    """Ranks of the model group holding this exact parameter: the tensor ranks with an identical
+    copy (`tensor_replicas`, tensor/base.py; unmarked: all) times the pipeline stages sharing it
+    (`pipeline_copies`: pipeline/tied.py). Sequence ranks split tokens, not weights: there the
+    norm sums over the stages alone (gpc.other_parts_group), so 1 x copies."""
     tensor = 1 if gpc.sequence_size > 1 else getattr(param, "tensor_replicas", gpc.tensor_size)
     return tensor * getattr(param, "pipeline_copies", 1)
 
@@ -78,9 +77,8 @@ def summed(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
 def group_norm(model_squares: torch.Tensor, split_squares: torch.Tensor,
                model_group: Optional[dist.ProcessGroup],
                split_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """The global norm from this rank's two sums of weighted squares: the parameters split over
-    `split_group` summed there first (a pipeline stage's experts count once, in that stage's
-    sum), then everything over `model_group` (the other stages and tensor slices)."""
+    """The global norm from this rank's two sums of weighted squares: the split parameters' over
+    `split_group` first (a stage's experts count once, in its sum), then all over `model_group`."""
     total = model_squares + summed(split_squares, split_group)
     return summed(total, model_group).sqrt()
 
@@ -89,8 +87,7 @@ def global_norm(params: list[nn.Parameter], holders: Callable[[nn.Parameter], in
                 model_group: Optional[dist.ProcessGroup],
                 split_over: Optional[SplitOver], acc: torch.dtype) -> torch.Tensor:
     """The table above for the gradients of `params`: each weighed by 1 / its holders in the
-    model group; those in `split_over` = (weight by id(param), group) also by their weight,
-    summed over that group first."""
+    model group, those in `split_over` also by their weight, summed over its group first."""
     device = params[0].grad.device if params else gpc.device
     weight_of, split_group = split_over or ({}, None)
     own = [p for p in params if id(p) not in weight_of]
@@ -118,11 +115,9 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
                     group: Optional[dist.ProcessGroup] = None,
                     split_over: Optional[SplitOver] = None,
                     skip: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Clip the gradients of `params` to their global norm (the table above: `group` holds the
-    model's other parts, `split_over` the parameters split over another group); returns the norm
-    as a 0-d tensor, inf where `skip` (a 0-d bool: an overflowed step keeps its gradients)."""
-    # float32 sums (half gradients overflow); float64 for a float64 model (a float32
-    # coefficient would round its clipped gradients)
+    """Clip the gradients of `params` to their global norm (`group` holds the model's other
+    parts, `split_over` the parameters split over another group); returns the norm as a 0-d
+    tensor, inf where `skip` (a 0-d bool: an overflowed step keeps its gradients)."""
     acc = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
     with_grads = [p for p in params if p.grad is not None]
     norm = global_norm(with_grads, holders, group, split_over, acc)

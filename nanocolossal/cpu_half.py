@@ -2,19 +2,15 @@
 
 On a GPU, `fp16=dict(mode=...)` means float16 (or bfloat16): both have fast kernels. A CPU has
 no fast float16 kernels at all (a ResNet-34 step measured 75x slower than in bfloat16), and
-only CPUs with bfloat16 instructions have fast bfloat16 ones (without them a bf16 ResNet-34 step
-measured 40x slower than fp32, emulated in AVX-512 code). So on a CPU:
+only CPUs with bfloat16 instructions (x86's AVX512-BF16 or AMX) have fast bfloat16 ones (without
+them a bf16 ResNet-34 step measured 40x slower than fp32). So on a CPU `cpu_half_dtype()` is
+torch.bfloat16 if this CPU has them, else None: compute in float32.
 
-    cpu_half_dtype()   torch.bfloat16 if this CPU has bfloat16 instructions (x86's AVX512-BF16
-                       or AMX, as torch reports them), else None: compute in float32
-
-Not a timing: numerics must not depend on how busy the machine was when it measured (a run and
-its resumed half would compute in different types). Rank 0 decides and broadcasts, so a job on
-mixed machines computes alike; initialize logs the choice, save_checkpoint stores it
-(`stored_choice`) and load_checkpoint warns when a checkpoint was computed in another type than
-the resuming run. The config overrides the choice: `fp16=dict(..., dtype='bfloat16' or
-'float16')` is used as given and this module is never asked (engine/initialize.py, apply_amp).
-gpc.destroy() forgets the answer (the next launch's ranks decide together).
+Not a timing: numerics must not depend on how busy the machine was (a run and its resumed half
+would compute in different types). Rank 0 decides and broadcasts, so a job on mixed machines
+computes alike; initialize logs the choice, save_checkpoint stores it (`stored_choice`) and
+load_checkpoint warns when the resuming run computes in another type. `fp16=dict(...,
+dtype=...)` overrides it (this module is then never asked); gpc.destroy() forgets the answer.
 """
 from __future__ import annotations
 

@@ -25,10 +25,11 @@ Rules that keep every rank's collectives matched (a mismatch is a hang):
   * the end of backward is also caught by a hook on the module's output: a rank where no
     parameter gets a gradient (its samples all skipped them) still joins the all-reduces.
 
-With `gradient_as_bucket_view=True` each `.grad` *is* its bucket slot: no copy back (and with
-`zero_grad(set_to_none=False)` backward accumulates straight into the bucket).
-`compress="bf16"` (or "fp16") all-reduces a half-precision copy of each bucket -- half the bytes,
-the sum in that precision, as torch's bf16_compress_hook (bench_ddp.py measures the effect).
+Two options, after the core: with `gradient_as_bucket_view=True` each `.grad` *is* its bucket
+slot: no copy back (and with `zero_grad(set_to_none=False)` backward accumulates straight into
+the bucket); `compress="bf16"` (or "fp16") all-reduces a half-precision copy of each bucket --
+half the bytes, the sum in that precision, as torch's bf16_compress_hook (bench_ddp.py measures
+the effect).
 
 `no_sync()` skips the communication (gradient accumulation); gradients keep accumulating in
 `.grad` and the next synchronised backward averages the accumulated sum.
@@ -44,10 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checks import peer_failed, ready_twice
 from .collectives import broadcast_buffers, broadcast_coalesced
 from .context import gpc
-from .ddp_checks import check_ddp
+from .ddp_checks import check_ddp, check_first_gradient, named_failure
 from .extensions import Extension
 from .nest import map_tensors
 from .weak import weakly
@@ -58,17 +58,14 @@ class _Bucket:
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
-        self.offsets, total = [], 0
-        for p in params:
-            self.offsets.append(total)
-            total += p.numel()
-        self.numel = total
-        self.buffer = torch.zeros(total + len(params), dtype=params[0].dtype,
+        sizes = [p.numel() for p in params]
+        self.offsets = [sum(sizes[:i]) for i in range(len(params))]
+        self.numel = sum(sizes)
+        self.buffer = torch.zeros(self.numel + len(params), dtype=params[0].dtype,
                                   device=params[0].device)
-        self.work: Optional[dist.Work] = None
+        self.work: Optional[dist.Work] = None  # its all-reduce, once launched
         self.ready = 0
         self.filled = [False] * len(params)  # which slots got this iteration's gradient
-        self.wire: Optional[torch.Tensor] = None  # what is all-reduced: buffer, or a half copy
 
     def view(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -101,38 +98,35 @@ class DistributedDataParallel(nn.Module):
             process_group = gpc.gradient_group or dist.group.WORLD  # data (x sequence) ranks
         self.process_group = process_group
         check_ddp(self, compress)  # a launched job, one model on every rank, none unfrozen later
-        self.world_size = dist.get_world_size(self.process_group)
-        self.src_rank = dist.get_global_rank(self.process_group, 0)
+        self.world_size = dist.get_world_size(process_group)
         self.broadcast_buffers = broadcast_buffers
-        self.gradient_as_bucket_view = gradient_as_bucket_view  # .grad *is* its bucket slot
-        # all-reduce a half-precision copy of each bucket: half the bytes, a half-precision sum
-        self.wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compress)
         self.require_sync = True
-
-        broadcast_coalesced(list(module.parameters()) + list(module.buffers()), self.src_rank,
-                             self.process_group)
-
+        # the options, after the core: .grad *is* its bucket slot; a half-precision wire
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compress)
+        broadcast_coalesced(list(module.parameters()) + list(module.buffers()),
+                             dist.get_global_rank(process_group, 0), process_group)
         skip = {id(q) for q in reduced_elsewhere}  # another pipeline chunk's DDP reduces them
         params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
         self.buckets = self._make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))
         self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._next_launch = 0           # buckets are launched strictly in order
+        self._next_launch = 0  # buckets are launched strictly in order
         self._callback_queued = False
         for p in params:
             p.register_post_accumulate_grad_hook(weakly(self._grad_ready))
 
     def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
-        buckets, current, size = [], [], 0
+        """Consecutive parameters of one dtype and device, up to cap_bytes a bucket."""
+        groups: list[list[nn.Parameter]] = []
+        size = 0  # bytes in the last group
         for p in params:
-            if current and (size + p.numel() * p.element_size() > cap_bytes
-                            or p.dtype != current[0].dtype or p.device != current[0].device):
-                buckets.append(self.bucket_class(current))
-                current, size = [], 0
-            current.append(p)
+            like = groups and (p.dtype, p.device) == (groups[-1][0].dtype, groups[-1][0].device)
+            if not like or size + p.numel() * p.element_size() > cap_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
             size += p.numel() * p.element_size()
-        if current:
-            buckets.append(self.bucket_class(current))
-        return buckets
+        return [self.bucket_class(group) for group in groups]
 
     # -- forward / backward ---------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -142,8 +136,7 @@ class DistributedDataParallel(nn.Module):
             self.sync_buffers()
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled():  # the all-reduce even if no parameter here gets a gradient
-            # (a stage whose samples all skipped its layers: the others wait for it)
-            finish = weakly(self._queue_finish)
+            finish = weakly(self._queue_finish)  # (a stage whose samples all skipped its layers)
             map_tensors(lambda t: t.register_hook(finish) if t.requires_grad else t, out)
         return out
 
@@ -152,22 +145,17 @@ class DistributedDataParallel(nn.Module):
             return
         self._queue_finish()
         bucket, i = self._where[param]
-        if bucket.filled[i]:
-            raise ready_twice(self.module, param, self.name, self.other_way)
+        check_first_gradient(self, bucket, i)  # (ddp_checks.py: a layer used twice, checkpointed)
         self._write_slot(bucket, i)
         bucket.filled[i] = True
         bucket.ready += 1
         self._launch_ready()
 
     def _write_slot(self, bucket: _Bucket, i: int) -> None:
-        """slot = .grad / N, and flag the parameter as used."""
-        param, slot = bucket.params[i], bucket.view(i)
-        if param.grad.data_ptr() == slot.data_ptr():  # already the slot (gradient_as_bucket_view)
-            slot.div_(self.world_size)
-        else:  # one pass: scaled copy (average = sum of grad / N, no overflow in low precision)
-            torch.div(param.grad, self.world_size, out=slot)
-            if self.gradient_as_bucket_view:
-                param.grad = slot
+        """slot = .grad / N in one pass (no overflow in low precision); the parameter is used."""
+        if self.gradient_as_bucket_view:
+            return self._write_view(bucket, i)  # the option, below
+        torch.div(bucket.params[i].grad, self.world_size, out=bucket.view(i))
         bucket.flags()[i] = 1
 
     def _launch_ready(self) -> None:
@@ -182,55 +170,55 @@ class DistributedDataParallel(nn.Module):
         for i, filled in enumerate(bucket.filled):
             if not filled:
                 self._fill_unused(bucket, i)
-        wire_dtype = self.wire_dtype or bucket.buffer.dtype
-        bucket.wire = bucket.buffer.to(wire_dtype)  # the buffer itself when no compression
-        bucket.work = self._all_reduce(bucket)
+        wire = bucket.buffer if self.wire_dtype is None else self._compressed(bucket)
+        with named_failure(self, bucket):  # (ddp_checks.py: which bucket, which group)
+            bucket.work = dist.all_reduce(wire, group=self.process_group, async_op=True)
 
     def _fill_unused(self, bucket: _Bucket, i: int) -> None:
-        """A parameter whose hook did not fire in this backward. If it still holds a gradient --
-        accumulated under no_sync in an earlier micro-step -- that gradient is its contribution
-        and is averaged like any other; only a parameter with no gradient adds zeros."""
+        """A parameter whose hook did not fire: its gradient from an earlier no_sync micro-step
+        if it holds one, else zeros (the module docstring's rules)."""
         if bucket.params[i].grad is None:
             bucket.view(i).zero_()
         else:
             self._write_slot(bucket, i)
 
     def _reduced_buckets(self) -> Iterator[_Bucket]:
-        """End of backward: launch the buckets still waiting (their unused slots written), then
-        each bucket in order once its all-reduce is done."""
+        """End of backward: launch the buckets still waiting; yield each once it is reduced."""
         for bucket in self.buckets[self._next_launch:]:
             self._launch(bucket)
         for bucket in self.buckets:
-            self._wait(bucket)
+            with named_failure(self, bucket):
+                bucket.work.wait()
             yield bucket
-        self._next_launch, self._callback_queued = 0, False
+        self._next_launch = 0
+        self._callback_queued = False
 
     def _finish(self) -> None:
         """End of backward: every bucket reduced, write the averaged gradients back."""
         for bucket in self._reduced_buckets():
-            if bucket.wire is not bucket.buffer:  # decompress into the full-precision bucket
-                bucket.buffer.copy_(bucket.wire)
+            if self.wire_dtype is not None:
+                bucket.buffer.copy_(bucket.wire)  # decompress (the option, below)
             used = (bucket.flags() > 0).tolist()  # one read per bucket, not per parameter
             for i, p in enumerate(bucket.params):
                 if not used[i]:  # no rank computed one: keep grad=None, as one process would
                     continue
-                slot = bucket.view(i)
                 if self.gradient_as_bucket_view:
-                    p.grad = slot
+                    p.grad = bucket.view(i)
                 elif p.grad is None:
-                    p.grad = slot.clone()
+                    p.grad = bucket.view(i).clone()
                 else:
-                    p.grad.copy_(slot)
+                    p.grad.copy_(bucket.view(i))
             bucket.flags().zero_()
             bucket.filled = [False] * len(bucket.params)
-            bucket.work, bucket.ready = None, 0
+            bucket.work = None
+            bucket.ready = 0
 
-    # -- around the core: when to sync, buffers, accumulation, a failed peer --------------
     def _queue_finish(self, *_) -> None:
         if self.require_sync and not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._callback_queued = True
 
+    # -- around the core: accumulation, buffers -------------------------------------------
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside only accumulate; the next one outside averages the sum."""
@@ -247,36 +235,38 @@ class DistributedDataParallel(nn.Module):
         return super().train(mode)
 
     def sync_buffers(self) -> None:
-        """Give every replica the first rank's buffers (BatchNorm statistics), as one message per
-        dtype."""
+        """The first rank's buffers (BatchNorm statistics) to every replica, one message a dtype."""
         broadcast_buffers(self.module, self.process_group)
 
-    def _all_reduce(self, bucket: _Bucket) -> dist.Work:
-        try:
-            return dist.all_reduce(bucket.wire, group=self.process_group, async_op=True)
-        except RuntimeError as e:
-            self._fail(bucket, e)
+    # -- the options: gradients as bucket views, a compressed wire ------------------------
+    def _write_view(self, bucket: _Bucket, i: int) -> None:
+        """gradient_as_bucket_view: .grad becomes its slot (with zero_grad(set_to_none=False)
+        backward accumulates straight into it), so _finish copies nothing back."""
+        param = bucket.params[i]
+        slot = bucket.view(i)
+        if param.grad.data_ptr() == slot.data_ptr():  # already the slot
+            slot.div_(self.world_size)
+        else:
+            torch.div(param.grad, self.world_size, out=slot)
+            param.grad = slot
+        bucket.flags()[i] = 1
 
-    def _wait(self, bucket: _Bucket) -> None:
-        try:
-            bucket.work.wait()
-        except RuntimeError as e:
-            self._fail(bucket, e)
-
-    def _fail(self, bucket: _Bucket, error: Exception) -> None:
-        raise peer_failed(f"DDP gradient all-reduce of bucket {self.buckets.index(bucket) + 1} "
-                          f"of {len(self.buckets)}", self.process_group, error) from error
+    def _compressed(self, bucket: _Bucket) -> torch.Tensor:
+        """compress: the bucket in half precision, all-reduced in its place (half the bytes, the
+        sum in that precision: torch's bf16_compress_hook); _finish copies it back."""
+        bucket.wire = bucket.buffer.to(self.wire_dtype)
+        return bucket.wire
 
 
 class DdpSync(Extension):
-    """DDP's part in the Engine and the pipeline executor (extensions.py): of the backwards
-    before a step only the last averages -- a group's last micro-step, or a pipeline chunk's
-    last micro-batch, while the stage's other chunks wait (a weight two chunks share is reduced
-    by the first, whose last backward is the stage's last: initialize.py). A pipeline stage's
-    chunks do not broadcast buffers in every micro-batch's forward: the engine asks per batch."""
+    """DDP's part in the Engine and the pipeline executor (extensions.py): of the backwards before
+    a step only the last averages -- a group's last micro-step, or a chunk's last micro-batch
+    (a weight two chunks share is reduced by the first: initialize.py). A pipeline stage's chunks
+    broadcast buffers once per batch, when the engine asks, not in every micro-batch's forward."""
 
     def __init__(self, chunks: list[DistributedDataParallel], pipelined: bool) -> None:
-        self.chunks, self.pipelined = chunks, pipelined
+        self.chunks = chunks
+        self.pipelined = pipelined
 
     @contextmanager
     def sync(self, chunk: int, last: bool) -> Iterator[None]:

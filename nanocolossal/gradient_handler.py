@@ -4,23 +4,17 @@
 
 selects this instead of the overlapped DistributedDataParallel (ddp.py). The result is the
 same -- every replica ends with the gradients averaged over its gradient group (data x sequence
-ranks) -- but
-the all-reduce starts only when backward has finished, so nothing overlaps: the step takes
-backward time + communication time, where DDP hides most of the communication behind
-backward (README: measured difference). It is simpler, and it is what Colossal-AI's
-engine does after `engine.backward`:
+ranks) -- but nothing overlaps: the step takes backward time + communication time, where DDP
+hides most of the communication behind backward (README: measured difference). It is simpler,
+and it is what Colossal-AI's engine does after `engine.backward`:
 
     for each dtype: flatten all gradients -> divide by the group size -> one all-reduce -> copy back
 
 (dividing first, as DDP does: under fp16 loss scaling each rank's scaled gradient may fit where
-their sum overflows, and one process -- which only ever holds the mean -- would not skip the step.)
-
-Every trainable parameter takes part, so all ranks send the same message: a parameter that got
-no gradient here contributes zeros, plus one flag per parameter saying whether this rank had a
-gradient. A parameter some rank computed a gradient for gets the average on every rank; one no
-rank computed a gradient for keeps grad=None, as in one process -- zeros there would let weight
-decay and momentum move a parameter nothing used. Parameters and buffers are broadcast from the
-group's first rank at the start, as DDP does, so the replicas start equal.
+their sum overflows.) As in DDP, every trainable parameter takes part, with zeros where this rank
+has no gradient and one flag per parameter: one no rank computed a gradient for keeps grad=None,
+as in one process (zeros would let weight decay and momentum move it). Parameters and buffers
+are broadcast from the group's first rank at the start, so the replicas start equal.
 """
 from __future__ import annotations
 
@@ -61,8 +55,7 @@ def sum_gradients(params: list[nn.Parameter], group: Optional[dist.ProcessGroup]
 
 
 class DataParallelGradientHandler(Extension):
-    """All-reduce (average) the gradients of `model` over the gradient group (the data ranks,
-    times the sequence ranks under sequence parallelism), after the last backward of each
+    """Average the gradients of `model` over the gradient group after the last backward of each
     accumulation group (extensions.py: end_group). It broadcasts the parameters once, as torch's
     DDP does, so that it also works on a model nobody made equal (initialize already did)."""
 
@@ -81,6 +74,3 @@ class DataParallelGradientHandler(Extension):
 
     def end_group(self) -> None:
         self.handle_gradient()
-
-
-# -- the config's gradient_handler=[...], checked when a config is loaded (config.py) ---------

@@ -5,9 +5,8 @@
 
 Nothing is scaled, checked or copied: fp32 has the range to need no loss scale. Mixed precision
 (amp.py) is this class plus fp32 master weights, the loss scale and the overflow check; ZeRO
-(zero/) shards either. What the rest of the library reads of every run's optimizer -- the
-checkpoint's layout, the loss scale a log prints, the masters ZeRO and MoE look for -- reads
-here as what an fp32 run has: the scale 1, no scaler, no masters.
+(zero/) shards either. What the rest of the library reads of any run's optimizer (checkpoint
+layout, loss scale, masters) reads here as an fp32 run has it: scale 1, no scaler, no masters.
 """
 from __future__ import annotations
 
@@ -29,11 +28,11 @@ class PlainOptimizer:
     backward_scale = 1.0  # (amp.py: S / weighed_ranks)
     skipped_steps = 0
     last_step_skipped = False
+    weighed_ranks = 1     # the counted-target divisor: only a loss scale divides by it
+    open_group = False    # a backward since the last step: gradients no file holds
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self.weighed_ranks = 1  # the counted-target divisor: only a loss scale divides by it
-        self.open_group = False  # a backward since the last step: gradients no file holds
 
     def params(self) -> Iterator[nn.Parameter]:
         """The parameters the optimizer updates."""
@@ -63,8 +62,7 @@ class PlainOptimizer:
 
     def clip_grad_norm_(self, max_norm: float, group: Optional[dist.ProcessGroup] = None,
                         split_over: Optional[SplitOver] = None) -> torch.Tensor:
-        """Clip to the global norm of the whole model (clip.py: `group` holds its other parts,
-        `split_over` the parameters split over another group); returns it, a 0-d tensor."""
+        """Clip to the global norm of the whole model (clip.py); returns it, a 0-d tensor."""
         return clip_grad_norm_(list(self.params()), max_norm, self.holders, group, split_over)
 
     def holders(self, param: nn.Parameter) -> int:
@@ -81,8 +79,7 @@ class PlainOptimizer:
         return {"optimizer": self.optimizer.state_dict(), "scaler": None, "masters": []}
 
     def load_state_dict(self, state: dict) -> None:
-        """Ours, or a plain torch optimizer's state. (An O2 file's masters are the model's
-        weights rounded: the model's state holds what an fp32 run needs.)"""
+        """Ours, or a plain torch optimizer's state (an O2 file's masters: the model's state)."""
         self.optimizer.load_state_dict(state.get("optimizer", state))
 
     def master_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:

@@ -47,10 +47,10 @@ from .context import gpc
 
 
 def naive_statistics(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> tuple:
-    """The textbook's global mean and variance per channel of x (N, C, ...): one all-reduce of
-    [sum x, sum x^2, n], then mu = S1 / N, var = S2 / N - mu^2. Exact in real numbers; in fp32
-    the subtraction cancels when the mean is large next to the spread (the module docstring)."""
-    C, dims = x.shape[1], [0, *range(2, x.dim())]
+    """The textbook's global mean and variance per channel of x (N, C, ...): the module
+    docstring's all-reduce and formula, exact in real numbers (cancelling in fp32)."""
+    C = x.shape[1]
+    dims = [0, *range(2, x.dim())]  # every dimension but the channels'
     n = x.new_full((1,), x.numel() // C)
     stats = torch.cat([x.sum(dims), x.square().sum(dims), n])
     dist.all_reduce(stats, group=group)
@@ -61,10 +61,10 @@ def naive_statistics(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> tup
 
 
 def statistics(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> tuple:
-    """naive_statistics, the cancellation removed: each rank sums S1 in float64 and sends
-    S2 = M2 + m (2 S1 - n m), M2 its squares around its own mean m (accurate in fp32); the
-    sums and S2 / N - mu^2 in float64. (mean, var, N) in x's dtype."""
-    C, dims = x.shape[1], [0, *range(2, x.dim())]
+    """naive_statistics, the cancellation removed (S1 and S2 from M2, in float64: the module
+    docstring); (mean, var, N) in x's dtype."""
+    C = x.shape[1]
+    dims = [0, *range(2, x.dim())]
     shape = [1, C] + [1] * (x.dim() - 2)
     n = x.numel() // C
     s1 = x.sum(dims, dtype=torch.float64)
@@ -95,7 +95,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if weight is not None:
             y = y * weight.view(shape) + bias.view(shape)
         ctx.save_for_backward(xf, weight, mean, invstd)
-        ctx.total, ctx.group = total, group
+        ctx.total = total
+        ctx.group = group
         return y.to(x.dtype)
 
     @staticmethod
@@ -106,12 +107,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         shape = [1, C] + [1] * (xf.dim() - 2)
         g = grad_y.to(xf.dtype)
         xmu = xf - mean.view(shape)
-        sum_dy, sum_dy_xmu = g.sum(dims), (g * xmu).sum(dims)
+        sum_dy = g.sum(dims)
+        sum_dy_xmu = (g * xmu).sum(dims)
         grad_weight = grad_bias = None
         if weight is not None:  # local: DDP averages parameter gradients over ranks afterwards
-            grad_weight = (
-                (sum_dy_xmu * invstd).to(weight.dtype) if ctx.needs_input_grad[1] else None
-            )
+            need_weight = ctx.needs_input_grad[1]
+            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype) if need_weight else None
             grad_bias = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -119,10 +120,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             dist.all_reduce(sums, group=ctx.group)
             mean_dy, mean_dy_xmu = (sums / ctx.total).split(C)
             scale = invstd if weight is None else invstd * weight.to(xf.dtype)
-            grad_x = (
-                g - mean_dy.view(shape) - xmu * (invstd * invstd * mean_dy_xmu).view(shape)
-            ) * scale.view(shape)
-            grad_x = grad_x.to(grad_y.dtype)
+            centred = g - mean_dy.view(shape) - xmu * (invstd * invstd * mean_dy_xmu).view(shape)
+            grad_x = (centred * scale.view(shape)).to(grad_y.dtype)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
@@ -157,9 +156,8 @@ class SyncBatchNorm(_BatchNorm):
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
-            factor = (
-                1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-            )
+            cumulative = 1.0 / float(self.num_batches_tracked)  # momentum=None: a plain average
+            factor = cumulative if self.momentum is None else self.momentum
         use_batch_stats = self.training or self.running_mean is None
         running_mean = self.running_mean if not self.training or self.track_running_stats else None
         running_var = self.running_var if not self.training or self.track_running_stats else None

@@ -14,8 +14,7 @@ from typing import Any, Callable
 
 
 def weakly(method: Callable, *args: Any) -> Callable:
-    """`partial(method, *args)`, holding `method`'s object by a weak reference. Once the owner
-    is gone (a DDP wrapper dropped, the model wrapped again) its hook does nothing."""
+    """`partial(method, *args)` holding its object weakly; once that is gone, a no-op."""
     ref = weakref.WeakMethod(method)
 
     def call(*more: Any) -> Any:
