@@ -80,6 +80,26 @@ def _freed(model):
     return all(p.untyped_storage().nbytes() <= p.element_size() for p in model.parameters())
 
 
+def _initialized_twice_worker(rank, world_size, port):
+    engine = launch_net(rank, world_size, port, {"zero": {"level": 3}})
+    train_engine(engine, 1, rank, world_size, 1)
+    model = engine.model  # a second initialize of the same model (a notebook, a second phase)
+    engine, *_ = nc.initialize(model, grouped_adamw(model), nn.CrossEntropyLoss(), verbose=False)
+    train_engine(engine, 2, rank, world_size, 1, first=1)
+    return _freed(model), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_gloo_zero3_a_model_initialized_twice_trains_as_one_process():
+    """The second nc.initialize starts from the model's trained values, whole again (the first
+    one's shards and hooks let go), and shards it anew: one process with a new optimizer."""
+    model = Net()
+    train_single(model, grouped_adamw(model), 1, n=2 * B)
+    train_single(model, grouped_adamw(model), 2, first=1, n=2 * B)
+    for rank, (freed, state) in enumerate(run_ranks(_initialized_twice_worker, 2)):
+        assert freed
+        assert_close(state, model.state_dict(), msg=lambda m: f"rank {rank}: {m}")
+
+
 def _worker(rank, world_size, port, accum=1, clip=0.0, bf16=False, overlap=True):
     engine = launch_net(rank, world_size, port,
                         zero_config(dict(level=3), accum, clip, bf16, overlap))

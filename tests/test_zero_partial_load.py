@@ -19,6 +19,7 @@ import nanocolossal as nc
 import nanocolossal.checkpoint as ckpt
 import nanocolossal.checkpoint_files as checkpoint_files
 import nanocolossal.checkpoint_merge as checkpoint_merge
+import nanocolossal.zero.load as zero_load
 from nanocolossal.amp import AMP_TYPE
 from nanocolossal.checkpoint import (
     load_checkpoint,
@@ -67,7 +68,7 @@ def _job(rank, world_size, port, level, path, load, first, last, save):
         def recording(file, *args, **kwargs):  # every ZeRO shard file this rank opens
             read.append(int(str(file).rsplit("-zero", 1)[1].split(".")[0]))
             return plain_read(file, *args, **kwargs)
-        readers = (checkpoint_files, checkpoint_merge)  # my segments / the plain route
+        readers = (zero_load, checkpoint_merge)  # my segments / the plain route
         for module in readers:
             module.read_file = recording
         try:
@@ -187,7 +188,8 @@ def test_deep_zero_shard_file_missing_a_segment_is_an_error_naming_what_lacks(tm
 
 # -- partial load x layouts, schedulers under ZeRO, level 3's unit-order check ------------------
 # ZeRO checkpoints loaded segment by segment (zero/load.py), LR schedulers built on the user's
-# optimizer before nc.initialize under ZeRO, and level 3's unit-order check (zero/unit_order.py).
+# optimizer before nc.initialize under ZeRO, and level 3's unit-order check
+# (zero/sharded_model_checks.py).
 #
 # The partial load is compared with the library's plain route (complete_zero_state: every file
 # merged, then cut) in the SAME job, same batches: the loaded optimizer state, the loaded model
@@ -574,7 +576,7 @@ def test_gloo_zero3_unit_order_mismatch_in_a_no_grad_eval_raises_at_the_next_ste
     """Same-size units, rank 0 runs c where the others run b, in a no_grad eval forward between
     steps only (the collectives pair up, silently): the next step must raise on every rank.
     (No prefetch: a prefetch after another order pairs units of different sizes, which gloo
-    aborts on, as unit_order.py says.)"""
+    aborts on, as sharded_model_checks.py says.)"""
     config = {"zero": {"level": 3, "overlap_communication": False}}
     results = run_ranks(_routed_job, 2, config, 3, None, "eval", timeout=60)
     for rank, (_, _, error) in enumerate(results):

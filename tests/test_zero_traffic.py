@@ -15,7 +15,7 @@ so two flat buffers, each padded to a multiple of N (level 3: two per unit a, b,
                                                  flag per tensor; unused units too, flags 0, so
                                                  every rank issues the same calls)
                           + 2                   (before the step: the units' order, the same on
-                                                 every rank? zero/unit_order.py)
+                                                 every rank? zero/sharded_model_checks.py)
                           + 1                   (any non-finite gradient? a parameter read
                                                  outside the forward reads NaN: sharded_params.py)
     every level: all-reduce + 1                 (the cross entropy's targets counted over the

@@ -2,34 +2,28 @@
 my shard's segments of them, so each rank holds 1/N of the gradients.
 
 DDP (ddp.py) all-reduces buckets and writes every averaged gradient back: each rank ends with
-all Psi of them, in persistent buckets on top. Here the same bucketed, overlapped machinery is
-reused -- the buckets, their fixed launch order, the "used" flags that keep grad=None for a
-parameter nobody used -- with three changes:
-
-  * a bucket's buffer exists only from its first gradient until its reduction is done;
-  * once a bucket is launched its parameters' .grad are freed: the full gradient is gone;
-  * at the end of backward each rank copies only the segments of the averaged gradients that
-    fall in its shard (ShardedOptimizer.receive_grad) and frees the bucket.
+all Psi of them, in persistent buckets on top. Here DDP's machinery is reused -- the buckets,
+their fixed launch order, the "used" flags that keep grad=None for a parameter nobody used --
+with three changes: a bucket's buffer exists only from its first gradient until its reduction
+is done; once a bucket is launched its parameters' .grad are freed; at the end of backward each
+rank copies only the segments of the averaged gradients in its shard (receive_grad).
 
     backward   | grad L4 L3 | grad L2 L1 | grad L0 |
     reduce     |            |  bucket 0  |  bucket 1  | bucket 2 |
     .grad      L4 L3 freed     L2 L1 freed   ...                 ^ keep my shard's segments
 
-With overlap_communication=False the buckets are launched only after backward, one after the
-other (less memory saved: every .grad lives until backward ends; simpler to follow in a trace).
+With overlap_communication=False the buckets are launched only after backward (every .grad
+lives until then; simpler to follow in a trace).
 
 A reduce-scatter is what this needs: each rank receives the sum of only its segments, Psi (N-1)/N
-elements sent per rank per step. But a reduce-scatter hands rank r the r-th N-th of the tensor it
-is given, and a bucket -- parameters in the order backward produces them -- does not fall on the
-shard boundaries of the flat buffers (cutting it there would wait for the whole model's
-backward). So the reduction is an all-reduce (2 Psi (N-1)/N: a reduce-scatter plus an all-gather
-whose result we throw away) and each rank keeps its segments. Level 3 shards every unit on its own
-and reduce-scatters it (sharded_model.py, zero/comm.py); FSDP2 shards per unit for level 2 too.
+elements sent per rank. But a reduce-scatter hands rank r the r-th N-th of the tensor it is
+given, and a bucket -- parameters in backward's order -- does not fall on the shard boundaries
+of the flat buffers (cutting it there would wait for the whole backward). So each bucket is
+all-reduced (2 Psi (N-1)/N) and each rank keeps its segments. Level 3 shards every unit on its
+own and reduce-scatters it (sharded_model.py); FSDP2 shards per unit for level 2 too.
 
-Gradient accumulation: under no_sync() (the Engine's first N-1 micro-steps) nothing is
-reduced and .grad accumulates in full, as with DDP; the last micro-step reduces it once.
-
-Before a launch, `nanocolossal plan` computes these bytes (nanocolossal/plan/formulas.py).
+Accumulation: under no_sync() (the Engine's first N-1 micro-steps) nothing is reduced and .grad
+accumulates in full, as with DDP; the last micro-step reduces it once.
 """
 from __future__ import annotations
 
@@ -46,12 +40,9 @@ class _TransientBucket(_Bucket):
     """A bucket whose buffer is allocated when first needed and dropped after use."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = params
-        self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
-        self.numel = sum(p.numel() for p in params)
-        self.buffer: Optional[torch.Tensor] = None
-        self.work, self.wire, self.ready = None, None, 0
-        self.filled = [False] * len(params)
+        super().__init__(params)
+        self.buffer: Optional[torch.Tensor] = None  # (until the first gradient arrives)
+        self.wire = None
 
     def allocate(self) -> None:
         if self.buffer is None:  # gradients, then one "used" flag per parameter

@@ -11,18 +11,16 @@ M data ranks needs the elements of its own segments, so it reads just the files 
     N = 2      M = 4       file r // 2, or two where a cut falls inside my shard
     N          M = 1       every file
 
-and, for each of its segments and each saved segment of the same parameter, copies what they
-share:
+and, for each of its segments and each saved segment of the same parameter, copies the overlap:
 
     my segment       [lo ........................ hi)       of parameter i
     a saved segment       [slo ........ shi)                 of parameter i, from file q
     copied                [max(lo, slo), min(hi, shi))      to mine at max(lo, slo) - lo
 
-So no rank holds a tensor it does not own, even while loading: the optimizer state (AdamW: 8
-bytes an element), the O2 masters and, at level 3, the parameters arrive as my segments only.
-The plain route (complete_zero_state: every file merged into whole tensors, then cut) stays for
-whoever needs the whole: merge_checkpoint, a load into plain data parallelism or without an
-optimizer, a level-3 save loaded at level 1-2, or a save older than the segments list.
+So no rank holds a tensor it does not own, even while loading. The plain route (every file
+merged into whole tensors, then cut: complete_zero_state) stays for merge_checkpoint, a load
+into plain data parallelism or without an optimizer, a level-3 save loaded at level 1-2, or a
+save older than the segments list.
 """
 from __future__ import annotations
 
@@ -32,8 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .. import checkpoint_files
-from ..checkpoint_files import check_one_save, describe_save, zero_path
+from ..checkpoint_files import check_one_save, describe_save, read_file, zero_path
 from ..context import gpc
 from .optimizer import ShardedOptimizer
 from .state import per_element
@@ -52,8 +49,7 @@ def files_to_read(saved: list[list], mine: list[Key]) -> list[int]:
 
 
 class _Mine:
-    """My segments' tensors, filled from the saved segments, counting the elements each
-    received."""
+    """My segments' tensors, filled from the saved segments, counting the elements received."""
 
     def __init__(self, mine: list[Key]) -> None:
         self.at: dict[int, list[Key]] = {}  # parameter index -> my segments of it
@@ -127,7 +123,7 @@ def read_my_segments(state: dict, file: Path, opt: Any, trusted: bool = False) -
         return None  # another model (the plain route says what differs), or whole parameters
     mine = [(s.index, s.lo, s.hi) for b in opt.buffers for s in b.segments]
     files = [zero_path(file, q) for q in files_to_read(listed, mine)]
-    parts = [checkpoint_files.read_file(f, "cpu", trusted) for f in files]
+    parts = [read_file(f, "cpu", trusted) for f in files]
     check_one_save([describe_save(state, file)] + [describe_save(p, f)
                                                   for p, f in zip(parts, files)])
     return {**state, "optimizer": my_state(opt, saved, parts, files)}

@@ -4,13 +4,8 @@ the ZeRO paper's mixed-precision Adam.
 One process under O2 (amp.py) keeps a half model, and, for the optimizer, an fp32 master copy
 of every half parameter plus Adam's two fp32 states: 2 + 2 + (4 + 8) bytes per parameter. Here
 the half parameters are flattened into half flat buffers exactly as optimizer.py flattens fp32
-ones, and each rank makes fp32 masters only of the segments in its shard:
-
-                    rank 0            rank 1           ...  rank N-1
-    half params     [ whole model ]   [ whole model ]       [ whole model ]     2 Psi
-    half grads      level 1: all (DDP's average); level 2: my shard only        2 Psi | 2 Psi/N
-    fp32 masters    [ shard 0 ]       [ shard 1 ]           [ shard N-1 ]       4 Psi/N
-    Adam states     [ shard 0 ]       [ shard 1 ]           [ shard N-1 ]       8 Psi/N
+ones, and each rank makes fp32 masters (4 Psi/N) only of the segments in its shard, beside its
+shard of Adam's states (8 Psi/N):
 
     backward  half gradients (x loss scale S) averaged by DDP (level 1) or all-reduced in
               buckets, my shard's half segments kept (level 2, gradients.py)
@@ -32,12 +27,7 @@ normalisation layers -- count 4 + 4 + 8/N as optimizer.py's fp32 table):
 The loss scale, overflow skipping and clipping are MixedPrecisionOptimizer's, run on the
 shard: each gradient element is in exactly one shard, so the norm's squares add up once.
 
-Checkpoints: state_dict() returns what one process's O2 MixedPrecisionOptimizer returns -- the
-plain optimizer state and "masters", one whole fp32 tensor per half parameter in its order --
-gathered from every rank's segments; load_state_dict() keeps mine: any data size, or one
-process's O2. O3 (half parameters, no masters: nothing fp32 to shard) is refused (settings.py).
-
-Before a launch, `nanocolossal plan` computes these bytes (nanocolossal/plan/formulas.py).
+O3 (half parameters, no masters: nothing fp32 to shard) is refused (config_checks.py).
 """
 from __future__ import annotations
 
@@ -52,49 +42,40 @@ from ..amp_scaler import unscale_grads
 from .offload import Offload
 from .optimizer import FlatBuffer, ShardedOptimizer
 from .sharded_params import ParamShardedOptimizer
-from .state import saved_master
-
-
-def attach_masters(buffer: FlatBuffer, offload: Optional[Offload] = None) -> None:
-    """Half segments are stepped through fp32 masters: segment.param becomes the master the inner
-    optimizer updates, segment.view the model's segment it is copied into. With offload every
-    segment has one, on the CPU (offload.py)."""
-    half = buffer.data.dtype in (torch.float16, torch.bfloat16)
-    for s in buffer.segments:
-        s.view = s.param if half or offload else None  # an fp32 segment is its own master
-        if offload is not None:
-            s.param = offload.master(s.view)
-        elif half:
-            s.param = nn.Parameter(s.view.detach().float())
 
 
 class MixedShardedOptimizer(ShardedOptimizer):
     """ZeRO level 1/2 around an O2 MixedPrecisionOptimizer: masters for my shard only. With
     `offload` (any precision) every segment has a master, on the CPU (offload.py)."""
 
+    masters_halves = True  # one process's O2 layout: a master per half parameter (state.py)
+
     def __init__(self, mixed: MixedPrecisionOptimizer, model: nn.Module, level: int,
                  group: Optional[dist.ProcessGroup] = None,
                  unit_of: Optional[dict[int, int]] = None,
                  offload: Optional[Offload] = None) -> None:
         self.offload = offload
-        mixed.drop_masters()  # each rank makes its shard's instead (attach_masters)
+        mixed.drop_masters()  # each rank makes its shard's instead (make_buffer)
         super().__init__(mixed, model, level, group, unit_of)
         # MixedPrecisionOptimizer's (model, master) pairs become (half segment, fp32 segment):
         # its unscale_ reads the half gradients, its step copies the masters back
-        self._master_pairs = [(s.view, s.param) for s in self._mastered()]
+        self._master_pairs = [(s.view, s.param) for b in self.buffers for s in b.segments
+                              if s.view is not None]
         self.follow_loads(model)
 
     def make_buffer(self, params: list[nn.Parameter], indices: list[int]) -> FlatBuffer:
+        """Half segments are stepped through fp32 masters: segment.param becomes the master the
+        inner optimizer updates, segment.view the model's segment it is copied into. With
+        offload every segment has one, on the CPU (offload.py)."""
         buffer = super().make_buffer(params, indices)
-        attach_masters(buffer, self.offload)
+        half = buffer.data.dtype in (torch.float16, torch.bfloat16)
+        for s in buffer.segments:
+            s.view = s.param if half or self.offload else None  # fp32: its own master
+            if self.offload is not None:
+                s.param = self.offload.master(s.view)
+            elif half:
+                s.param = nn.Parameter(s.view.detach().float())
         return buffer
-
-    def _mastered(self) -> list:
-        return [s for b in self.buffers for s in b.segments if s.view is not None]
-
-    def _halves(self) -> list:
-        """The segments one process's O2 keeps masters of (offload also masters fp32 ones)."""
-        return [s for s in self._mastered() if s.view.dtype != s.param.dtype]
 
     def grad_target(self, s: Any) -> nn.Parameter:  # gradients onto the model's segments
         return s.param if s.view is None else s.view
@@ -126,9 +107,8 @@ class MixedShardedOptimizer(ShardedOptimizer):
     def overflow_flag(self) -> torch.Tensor:
         found = super().overflow_flag()  # (level 1 collects first) half -> fp32 master gradients
         if self.offload is not None and found.device != self.offload.device:
-            # offload: the optimizer and clipping run on the CPU, so the flag they read lives
-            # there -- read once, blocking (a fused CPU optimizer's own non_blocking copy of a
-            # device flag could run before the copy lands)
+            # the CPU's optimizer and clipping read it there: copied once, blocking (a fused CPU
+            # optimizer's own non_blocking copy could run before the flag lands)
             found = self._flag = found.to(self.offload.device)
         for view, _ in self._master_pairs:  # the fp32 shard replaces the model's
             view.grad = None
@@ -138,31 +118,6 @@ class MixedShardedOptimizer(ShardedOptimizer):
         super().zero_grad(set_to_none)
         for view, _ in self._master_pairs:
             view.grad = None
-
-    def master_bytes(self) -> int:
-        """Bytes of fp32 masters this rank holds (live tensors)."""
-        return sum(m.numel() * m.element_size() for _, m in self._master_pairs)
-
-    # -- checkpoints: one process's O2 layout (state.py) --------------------------------------
-    def half_indices(self) -> list[int]:
-        """Indices of the parameters one process's O2 keeps masters for, in its order."""
-        return [i for i, p in enumerate(self.model_params)
-                if p.dtype in (torch.float16, torch.bfloat16)]
-
-    def master_segments(self) -> list:
-        return [(s.index, s.lo, s.hi, s.param.detach().cpu()) for s in self._halves()]
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self._loaded = False  # the masters come from `state`, below
-        with torch.no_grad():
-            for s in self._mastered():
-                master = saved_master(state, self, s)
-                if master is not None:
-                    s.param.copy_(master)
-                    s.view.copy_(s.param)
-                else:  # saved without O2, or an fp32 segment: masters of the loaded model
-                    s.param.copy_(s.view)
 
 
 class MixedParamShardedOptimizer(MixedShardedOptimizer, ParamShardedOptimizer):

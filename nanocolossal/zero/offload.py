@@ -17,37 +17,26 @@ In the step, after the copy-out (bytes; fp32 -- under O2 the device's are half, 
     level 1   device 4 Psi + 4 Psi (DDP's averages, kept to zero_grad)   CPU 16 Psi/N
     level 2   device 4 Psi                                               CPU 16 Psi/N
     level 3   device 4 Psi/N (my parameter shard)                        CPU 16 Psi/N
-against 8 Psi + 8 Psi/N, 4 Psi + 12 Psi/N and 16 Psi/N on the device without offload
-(optimizer.py; DDP's buckets apart): the 12 Psi/N of masters and state have left the device.
-Every segment (optimizer.py: my part of a parameter) gets a master here, an fp32 one too: the
-step writes the master, and the model's segment (`view`, on the device) is a copy of it. A model
-loaded after initialize (a pretrained one) reaches the fp32 masters at the next step (mixed.py),
-as without offload, where the model's segments are what the optimizer steps.
+against 8 Psi + 8 Psi/N, 4 Psi + 12 Psi/N and 16 Psi/N on the device without offload: the
+12 Psi/N of masters and state have left the device. Every segment gets a master here, an fp32
+one too: the step writes the master, and the model's segment (`view`) is a copy of it.
 
 One step, on CUDA (one stream; "H2D" / "D2H" the copies over PCIe):
 
     backward   gradients reduced into my shard on the device, as without offload
-    check      the inf/nan check (and the unscale, where the gradients are fp32) on the device:
-               one fused pass there; on the CPU the same pass over 4 Psi/N bytes takes about
-               as long as the fused optimizer step (mixed.py; half gradients with a loss scale
-               are unscaled after the copy-out, in fp32, as without offload)
+    check      the inf/nan check (and the unscale, fp32 gradients) in one fused pass on the
+               device: on the CPU it takes about as long as the step (mixed.py; half gradients
+               with a loss scale are unscaled after the copy-out, as without offload)
     copy-out   D2H every segment's gradient into a pinned fp32 buffer (non_blocking, queued in
                one go), then the host waits for the stream once; my device shard is freed
-    step       on the CPU: clipping's squares, the user's optimizer (its type and settings:
-               fused=True for torch's fused CPU kernel, some 4.5x faster than foreach=True;
-               torch's default on the CPU is a loop over tensors) on the masters and state
-    copy-in    H2D each master into its segment of the model (non_blocking, from pinned memory:
-               the host returns at once); the all-gather (levels 1-2) and the next forward are
-               queued behind them on the same stream, so they read the new values
+    step       on the CPU: clipping's squares, the user's optimizer on the masters and state
+               (fused=True: torch's fused CPU kernel, some 4.5x faster than foreach=True)
+    copy-in    H2D each master into its segment of the model (non_blocking, from pinned memory);
+               the all-gather (levels 1-2) and the next forward queue behind them on the stream
 
-What overlaps what: the copy-in runs on the device while the host already queues the all-gather
-and the next step's forward; the copy-out is one transfer of 4 Psi/N bytes the host waits for.
-The CPU step itself does not overlap device compute (the device is idle during it). A master is
-written again only after the next copy-out's wait, so no copy-in still reads it. Off CUDA (and in
-the tests) offload_device and the model's device are both the CPU: the copies are plain copies
-and training is bit for bit that of the same run without offload.
-
-Before a launch, `nanocolossal plan` computes these bytes (nanocolossal/plan/formulas.py).
+The CPU step does not overlap device compute; a master is written again only after the next
+copy-out's wait, so no copy-in still reads it. Off CUDA (and in the tests) both devices are the
+CPU: the copies are plain copies, and training is bit for bit the run without offload.
 """
 from __future__ import annotations
 
@@ -80,7 +69,8 @@ class Offload:
         grads = [torch.empty(m.shape, dtype=m.dtype, device=self.device, pin_memory=self.pin)
                  for _, m in has]
         torch._foreach_copy_(grads, [v.grad for v, _ in has], non_blocking=True)
-        self.wait([v for v, _ in pairs])
+        if any(v.is_cuda for v, _ in has):  # the host waits for the device's queued copies
+            torch.cuda.current_stream(has[0][0].device).synchronize()
         for (v, m), grad in zip(has, grads):
             m.grad, v.grad = grad, None  # the device shard is freed: the CPU has it now
 
@@ -88,8 +78,3 @@ class Offload:
         """Each updated master into the model's segment (non_blocking: the host does not wait)."""
         with torch.no_grad():
             torch._foreach_copy_([v for v, _ in pairs], [m for _, m in pairs], non_blocking=True)
-
-    def wait(self, views: list[torch.Tensor]) -> None:
-        """The host waits for the device's queued copies (nothing to wait for off CUDA)."""
-        if any(v.is_cuda for v in views):
-            torch.cuda.current_stream(views[0].device).synchronize()

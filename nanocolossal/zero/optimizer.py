@@ -10,15 +10,12 @@ biggest part (Adam: two fp32 numbers per parameter) and each rank only needs *it
     optimizer state [ shard 0 ]     [ shard 1 ]          [ shard N-1 ]
 
 How: the parameters of each param group (per dtype and device) are copied into one flat buffer,
-padded to a multiple of N, and the model's parameters become views of it. Shard r is the r-th
-of N equal parts. Rank r steps only the segments of parameters that fall in its shard: a
-parameter may straddle two shards, so it has a segment on each. The inner torch optimizer is
-built on the segments -- one Parameter each, not one flat tensor, so a parameter that got no
-gradient anywhere keeps grad=None and is skipped exactly as one process skips it (no weight
-decay, no momentum, no step count). Only element-wise optimizers can step a segment of a
-parameter (SGD, Adam, AdamW, RMSprop, Adagrad); LAMB or LARS need the whole parameter's norm and
-are refused. After the step, one all-gather per flat buffer gives everyone the updated
-parameters.
+padded to a multiple of N, and the model's parameters become views of it. Rank r steps only the
+segments of parameters in its shard, the r-th of N equal parts (a parameter may straddle two
+shards). The inner torch optimizer is built on the segments -- one Parameter each, so a
+parameter that got no gradient anywhere keeps grad=None and is skipped as one process skips it.
+Only element-wise optimizers can step a segment of a parameter (SGD, Adam, AdamW, RMSprop,
+Adagrad; LAMB's norm is refused). After the step, one all-gather per flat buffer.
 
     level 1: backward -> DDP all-reduce (every rank: all averaged gradients)
              step     -> take my shard of the gradients (views), step it, all-gather parameters
@@ -35,27 +32,17 @@ optimizer state a rank holds is exactly 8 bytes x the elements of its shard that
 (padding is never stepped): ceil(Psi/N) on every rank but the last ones.
 
 Traffic per step, per rank (elements): DDP's all-reduce is a reduce-scatter + an all-gather,
-2 Psi (N-1)/N. Level 1 adds an all-gather of the parameters: 3 Psi (N-1)/N. Level 2 could replace
-the all-reduce by a reduce-scatter: Psi (N-1)/N + Psi (N-1)/N = the same 2 Psi as DDP -- but a
-reduce-scatter hands rank r the r-th N-th of what it is given, and a bucket (parameters in
-backward's order) does not fall on shard boundaries, so gradients.py all-reduces each bucket
-(2 Psi) and keeps its segments: level 2 moves 3 Psi (N-1)/N, as level 1 does. Level 3 shards each
-unit on its own, so there each unit's gradients are reduce-scattered (sharded_model.py; on gloo,
-whose reduce-scatter is slower than its all-reduce, an all-reduce stands in: zero/comm.py).
+2 Psi (N-1)/N. Level 1 adds an all-gather of the parameters: 3 Psi (N-1)/N. So does level 2: its
+buckets do not fall on shard boundaries, so it all-reduces them (gradients.py says why). Level 3
+reduce-scatters each unit's gradients (sharded_model.py; gloo all-reduces: zero/comm.py).
 
 With a pipeline or tensor parallelism, "the data-parallel ranks" are those holding the same
-stage and tensor slice (gpc.gradient_group): each shards what it holds -- a tensor-split weight
-stays split, ZeRO cuts my slice further. Clipping adds every rank's shard squares over that group,
-then the stages' and tensor ranks' sums (a replicated weight counted once). A weight two stages
-share (pipeline/tied.py) steps with the sum of both stages' gradients: at level 2 each data rank
-holds segments of it, which are put together, summed across the stages and cut again.
-
-Checkpoints: each rank writes its segments' state to a file of its own (state.py); merged, they
-are a plain optimizer's state_dict. Loading, a rank reads the files holding its segments (load.py).
+stage and tensor slice (gpc.gradient_group): each shards what it holds (ZeRO cuts my tensor slice
+further). Clipping adds every rank's shard squares over that group, then the stages' and tensor
+ranks' sums. A weight two stages share (pipeline/tied.py) sums both stages' gradients: tied.py.
 
 fp16: the scaler's overflow check is agreed job-wide (amp.py). AMP O1 keeps fp32 parameters;
 O2 (half parameters, fp32 masters) shards the masters too: mixed.py, the paper's formulas.
-
 Before a launch, `nanocolossal plan` computes these bytes (nanocolossal/plan/formulas.py).
 """
 from __future__ import annotations
@@ -69,12 +56,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..amp import MixedPrecisionOptimizer
-from ..checkpoint_files import strip_prefixes, unwrap
-from ..config import ConfigError
 from ..context import gpc
 from .comm import gather_shards
-from .settings import check_optimizer
-from .state import SCALAR_STATE, gather_plain_state, keep_my_segments
+from .optimizer_checks import check_optimizer, refuse_new_parameters
+from .state import ShardedState
 
 
 class Segment:
@@ -128,7 +113,7 @@ def _same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> tor
     return type(optimizer)(groups, **defaults)
 
 
-class ShardedOptimizer(MixedPrecisionOptimizer):
+class ShardedOptimizer(ShardedState, MixedPrecisionOptimizer):
     """ZeRO level 1/2 around the optimizer `initialize` built: same calls, sharded state.
 
     `mixed` is AMP's wrapper (loss scaler, overflow check); `model` the model whose parameters
@@ -141,7 +126,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                  group: Optional[dist.ProcessGroup] = None,
                  unit_of: Optional[dict[int, int]] = None) -> None:
         optimizer = mixed.optimizer
-        check_optimizer(optimizer, mixed, model, level)
+        check_optimizer(optimizer, mixed, model)
         self.model, self.level = model, level
         self.unit_of = unit_of or {}  # level 3: id(param) -> its unit (sharded_model.py)
         self.group = group if group is not None else gpc.gradient_group
@@ -215,9 +200,8 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
 
     def clip_grad_norm_(self, max_norm: float,
                         group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-        """The norm of all gradients: each rank adds the squares of its shard (each element
-        is in exactly one shard; padding has no gradient), summed over the data group; then
-        with the other pipeline stages' and tensor ranks' sums over `group`."""
+        """The norm of all gradients: each rank's shard squares (each element in exactly one
+        shard) summed over the data group, then over `group` (pipeline stages, tensor ranks)."""
         mine = {id(p): 1.0 for p in self.params()}  # every segment is split over the data group
         return super().clip_grad_norm_(max_norm, group, split_over=(mine, self.group))
 
@@ -229,7 +213,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         return self.user_groups
 
     def step(self) -> bool:
-        self._refuse_new_parameters()
+        refuse_new_parameters(self.model, self.segments_of)  # added after initialize?
         for user, inner in zip(self.user_groups, self.optimizer.param_groups):
             inner.update({k: v for k, v in user.items() if k != "params"})
         stepped = super().step()  # unscale, agreed overflow check, step my segments
@@ -239,50 +223,3 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
             for buffer in self.buffers:
                 buffer.all_gather(self.group, self.rank)
         return stepped
-
-    # -- a misuse refused; the bytes the state holds, counted -------------------------------
-    def _refuse_new_parameters(self) -> None:
-        """A parameter added to the model after initialize is in no flat buffer: no rank would
-        ever step it, and at level 3 no rank would shard it. Say so rather than train it frozen."""
-        new = [n for n, p in self.model.named_parameters()
-               if p.requires_grad and p not in self.segments_of]
-        if new:
-            raise ConfigError(f"[rank {gpc.rank}] zero: parameter(s) {', '.join(new[:4])} were "
-                              f"added to the model after nc.initialize, which cut the parameters "
-                              f"it was given into shards; build the whole model (and an optimizer "
-                              f"over all its parameters) before nc.initialize")
-
-    def state_bytes(self) -> int:
-        """Bytes of per-element optimizer state this rank holds (live tensors; the per-segment
-        `step` scalars left out)."""
-        return sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
-                   for k, t in state.items() if k not in SCALAR_STATE and torch.is_tensor(t))
-
-    # -- checkpoints: the unsplit model's plain optimizer state (state.py) -------------------
-    def half_indices(self) -> list[int]:
-        return []  # parameters with fp32 masters (O2: mixed.py)
-
-    def master_segments(self) -> list:
-        return []
-
-    def param_segments(self) -> list:
-        return []  # level 3 (sharded_params.py): my shard of the parameters themselves
-
-    def param_names(self) -> list[list[str]]:
-        """The model's state_dict keys of each parameter the optimizer steps (a tied one: all)."""
-        # keep_vars: the Parameters themselves (and no gather at level 3)
-        keys = strip_prefixes(unwrap(self.model).state_dict(keep_vars=True))
-        index = {id(p): i for i, p in enumerate(self.model_params)}
-        names: list[list[str]] = [[] for _ in self.model_params]
-        for name, p in keys.items():
-            if id(p) in index:
-                names[index[id(p)]].append(name)
-        return names
-
-    def state_dict(self) -> dict:
-        """The unsplit model's plain torch optimizer state (collective over the data group)."""
-        return gather_plain_state(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        """Keep this rank's segments of a plain (unsplit) optimizer state: any data size."""
-        keep_my_segments(self, state)

@@ -1,7 +1,7 @@
 """ZeRO level 3: parameters live as shards between uses; each unit is gathered just for its
 forward and again for its backward, and its gradients are reduce-scattered when its backward ends.
 
-Units (the wrapping policy, unit_order.py: plan_units): the modules that run -- the model's
+Units (the wrapping policy, plan_units below): the modules that run -- the model's
 children with nn.ModuleList, nn.ModuleDict and nn.Sequential opened, so a stack of blocks is one
 unit per block. The model's own parameters and any two units share (a tied embedding) form the
 root unit, gathered for the whole forward and backward; parameters not stepped are kept whole.
@@ -18,18 +18,15 @@ reduce-scatter of the unit's gradients, which keeps only my shard of them):
     step        each rank steps its shards; nothing is gathered after: the next forward does
 
 How the hooks know: a forward pre-hook gathers the unit and passes its inputs through an
-identity autograd function whose backward runs when the gradients of the inputs are done,
-i.e. when the unit's backward has ended ("post-backward"). A forward hook frees the unit and
-puts a hook on its outputs, which fires when their gradients arrive, i.e. just before the
-unit's backward ("pre-backward": gather). Reductions start in a fixed order (last unit first),
-as DDP's buckets do, so every rank issues the same collectives whatever order autograd reaches
-the units in.
+identity autograd function whose backward runs when the unit's backward has ended
+("post-backward"). A forward hook frees the unit and hooks its outputs, which fires when their
+gradients arrive, just before the unit's backward ("pre-backward": gather). Reductions start in
+a fixed order (last unit first), as DDP's buckets do, so every rank issues the same collectives.
 
-Calls: a unit may run several times before a backward (a block called twice, a siamese loss
-over two forwards). Each call gathers and frees on its own, forward and backward (k calls: k
-gathers each way, one reduction); the unit counts its calls with grad, each post-backward counts
-one off, and the last one reduces it -- autograd has then summed every call's gradient into
-.grad. A block B called twice (each call's backward gathers the unit again and frees it after):
+Calls: a unit may run several times before a backward (a block called twice, a siamese loss).
+Each call gathers and frees on its own, forward and backward; the unit counts its calls with
+grad, each post-backward counts one off, and the last one reduces it -- autograd has then summed
+every call's gradient into .grad. A block B called twice:
 
     forward     B: g | call 1 | free | g | call 2 | free                    calls: 2
     backward    B:                          g | call 2 | free | g | call 1 | free | rs  calls: 1, 0
@@ -47,14 +44,9 @@ the gather of the unit that followed it last forward (backward: this forward's o
 a changed order wastes one), and a unit's reduction runs while autograd computes the next
 unit's, at most one in flight. False: each collective is waited for at once.
 
-The rules, installed beside the timeline (sharded_model_checks.py: Rules, called by one line at
-each gather, at the end of backward and before the step; unit_order.py says why): every data
-rank gathers the same units in the same order (as FSDP requires), checked before every step
-(debug=True: before every gather); a unit's parameters read outside its forward (a tied head,
-F.linear(x, self.transformer.wte.weight) in the model's forward) would read the freed NaN
-placeholder, so the first forward finds such reads and that unit joins the root unit; a
-gradient that arrives after its unit was reduced, and unfreezing a frozen parameter, are
-refused.
+The rules (sharded_model_checks.py, called by one line at each gather, at the end of backward
+and before the step, where they say why): every data rank gathers the same units in the same
+order; a unit read outside its forward joins the root unit; a late gradient is refused.
 
 Memory per rank (fp32 parameters, Adam, Psi = elements the optimizer steps, N ranks; each
 unit's buffers padded to a multiple of N):
@@ -66,17 +58,13 @@ unit's buffers padded to a multiple of N):
 
 Traffic per step, per rank: gathers in forward and backward, a reduce-scatter, Psi (N-1)/N each:
 3 Psi (N-1)/N, 1.5x DDP's (gloo: 4, zero/comm.py; tests/test_zero_traffic.py).
-Accumulation: each backward adds into my gradient shard.
-
-Checkpoints: model.state_dict() gathers every unit (collective, state_dict.py); save and load do
-not (my segments, state.py and load.py); load_state_dict of full tensors keeps my shard.
-
-Before a launch, `nanocolossal plan` computes these bytes (nanocolossal/plan/formulas.py).
+Accumulation: each backward adds into my gradient shard. (`nanocolossal plan` computes these.)
 """
 from __future__ import annotations
 
+import weakref
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -87,10 +75,12 @@ from ..weak import weakly
 from .comm import reduce_scatter_shard
 from .sharded_model_checks import Rules
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
-from .state_dict import FullStateDict
-from .unit_order import plan_units
 
-__all__ = ["ShardedModel", "plan_units"]  # (plan_units: the policy, unit_order.py)
+__all__ = ["HELD", "ShardedModel", "plan_units", "release"]
+
+# each model level 3 holds -> its ShardedModel, weakly (the model keeps it through its hooks,
+# never the other way round): a second nc.initialize of the model releases it first (release)
+HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _PostBackward(torch.autograd.Function):
@@ -151,11 +141,12 @@ class ShardedModel:
         self._next, self._pending, self._queued = 0, [], False  # (_queued: in a backward)
         self.seen: list[_Unit] = []  # prefetch: this forward's units in order, the last one's
         self.previous: list[_Unit] = []
-        model.register_forward_pre_hook(self._root_pre_forward)
-        model.register_forward_hook(self._root_post_forward, always_call=True)
+        # what level 3 installs on the model (the rules', state_dict.py's too): release removes it
+        self.handles = [model.register_forward_pre_hook(self._root_pre_forward),
+                        model.register_forward_hook(self._root_post_forward, always_call=True)]
         optimizer.before_step = self._before_step  # (called first in its step: sharded_params)
         self.rules = Rules(self)  # unit order, reads outside a unit...: sharded_model_checks.py
-        FullStateDict(model, [b for unit in self.order for b in unit.buffers], optimizer)
+        HELD[model] = weakref.ref(self)
 
     # -- forward: gather a unit before it runs, free it after -------------------------------
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -299,3 +290,39 @@ class ShardedModel:
         this forward's, reversed), so that its transfer runs while `unit` computes."""
         if unit in then[:-1] and not then[then.index(unit) + 1].ready:
             self._gather(then[then.index(unit) + 1], async_op=True)
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def plan_units(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[nn.Module], dict]:
+    """The units: the modules that run, containers opened; the root's own parameters and those
+    shared by two units are the root unit (index len(units)). Returns the units and
+    {id(param): unit index} for the parameters the optimizer steps."""
+    def running(module: nn.Module) -> Iterator[nn.Module]:
+        for child in module.children():
+            yield from running(child) if isinstance(child, _CONTAINERS) else (child,)
+
+    units = list(dict.fromkeys(running(model)))  # (a module registered twice: one unit)
+    owners: dict[int, set[int]] = {}
+    for i, unit in enumerate(units):
+        for p in unit.parameters():
+            owners.setdefault(id(p), set()).add(i)
+    root = len(units)
+    unit_of = {id(p): min(owners[id(p)]) if len(owners.get(id(p), ())) == 1 else root
+               for p in params}
+    return units, unit_of
+
+
+def release(model: nn.Module) -> None:
+    """A second nc.initialize of a model level 3 holds: its parameters whole again, the hooks
+    level 3 installed (the timeline's, its rules', state_dict.py's) taken off."""
+    sharded = HELD.pop(model)()
+    for b in sharded.optimizer.buffers:
+        b.gather(sharded.group)
+        b.wait()  # (a prefetch's transfer)
+        for p in b.params:
+            p.data = p.detach().clone()  # its own storage, no longer the buffer's
+        b.data.untyped_storage().resize_(0)
+    for handle in sharded.handles + [h for unit in sharded.children for h in unit.hooks]:
+        handle.remove()

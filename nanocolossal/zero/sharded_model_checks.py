@@ -1,20 +1,31 @@
-"""ZeRO level 3's rules, installed beside the gather / free / reduce-scatter timeline.
+"""ZeRO level 3's rules, installed beside the gather / free / reduce-scatter timeline, which
+calls `Rules` at three points, one line each: gathering(unit) before every gather (Rule 2's
+fingerprint), backward_ended() (no gradient may arrive late: refuse_late_gradients) and
+before_step() (Rule 2 checked across the data group). Without a call from the timeline:
+FirstForwardWatch (Rule 1) and refuse_unfreezing. Non-finite gradients are refused by the step
+(optimizer_checks.py).
 
-sharded_model.py builds `Rules(sharded)` once and calls it at three points, one line each:
+Rule 1, a unit's parameters are read inside its forward only -- else it joins the root unit.
+A freed parameter points at a NaN element (sharded_params.py), so a read elsewhere -- a tied
+head F.linear(x, self.wte.weight) in the model's forward, a block reading another block's
+weight -- would compute with NaN. OutsideUse (a TorchFunctionMode over the first forward that
+completes: a Python call per op) reports each unit whose parameter an op reads, not its shape,
+dtype or device, while that unit is not running; join_root gathers it there and then and makes
+it part of the root unit, logged. A read that first appears later still reads NaN.
 
-    gathering(unit)     before every gather (prefetches too): Rule 2's fingerprint, UnitOrder
-    backward_ended()    after every reduction of a backward: no gradient may arrive late
-    before_step()       first in the optimizer's step: Rule 2 checked across the data group
+Rule 2, every data rank gathers the same units in the same order. The ranks' shards meet by
+order: the k-th all-gather of rank 0 pairs with the k-th of rank 1, so a unit only some ranks
+run (a branch on rank 0's data) breaks the pairing: units of different sizes make gloo abort
+(or wait out the timeout), units of the same size give every rank a parameter built from two
+units' shards -- silently wrong. So (UnitOrder):
 
-and, from here, without a call from the timeline:
+    every step     each rank folds the units it gathered since the last step (prefetches too)
+                   into a rolling hash h of their indices; before the optimizer steps, one
+                   all-reduce of [h, -h] with MAX tells whether every rank has the same h; if
+                   not, every rank raises: the wrong values are never applied
+    debug=True     the same check before each gather, so the error names the unit at once
 
-    FirstForwardWatch   Rule 1: the first forward runs under OutsideUse; a unit whose parameter
-                        an op reads while the unit is not running joins the root unit (join_root)
-    refuse_unfreezing   a parameter frozen now has no gradient path: unfreezing it is refused
-
-The rules themselves (why a unit read outside its forward reads NaN, why every rank must gather
-the same units in the same order) are unit_order.py's docstring. Non-finite gradients (a read of
-a freed parameter after all) are refused by the optimizer's step (sharded_params.py).
+A forward after the last step (a final evaluation) is not checked.
 """
 from __future__ import annotations
 
@@ -44,8 +55,9 @@ class Rules:
     def __init__(self, sharded: Any) -> None:
         self.sharded = sharded
         self.unit_order = UnitOrder(sharded.group, bool(gpc.config.get("debug")))
-        FirstForwardWatch(sharded)  # a unit read outside its forward joins the root unit
-        refuse_unfreezing(sharded.model, sharded.model, lambda: "zero")  # frozen now: no path
+        watch = FirstForwardWatch(sharded)  # a unit read outside its forward joins the root unit
+        frozen = refuse_unfreezing(sharded.model, sharded.model, lambda: "zero")  # no path
+        sharded.handles += [h for h in (*watch.hooks, frozen) if h is not None]
 
     def gathering(self, unit: Any) -> None:
         """`unit` is about to be gathered (or its prefetch started)."""

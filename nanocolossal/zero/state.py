@@ -14,41 +14,136 @@ rank ever holds the whole optimizer state to save it:
            {"state": {index: {exp_avg: whole, ...}}, "param_groups": [...]} -- torch's layout,
            which loads into one process's plain optimizer (`assemble`)
     load   the merged plain state (saved by any data size, or by one process's optimizer) ->
-           each rank keeps state[index][k].flatten()[lo:hi] of its segments (`keep_my_segments`)
+           each rank keeps state[index][k].flatten()[lo:hi] of its segments (`load_state_dict`)
 
-So a checkpoint loads into any data size (2 -> 1, 1 -> 4, 4 -> 2). Loading merges the whole
-state once on each rank before keeping its segments -- simple, and the one moment a rank holds
-it all (the plain route; load.py reads only the files that overlap my shard). `state_dict()`
-(collective) gathers the segments in memory for a caller that wants the plain state at once.
-Per-element states are cut; per-parameter scalars (`step`) are the same in every segment and are
-kept once.
+So a checkpoint loads into any data size (2 -> 1, 1 -> 4, 4 -> 2); load.py reads only the files
+that overlap my shard, the plain route merges them all. `state_dict()` (collective) gathers the
+segments in memory. Per-parameter scalars (`step`) are the same in every segment: kept once.
+Under O2 (mixed.py) it is one process's O2 layout, "masters" one whole fp32 tensor per half
+parameter in its order, so either resumes from the other's file.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..checkpoint_files import strip_prefixes, unwrap
 from ..context import gpc
 
-if TYPE_CHECKING:
-    from .optimizer import Segment, ShardedOptimizer
-
 SCALAR_STATE = ("step",)  # per-parameter scalars; every other state tensor is per element
+HALF = (torch.float16, torch.bfloat16)
+
+
+class ShardedState:
+    """The checkpoint half of ShardedOptimizer (optimizer.py) and its subclasses: what they save
+    and load, as one process's optimizer would, and the bytes they hold."""
+
+    masters_halves = False  # mixed.py: O2's half parameters are stepped through fp32 masters
+
+    def state_dict(self) -> dict:
+        """The unsplit model's plain torch optimizer state, every rank's segments put together
+        in memory (collective over the data group)."""
+        mine = my_segments(self)
+        everyone: list[Any] = [mine]
+        if self.size > 1:
+            everyone = [None] * self.size
+            dist.all_gather_object(everyone, mine, group=self.group)
+        return assemble(skeleton(self), everyone)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Keep this rank's segments of a plain optimizer state (unsplit, any data size: cut
+        here) or of one already cut to my segments (load.py: `mine`), which at level 3 also
+        brings my parameter segments (a plain one leaves them to the model's load_state_dict);
+        then O2's masters."""
+        plain = state["optimizer"] if "optimizer" in state else state
+        if len(plain["param_groups"]) != len(self.user_groups):
+            raise ValueError(f"[rank {gpc.rank}] the saved optimizer has "
+                             f"{len(plain['param_groups'])} param groups, this one "
+                             f"{len(self.user_groups)}")
+        if "mine" in plain:
+            def state_of(s: Any) -> Any:
+                return plain["mine"].get((s.index, s.lo, s.hi))
+        else:
+            saved = {int(k): v for k, v in plain["state"].items()}
+
+            def state_of(s: Any) -> Any:
+                whole = saved.get(s.index)
+                return None if not whole else {
+                    k: v.reshape(-1)[s.lo:s.hi].clone() if per_element(k, v) else v
+                    for k, v in whole.items()}
+        states: dict[int, Any] = {}
+        groups = []
+        for saved_group, group, user in zip(plain["param_groups"], self.optimizer.param_groups,
+                                            self.user_groups):
+            user.update({k: v for k, v in saved_group.items() if k != "params"})
+            ids = []
+            for s in _segments_in(self, group):
+                ids.append(len(states))
+                states[len(states)] = state_of(s)
+            groups.append({**saved_group, "params": ids})
+        self.optimizer.load_state_dict(
+            {"state": {i: v for i, v in states.items() if v is not None}, "param_groups": groups})
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        segments = [s for b in self.buffers for s in b.segments]
+        params = state.get("params") or {}
+        self._loaded = False  # the masters come from `state`, below
+        with torch.no_grad():
+            for s in segments:
+                values = params.get((s.index, s.lo, s.hi))
+                if values is not None:
+                    self.grad_target(s).copy_(values)
+            for s in [s for s in segments if s.view is not None]:
+                master = saved_master(state, self, s)
+                if master is not None:
+                    s.param.copy_(master)
+                    s.view.copy_(s.param)
+                else:  # saved without O2, or an fp32 segment: masters of the loaded model
+                    s.param.copy_(s.view)
+
+    def param_names(self) -> list[list[str]]:
+        """The model's state_dict keys of each parameter the optimizer steps (a tied one: all)."""
+        # keep_vars: the Parameters themselves (and no gather at level 3)
+        keys = strip_prefixes(unwrap(self.model).state_dict(keep_vars=True))
+        index = {id(p): i for i, p in enumerate(self.model_params)}
+        names: list[list[str]] = [[] for _ in self.model_params]
+        for name, p in keys.items():
+            if id(p) in index:
+                names[index[id(p)]].append(name)
+        return names
+
+    def half_indices(self) -> list[int]:
+        """Indices of the parameters one process's O2 keeps masters for, in its order."""
+        halves = [i for i, p in enumerate(self.model_params) if p.dtype in HALF]
+        return halves if self.masters_halves else []
+
+    # -- the bytes this rank holds (live tensors) ----------------------------------------------
+    def state_bytes(self) -> int:
+        """Per-element optimizer state (the per-segment `step` scalars left out)."""
+        return sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+                   for k, t in state.items() if per_element(k, t))
+
+    def master_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for _, m in self._master_pairs)
+
+    def shard_bytes(self) -> int:
+        """Level 3: parameters kept between uses, my shard of every buffer."""
+        return sum(b.local.numel() * b.local.element_size() for b in self.buffers)
 
 
 def per_element(key: str, value: Any) -> bool:
     return key not in SCALAR_STATE and torch.is_tensor(value)
 
 
-def _segments_in(opt: ShardedOptimizer, group: dict) -> list[Segment]:
+def _segments_in(opt: Any, group: dict) -> list:
     """The segments an inner param group steps, in its order."""
     where = {id(s.param): s for b in opt.buffers for s in b.segments}
     return [where[id(p)] for p in group["params"]]
 
 
-def my_segments(opt: ShardedOptimizer) -> dict:
+def my_segments(opt: Any) -> dict:
     """What this rank holds: its segments' optimizer state and fp32 masters (CPU)."""
     state: dict[int, list] = {}
     for group in opt.optimizer.param_groups:
@@ -57,10 +152,15 @@ def my_segments(opt: ShardedOptimizer) -> dict:
                 state.setdefault(s.index, []).append(
                     (s.lo, s.hi, {k: v.detach().cpu() if torch.is_tensor(v) else v
                                   for k, v in opt.optimizer.state[s.param].items()}))
-    return {"state": state, "masters": opt.master_segments(), "params": opt.param_segments()}
+    segments = [s for b in opt.buffers for s in b.segments]
+    masters = [(s.index, s.lo, s.hi, s.param.detach().cpu()) for s in segments
+               if s.view is not None and s.view.dtype != s.param.dtype]  # O2's, not offload's
+    params = [(s.index, s.lo, s.hi, opt.grad_target(s).detach().cpu().clone())
+              for s in segments] if opt.level == 3 else []  # my shard, in the model's dtype
+    return {"state": state, "masters": masters, "params": params}
 
 
-def skeleton(opt: ShardedOptimizer) -> dict:
+def skeleton(opt: Any) -> dict:
     """What every rank shares: param groups (hyper-parameters), shapes, the loss scaler."""
     groups, start = [], 0
     for user in opt.user_groups:  # (their hyper-parameters: what a scheduler set last)
@@ -115,52 +215,7 @@ def assemble(skeleton: dict, everyone: list[dict]) -> dict:
             "masters": [masters[i].view(shapes[i]) for i in skeleton["masters_of"]]}
 
 
-def gather_plain_state(opt: ShardedOptimizer) -> dict:
-    """Every rank's segments put together in memory (collective over the data group)."""
-    mine = my_segments(opt)
-    everyone: list[Any] = [mine]
-    if opt.size > 1:
-        everyone = [None] * opt.size
-        dist.all_gather_object(everyone, mine, group=opt.group)
-    return assemble(skeleton(opt), everyone)
-
-
-def keep_my_segments(opt: ShardedOptimizer, state: dict) -> None:
-    """Load an optimizer state: this rank keeps the state of its segments. `state` is plain
-    (unsplit, any data size: cut here) or already cut to my segments (load.py: `mine`)."""
-    plain = state["optimizer"] if "optimizer" in state else state
-    if len(plain["param_groups"]) != len(opt.user_groups):
-        raise ValueError(f"[rank {gpc.rank}] the saved optimizer has "
-                         f"{len(plain['param_groups'])} param groups, this one "
-                         f"{len(opt.user_groups)}")
-    if "mine" in plain:
-        def state_of(s: Segment) -> Any:
-            return plain["mine"].get((s.index, s.lo, s.hi))
-    else:
-        saved = {int(k): v for k, v in plain["state"].items()}
-
-        def state_of(s: Segment) -> Any:
-            whole = saved.get(s.index)
-            return None if not whole else {
-                k: v.reshape(-1)[s.lo:s.hi].clone() if per_element(k, v) else v
-                for k, v in whole.items()}
-    states: dict[int, Any] = {}
-    groups = []
-    for saved_group, group, user in zip(plain["param_groups"], opt.optimizer.param_groups,
-                                        opt.user_groups):
-        user.update({k: v for k, v in saved_group.items() if k != "params"})
-        ids = []
-        for s in _segments_in(opt, group):
-            ids.append(len(states))
-            states[len(states)] = state_of(s)
-        groups.append({**saved_group, "params": ids})
-    opt.optimizer.load_state_dict(
-        {"state": {i: v for i, v in states.items() if v is not None}, "param_groups": groups})
-    if opt.scaler is not None and state.get("scaler"):
-        opt.scaler.load_state_dict(state["scaler"])
-
-
-def saved_master(state: dict, opt: ShardedOptimizer, s: Segment) -> Any:
+def saved_master(state: dict, opt: Any, s: Any) -> Any:
     """The saved fp32 master of segment `s` (O2), or None when the save had no masters."""
     if "optimizer" not in state:  # a bare optimizer state: no masters beside it
         return None

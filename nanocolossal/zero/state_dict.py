@@ -9,8 +9,7 @@ own state_dict calls are made whole around torch's:
                         keep my shard of each, free
     keep_vars=True      asks for the Parameters themselves (shapes, marks): nothing is gathered
 
-Checkpoints do not come this way: save and load write and read each rank's segments (state.py,
-load.py), so saving a model gathers nothing.
+Checkpoints do not come this way: they save and load each rank's segments (state.py, load.py).
 """
 from __future__ import annotations
 
@@ -20,31 +19,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
+from .sharded_model import ShardedModel
+from .sharded_params import ShardedFlatBuffer
 
 
 class FullStateDict:
-    """Installs the hooks on `model` whose parameters live in `buffers` (every unit's, in the
-    same order on every rank)."""
+    """Installs the hooks on the model of `sharded`, whose parameters live in its optimizer's
+    buffers (installed by initialize, beside the timeline)."""
 
-    def __init__(self, model: nn.Module, buffers: list[ShardedFlatBuffer],
-                 optimizer: ParamShardedOptimizer) -> None:
-        self.buffers, self.group = buffers, optimizer.group
+    def __init__(self, sharded: ShardedModel) -> None:
+        model, optimizer = sharded.model, sharded.optimizer
+        self.buffers: list[ShardedFlatBuffer] = optimizer.buffers  # (same order on every rank)
+        self.group = optimizer.group
         named = model.named_parameters(remove_duplicate=False)  # (a tied weight: each name)
         self.param_keys = {n for n, p in named if p in optimizer.segments_of}
-        model.register_state_dict_pre_hook(self._before_state_dict)
         # (a partial: torch marks the hook with an attribute, which a bound method refuses)
-        model.register_state_dict_post_hook(partial(FullStateDict._after_state_dict, self))
-        model.register_load_state_dict_pre_hook(self._before_load)
-        model.register_load_state_dict_post_hook(self._after_load)
+        sharded.handles += [
+            model.register_state_dict_pre_hook(self._before_state_dict),
+            model.register_state_dict_post_hook(partial(FullStateDict._after_state_dict, self)),
+            model.register_load_state_dict_pre_hook(self._before_load),
+            model.register_load_state_dict_post_hook(self._after_load)]
 
     def gather_all(self) -> None:
         for b in self.buffers:
             b.gather(self.group)
-
-    def free_all(self) -> None:
-        for b in self.buffers:
-            b.free()
 
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if not keep_vars:
@@ -55,7 +53,8 @@ class FullStateDict:
         for key, value in state.items():  # copies: the gathered buffers are freed now
             if torch.is_tensor(value) and value.untyped_storage().data_ptr() in ours:
                 state[key] = value.clone()
-        self.free_all()
+        for b in self.buffers:
+            b.free()
 
     def _before_load(self, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
         # whole values if it loads parameters (load.py's segments come through the optimizer)
@@ -63,6 +62,7 @@ class FullStateDict:
             self.gather_all()
 
     def _after_load(self, module: nn.Module, incompatible: Any) -> None:
-        for b in self.buffers:
-            b.keep_my_shard()
-        self.free_all()
+        for b in self.buffers:  # keep my shard of the whole values written
+            if b.gathered:  # (a load that brought no parameters gathered nothing)
+                b.local.copy_(b.data[b.rank * b.shard: (b.rank + 1) * b.shard])
+            b.free()

@@ -1,12 +1,10 @@
 """A weight two pipeline stages share (pipeline/tied.py), when ZeRO holds its gradient in shards.
 
-Without ZeRO, or at level 1 (DDP left every rank the whole averaged gradient), the two stages'
-ranks all-reduce the whole gradient (pipeline/tied.py: sum_tied_gradients). At levels 2-3 the data
-ranks of a stage hold disjoint segments of it, and the stages' shards need not cut it alike. So
-each rank writes its segments into a whole-sized buffer (zeros elsewhere), the data ranks sum it
-into the whole, the stages sum it across, and each rank keeps its segments again. One extra
-element counts the segments that had a gradient: none anywhere means none kept (grad=None, as
-one process would leave a weight nothing used).
+Without ZeRO, or at level 1, the stages all-reduce the whole gradient (pipeline/tied.py). At
+levels 2-3 the data ranks of a stage hold disjoint segments of it, which the stages' shards need
+not cut alike. So each rank writes its segments into a whole-sized buffer (zeros elsewhere), the
+data ranks sum it into the whole, the stages sum it across, and each rank keeps its segments. One
+extra element counts the segments that had a gradient: none anywhere keeps grad=None.
 """
 from __future__ import annotations
 
