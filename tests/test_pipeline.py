@@ -1,5 +1,6 @@
 """Pipelines on real gloo processes give what one process gives on the whole batch."""
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -353,6 +354,34 @@ def test_gloo_stage_changing_its_output_shape_is_an_error_on_both_ranks():
     assert "[rank 0] gpipe step" in sender and "(4, 24)" in sender and "agreed on (4, 12)" in sender
     assert "rank 0 and rank 1" in sender
     assert "[rank 1] pipeline transfer with rank(s) [0] failed" in receiver
+
+
+def test_a_coalesced_batch_of_sends_alone_goes_on_until_flush(monkeypatch):
+    """NCCL gives one handle for a whole batch (gloo one per op): a batch that receives waits on
+    it; a batch of sends alone does not hold the stage up, and `flush` waits for it."""
+    waited = []
+
+    class Handle:
+        def __init__(self, batch):
+            self.batch = batch
+
+        def wait(self):
+            waited.append(self.batch)
+
+        def is_completed(self):
+            return False
+
+    batches = iter(["sends", "sends and receives"])
+    monkeypatch.setattr(p2p.dist, "batch_isend_irecv", lambda ops: [Handle(next(batches))])
+    comm = p2p.StageComm()
+    send = SimpleNamespace(op=p2p.dist.isend, tensor=torch.ones(1), peer=1)
+    receive = SimpleNamespace(op=p2p.dist.irecv, tensor=torch.ones(1), peer=1)
+    comm._post([send, send], "a batch of sends")
+    assert waited == []
+    comm._post([send, receive], "a batch with a receive")
+    assert waited == ["sends and receives"]
+    comm.flush()
+    assert "sends" in waited
 
 
 def _unpaired_batch_worker(rank, world_size, port):

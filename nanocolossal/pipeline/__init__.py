@@ -7,7 +7,7 @@
     simulate.py   run plans without processes (deadlocks, memory) and draw their timelines
     p2p.py        batched sends/receives between neighbouring stages, with a shape handshake
     executor.py   the executor that runs a plan: forward_backward_step (Executor, Run)
-    executor_features.py  what it leaves out: the split backward's W, a chunk's own loss, tracing
+    executor_features.py  what it leaves out: split backwards, own losses, counted weights, tracing
     split_backward.py  zero-bubble's backward in two: B (the input's gradient), W (the weights')
 
     python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--chunks 2] [--schedule S]

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..context import gpc
-from .plan_checks import check_sizes
+from .plan_checks import SCHEDULES, check_sizes
 from .steps import PlanError
 
 
@@ -19,9 +19,19 @@ def check_on_this_pipeline(name: str, M: int, V: int) -> None:
         raise PlanError(f"[rank {gpc.rank}] {e}") from None
 
 
-def check_call(executor: Any, chunks: list, batch: Any) -> None:
-    """The model's chunks and the batch fit the plan."""
-    M, V = executor.num_microbatches, executor.num_chunks
+def check_schedule(name: str, M: int, V: int) -> None:
+    """make_schedule's: the name, and once launched the sizes against the real pipeline."""
+    if gpc.pipeline_size > 1:
+        check_on_this_pipeline(name, M, V)
+    elif name not in SCHEDULES:
+        raise PlanError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
+
+
+def check_call(executor: Any, chunks: list, batch: Any, criterion: Optional[Callable],
+               forward_only: bool, return_loss: bool) -> None:
+    """The model's chunks and the batch fit the plan; the last stage has a criterion."""
+    M = executor.num_microbatches
+    V = executor.num_chunks
     check_on_this_pipeline(executor.name, M, V)
     if len(chunks) != V:
         raise ValueError(f"[rank {gpc.rank}] {executor.name} schedule expects {V} model chunk(s), "
@@ -32,11 +42,8 @@ def check_call(executor: Any, chunks: list, batch: Any) -> None:
         raise ValueError(f"[rank {gpc.rank}] batch size {n} is smaller than "
                          f"NUM_MICRO_BATCHES={M}; use batches of at least {M} samples (or "
                          f"drop_last=True in the dataloader)")
-
-
-def check_criterion(run: Any, criterion: Optional[Callable], forward_only: bool,
-                    return_loss: bool) -> None:
-    if any(run.is_last) and criterion is None and (return_loss or not forward_only):
+    needs_loss = return_loss or not forward_only
+    if executor.output_rank() == gpc.pipeline_rank and criterion is None and needs_loss:
         raise ValueError(f"[rank {gpc.rank}] the last pipeline stage needs a criterion to "
                          f"compute the loss")
 

@@ -1,19 +1,28 @@
-"""What the executor (executor.py) leaves out, each a subclass of its Run or Executor:
+"""What the executor (executor.py) leaves out: mixins of its Run, and the Schedule that adds them
+to a batch's Run only where the plan or an extension asks for them.
 
     SplitRun    plans that split the backward (zero_bubble, zbv): B computes the input's gradient
                 only (split_backward.py) and holds the graph; W, later, the weights'
-    OwnLosses   a chunk's own loss (MoE's load balancing, moe_aux.py), backpropagated with its
-                output: summed into the last part's loss, a second root elsewhere
-    Schedule    the executor that picks among them, times each step for a recorder
-                (engine.trace) and counts the activations held at once (`max_in_flight`)
+    OwnLosses   extensions' `extra_loss`: after each chunk's forward while training, its own
+                loss for the micro-batch (MoE's load balancing, moe_aux.py), added to the
+                reported loss and backpropagated with the output, one backward through the
+                shared graph: summed into the last part's loss, a second root elsewhere
+    Weighed     extensions' `weigh_micro_batches`: the last stage weighs micro-batches by
+                counted targets (loss_weights.py), not by their share of the samples
+    Timed       each step's wall time to a recorder (Engine.trace): (label, start, end)
+    Schedule    the executor that composes them, only on the ranks and batches that need them,
+                and counts the activations held at once (`max_in_flight`)
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from functools import lru_cache
+from itertools import accumulate
+from typing import Any, Optional, Sequence
 
 import torch
 
+from ..context import gpc
 from ..extensions import Extension, synchronising
 from .executor import Executor, Run
 from .split_backward import SplitBackward
@@ -21,12 +30,11 @@ from .steps import Comm, Compute, step_label
 
 
 class SplitRun(Run):
-    """B: the input's gradient only, the graph held for W; W: the weights' gradients."""
-
     def backward(self, step: Compute) -> None:
         if step.kind == "B":
             return super().backward(step)
-        c, last = step.chunk, step == self.last_backward[step.chunk]
+        c = step.chunk
+        last = step == self.last_backward[c]
         # extensions: a chunk's gradients are averaged once, in its last W's last backward (DDP)
         self.held.pop((c, step.mb)).weight_grads(
             lambda final: synchronising(self.extensions, c, last=last and final))
@@ -39,17 +47,14 @@ class SplitRun(Run):
 
 
 class OwnLosses(Run):
-    """extensions: after each chunk's forward while training, the chunk's own losses for the
-    micro-batch (`extra_loss`), added to the reported loss and backpropagated with the output
-    (one backward through the shared graph)."""
-
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.own: dict[tuple, torch.Tensor] = {}  # (chunk, mb) -> its own loss, until B
 
     def forward(self, step: Compute) -> None:
         super().forward(step)
-        c, m = step.chunk, step.mb
+        c = step.chunk
+        m = step.mb
         own = self.own_loss(c, m) if self.training else None
         if own is None:
             return
@@ -69,43 +74,60 @@ class OwnLosses(Run):
                     own = more if own is None else own + more
         return own
 
-    def roots(self, output: torch.Tensor, c: int, v: int, m: int) -> tuple[list, list]:
-        roots, grads = super().roots(output, c, v, m)
+    def backprop(self, roots: list, grads: list, x: torch.Tensor, c: int, m: int) -> None:
         own = self.own.pop((c, m), None)
-        if own is None:
-            return roots, grads
-        scaled = own * self.loss_scale  # scaled like the loss
-        return roots + [scaled], grads + [torch.ones_like(scaled)]
+        if own is not None:
+            scaled = own * self.loss_scale  # scaled like the loss
+            roots = roots + [scaled]
+            grads = grads + [torch.ones_like(scaled)]
+        super().backprop(roots, grads, x, c, m)
 
 
-class SplitOwnLosses(OwnLosses, SplitRun):
-    pass
+class Weighed(Run):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        if self.criterion is not None:
+            for extension in self.extensions:
+                weigh = extension.weigh_micro_batches(self.criterion, self.y_mb, self.training)
+                self.weigh = weigh or self.weigh
 
 
-def has_own_losses(extensions: Sequence[Extension]) -> bool:
-    return any(type(e).extra_loss is not Extension.extra_loss for e in extensions)
+class Timed(Run):
+    def __init__(self, executor: Executor, *args: Any) -> None:
+        super().__init__(executor, *args)
+        self.recorder = executor.recorder
+
+    def step(self, step: Any, where: str) -> None:
+        started = time.time()
+        super().step(step, where)
+        if isinstance(step, Comm):
+            label = "send/recv " + ", ".join(f"{t.what}{t.mb}" for t in step.sends + step.recvs)
+        else:
+            label = step_label(step, len(self.chunks))
+        self.recorder(label, started, time.time())
+
+
+def overrides(extensions: Sequence[Extension], point: str) -> bool:
+    return any(getattr(type(e), point) is not getattr(Extension, point) for e in extensions)
+
+
+@lru_cache
+def composed(mixins: tuple) -> type:
+    """One Run class with these mixins, in this order."""
+    return type("".join(m.__name__ for m in mixins), mixins, {})
 
 
 class Schedule(Executor):
-    """The executor with every feature's Run, a step recorder and the activations counted."""
+    """The executor with the mixins each batch needs and the activations counted."""
+    recorder = None  # Engine.trace sets it
 
     def run_type(self, extensions: Sequence[Extension]) -> type:
-        split = self.name in ("zero_bubble", "zbv")
-        if has_own_losses(extensions):
-            return SplitOwnLosses if split else OwnLosses
-        return SplitRun if split else Run
-
-    def steps(self, plan: list) -> Iterable:
-        self.last_plan = plan  # for max_in_flight
-        return plan if self.recorder is None else self.timed(plan)
-
-    def timed(self, plan: list) -> Iterator:
-        """The plan's steps in order; each one's wall time to the recorder (Engine.trace)."""
-        for step in plan:
-            started = time.time()
-            yield step
-            if self.recorder:
-                self.recorder(_label(step, self.num_chunks), started, time.time())
+        holds_loss = self.output_rank() == gpc.pipeline_rank
+        wanted = {OwnLosses: overrides(extensions, "extra_loss"),
+                  Weighed: holds_loss and overrides(extensions, "weigh_micro_batches"),
+                  SplitRun: self.name in ("zero_bubble", "zbv"), Timed: self.recorder is not None}
+        mixins = tuple(mixin for mixin, needed in wanted.items() if needed)
+        return composed(mixins) if mixins else Run
 
     @property
     def max_in_flight(self) -> int:
@@ -115,14 +137,4 @@ class Schedule(Executor):
         freed_by = "W" if any(s.kind == "W" for s in plan) else "B"
         if not any(s.kind == freed_by for s in plan):
             return 0
-        held = peak = 0
-        for s in plan:
-            held += (s.kind == "F") - (s.kind == freed_by)
-            peak = max(peak, held)
-        return peak
-
-
-def _label(step: Any, V: int) -> str:
-    if isinstance(step, Comm):
-        return "send/recv " + ", ".join(f"{t.what}{t.mb}" for t in step.sends + step.recvs)
-    return step_label(step, V)
+        return max(accumulate((s.kind == "F") - (s.kind == freed_by) for s in plan))

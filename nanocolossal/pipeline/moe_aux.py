@@ -1,33 +1,27 @@
 """MoE's load-balancing loss in training: every layer's reaches the backward, pipelined or not.
 
-In one process the training loss of a batch is cross-entropy + w x (sum of every MoE layer's
-aux loss), w = MOE_AUX_WEIGHT. Without a pipeline that is what engine.criterion returns while
-training (`MoeAuxLoss.loss`). Cut into stages, the MoE layers of stage 0 never see the loss:
-only the last stage applies the criterion. But the aux loss of a layer depends only on that
-layer's router, so its gradient is local to the stage that holds it. The executor
-(executor_features.py's OwnLosses) therefore, per micro-batch m and chunk c, after F(c, m)
+In one process a batch's training loss is cross-entropy + w x (sum of every MoE layer's aux
+loss), w = MOE_AUX_WEIGHT: what engine.criterion returns while training (`MoeAuxLoss.loss`).
+Cut into stages, only the last stage applies the criterion, but a layer's aux loss depends only
+on its router, so its gradient is local to the stage that holds it. The executor
+(executor_features.py's OwnLosses) adds, after F(c, m) of chunk c and micro-batch m
 (`MoeAuxLoss.extra_loss`):
 
     aux(c, m) = w x (sum of chunk c's MoE layers' aux loss of micro-batch m) x share(m)
 
-where share(m) is micro-batch m's share of the samples (1/M for equal micro-batches; a counted
-cross-entropy weighs W_m G / W instead, loss_weights.py, but the aux loss is a mean over tokens
-and keeps the sample share), and
-B(c, m) backpropagates it together with what it already did:
+share(m) being m's share of the samples (a counted cross-entropy weighs by targets instead,
+loss_weights.py, but the aux loss is a mean over tokens and keeps the sample share). B(c, m)
+backpropagates it with what it already did:
 
     last stage    (criterion(m) x share(m) + aux(c, m)) x loss scale
     other stage   output(m) with the gradient from the next stage, and aux(c, m) x loss scale
 
-The sum over micro-batches and stages of those gradients is the one-process gradient of
-mean_m(CE_m + w x aux_m) -- one process running the same M micro-batches (the aux loss is a
-product of two means over the tokens, so a micro-batch's aux is over that micro-batch's tokens
-on all data ranks, as with gradient accumulation). The aux's all-reduce over the stage's data
-ranks runs in the forward and again in the backward of every micro-batch; the data replicas of
-a stage run the same plan, so they meet in the same order.
-
-The reported loss: each stage adds its aux(c, m) to its running total, the last stage its
-cross-entropy too; one all-reduce (sum) over the pipeline group gives every stage the
-one-process training loss. Only when training: forward_only (evaluation) adds no aux loss.
+Summed over micro-batches and stages, that is the one-process gradient of mean_m(CE_m + w x
+aux_m) for the same M micro-batches (a micro-batch's aux is over its tokens on all data ranks,
+as with gradient accumulation). The aux's all-reduce over the stage's data ranks runs in every
+micro-batch's forward and backward; a stage's data replicas run one plan, so they meet in order.
+Each stage adds its aux(c, m) to its reported loss (the last its cross-entropy too); the
+pipeline's all-reduce gives every stage the one-process training loss. Evaluation adds none.
 """
 from __future__ import annotations
 
@@ -45,7 +39,8 @@ class MoeAuxLoss(Extension):
     initialize adds it for a model with MoE layers."""
 
     def __init__(self, model: nn.Module, weight: float, forward_module: nn.Module) -> None:
-        self.model, self.weight = model, weight
+        self.model = model
+        self.weight = weight
         self.forward_module = forward_module  # its training flag says training
 
     def loss(self, compute: Callable, output: Any, label: Any) -> torch.Tensor:

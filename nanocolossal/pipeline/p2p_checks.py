@@ -1,5 +1,6 @@
 """p2p.py's refusals and error messages (each called by one line from the core): what cannot be
-sent, a stage whose output changed shape, and a transfer that failed, with both ranks named."""
+sent, a stage whose output changed shape, and a transfer (or a send, at `flush`) that failed,
+with both ranks named."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -55,11 +56,3 @@ def transfer_errors(ops: list, where: str) -> Iterator[None]:
                            "a peer may have stopped or timed out (timeout "
                            f"{gpc.timeout.total_seconds():.0f} s)") from e
 
-
-@contextmanager
-def send_errors(where: str) -> Iterator[None]:
-    try:
-        yield
-    except RuntimeError as e:
-        raise RuntimeError(f"[rank {gpc.rank}] a pipeline send did not complete at "
-                           f"{where}: {e}") from e

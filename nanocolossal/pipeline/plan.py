@@ -1,8 +1,6 @@
 """Pipeline schedules as plain data: what each rank computes, sends and receives, in order.
 
-A plan (steps.py) is a list of compute steps -- forward F(c, m) and backward B(c, m) of chunk c
-and micro-batch m -- and communication batches. The model is cut into P * V parts; rank r holds
-chunks c = 0..V-1 (chunk c is part c * P + r); a batch into M micro-batches.
+A plan is a list of steps (steps.py: F(c, m), B(c, m) of chunk c and micro-batch m, messages).
 
 GPipe: all forwards, then all backwards. Simple, but every rank holds all M micro-batches'
 activations at the peak. (P=4, M=8; a forward takes one time unit (2 columns), a backward two)
@@ -33,7 +31,11 @@ Zero bubble (ZB-H1, ZB-V; zero_bubble.py) splits each backward in two, B the inp
 and W the weights', and fills the bubble with the W's nobody waits for.
 
 `one_f_one_b` below is 1F1B on one rank as the textbooks draw it, in one screen, and is what the
-executor (executor.py) runs for 1F1B, training and evaluation (forwards only);
+executor (executor.py) runs for 1F1B, training and evaluation (forwards only). Before each
+forward a rank receives its input activation (unless it is the first stage), before each
+backward the gradient of its output (unless it is the last); after each it sends the result on.
+One communication batch between two computations posts the sends of the one before with the
+receives of the one after, so neighbours never wait on each other in a ring.
 `round_plan` is the same loop generalised to GPipe and interleaved chunks (a test proves it gives
 `one_f_one_b`'s plan), and to ZB-H1's order (`zero_bubble_order`); ZB-V's order (`zbv_order`)
 runs with its messages on time (`on_time_plan`). `build_plan` picks among the three.
@@ -45,29 +47,13 @@ from __future__ import annotations
 # SCHEDULES, check_sizes and PlanError are also named here, as before
 from .plan_checks import SCHEDULES as SCHEDULES
 from .plan_checks import check_sizes
-from .steps import (
-    Comm,
-    Compute,
-    Step,
-    Transfer,
-    received_by,
-    sent_by,
-    v_shaped,
-    virtual_stage,
-)
+from .steps import Comm, Compute, Step, Transfer, received_by, sent_by, v_shaped, virtual_stage
 from .steps import PlanError as PlanError
 from .zero_bubble import on_time_plan, zbv_order, zero_bubble_order
 
 
 def one_f_one_b(P: int, M: int, rank: int, forward_only: bool = False) -> list[Step]:
-    """1F1B on pipeline rank `rank` of P, M micro-batches: the textbook loop.
-
-    Before each forward a rank receives its input activation (unless it is the first stage),
-    before each backward the gradient of its output (unless it is the last); after each it sends
-    the result on. One communication batch between two computations posts the sends of the one
-    before with the receives of the one after, so neighbours never wait on each other in a ring.
-    Evaluation (`forward_only`) runs the forwards alone.
-    """
+    """1F1B on pipeline rank `rank` of P, M micro-batches: the textbook loop (see above)."""
     first, last = rank == 0, rank == P - 1
     plan: list[Step] = []
     sends: tuple[Transfer, ...] = ()
@@ -87,7 +73,7 @@ def one_f_one_b(P: int, M: int, rank: int, forward_only: bool = False) -> list[S
             sends = () if first else (Transfer("grad", rank, rank - 1, m),)
 
     warmup = min(P - rank - 1, M)  # forwards until the first micro-batch's gradient can return
-    if forward_only:                             # evaluation: the forwards alone
+    if forward_only:  # evaluation: the forwards alone
         warmup = M
     for m in range(warmup):                      # warm-up
         run("F", m)
@@ -170,8 +156,7 @@ def compute_order(schedule: str, P: int, M: int, V: int, rank: int,
 
 def build_plan(schedule: str, P: int, M: int, V: int, rank: int,
                forward_only: bool = False) -> list[Step]:
-    """What rank `rank` runs: under 1F1B the textbook loop (`one_f_one_b`), for zbv
-    messages on time (`on_time_plan`), for the others `round_plan`."""
+    """What rank `rank` runs: 1F1B's loop, zbv's messages on time, or `round_plan`."""
     if schedule == "1f1b":
         check_sizes(schedule, P, M, V)
         return one_f_one_b(P, M, rank, forward_only)
@@ -183,14 +168,12 @@ def build_plan(schedule: str, P: int, M: int, V: int, rank: int,
 
 def round_plan(schedule: str, P: int, M: int, V: int, rank: int,
                forward_only: bool = False) -> list[Step]:
-    """Compute steps with their communication. Between two rounds, one batch posts the previous
-    round's sends together with every receive the next round needs. GPipe and 1F1B use rounds of
-    one step (Megatron's send_forward_recv_backward and send_backward_recv_forward), so an
-    activation leaves as soon as it is computed. Interleaved 1F1B pairs each steady-state
-    forward with its backward (Megatron's send_forward_backward_recv_forward_backward):
-    posting a backward's receive only after the paired forward would let the ranks wait on
-    each other around the ring -- the simulator finds that deadlock. For 1F1B this gives
-    `one_f_one_b`'s plan (a test proves it), which is the loop generalised."""
+    """Compute steps with their messages: between two rounds, one batch posts the previous
+    round's sends with every receive the next needs. GPipe and 1F1B use rounds of one step
+    (Megatron's send_forward_recv_backward), so an activation leaves at once; interleaved 1F1B
+    pairs each steady forward with its backward (send_forward_backward_recv_forward_backward):
+    a backward's receive posted after the paired forward would deadlock around the ring (the
+    simulator finds it). For 1F1B it gives `one_f_one_b`'s plan (a test proves it)."""
     last = P * V - 1
     plan: list[Step] = []
     pending: list[Transfer] = []

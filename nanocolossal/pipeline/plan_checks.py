@@ -1,10 +1,13 @@
 """The combinations of schedule, stages P, micro-batches M and chunks V that no plan can run
-(plan.py calls `check_sizes` by one line before building a plan)."""
+(plan.py calls `check_sizes` by one line before building a plan), and the config's pipeline
+keys (`check_pipeline_config`, from config_checks.py's list)."""
 from __future__ import annotations
 
+from ..config import Config, ConfigError, is_positive_int
 from .steps import PlanError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
+
 
 def check_sizes(schedule: str, P: int, M: int, V: int) -> None:
     """Raise PlanError for a combination no schedule can run."""
@@ -29,3 +32,21 @@ def check_sizes(schedule: str, P: int, M: int, V: int) -> None:
     if M < P:
         raise PlanError(f"NUM_MICRO_BATCHES={M} is smaller than the pipeline size {P}: stages "
                         f"would idle most of the time; use at least {P} micro-batches")
+
+
+def check_pipeline_config(cfg: Config) -> None:
+    """PIPELINE_SCHEDULE names one of plan.py's schedules; NUM_MICRO_BATCHES and NUM_CHUNKS are
+    counts; TENSOR_SHAPE is one micro-batch's activation shape (p2p.py)."""
+    schedule = cfg.get("PIPELINE_SCHEDULE")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ConfigError(f"PIPELINE_SCHEDULE must be one of {', '.join(map(repr, SCHEDULES))}, "
+                          f"got {schedule!r}")
+    for key in ("NUM_MICRO_BATCHES", "NUM_CHUNKS"):
+        value = cfg.get(key)
+        if value is not None and not is_positive_int(value):
+            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    shape = cfg.get("TENSOR_SHAPE")
+    if shape is not None and not (isinstance(shape, (list, tuple)) and shape
+                                  and all(map(is_positive_int, shape))):
+        raise ConfigError(f"TENSOR_SHAPE must be a non-empty list of positive ints (one "
+                          f"micro-batch's activation), got {shape!r}")

@@ -8,9 +8,8 @@ which holds them until W: P; ZB-V: 2P chunks', P micro-batches').
 
 `timeline` gives each compute step its earliest start under costs (forward f, input gradient b,
 weight gradient w, an unsplit backward b + w; communication free; zero_bubble.py's
-`earliest_starts`) and `render` draws it, as in the docstrings of plan.py and zero_bubble.py;
-the bubble it measures is the formula's (`bubble_formula`): (P - 1) / (V * M + P - 1), ZB-H1's
-(P - 1)(f + b - w) idle per rank and ZB-V's (P - 1) f.
+`earliest_starts`) and `render` draws it, as in the docstrings of plan.py and zero_bubble.py; the
+bubble it measures is the formula's there (`bubble_formula`).
 
 Before a launch, `nanocolossal plan` computes these activation bytes and bubbles
 (nanocolossal/plan/activations.py).
@@ -39,11 +38,8 @@ class DeadlockError(RuntimeError):
 
 
 def simulate(plans: list[list[Step]], P: int, V: int = 1, v_shape: bool = False) -> dict:
-    """Run plans symbolically with rendezvous semantics: a transfer completes only when the sender
-    and the receiver have both posted it; one between two parts on the same rank (`v_shape`:
-    zbv's chunks in a V) is handed over as soon as it is computed. Returns {"max_in_flight": [per
-    rank], "transfers": n}; raises PlanError (or DeadlockError) where a plan computes before its
-    input arrives or waits forever."""
+    """Run plans symbolically (above; a hand-over between two parts on one rank, zbv's, is at
+    once) -> {"max_in_flight": [per rank], "transfers": n}; PlanError or DeadlockError."""
     pos = [0] * len(plans)
     completed: set[Transfer] = set()
     received: list[set] = [set() for _ in plans]
@@ -51,7 +47,8 @@ def simulate(plans: list[list[Step]], P: int, V: int = 1, v_shape: bool = False)
     done_b: list[set] = [set() for _ in plans]
     # activations are held until the weights' gradient: W where the backward is split, else B
     split = [any(isinstance(s, Compute) and s.kind == "W" for s in plan) for plan in plans]
-    in_flight, max_in_flight = [0] * len(plans), [0] * len(plans)
+    in_flight = [0] * len(plans)
+    max_in_flight = [0] * len(plans)
     while any(pos[r] < len(plans[r]) for r in range(len(plans))):
         posted = {}
         for r, plan in enumerate(plans):  # what each rank waits on right now
@@ -112,9 +109,7 @@ def _handed_over(t: Transfer, P: int, V: int, v_shape: bool) -> set[Transfer]:
 
 def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost: int = 1,
              w_cost: int = 1) -> dict:
-    """Earliest start times of each rank's compute steps given costs (communication free): a
-    forward f, the input's gradient b, the weights' w -- one backward step b + w where the
-    schedule does not split it."""
+    """Each rank's compute steps at their earliest starts under the costs above."""
     orders = [compute_order(schedule, P, M, V, r) for r in range(P)]
     split = any(s.kind == "W" for s in orders[0])
     cost = {"F": f_cost, "B": b_cost if split else b_cost + w_cost, "W": w_cost}
@@ -126,15 +121,14 @@ def timeline(schedule: str, P: int, M: int, V: int = 1, f_cost: int = 1, b_cost:
 
 def bubble_formula(schedule: str, P: int, M: int, V: int = 1, f: float = 1, b: float = 1,
                    w: float = 1) -> float:
-    """The papers' bubble fraction: (P - 1) / (V * M + P - 1) for GPipe and (interleaved) 1F1B;
-    ZB-H1 idles (P - 1) * (f + b - w) per rank beside M * (f + b + w) of work (Qi et al.); ZB-V,
-    whose costs are a chunk's (half a stage), idles only while the first micro-batch comes down
-    to a rank and the last goes back, (P - 1) * f, beside 2M * (f + b + w) of work -- when
-    f = b = w, the paper's condition (otherwise its fixed order idles more)."""
+    """The papers' bubble fraction (above). ZB-V's costs are a chunk's (half a stage), its
+    2M * (f + b + w) of work; exact when f = b = w, the paper's condition (else it idles more)."""
     if schedule == "zero_bubble":
-        idle, work = (P - 1) * (f + b - w), M * (f + b + w)
+        idle = (P - 1) * (f + b - w)
+        work = M * (f + b + w)
     elif schedule == "zbv":
-        idle, work = (P - 1) * f, 2 * M * (f + b + w)
+        idle = (P - 1) * f
+        work = 2 * M * (f + b + w)
     else:
         return (P - 1) / (V * M + P - 1)
     return idle / (idle + work)

@@ -39,7 +39,10 @@ class TwoBackwards:
 
     def __init__(self, roots: list, grads: list, x: Optional[torch.Tensor],
                  weights: list) -> None:
-        self.roots, self.grads, self.x, self.weights = roots, grads, x, weights
+        self.roots = roots
+        self.grads = grads
+        self.x = x
+        self.weights = weights
 
     def input_grad(self) -> None:
         if self.x is not None and self.roots:
@@ -56,7 +59,9 @@ class SplitBackward:
 
     def __init__(self, roots: list, grads: list, x: Optional[torch.Tensor],
                  weights: list) -> None:
-        self.roots, self.grads, self.x = roots, grads, x
+        self.roots = roots
+        self.grads = grads
+        self.x = x
         spine = _leads_to(roots, get_gradient_edge(x).node if x is not None else None)
         refuse_recomputation(spine)  # a checkpointed block's weights are not in the graph
         wanted = {id(w): w for w in weights}
@@ -137,7 +142,9 @@ def _leads_to(roots: list, target: Optional[Node]) -> dict:
 
 def _nearest(roots: list, nodes: list) -> Optional[Node]:
     """The first of `nodes` a breadth-first walk from the roots meets."""
-    targets, queue, seen = set(nodes), [r.grad_fn for r in roots], set()
+    targets = set(nodes)
+    queue = [r.grad_fn for r in roots]
+    seen = set()
     for node in queue:
         if node in targets:
             return node
@@ -149,7 +156,9 @@ def _nearest(roots: list, nodes: list) -> Optional[Node]:
 
 def _weights_below(nodes: list, wanted: dict) -> list:
     """The wanted leaves (weights) whose gradients the nodes' subgraph accumulates."""
-    found, stack, seen = [], list(nodes), set()
+    found = []
+    stack = list(nodes)
+    seen = set()
     while stack:
         node = stack.pop()
         if node in seen:

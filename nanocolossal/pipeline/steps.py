@@ -32,10 +32,10 @@ class Compute:
     mb: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Transfer:
     """One point-to-point message: `what` ("act" forward, "grad" backward) of micro-batch `mb`
-    from virtual stage `src` to virtual stage `dst`."""
+    from virtual stage `src` to virtual stage `dst`. Both ends post a batch's messages sorted."""
     what: str
     src: int
     dst: int
@@ -56,9 +56,7 @@ class PlanError(ValueError):
 
 
 def virtual_stage(chunk: int, rank: int, P: int, v_shape: bool = False) -> int:
-    """Which of the P * V model parts chunk `chunk` of pipeline rank `rank` is: part c * P + r,
-    looping down the ranks; in a V (zbv) the odd chunks come back up, chunk 1 of rank r being
-    part 2P - 1 - r (so parts P - 1 and P, the bottom of the V, share rank P - 1)."""
+    """Which of the P * V model parts chunk `chunk` of pipeline rank `rank` is (see above)."""
     if v_shape and chunk % 2:
         return (chunk + 1) * P - 1 - rank
     return chunk * P + rank
@@ -81,8 +79,7 @@ def v_shaped(schedule: str) -> bool:
 
 
 def received_by(step: Compute, v: int, last: int) -> list[Transfer]:
-    """What compute step `step` of part v receives: a forward its input, a backward the gradient
-    of its output (none for the first and last parts, and none for W)."""
+    """What step `step` of part v receives: F its input, B its output's gradient (W: none)."""
     if step.kind == "F" and v > 0:
         return [Transfer("act", v - 1, v, step.mb)]
     if step.kind == "B" and v < last:
@@ -91,8 +88,7 @@ def received_by(step: Compute, v: int, last: int) -> list[Transfer]:
 
 
 def sent_by(step: Compute, v: int, last: int) -> list[Transfer]:
-    """What compute step `step` of part v sends on: a forward its output, a backward its input's
-    gradient."""
+    """What step `step` of part v sends on: F its output, B its input's gradient."""
     if step.kind == "F" and v < last:
         return [Transfer("act", v, v + 1, step.mb)]
     if step.kind == "B" and v > 0:
@@ -101,8 +97,7 @@ def sent_by(step: Compute, v: int, last: int) -> list[Transfer]:
 
 
 def chunk_name(chunk: int, V: int) -> str:
-    """Chunk suffix of a step label: none without interleaving, a, b, ... up to 26 chunks, else
-    .0, .1, ..."""
+    """A step label's chunk: none for V = 1, a, b, ... up to 26 chunks, else .0, .1, ..."""
     if V == 1:
         return ""
     return string.ascii_lowercase[chunk] if V <= len(string.ascii_lowercase) else f".{chunk}"

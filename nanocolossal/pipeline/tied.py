@@ -11,13 +11,13 @@ replicas.py). They stay equal if both step with the one-process gradient, the su
 
 (Megatron's "embedding group".) One group per (data rank, tensor rank), so each tensor slice is
 summed with its own counterpart. Clipping counts such a parameter once: each copy adds its
-squares divided by its number of copies (`pipeline_copies`).
+squares divided by its number of copies (`pipeline_copies`). build_pipeline_model ties only a
+model where two layers hold one weight.
 
 `TiedGradients` sums them after a batch's last backward (extensions.py: end_group), after the
-data-parallel mean: stages may reduce differently -- with MoE only in later blocks, stage 0
-runs DDP (averaged in backward) and the last stage a gradient handler (averaged at end_group);
-summing first would hand stage 0 the other stage's un-averaged gradient, a different one on
-each data rank. initialize.py puts it after the handlers for that.
+data-parallel mean (initialize.py orders it so): stages may reduce differently -- with MoE only
+in later blocks, stage 0 averages in backward (DDP), the last stage at end_group; summing first
+would hand stage 0 the other's un-averaged gradient, a different one on each data rank.
 
 Before a launch, `nanocolossal plan` computes these elements sent (nanocolossal/plan/traffic.py).
 """
@@ -38,12 +38,11 @@ Tied = list[tuple[nn.Parameter, Optional[dist.ProcessGroup]]]
 
 def tie_across_stages(layers: nn.Sequential, starts: Sequence[int], sizes: Sequence[int],
                       v_shape: bool = False) -> Tied:
-    """The parameters this rank shares with other stages, each with the group to sum over. (In
-    zbv's V the first and last parts are both on rank 0: one tensor there, summed by autograd.)
-
-    Collective: every rank creates every group, in the same order (the order parameters first
-    appear in the model, which every rank built alike)."""
-    P, T = gpc.pipeline_size, gpc.tensor_size
+    """The parameters this rank shares with other stages, each with the group to sum over (zbv's
+    first and last parts are both on rank 0: autograd sums there). Collective: every rank makes
+    every group, in the order the parameters first appear in the model, built alike."""
+    P = gpc.pipeline_size
+    T = gpc.tensor_size
     holders: dict[int, tuple[nn.Parameter, set[int]]] = {}
     for part, (start, size) in enumerate(zip(starts, sizes)):
         for layer in layers[start:start + size]:
@@ -67,9 +66,9 @@ def tie_across_stages(layers: nn.Sequential, starts: Sequence[int], sizes: Seque
 
 
 def sum_tied_gradients(tied: Tied) -> None:
-    """Each copy's gradient becomes the sum over the stages that hold one (after backward). A
-    weight no stage computed a gradient for this step keeps none, as in one process: zeros would
-    let momentum and weight decay move it. (A flag first, so a used weight is summed in place.)"""
+    """Each copy's gradient becomes the sum over the stages that hold one. A weight no stage
+    used this step keeps none, as in one process (zeros would let momentum and weight decay
+    move it): a flag first."""
     for param, group in tied:
         anyone = torch.tensor([param.grad is not None], dtype=torch.float32, device=param.device)
         dist.all_reduce(anyone, group=group)
@@ -85,7 +84,8 @@ class TiedGradients(Extension):
     not whole ones: zero/tied.py sums those (sum_sharded_tied_gradients), and `summing` is that."""
 
     def __init__(self, tied: Tied, summing: Optional[Callable[[Tied], None]] = None) -> None:
-        self.tied, self.summing = tied, summing or sum_tied_gradients
+        self.tied = tied
+        self.summing = summing or sum_tied_gradients
 
     def end_group(self) -> None:
         self.summing(self.tied)

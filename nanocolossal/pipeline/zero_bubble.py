@@ -45,16 +45,7 @@ the clock of `earliest_starts` (which simulate.py's timelines also use).
 """
 from __future__ import annotations
 
-from .steps import (
-    Comm,
-    Compute,
-    PlanError,
-    Step,
-    handed_over,
-    received_by,
-    sent_by,
-    virtual_stage,
-)
+from .steps import Comm, Compute, PlanError, Step, handed_over, received_by, sent_by, virtual_stage
 
 
 def zero_bubble_order(P: int, M: int, rank: int) -> list[Compute]:
@@ -128,13 +119,11 @@ def zbv_order(P: int, M: int, rank: int) -> list[Compute]:
 
 def on_time_plan(orders: list[list[Compute]], P: int, V: int, rank: int,
                  v_shape: bool) -> list[Step]:
-    """Rank `rank`'s compute steps (`orders`: every rank's, in order) with messages timed by the
-    clock of `earliest_starts` (every step one unit): a message is posted, by its sender and its
-    receiver alike, in the batch at the time its receiver starts the step that needs it. Both
-    ends post each message at the same time, so the batches at time t wait only on batches at
-    time t, and those only on steps that started before t: no ring of ranks can wait on each
-    other, whatever the order of steps (zbv's sends to both neighbours, in both directions,
-    would deadlock with `round_plan`'s batches)."""
+    """Rank `rank`'s compute steps (`orders`: every rank's) with messages on the clock of
+    `earliest_starts` (every step one unit): sender and receiver post a message in the batch at
+    the time its receiver starts the step that needs it. Batches at time t wait only on batches
+    at t, and those on steps started before t: no ring of ranks waits on itself, whatever the
+    order (zbv's sends go both ways; `round_plan`'s batches would deadlock)."""
     last = P * V - 1
     rows = earliest_starts(orders, P, V, v_shape, {"F": 1, "B": 1, "W": 1})
     starts = {(s.kind, virtual_stage(s.chunk, r, P, v_shape), s.mb): start
@@ -167,7 +156,8 @@ def earliest_starts(orders: list[list[Compute]], P: int, V: int, v_shape: bool,
     the next part's B (the last part's after its own forward), W after its B."""
     end: dict[tuple, float] = {}   # (kind, virtual stage, mb) -> finish time
     rows: list[list] = [[] for _ in range(P)]
-    free, idx = [0] * P, [0] * P
+    free = [0] * P  # when each rank is next idle
+    idx = [0] * P  # each rank's next step
     last = P * V - 1
     while any(idx[r] < len(orders[r]) for r in range(P)):
         moved = False
