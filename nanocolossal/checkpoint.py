@@ -26,20 +26,15 @@ leaves stage 0 from step 12 beside stage 1 from step 9. So every save has one id
 rank 0, recorded in each stage's file), and loading or merging checks that all stages carry
 the same one, refusing a mixed set with an error that lists each stage's step.
 
-Resuming mid-epoch is progress.py's part: every loop saves and resumes through its Progress.
-
 Loading strips `module.` (DDP), `model.` (wrappers) and `_orig_mod.` (torch.compile)
 prefixes and maps tensors to this rank's device. A file loads only into the layout that wrote
 it (pipeline size and cut -- the layers each stage holds, which PIPELINE_SCHEDULE, NUM_CHUNKS
 and the partition decide --, tensor mode and size); another layout is an error that names both
 and the way across: `merge_checkpoint` it into the plain model, `load_plain_state_dict` that.
 
-Files are written with torch.save and read with torch.load(weights_only=True) plus an
-allow-list of the types our files hold (checkpoint_files.read_file): loading a file cannot run
-code from it. A file that holds other objects is refused with an error naming them; pass
-`trusted=True` to load such a file you trust. The offline part (reading, merging, cutting a
-plain state_dict again) lives in checkpoint_files.py and checkpoint_merge.py; their names are
-re-exported here.
+Files are read without running code from them (checkpoint_files.py; `trusted=True` for a file
+you trust that holds other objects). The offline part (reading, merging, cutting a plain
+state_dict again) lives in checkpoint_files.py and checkpoint_merge.py, re-exported here.
 """
 from __future__ import annotations
 
@@ -94,7 +89,7 @@ def stage_path(path: PathLike, stage: Optional[int] = None,
         parts.append(f"stage{gpc.pipeline_rank if stage is None else stage}")
     if _tensor_split() > 1 or tensor_rank is not None:
         parts.append(f"tensor{gpc.tensor_rank if tensor_rank is None else tensor_rank}")
-    if gpc.moe_size > 1:  # each rank of an expert-parallel group holds other experts
+    if gpc.ep_size > 1:  # each rank of an expert-parallel group holds other experts
         parts.append(f"expert{gpc.ep_rank}")
     return path.with_name("-".join([path.stem, *parts]) + path.suffix) if parts else path
 
@@ -186,7 +181,7 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
         model_state = strip_prefixes(unwrap(model).state_dict())  # (ZeRO 3 alone: gathers)
     # sequence ranks hold replicas too: one of them writes; with experts (parallel.moe) each
     # rank of the first expert-parallel group, whose ranks hold different experts
-    if gpc.gradient_rank < gpc.moe_size:
+    if gpc.gradient_rank < gpc.ep_size:
         splits = tensor_splits_of(model)
         state = {"epoch": epoch, "save_id": save_id[0],
                  "model": model_state,
@@ -198,7 +193,7 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
                  "tensor": {"rank": gpc.tensor_rank, "size": _tensor_split(),
                             "mode": _job_layout()[2], "side": grid_side(),
                             "splits": splits, "shapes": _plain_shapes(model, splits)},
-                 "moe": {"rank": gpc.ep_rank, "size": gpc.moe_size},
+                 "moe": {"rank": gpc.ep_rank, "size": gpc.ep_size},
                  "cpu_half": cpu_half.stored_choice()}
         atomic_save(state, stage_path(path))
     if gpc.is_initialized and gpc.world_size > 1:
@@ -278,7 +273,7 @@ def _tensor_split() -> int:
 
 def _job_layout() -> LayoutSizes:
     return (gpc.pipeline_size, _tensor_split(), gpc.tensor_mode if _tensor_split() > 1 else None,
-            gpc.moe_size)
+            gpc.ep_size)
 
 
 def _check_layout(state: dict, file: Path, path: PathLike) -> None:
@@ -288,10 +283,7 @@ def _check_layout(state: dict, file: Path, path: PathLike) -> None:
         raise ConfigError(
             f"[rank {gpc.rank}] {file} was saved under {describe_layout(saved)}, but this job "
             f"runs {describe_layout(job)}: a checkpoint loads only into the layout that saved "
-            f"it. Launch {describe_layout(saved)}, or change layout through the plain model: "
-            f"state = merge_checkpoint({str(path)!r}) (offline, any layout's files), then "
-            f"load_plain_state_dict(model, state) in this job (the model only: optimizer and "
-            f"scheduler start afresh)")
+            f"it. Launch {describe_layout(saved)}, or change layout {_through_plain(path)}")
 
 
 def _stage_layers(model: nn.Module) -> Optional[list[list[int]]]:
@@ -313,9 +305,13 @@ def _check_cut(state: dict, file: Path, path: PathLike, model: nn.Module) -> Non
         f"[rank {gpc.rank}] {file} holds layers {show(saved)} (its stage as the saving job cut "
         f"the model), but this rank's stage holds layers {show(job)}: a checkpoint loads only "
         f"into the same cut (PIPELINE_SCHEDULE, NUM_CHUNKS, partition). Cut the model as it was, "
-        f"or change through the plain model: state = merge_checkpoint({str(path)!r}) (offline), "
-        f"then load_plain_state_dict(model, state) in this job (the model only: optimizer and "
-        f"scheduler start afresh)")
+        f"or change {_through_plain(path)}")
+
+
+def _through_plain(path: PathLike) -> str:
+    return (f"through the plain model: state = merge_checkpoint({str(path)!r}) (offline, any "
+            f"layout's files), then load_plain_state_dict(model, state) in this job (the model "
+            f"only: optimizer and scheduler start afresh)")
 
 
 def _refuse_other_layout(path: PathLike, trusted: bool) -> None:
@@ -339,6 +335,5 @@ def _refuse_an_older_save(path: PathLike, file: Path) -> None:
         raise ConfigError(
             f"[rank {gpc.rank}] {max(newer, key=lambda f: f.stat().st_mtime_ns)} was saved to "
             f"{str(path)!r} by another layout after {file}: the newest save there is not this "
-            f"job's layout. Continue from it through the plain model (state = "
-            f"merge_checkpoint({str(path)!r}), then load_plain_state_dict(model, state): the "
-            f"model only), or move its files away to resume the older save of this layout")
+            f"job's layout. Continue from it {_through_plain(path)}, or move its files away to "
+            f"resume the older save of this layout")

@@ -46,29 +46,25 @@ class Extension:
     """A feature's part in the Engine and the pipeline executor (see the module docstring)."""
 
     def loss(self, compute: Loss, output: Any, label: Any) -> torch.Tensor:
-        """engine.criterion: this micro-step's loss -- compute(output, label), or what the
-        feature makes of it."""
+        """engine.criterion: compute(output, label), or what the feature makes of it."""
         return compute(output, label)
 
     def group_labels(self, labels: Sequence[Any]) -> None:
         """engine.count_targets: the labels of the accumulation group about to run."""
 
     def sync(self, chunk: int, last: bool) -> ContextManager:
-        """Around a backward of model chunk `chunk` (the Engine: 0); `last` says it is the
-        chunk's last before the step, where gradients may be averaged."""
+        """Around a backward of chunk `chunk` (the Engine: 0); `last`: the chunk's last one."""
         return nullcontext()
 
     def end_group(self) -> None:
-        """After the last backward of an accumulation group (a pipeline: of a batch), before
-        clipping and the optimizer step: the gradients are complete."""
+        """After a group's last backward (a pipeline: a batch's), before clipping and step."""
 
     def clip_options(self) -> dict:
         """Keyword arguments for the optimizer's clip_grad_norm."""
         return {}
 
     def sync_buffers(self) -> None:
-        """Replicas take the same buffers (BatchNorm statistics): before evaluating, and before
-        each training batch of a pipeline stage."""
+        """Replicas take the same buffers (BatchNorm statistics)."""
 
     def output_labels(self, label: Any) -> Any:
         """The labels of the samples this rank's output holds (for metrics)."""
@@ -76,13 +72,11 @@ class Extension:
 
     def weigh_micro_batches(self, criterion: Callable, labels: list,
                             training: bool) -> Optional[MicroBatchLoss]:
-        """The executor, before a batch's forwards on the last stage: how micro-batch m's
-        loss is computed and weighed; None leaves the executor's (its share of the samples)."""
+        """How micro-batch m's loss is computed and weighed (None: by its share of samples)."""
         return None
 
     def extra_loss(self, module: nn.Module, share: float) -> Optional[torch.Tensor]:
-        """The executor, after a chunk's forward while training: a loss of the chunk's own,
-        for the micro-batch whose share of the batch is `share` (None: none)."""
+        """A loss of the chunk's own, for a micro-batch whose share of the batch is `share`."""
         return None
 
 

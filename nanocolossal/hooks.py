@@ -50,8 +50,8 @@ class BaseHook:
                         loss: Optional[torch.Tensor]) -> None: ...
 
     def state_dict(self) -> Optional[dict]:
-        """What a run resumed mid-epoch needs to continue this hook (None: nothing). A
-        checkpoint's save calls it on every rank: it may be a collective."""
+        """What a run resumed mid-epoch needs to continue this hook (None: nothing); called on
+        every rank, it may be a collective."""
         return None
 
     def load_state_dict(self, state: dict) -> None:
@@ -59,11 +59,8 @@ class BaseHook:
 
 
 class LossHook(BaseHook):
-    """Mean loss per sample over the epoch and all ranks -> metrics['train'|'test']['loss'].
-
-    Each iteration's loss is a batch mean, so it is weighted by the batch size: uneven last
-    batches and uneven evaluation shards then give exactly the whole-dataset mean.
-    """
+    """Mean loss per sample over the epoch and all ranks -> metrics['train'|'test']['loss']:
+    each batch mean weighted by its size, exact with uneven last batches and shards."""
 
     def __init__(self, priority: int = 0) -> None:
         super().__init__(priority)
@@ -201,12 +198,9 @@ def _timing(timer) -> str:
     if timer is None or not getattr(timer, "on", False) or not timer.has("train-step"):
         return ""
     step = timer.get_timer("train-step").get_history_mean()
-    epoch = timer.get_timer("train-epoch").history
-    return (
-        f", time: epoch {epoch[-1]:.3g} s, step {step:.3g} s"
-        if epoch
-        else f", time: step {step:.3g} s"
-    )
+    epochs = timer.get_timer("train-epoch").history
+    epoch = f" epoch {epochs[-1]:.3g} s," if epochs else ""
+    return f", time:{epoch} step {step:.3g} s"
 
 
 class LogMetricByEpochHook(BaseHook):
@@ -248,8 +242,7 @@ class LogMemoryByEpochHook(BaseHook):
 
 class SaveCheckpointHook(BaseHook):
     """Save model, optimizer (and scheduler) every `interval` epochs and, with `every_steps`, also
-    every that many optimizer steps; `epoch` counts completed epochs, `batch_in_epoch` the batches
-    done in the current one, so `Trainer.resume` can continue mid-epoch."""
+    every that many optimizer steps, so that `Trainer.resume` continues mid-epoch."""
 
     def __init__(self, checkpoint_path: str, interval: int = 1, lr_scheduler: Any = None,
                  every_steps: Optional[int] = None, priority: int = 20) -> None:
@@ -276,10 +269,9 @@ class SaveCheckpointHook(BaseHook):
 
 
 class PipelineTraceHook(BaseHook):
-    """Record a pipeline engine's schedule steps (forwards, backwards, sends and receives) during
-    training iterations `skip` .. `skip + keep - 1` (the first one also exchanges shapes, so it is
-    skipped by default), and write one Chrome trace of every rank after training: open it at
-    ui.perfetto.dev or chrome://tracing to see the real timeline beside plan.py's drawing."""
+    """Record a pipeline engine's schedule steps in training iterations `skip` to `skip + keep`
+    (excluded; the first also exchanges shapes), then write one Chrome trace of every rank: open
+    it at ui.perfetto.dev or chrome://tracing to see the real timeline beside plan.py's."""
 
     def __init__(self, path: str, skip: int = 1, keep: int = 3, priority: int = 0) -> None:
         super().__init__(priority)

@@ -116,8 +116,7 @@ def _checked_all_reduce(total: torch.Tensor) -> None:
 
 
 def weighed_ranks(spans_sequence: bool) -> int:
-    """G: the pieces the gradients' average divides by -- the ranks averaging gradients, or the
-    sequence groups among them where the criterion's mean spans one (nn/layers.py)."""
+    """G: the ranks averaging gradients, or their sequence groups where the mean spans one."""
     return gpc.gradient_size // (gpc.sequence_size if spans_sequence else 1)
 
 
@@ -169,8 +168,7 @@ class _GradientIfCounted(torch.autograd.Function):
 
 
 def gradient_if_counted(output: Any, count: torch.Tensor) -> Any:
-    """The criterion's input, passed through _GradientIfCounted (each tensor of it that needs a
-    gradient)."""
+    """The criterion's input, each tensor needing a gradient through _GradientIfCounted."""
     return map_tensors(lambda t: _GradientIfCounted.apply(count, t)
                        if t.requires_grad and t.is_floating_point() else t, output)
 
@@ -185,16 +183,12 @@ def weigh(loss: torch.Tensor, weight: torch.Tensor, count: torch.Tensor) -> torc
 class CountedTargets(Extension):
     """The weights above in the Engine and the pipeline executor (extensions.py).
 
-    engine.criterion: while training with more than one rank averaging gradients (or a counted
-    group), this rank's mean x W_p G / W, W this micro-step's count on all data ranks: their
-    average is the micro-step's mean. In a counted group (engine.count_targets) the gradient is
-    the share of the group's count instead, k / N of it for a group of k (backward divides by
-    N); the value stays the micro-step's, for logging (x + (y - y.detach()) is x, with y's
-    gradient). Not in evaluation: ranks may run different numbers of batches there, and an
-    all-reduce would wait for a partner.
-
-    The executor: micro-batch m weighs W_m G / W, not n_m / n (evaluating: W_m / W over this
-    batch alone)."""
+    engine.criterion, training with several ranks averaging gradients (or a counted group):
+    this rank's mean x W_p G / W. In a counted group of k the gradient weighs W_i G k / W, W the
+    group's count (backward's 1 / N leaves k / N of it); the value stays the micro-step's, for
+    logging (x + (y - y.detach()) is x, with y's gradient). Not in evaluation (an all-reduce
+    would wait for a partner). The executor: micro-batch m weighs W_m G / W (evaluating: W_m / W
+    over this batch)."""
 
     def __init__(self, criterion: Any, modules: Sequence[Any], accumulation: int) -> None:
         self.criterion = criterion

@@ -8,11 +8,14 @@ the 75% a mean of ratios gives. So Accuracy keeps integer *counts* and all-reduc
                                   all_reduce(SUM) -> correct=4, total=5 -> 0.8 on every rank
     rank 1: correct=1, total=2  /
 
-Integers sum exactly, so the result is bit-identical to one process on the whole set.
-With pipelines only the last stage sees outputs, and with tensor parallelism several tensor
-ranks hold each output, so with either the default group is the whole world: other stages add
-zero counts, every sample is counted equally often (the ratio is exact), and every rank (rank 0
-logs) learns the result.
+Integers sum exactly (in float64, up to 2**53), so the result is bit-identical to one process
+on the whole set. With pipelines only the last stage sees outputs, and with tensor parallelism
+several tensor ranks hold each output, so with either the default group is the whole world:
+other stages add zero counts, every sample is counted equally often (the ratio is exact), and
+every rank (rank 0 logs) learns the result.
+
+A mean over ranks with weights w (e.g. each rank's sample count) is sum(w v) / sum(w): the exact
+whole-dataset mean when each v is a per-rank mean over w samples (all_reduce_mean(weight=w)).
 `compute()` and `all_reduce_mean()` are collectives: every rank of the group must call them.
 """
 from __future__ import annotations
@@ -21,18 +24,16 @@ from typing import Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from .context import gpc
 
 
-def _reduce_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """The group to reduce over (default: the data ranks; the whole world under a pipeline or
-    tensor parallelism), or None when this process is alone in it."""
+def _reduce_group(group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
+    """The group to reduce over (default: the data ranks, or the world: see above); None alone."""
     if not gpc.is_initialized:
         return None
     if group is None:
-        # pipelines: only last stages see outputs; tensor parallel: each output is held by several
-        # tensor ranks. Reducing over every rank still counts each sample equally often: exact.
         split_model = gpc.pipeline_size > 1 or gpc.tensor_size > 1
         group = dist.group.WORLD if split_model else gpc.data_group
     return group if dist.get_world_size(group) > 1 else None
@@ -41,7 +42,7 @@ def _reduce_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGr
 class Accuracy:
     """Top-1 accuracy, exact across the ranks (the data ranks, or the world: _reduce_group)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, group: Optional[ProcessGroup] = None) -> None:
         self.group = group
         self.reset()
 
@@ -61,14 +62,8 @@ class Accuracy:
         self.total += target.numel()
 
     def compute(self) -> float:
-        """Global correct / global total: a collective over _reduce_group's ranks -- the data
-        ranks, or the whole world under a pipeline or tensor parallelism, where every stage and
-        tensor rank must call it."""
-        counts = torch.tensor([self.correct, self.total], dtype=torch.int64, device=gpc.device)
-        group = _reduce_group(self.group)
-        if group is not None:
-            dist.all_reduce(counts, group=group)
-        correct, total = counts.tolist()
+        """Global correct / global total: a collective over _reduce_group's ranks."""
+        correct, total = all_reduce_sum([self.correct, self.total], self.group)
         if total == 0:
             raise ValueError("Accuracy.compute: no samples were "
                              "seen on any rank; call update() first")
@@ -76,17 +71,12 @@ class Accuracy:
 
 
 Number = Union[float, int, torch.Tensor]
+Values = Union[Mapping[str, Number], Number]  # a scalar, or a dict of them
 
 
-def all_reduce_mean(values: Union[Mapping[str, Number], Number],
-                    group: Optional[dist.ProcessGroup] = None,
+def all_reduce_mean(values: Values, group: Optional[ProcessGroup] = None,
                     weight: Optional[float] = None) -> Union[dict[str, float], float]:
-    """Mean over the ranks of `group` (default: _reduce_group's) of a scalar or a dict of scalars.
-
-    With `weight` (e.g. this rank's sample count) the mean is weighted: sum(w*v) / sum(w),
-    which is the exact whole-dataset mean when each value is a per-rank mean over w samples.
-    All values travel in one collective; the dict must have the same keys on every rank.
-    """
+    """Mean over `group`'s ranks of a scalar or a dict (same keys everywhere), maybe weighted."""
     keys = list(values) if isinstance(values, Mapping) else None
     scalars = [values[k] for k in keys] if keys is not None else [values]
     w = 1.0 if weight is None else float(weight)
@@ -95,9 +85,8 @@ def all_reduce_mean(values: Union[Mapping[str, Number], Number],
     return dict(zip(keys, means)) if keys is not None else means[0]
 
 
-def all_reduce_sum(values: list[float], group: Optional[dist.ProcessGroup] = None) -> list[float]:
-    """Sums over the ranks of `group` (default: _reduce_group's) of a few scalars, in float64 and
-    one collective."""
+def all_reduce_sum(values: list[float], group: Optional[ProcessGroup] = None) -> list[float]:
+    """Sums over the ranks of `group` (default: _reduce_group's) of a few scalars, in float64."""
     packed = torch.tensor(values, dtype=torch.float64)
     group = _reduce_group(group)
     if group is not None:

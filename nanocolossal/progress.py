@@ -71,8 +71,7 @@ class Progress:
 
     def __init__(self) -> None:
         self.epoch, self.step, self.batch_in_epoch = 0, 0, 0
-        # restored once the resumed epoch's done batches are skipped
-        self._rng: Optional[dict] = None
+        self._rng: Optional[dict] = None  # restored once a resumed epoch's done batches are drawn
         self.hook_states: dict = {}  # by hook class: restored after before_train_epoch
 
     def resume(self, path: PathLike, model: nn.Module, optimizer: Any = None,
@@ -95,18 +94,22 @@ class Progress:
         return True
 
     def batches(self, loader: Iterable) -> Iterator:
-        """This epoch's batches still to train on (all of them, unless the epoch was resumed)."""
-        # a new shuffle each epoch, the same on every rank: the sampler's, or that of an
-        # iterable dataset (a DataLoader over one has no sampler of its own to tell)
+        """This epoch's batches still to train on, shuffled by epoch alike on every rank."""
+        # the sampler's epoch, or an iterable dataset's (a DataLoader over one has no sampler)
         for owner in (getattr(loader, "sampler", None), getattr(loader, "dataset", None)):
             if hasattr(owner, "set_epoch"):
                 owner.set_epoch(self.epoch)
-        skip, rng, self._rng = self.batch_in_epoch, self._rng, None
-        return skip_batches(loader, skip, rng)
+        if self.batch_in_epoch:  # a resumed epoch
+            return self._resumed_batches(loader)
+        return iter(loader)
+
+    def _resumed_batches(self, loader: Iterable) -> Iterator:
+        rng = self._rng
+        self._rng = None
+        return skip_batches(loader, self.batch_in_epoch, rng)
 
     def remaining(self, loader: Iterable) -> Optional[int]:
-        """How many batches `batches(loader)` yields (for progress bars), if the loader has a
-        length."""
+        """How many batches `batches(loader)` yields (for progress bars), if known."""
         n = loader_length(loader)
         return None if n is None else n - self.batch_in_epoch
 

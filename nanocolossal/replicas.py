@@ -26,13 +26,10 @@ from .moe import moe_layers
 def broadcast_replicas(model: nn.Module) -> None:
     """Give every replica of `model` the same starting values (collective over the gradient
     group, each expert holders' group and each tied weight's stages)."""
-    tied = getattr(model, "tied", [])
-    if gpc.gradient_size == 1 and not tied:
-        return
     experts: dict[int, list[nn.Parameter]] = {}  # by exchange block: held by other groups
-    if gpc.moe_size > 1:
+    if gpc.ep_size > 1:
         for layer in moe_layers(model):
-            experts.setdefault(layer.placement.block, []).extend(layer.experts.parameters())
+            experts.setdefault(layer.placement.peers, []).extend(layer.experts.parameters())
     held = {id(p) for params in experts.values() for p in params}
     replicated = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in held]
     if gpc.gradient_size > 1:
@@ -41,6 +38,7 @@ def broadcast_replicas(model: nn.Module) -> None:
         group, ranks = gpc.expert_data_groups[block]
         if group is not None:  # (a group of one: nobody else holds these experts)
             broadcast_coalesced(params, ranks[0], group)
-    for param, group in tied:  # (the first stage has the lowest rank of each group)
+    # (the first stage has the lowest rank of each group)
+    for param, group in getattr(model, "tied", []):
         if group is not None:
             broadcast_coalesced([param], dist.get_global_rank(group, 0), group)

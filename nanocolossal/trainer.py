@@ -9,12 +9,11 @@
 
 Each training iteration is zero_grad -> engine.execute_schedule(batch) (forward, loss,
 backward) -> engine.step(). The sampler's epoch is set before every epoch, so shuffling
-differs between epochs and agrees between ranks. `max_steps` counts optimizer steps (with
-gradient_accumulation=N a step is N batches, and every epoch ends with one, its last group
-shorter where N does not divide the epoch) and ends training early, after that step, still
-running the after_train_epoch / after_train hooks. `resume(path)`
-loads a SaveCheckpointHook checkpoint and continues where it was taken, mid-epoch if need be:
-the loop's position is a Progress (progress.py), the same one the scripts' own loops use.
+differs between epochs and agrees between ranks. `max_steps` counts optimizer steps (N batches
+each under gradient_accumulation=N; every epoch ends with one) and ends training after that
+step, still running the after_train_epoch / after_train hooks. `resume(path)` loads a
+SaveCheckpointHook checkpoint and continues where it was taken, mid-epoch if need be: the
+loop's position is a Progress (progress.py), the same one the scripts' own loops use.
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from .checkpoint import PathLike
 from .checks import check_consistency, check_evaluation, debug_barrier, loader_length
 from .context import gpc
 from .data import agreed_stream
-from .engine import Engine, PipelineEngine
+from .engine import Engine
 from .logging import get_dist_logger
 from .progress import Progress
 from .timer import MultiTimer
@@ -41,19 +40,14 @@ class Trainer:
     def __init__(self, engine: Engine, schedule: Any = None, timer: Optional[MultiTimer] = None,
                  logger=None) -> None:
         if schedule is not None:  # a schedule other than the one initialize chose from the config
-            if not isinstance(engine, PipelineEngine):
-                raise ValueError(f"[rank {gpc.rank}] Trainer(schedule=...) needs a pipeline "
-                                 f"engine: set parallel=dict(pipeline=P) and pass "
-                                 f"build_pipeline_model(model) to initialize")
-            engine.set_schedule(schedule)
+            engine.set_schedule(schedule)  # (a pipeline engine's; the Engine's refuses)
         self.engine = engine
         self.schedule = getattr(engine, "schedule", None)
-        # train-epoch, train-step, test-epoch
-        self.timer = timer if timer is not None else MultiTimer()
+        self.timer = timer if timer is not None else MultiTimer()  # train-epoch/-step, test-epoch
         self.logger = logger or get_dist_logger()
-        # epoch, step, step in epoch: saved by SaveCheckpointHook, read by resume
-        self.progress = Progress()
-        self.last_step_taken, self.last_batch_size = False, 0
+        self.progress = Progress()  # epoch, step, batch in epoch: saved, and read by resume
+        self.last_step_taken = False
+        self.last_batch_size = 0
         # did the last iteration end an optimizer step (not inside an accumulation group)?
         self.step_ended = False
         # did the last training epoch run to its end (not cut by max_steps)?
@@ -63,8 +57,11 @@ class Trainer:
 
     # -- plumbing --------------------------------------------------------------------------
     def _call(self, point: str, *args: Any) -> None:
+        """Every hook's `point`, in priority order (BaseHook's own are no-ops: skipped)."""
         for hook in self._hooks:
-            getattr(hook, point)(self, *args)
+            method = getattr(hook, point)
+            if getattr(method, "__func__", None) is not getattr(hooks.BaseHook, point):
+                method(self, *args)
 
     def hook_states(self) -> dict:
         """Each hook's state_dict, by class, for a checkpoint (a collective: every rank)."""
@@ -74,6 +71,12 @@ class Trainer:
             if state is not None:
                 states[type(hook).__name__] = state
         return states
+
+    def _load_hook_states(self) -> None:
+        for hook in self._hooks:
+            if type(hook).__name__ in self.progress.hook_states:
+                hook.load_state_dict(self.progress.hook_states[type(hook).__name__])
+        self.progress.hook_states = {}
 
     def _set_hooks(self, hook_list: Optional[Iterable[hooks.BaseHook]]) -> None:
         if hook_list is not None:
@@ -88,18 +91,10 @@ class Trainer:
     def _bar(self, loader: Iterable, desc: str, show: bool, total: Optional[int] = None):
         return tqdm(loader, desc=desc, total=total, leave=False, disable=not show or gpc.rank != 0)
 
-    # cur_epoch (epochs done), cur_step (optimizer steps in all), batch_in_epoch: the hooks' names
-    @property
-    def cur_epoch(self) -> int:
-        return self.progress.epoch
-
-    @property
-    def cur_step(self) -> int:
-        return self.progress.step
-
-    @property
-    def batch_in_epoch(self) -> int:
-        return self.progress.batch_in_epoch
+    # the hooks' names for the Progress: epochs done, optimizer steps in all, batches this epoch
+    cur_epoch = property(lambda self: self.progress.epoch)
+    cur_step = property(lambda self: self.progress.step)
+    batch_in_epoch = property(lambda self: self.progress.batch_in_epoch)
 
     def resume(self, path: PathLike, lr_scheduler: Any = None) -> bool:
         """Load a checkpoint into the engine (and scheduler) and continue where it was taken, in
@@ -132,13 +127,13 @@ class Trainer:
                      max_steps: Optional[int]) -> bool:
         self.engine.train()
         self._call("before_train_epoch")
-        for hook in self._hooks:  # a resumed epoch: what the hooks had counted before the stop
-            if type(hook).__name__ in self.progress.hook_states:
-                hook.load_state_dict(self.progress.hook_states[type(hook).__name__])
-        self.progress.hook_states = {}
+        if self.progress.hook_states:  # a resumed epoch: what the hooks had counted before
+            self._load_hook_states()
         self.timer.start("train-epoch")
-        bar = self._bar(self._read_groups_ahead(self.progress.batches(loader)),
-                        f"epoch {self.cur_epoch + 1}/{epochs}", show,
+        batches = self.progress.batches(loader)
+        if self.engine.gradient_accumulation > 1:
+            batches = self._read_groups_ahead(batches)
+        bar = self._bar(batches, f"epoch {self.cur_epoch + 1}/{epochs}", show,
                         self.progress.remaining(loader))
         stopped = False
         for batch in bar:
@@ -157,22 +152,18 @@ class Trainer:
                 stopped = True
                 break
         self.timer.stop("train-epoch")
-        self.epoch_finished = (
-            not stopped or self.batch_in_epoch == loader_length(loader)
-        )
+        self.epoch_finished = not stopped or self.batch_in_epoch == loader_length(loader)
         self._call("after_train_epoch")
         return stopped
 
     def _read_groups_ahead(self, batches: Iterable) -> Iterator:
-        """Gradient accumulation: read each group's batches before its first backward, so the
-        engine counts their targets first and every micro-step's mean weighs its share of them
-        (loss_weights.py). Reading ahead also shows the epoch's last group, with or without a
-        loader length: it comes up short of N batches, and its last one closes it, so every
-        epoch ends with an optimizer step (a short group weighs k / N of its counted mean, as k
-        micro-steps of `loss / N` would in plain torch)."""
-        n, batches = self.engine.gradient_accumulation, iter(batches)
+        """Gradient accumulation: each group's batches read before its first backward, so the
+        engine counts their targets first (loss_weights.py), and the epoch's last group, short
+        of N with or without a loader length, is closed: every epoch ends with a step."""
+        n = self.engine.gradient_accumulation
+        batches = iter(batches)
         for batch in batches:
-            if n == 1 or self.engine.accumulating:
+            if self.engine.accumulating:
                 yield batch
                 continue
             group = [batch, *itertools.islice(batches, n - 1)]

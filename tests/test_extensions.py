@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent / "nanocolossal"
 
 
 # each file and the project modules it may import: its own parts and the layers beneath it
-LEAN = {"engine/engine.py": {"context", "extensions", "nest"},
+LEAN = {"engine/engine.py": {"context", "extensions", "nest", "engine_checks"},
+        "engine/engine_checks.py": {"context"},
         "pipeline/executor.py": {"context", "extensions", "executor_checks", "p2p", "plan",
                                  "steps"},
         "config.py": set(), "layout.py": {"config"}, "context.py": {"config", "layout"},

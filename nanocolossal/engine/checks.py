@@ -6,10 +6,25 @@ from typing import Any
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ..activation_checkpoint_checks import warn_if_nothing_recomputes
 from ..config import ConfigError
 from ..context import gpc
-from ..pipeline import PipelineChunks, PipelinePart, make_schedule
+from ..pipeline import PipelineChunks, PipelinePart
 from ..pipeline.steps import v_shaped
+from ..sequence_checks import check_sequence_model
+from ..tensor.checks import check_tensor_model
+
+
+def check_inputs(model: nn.Module, loaders: dict[str, Any], schedule: Any) -> None:
+    """Everything that can be refused is refused here, before the model changes."""
+    if schedule is not None:
+        check_batches_fill_micro_batches(schedule.num_microbatches, loaders)
+    if gpc.sequence_size > 1:
+        check_sequence_model(model)
+    elif gpc.tensor_size > 1:
+        check_tensor_parallel_model(model)
+        check_tensor_model(model, loaders)  # tensor/checks.py: stray parameters, batch blocks
+    warn_if_nothing_recomputes(model)
 
 
 def check_tensor_parallel_model(model: nn.Module) -> None:
@@ -27,18 +42,17 @@ def check_tensor_parallel_model(model: nn.Module) -> None:
                           f"({gpc.tensor_mode}) but the model has plain torch layers "
                           f"({', '.join(plain[:4])}{', ...' if len(plain) > 4 else ''}), which "
                           f"cannot split over tensor ranks; build it with nanocolossal.nn layers "
-                          f"(nc.nn.Linear, "
-                          f"nc.nn.LayerNorm, nc.nn.PatchEmbedding, nc.nn.Classifier) after launch")
+                          f"(nc.nn.Linear, nc.nn.LayerNorm, nc.nn.PatchEmbedding, "
+                          f"nc.nn.Classifier) after launch")
 
 
-def pipeline_schedule(model: nn.Module):
-    """The schedule gpc.config asks for, after checking the model is a pipeline stage."""
+def check_pipeline_model(model: nn.Module) -> None:
+    """The model is a pipeline stage built for the config's chunks and schedule."""
     cfg = gpc.config
     if not isinstance(model, (PipelinePart, PipelineChunks)):
         raise ConfigError(f"[rank {gpc.rank}] parallel.pipeline={gpc.pipeline_size} but the model "
                           f"is a whole {type(model).__name__}; pass build_pipeline_model(model) "
-                          f"(this rank's "
-                          f"stage) to initialize")
+                          f"(this rank's stage) to initialize")
     if "NUM_MICRO_BATCHES" not in cfg:
         raise ConfigError(f"[rank {gpc.rank}] parallel.pipeline={gpc.pipeline_size} needs "
                           f"NUM_MICRO_BATCHES in the config (at least {gpc.pipeline_size})")
@@ -62,10 +76,6 @@ def pipeline_schedule(model: nn.Module):
         raise ConfigError(f"[rank {gpc.rank}] PIPELINE_SCHEDULE={name!r} but the stage's chunks "
                           f"were placed in {built}; build it with build_pipeline_model(..., "
                           f"schedule={name!r}) (or after setting PIPELINE_SCHEDULE)")
-    try:
-        return make_schedule(name, cfg.NUM_MICRO_BATCHES, chunks, cfg.get("TENSOR_SHAPE"))
-    except ValueError as e:  # PlanError: already names the rank
-        raise ConfigError(str(e)) from None
 
 
 def check_batches_fill_micro_batches(M: int, loaders: dict[str, Any]) -> None:

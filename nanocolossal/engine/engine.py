@@ -7,9 +7,6 @@
         engine.backward(loss)                # loss scaling, accumulation
         engine.step()                        # unscale, clip, overflow check, optimizer step
 
-A loader without a length (a stream) on several ranks is read through nc.data.agreed_stream(loader)
-(the Trainer does), so that streams ending on some ranks first fail at once, naming them.
-
 The Engine adds nothing to the maths: `initialize` (initialize.py) has already wrapped the model
 (SyncBN, AMP, DDP) and the optimizer (fp32: plain_optimizer.py; AMP adds loss scaling and fp32
 masters, amp.py; ZeRO shards either); the Engine runs them in the right order and owns the two
@@ -17,15 +14,12 @@ things a loop gets wrong most often:
 
 Gradient accumulation (gradient_accumulation=N): each backward adds loss / N, and only the last of
 the N may average gradients over the data ranks, so communication happens once; zero_grad acts only
-on a group's first call and step only on its N-th (the Trainer's per-iteration LR hook steps only
-then too). The result is one step on N times the batch. `engine.accumulating` says a group is half
-done (its gradients live only in memory: the Trainer stops and checkpoints only between groups),
-and `engine.close_group()` makes the next backward the last of its group -- the Trainer calls it
-before an epoch's last batch (reading each group ahead, it sees the last one come up short, with or
-without a loader length), so every epoch ends with a step (a shorter last group still divides by
-N, as Hugging Face Accelerate does). zero_grad after a whole group that
-took no step drops it, as torch's does; a step after a `loss.backward()` that went past the engine
-is an error.
+on a group's first call and step only on its N-th: one step on N times the batch.
+`engine.accumulating` says a group is half done (its gradients live only in memory: checkpoints
+are taken between groups), and `engine.close_group()` makes the next backward the last of its
+group: called before an epoch's last batch, every epoch ends with a step (a shorter last group
+still divides by N, as Hugging Face Accelerate does). zero_grad after a whole group that took no
+step drops it, as torch's does; a step after a `loss.backward()` past the engine is an error.
 
 Clipping (clip_grad_norm): the global norm of the unscaled gradients -- each gradient element
 counted once: after the data-parallel average the data ranks hold the same gradients (or, under
@@ -49,6 +43,7 @@ from torch import nn
 from ..context import gpc
 from ..extensions import Extension, synchronising, with_extensions
 from ..nest import map_tensors
+from .engine_checks import check_batch, check_criterion, check_outside_backward, check_whole_group
 
 if TYPE_CHECKING:  # only named: fp32's plain_optimizer.py, or what AMP and ZeRO make of it
     from ..plain_optimizer import PlainOptimizer
@@ -79,26 +74,21 @@ class Engine:
 
     @property
     def gradient_handler(self) -> Any:
-        """The extension that averages gradients after backward in DDP's place (Colossal-AI's
-        gradient handlers: gradient_handler.py, moe/grads.py), or None."""
+        """The extension that averages gradients after backward in DDP's place, or None."""
         return next((e for e in self.extensions if hasattr(e, "handle_gradient")), None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward_module(*_to_device(args), **_to_device(kwargs))
 
     def criterion(self, output: Any, label: Any) -> torch.Tensor:
-        if self._criterion is None:
-            raise RuntimeError(f"[rank {gpc.rank}] no criterion: "
-                               "pass one to nanocolossal.initialize")
+        check_criterion(self._criterion)
         # extensions: the loss, weighed (counted targets) and added to (MoE's aux loss)
         return with_extensions(self.extensions, self._criterion)(output, _to_device(label))
 
     def count_targets(self, labels: Sequence[Any]) -> None:
-        """The labels of the accumulation group about to run, one per micro-step (the Trainer
-        passes them, reading the group's batches ahead), for the features that weigh a
-        micro-step by what the whole group holds (loss_weights.py: its counted targets). Call
-        it between groups."""
-        self._check_whole_group(labels)
+        """The labels of the accumulation group about to run, one per micro-step, for the
+        features that weigh a micro-step by its group (loss_weights.py). Call it between groups."""
+        check_whole_group(self, labels)
         for extension in self.extensions:  # extensions: counted targets (loss_weights.py)
             extension.group_labels(labels)
 
@@ -118,14 +108,19 @@ class Engine:
         """True between the backward passes of one accumulation group, before its step."""
         return self._micro != 0
 
+    def set_schedule(self, schedule: Any) -> None:
+        """Only a pipeline engine runs a schedule (PipelineEngine.set_schedule)."""
+        raise ValueError(f"[rank {gpc.rank}] Trainer(schedule=...) needs a pipeline engine: set "
+                         f"parallel=dict(pipeline=P) and pass build_pipeline_model(model) to "
+                         f"initialize")
+
     def close_group(self) -> None:
         """End the current accumulation group at the next backward (it synchronises) and step."""
         self._closing = True
 
     def zero_grad(self) -> None:
-        """Clear the gradients before a group. Mid-group a no-op: the group's gradients must
-        survive. A whole group that took no step (closed early too) is dropped, as torch's
-        zero_grad drops it; a close asked for before the group's first backward stays."""
+        """Clear the gradients before a group (mid-group a no-op). A whole group that took no step
+        is dropped, with its close; a close asked for before the group's first backward stays."""
         if self._micro > 0 and not self._ended:
             return
         if self._micro > 0:  # a whole group that took no step: its close goes with it
@@ -149,20 +144,22 @@ class Engine:
         taken (a 0-d bool tensor where the optimizer decided on the device: amp.py)."""
         if not self._group_ends():
             if self._micro == 0:
-                _check_no_outside_backward(self)
+                check_outside_backward(self)
             return False
         self._micro, self._closing, self._ended = 0, False, False
         for extension in self.extensions:  # extensions: handlers' averages, then tied sums
             extension.end_group()
         if self.clip_grad_norm:
-            # ranks holding *other* parameters (pipeline stages, tensor slices) add their squares
-            others = gpc.other_parts_group
-            options = {}
-            for extension in self.extensions:  # extensions: MoE experts' copies (moe/grads.py)
-                options.update(extension.clip_options())
-            self._grad_norm = self.optimizer.clip_grad_norm_(self.clip_grad_norm, others,
-                                                             **options)
+            self._clip()
         return self.optimizer.step()
+
+    def _clip(self) -> None:
+        # ranks holding *other* parameters (pipeline stages, tensor slices) add their squares
+        others = gpc.other_parts_group
+        options = {}
+        for extension in self.extensions:  # extensions: MoE experts' copies (moe/grads.py)
+            options.update(extension.clip_options())
+        self._grad_norm = self.optimizer.clip_grad_norm_(self.clip_grad_norm, others, **options)
 
     @property
     def last_grad_norm(self) -> Optional[float]:
@@ -178,7 +175,7 @@ class Engine:
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
         """One iteration on `batch` = (inputs, label): forward, loss and (unless forward_only)
         backward."""
-        _check_batch(batch, return_loss)
+        check_batch(batch, return_loss)
         inputs, label = batch
         output = self(inputs)
         loss = self.criterion(output, label) if return_loss else None
@@ -186,23 +183,14 @@ class Engine:
             self.backward(loss)
         return output, self._output_labels(_to_device(label)), loss
 
-    def _check_whole_group(self, labels: Sequence[Any]) -> None:
-        if self.accumulating or len(labels) > self.gradient_accumulation:
-            raise RuntimeError(f"[rank {gpc.rank}] engine.count_targets takes the labels of one "
-                               f"whole group (at most gradient_accumulation="
-                               f"{self.gradient_accumulation}, got {len(labels)}): call it "
-                               f"before the group's first backward")
-
 
 class PipelineEngine(Engine):
     """A pipeline stage's engine: whole batches only, run by a schedule as micro-batches.
 
-    There is no per-sample forward here -- the stage holds only some of the layers -- so
-    `engine(x)` and `engine.backward(loss)` are errors; `execute_schedule(batch)` runs the
-    schedule's forwards and backwards and returns (output, label, loss) (output/label on the
-    stage that holds the last part, the mean loss on every stage). The extensions reach the
-    executor too: each backward of a chunk synchronises through them, and the last part's loss
-    and every chunk's own loss (MoE) come through them, per micro-batch."""
+    The stage holds only some of the layers, so `engine(x)` and `engine.backward(loss)` are
+    errors; `execute_schedule(batch)` returns (output, label, loss): output/label on the stage
+    holding the last part, the batch's mean loss on every stage. The extensions reach the
+    executor too, per chunk and per micro-batch."""
 
     def __init__(self, model: nn.Module, optimizer: PlainOptimizer,
                  criterion: Optional[Callable], schedule: Any, chunks: list,
@@ -217,8 +205,7 @@ class PipelineEngine(Engine):
         self.schedule = schedule
 
     def trace(self, recorder: Optional[Callable[[str, float, float], None]]) -> None:
-        """Call recorder(step label, start, end) for every schedule step from now on (None:
-        stop)."""
+        """Call recorder(step label, start, end) for every schedule step (None: stop)."""
         self.schedule.recorder = recorder
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -230,17 +217,13 @@ class PipelineEngine(Engine):
                            f"engine.execute_schedule(batch) runs the backward passes")
 
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
-        _check_batch(batch, return_loss)
-        if not forward_only:
-            # replicas start the batch with the same BatchNorm statistics. Not when evaluating:
-            # ranks may run different numbers of batches (uneven shares), see eval()
-            self._sync_buffers()
+        check_batch(batch, return_loss)
+        if not forward_only:  # (not when evaluating: ranks may run unequal numbers of batches)
+            self._sync_buffers()  # replicas start the batch with the same BatchNorm statistics
         output, label, loss = self.schedule.forward_backward_step(
             self.chunks, batch, self._criterion, forward_only, return_loss,
             loss_scale=self.optimizer.backward_scale, extensions=self.extensions)
-        if not forward_only:
-            # one more batch of gradients (gradient_accumulation is 1 here: each batch is a group;
-            # its micro-batches accumulate inside the schedule), which no file holds until step()
+        if not forward_only:  # one batch, one group: its gradients in no file until step()
             self._micro += 1
             self._ended = True
             self.optimizer.open_group = True
@@ -248,35 +231,3 @@ class PipelineEngine(Engine):
             per_micro_batch = label.tensor_split(self.schedule.num_microbatches)
             label = torch.cat([self._output_labels(mb) for mb in per_micro_batch])
         return output, label, loss
-
-
-def _check_no_outside_backward(engine: Engine) -> None:
-    """engine.step() with no engine.backward since the last step. Where gradients are there
-    anyway, the last step's were stepped already, or a loss.backward() of the user's made them,
-    past the engine's loss scale, accumulation and averaging over data ranks: either way this
-    step would silently do nothing."""
-    params = [*engine.model.parameters(), *engine.optimizer.params()]
-    if any(p.grad is not None for p in params):
-        raise RuntimeError(f"[rank {gpc.rank}] engine.step() found gradients but no "
-                           f"engine.backward(loss) since the last step: a second step() for one "
-                           f"backward, or a loss.backward() past the engine (call "
-                           f"engine.backward(loss): it scales the loss, accumulates and averages "
-                           f"the gradients over data ranks)")
-
-
-def _check_batch(batch: Any, return_loss: bool = True) -> None:
-    """A batch is a pair (inputs, labels). A tensor of two rows would unpack into its two rows
-    without a word (row 0 the inputs, row 1 the labels): refuse anything but a pair."""
-    if isinstance(batch, (list, tuple)) and len(batch) == 2:
-        if batch[1] is None and return_loss:
-            raise TypeError(f"[rank {gpc.rank}] the batch's labels are None, and the loss needs "
-                            f"them: have the loader yield (inputs, labels)")
-        return
-    if isinstance(batch, torch.Tensor):
-        got = f"a tensor of shape {tuple(batch.shape)}"
-    elif isinstance(batch, (list, tuple)):
-        got = f"a {type(batch).__name__} of {len(batch)}"
-    else:
-        got = f"a {type(batch).__name__}"
-    raise TypeError(f"[rank {gpc.rank}] a batch is a pair (inputs, labels), got {got}: have the "
-                    f"loader yield (inputs, labels), as a DataLoader over TensorDataset(x, y) does")

@@ -3,30 +3,30 @@
     engine, train_dl, test_dl, lr_scheduler = nc.initialize(model, optimizer, criterion,
                                                             train_dl, test_dl, lr_scheduler)
 
-Each step is a function that returns what it built and a few words for the log line; the
-steps that change what the training loop does return extensions (extensions.py), which the
-Engine and the pipeline executor call at their marked places:
+Each step runs only where the config (or the model) asks for it, and returns what it built
+and a few words for the log line; the steps that change what the training loop does return
+extensions (extensions.py), which the Engine and the pipeline executor call at their marked
+places:
 
-    check_inputs        refuse a bad config or model before anything changes
+    check_inputs        refuse a bad config or model before anything changes (checks.py)
     broadcast_replicas  replicas start equal: each parameter and buffer from the first rank
                         holding it (replicas.py), before anything is built from them
-    apply_sync_bn       sync_bn=True: BatchNorm statistics over the whole data-parallel batch
+    sync_bn             sync_bn=True: BatchNorm statistics over the whole data-parallel batch
     apply_amp           fp16=dict(...): may change parameter dtypes (O2/O3), so before DDP
     apply_zero          zero=dict(level=1|2|3): the optimizer steps only this rank's shard (zero/);
                         level 3 also keeps only the shard of the parameters between uses
     apply_moe           a model with MoE layers (moe/): experts' gradients over the ranks holding
-                        them, the rest over the data ranks, after backward (moe/grads.py), in
-                        place of DDP
-    wrap_data_parallel  DDP over the gradient group -- the data ranks, times the sequence ranks
-                        if any -- (or the gradient handler), after AMP: DDP must bucket the final
-                        parameters; a pipeline stage wraps each chunk. Extensions: when backward
-                        averages (ddp.DdpSync) or the handler after it; buffer broadcasts
+                        them, the rest over the data ranks, after backward, in place of DDP
+    wrap_data_parallel  DDP over the gradient group (data x sequence ranks), or the gradient
+                        handler, after AMP: DDP must bucket the final parameters; a pipeline
+                        stage wraps each chunk (ZeRO 2-3: wrap_sharded). Extensions: when
+                        backward averages; buffer broadcasts
     extend_loss         extensions: counted-target weights (loss_weights.py), then MOE_AUX_WEIGHT
-                        x the load-balancing loss (pipeline/moe_aux.py: per stage, per micro-batch)
+                        x the load-balancing loss (pipeline/moe_aux.py)
     sum_tied_weights    extensions: a weight pipeline stages share sums their gradients
                         (pipeline/tied.py), after the data-parallel average
-    split_labels        extensions: under 2d a grid row's output holds a block of the labels
-    build_engine        Engine, or PipelineEngine with the schedule the config asks for
+    SplitLabels         extensions: under 2d a grid row's output holds a block of the labels
+    Engine              or PipelineEngine with the schedule the config asks for
     split_loader        mode='sequence': the loaders yield this rank's share of each sequence
 
 The order matters: AMP O2 casts parameters, and DDP's buckets hold the final ones; SyncBN
@@ -44,10 +44,8 @@ from torch.utils.data import DataLoader
 
 from .. import amp
 from .. import cpu_half as probe
-from ..activation_checkpoint_checks import warn_if_nothing_recomputes
-from ..amp import MixedPrecisionOptimizer
 from ..amp_settings import amp_settings
-from ..config import AMP_TYPE
+from ..config import AMP_TYPE, ConfigError
 from ..context import gpc
 from ..ddp import BroadcastBuffers, DdpSync, DistributedDataParallel
 from ..extensions import Extension
@@ -56,53 +54,44 @@ from ..logging import get_dist_logger
 from ..loss_weights import CountedTargets, weighed_ranks, weighs_by_targets
 from ..moe import MoeGradientHandler, moe_layers
 from ..moe.settings import moe_aux_weight
+from ..pipeline import PipelineChunks, make_schedule
 from ..pipeline.moe_aux import MoeAuxLoss
 from ..pipeline.steps import virtual_stage
 from ..pipeline.tied import TiedGradients
 from ..plain_optimizer import PlainOptimizer
 from ..replicas import broadcast_replicas
-from ..sequence import check_sequence_model, sequence_attention, split_loader
+from ..sequence import sequence_attention, split_loader
 from ..syncbn import convert_sync_batchnorm
-from ..tensor.checks import check_tensor_model
-from ..tensor.layers_2d import SplitLabels, batch_blocks
+from ..tensor.layers_2d import SplitLabels, tensor_batch_shares
 from ..zero import MixedShardedOptimizer, Offload, ShardedOptimizer, ShardKeepingDDP
 from ..zero.mixed import MixedParamShardedOptimizer
 from ..zero.settings import zero_settings
-from ..zero.sharded_model import ShardedModel, plan_units
+from ..zero.sharded_model import HELD, ShardedModel, plan_units, release
 from ..zero.sharded_params import ParamShardedOptimizer
+from ..zero.state_dict import FullStateDict
 from ..zero.tied import sum_sharded_tied_gradients
-from .checks import check_batches_fill_micro_batches, check_tensor_parallel_model, pipeline_schedule
+from .checks import check_inputs, check_pipeline_model
 from .engine import Engine, PipelineEngine
 
 LogNote = Optional[str]  # what a step did, for the log line (None: nothing)
 
 
-def check_inputs(model: nn.Module, loaders: dict[str, Any]) -> Any:
-    """Everything that can be refused is refused here, before the model changes. Returns the
-    pipeline schedule, or None without a pipeline."""
-    schedule = pipeline_schedule(model) if gpc.pipeline_size > 1 else None
-    if schedule is not None:
-        check_batches_fill_micro_batches(schedule.num_microbatches, loaders)
-    if gpc.sequence_size > 1:
-        check_sequence_model(model)
-    elif gpc.tensor_size > 1:
-        check_tensor_parallel_model(model)
-        check_tensor_model(model, loaders)  # tensor/checks.py: stray parameters, batch blocks
-    warn_if_nothing_recomputes(model)
-    return schedule
-
-
-def apply_sync_bn(model: nn.Module) -> tuple[nn.Module, LogNote]:
-    if not gpc.config.get("sync_bn"):
-        return model, None
-    return convert_sync_batchnorm(model), "SyncBN"
+def pipeline_schedule(model: nn.Module) -> Any:
+    """The schedule gpc.config asks for (pipeline/schedules.py), for this stage's chunks."""
+    check_pipeline_model(model)
+    cfg = gpc.config
+    chunks = len(model) if isinstance(model, PipelineChunks) else 1
+    name = cfg.get("PIPELINE_SCHEDULE", "interleaved" if chunks > 1 else "1f1b")
+    try:
+        return make_schedule(name, cfg.NUM_MICRO_BATCHES, chunks, cfg.get("TENSOR_SHAPE"))
+    except ValueError as e:  # PlanError: already names the rank
+        raise ConfigError(str(e)) from None
 
 
 def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Optional[Callable]
               ) -> tuple[nn.Module, PlainOptimizer, Optional[Callable], LogNote]:
-    fp16 = gpc.config.get("fp16")
-    if fp16 is None:  # fp32: the plain optimizer and the global-norm clip (plain_optimizer.py)
-        return model, PlainOptimizer(optimizer), criterion, None
+    """fp16=dict(...): the optimizer steps fp32 masters and scales the loss (amp.py)."""
+    fp16 = gpc.config.fp16
     if gpc.config.get("zero") is not None:  # Colossal-AI v0.1's optimizer_config scaler keys
         fp16 = type(fp16)({**fp16, **zero_settings(gpc.config)[1]})
     ask_cpu = gpc.device.type == "cpu" and "dtype" not in fp16 and fp16.get("enabled", True)
@@ -137,13 +126,10 @@ def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Opt
     return model, optimizer, criterion, name
 
 
-def apply_zero(model: nn.Module, optimizer: MixedPrecisionOptimizer
-               ) -> tuple[MixedPrecisionOptimizer, LogNote]:
+def apply_zero(model: nn.Module, optimizer: PlainOptimizer) -> tuple[ShardedOptimizer, str]:
     """zero=dict(level=1|2|3, ...): the optimizer flattens the parameters into N shards and
     keeps the state of this rank's (after AMP: it shards the final parameters). Level 3 cuts them
     per unit and installs the gather / free / reduce-scatter hooks on the model."""
-    if gpc.config.get("zero") is None:
-        return optimizer, None
     zero, _, notes = zero_settings(gpc.config)
     for note in notes:
         get_dist_logger().info(note)
@@ -157,7 +143,8 @@ def apply_zero(model: nn.Module, optimizer: MixedPrecisionOptimizer
         children, unit_of = plan_units(model, [half_of.get(id(p), p) for p in optimizer.params()])
         kind = MixedParamShardedOptimizer if mastered else ParamShardedOptimizer
         sharded = kind(optimizer, model, 3, gpc.gradient_group, unit_of, **options)
-        ShardedModel(model, sharded, children, zero.get("overlap_communication", True))
+        timeline = ShardedModel(model, sharded, children, zero.get("overlap_communication", True))
+        FullStateDict(timeline)  # model.state_dict() whole (zero/state_dict.py)
     else:  # O2: the fp32 masters are sharded too (zero/mixed.py)
         kind = MixedShardedOptimizer if mastered else ShardedOptimizer
         sharded = kind(optimizer, model, zero["level"], gpc.gradient_group, **options)
@@ -172,60 +159,47 @@ def describe_zero(sharded: ShardedOptimizer) -> str:
     kept = {1: "optimizer state", 2: "optimizer state and gradients",
             3: "optimizer state, gradients and parameters"}[sharded.level]
     offload = getattr(sharded, "offload", None)
+    there = (f"; masters and optimizer state on {offload.device}, the step there"
+             if offload is not None else "")
     return (f"ZeRO level {sharded.level} x{sharded.size}: this rank keeps the {kept} of {mine} of "
             f"{total} elements: {whole * mine / total:.2f} MiB instead of {whole:.2f} MiB for "
-            f"each (at the parameters' precision)"
-            + (f"; masters and optimizer state on {offload.device}, the step there"
-               if offload is not None else ""))
+            f"each (at the parameters' precision){there}")
 
 
-def apply_moe(model: nn.Module, optimizer: MixedPrecisionOptimizer
-              ) -> tuple[Optional[MoeGradientHandler], float, LogNote]:
+def apply_moe(model: nn.Module, optimizer: PlainOptimizer, layers: list[nn.Module]
+              ) -> tuple[Optional[MoeGradientHandler], float, str]:
     """MoE layers: (the gradient handler that reduces experts over their holders, or None on
     one rank; MOE_AUX_WEIGHT for the Engine's loss; what was done)."""
-    layers = moe_layers(model)
-    if not layers:
-        return None, 0.0, None
     weight = moe_aux_weight(gpc.config)
     experts = sorted({m.num_experts for m in layers})
     did = (f"MoE: {len(layers)} layer(s) of {'/'.join(map(str, experts))} experts, expert "
-           f"parallel x{gpc.moe_size}, + {weight:g} x load-balancing loss")
-    if gpc.gradient_size == 1 or gpc.moe_size == 1:  # experts replicated: DDP or ZeRO as ever
+           f"parallel x{gpc.ep_size}, + {weight:g} x load-balancing loss")
+    if gpc.gradient_size == 1 or gpc.ep_size == 1:  # experts replicated: DDP or ZeRO as ever
         return None, weight, did
     did += (f"; gradients after backward: experts over their holders, the rest over "
             f"x{gpc.gradient_size} data ranks, both / {gpc.gradient_size}")
     return MoeGradientHandler(model, optimizer.master_pairs()), weight, did
 
 
-def wrap_data_parallel(model: nn.Module, pipelined: bool,
-                       optimizer: Optional[MixedPrecisionOptimizer] = None, moe: Any = None
+def wrap_data_parallel(model: nn.Module, chunks: list[nn.Module], pipelined: bool,
+                       optimizer: PlainOptimizer, moe: Any = None
                        ) -> tuple[list[nn.Module], list[Extension], LogNote]:
-    """What forward runs through -- the model, or DDP around it; for a pipeline stage one DDP per
-    chunk -- and the extensions that synchronise: DDP's (no_sync but on the last backward), or
-    the gradient handler the config asks for instead, which averages after the group's last
-    backward (and whose replicas broadcast their buffers, as do ZeRO level 3's). ZeRO level 2
-    keeps only its shard of DDP's averaged buckets; level 1 is DDP with zero's bucket size."""
-    chunks = list(model) if pipelined and isinstance(model, nn.ModuleList) else [model]
+    """What forward runs through (DDP around each chunk) and the extensions that synchronise:
+    DDP's no_sync but on the last backward, or the gradient handler after it (its replicas
+    broadcast their buffers); ZeRO 2 and 3 synchronise their own way (wrap_sharded)."""
     # a weight two chunks of a stage share is reduced by the first: its last backward is the
     # stage's last (DdpSync keeps every other chunk's DDP in no_sync meanwhile)
     earlier = [[p for q in chunks[:i] for p in q.parameters()] for i in range(len(chunks))]
-    zero = gpc.config.get("zero", {})
-    buffer_sync = [BroadcastBuffers(chunks)] if gpc.gradient_size > 1 else []
-    if isinstance(optimizer, ParamShardedOptimizer):  # its hooks reduce the gradients
-        return [model], buffer_sync, None
-    if isinstance(optimizer, ShardedOptimizer) and optimizer.level == 2:
-        # (a pipeline stage syncs buffers once per batch, not per micro-batch: DdpSync)
-        wrapped = [ShardKeepingDDP(chunk, optimizer, zero.get("reduce_bucket_size_mb", 25),
-                                   zero.get("overlap_communication", True), not pipelined, skip)
-                   for chunk, skip in zip(chunks, earlier)]
-        return wrapped, [DdpSync(wrapped, pipelined)], "bucketed gradients, my shard kept"
+    if isinstance(optimizer, ShardedOptimizer) and optimizer.level >= 2:
+        return wrap_sharded(model, chunks, earlier, pipelined, optimizer)
     if gpc.gradient_size == 1:
         return chunks, [], None
     if moe is not None:  # experts are not replicated over the data ranks: apply_moe's handler
-        return chunks, [moe, *buffer_sync], None
+        return chunks, [moe, BroadcastBuffers(chunks)], None
     if gpc.config.get("gradient_handler"):  # Colossal-AI's all-reduce after backward
         did = f"gradient handler x{gpc.gradient_size}"
-        return chunks, [DataParallelGradientHandler(model), *buffer_sync], did
+        return chunks, [DataParallelGradientHandler(model), BroadcastBuffers(chunks)], did
+    zero = gpc.config.get("zero", {})  # level 1: DDP with zero's bucket size
     options = dict(gpc.config.get("ddp", {}))  # bucket_cap_mb, gradient_as_bucket_view, compress
     if "reduce_bucket_size_mb" in zero:
         options.setdefault("bucket_cap_mb", zero.reduce_bucket_size_mb)
@@ -241,8 +215,22 @@ def wrap_data_parallel(model: nn.Module, pipelined: bool,
     return wrapped, [DdpSync(wrapped, pipelined)], did
 
 
+def wrap_sharded(model: nn.Module, chunks: list[nn.Module], earlier: list[list],
+                 pipelined: bool, optimizer: ShardedOptimizer
+                 ) -> tuple[list[nn.Module], list[Extension], LogNote]:
+    """ZeRO 3: its hooks reduce the gradients, and the replicas broadcast their buffers. ZeRO 2:
+    DDP's buckets, each rank keeping its shard (a pipeline stage syncs buffers per batch)."""
+    if isinstance(optimizer, ParamShardedOptimizer):
+        return [model], ([BroadcastBuffers(chunks)] if gpc.gradient_size > 1 else []), None
+    zero = gpc.config.get("zero", {})
+    wrapped = [ShardKeepingDDP(chunk, optimizer, zero.get("reduce_bucket_size_mb", 25),
+                               zero.get("overlap_communication", True), not pipelined, skip)
+               for chunk, skip in zip(chunks, earlier)]
+    return wrapped, [DdpSync(wrapped, pipelined)], "bucketed gradients, my shard kept"
+
+
 def extend_loss(model: nn.Module, forward_module: nn.Module, criterion: Any,
-                optimizer: MixedPrecisionOptimizer, aux_weight: float) -> list[Extension]:
+                optimizer: PlainOptimizer, aux_weight: float) -> list[Extension]:
     """What the loss weighs and adds: a criterion whose mean divides by counted targets weighs
     each piece by them (loss_weights.py); MoE layers add MOE_AUX_WEIGHT x their load-balancing
     loss (pipeline/moe_aux.py). In this order: the aux loss is not weighed."""
@@ -255,41 +243,6 @@ def extend_loss(model: nn.Module, forward_module: nn.Module, criterion: Any,
     if aux_weight:
         extensions.append(MoeAuxLoss(model, aux_weight, forward_module))
     return extensions
-
-
-def sum_tied_weights(model: nn.Module, optimizer: MixedPrecisionOptimizer,
-                     pipelined: bool) -> list[Extension]:
-    """A weight two pipeline stages share (a GPT's embedding and classifier) steps with the sum
-    of their gradients (pipeline/tied.py); under ZeRO level 2-3, from the ranks' segments
-    (zero/tied.py)."""
-    tied = getattr(model, "tied", [])
-    if not pipelined or not tied:
-        return []
-    summing = None
-    if isinstance(optimizer, ShardedOptimizer) and optimizer.level >= 2:
-        summing = partial(sum_sharded_tied_gradients, optimizer)
-    return [TiedGradients(tied, summing)]
-
-
-def split_labels(criterion: Any) -> list[Extension]:
-    """2d, 2.5d, 3d: a rank's output holds one block of the batch; the engine returns its
-    labels."""
-    return [SplitLabels(criterion)] if batch_blocks() > 1 else []
-
-
-def build_engine(model: nn.Module, optimizer: MixedPrecisionOptimizer, criterion: Any,
-                 chunks: list[nn.Module], extensions: list[Extension],
-                 schedule: Any) -> tuple[Engine, LogNote]:
-    cfg = gpc.config
-    clip, accumulation = cfg.get("clip_grad_norm", 0.0), cfg.get("gradient_accumulation", 1)
-    if schedule is not None:
-        engine: Engine = PipelineEngine(model, optimizer, criterion, schedule, chunks, clip,
-                                        extensions)
-    else:
-        engine = Engine(model, optimizer, criterion, chunks[0], accumulation, clip, extensions)
-    did = [f"gradient accumulation x{accumulation}" if accumulation > 1 else "",
-           f"clip_grad_norm={clip}" if clip else ""]
-    return engine, ", ".join(d for d in did if d) or None
 
 
 def layout_note(schedule: Any) -> LogNote:
@@ -312,24 +265,71 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
                lr_scheduler: Any = None, verbose: bool = True):
     """Apply gpc.config to the training components; returns (engine, train_dl, test_dl,
     lr_scheduler)."""
-    schedule = check_inputs(model, {"train": train_dataloader, "test": test_dataloader})
+    cfg = gpc.config
+    if model in HELD:  # a second initialize of a model ZeRO 3 holds: whole again, hooks off
+        release(model)
+    schedule = pipeline_schedule(model) if gpc.pipeline_size > 1 else None
+    check_inputs(model, {"train": train_dataloader, "test": test_dataloader}, schedule)
     model = model.to(gpc.device)
-    broadcast_replicas(model)  # before AMP's masters and ZeRO's shards are made from it
-    model, sync_bn = apply_sync_bn(model)
-    model, optimizer, criterion, mixed = apply_amp(model, optimizer, criterion)
-    optimizer, zero = apply_zero(model, optimizer)
-    moe, aux_weight, moe_did = apply_moe(model, optimizer)
     pipelined = schedule is not None
-    chunks, synchronising, data = wrap_data_parallel(model, pipelined, optimizer, moe)
+    tied = getattr(model, "tied", []) if pipelined else []  # weights stages share
+    if gpc.gradient_size > 1 or tied:
+        broadcast_replicas(model)  # before AMP's masters and ZeRO's shards are made from it
+    notes = []  # what each step did, for the log line: first the layout beyond data parallel
+    if schedule is not None or gpc.tensor_size > 1 or gpc.sequence_size > 1:
+        notes.append(layout_note(schedule))
+    if cfg.get("sync_bn"):
+        model = convert_sync_batchnorm(model)
+        notes.append("SyncBN")
+    if cfg.get("fp16") is None:  # fp32: the plain optimizer and the global-norm clip
+        optimizer = PlainOptimizer(optimizer)
+    else:
+        model, optimizer, criterion, mixed = apply_amp(model, optimizer, criterion)
+        notes.append(mixed)
+    if cfg.get("zero") is not None:
+        optimizer, zero = apply_zero(model, optimizer)
+        notes.append(zero)
+    moe = None  # the experts' gradient handler, in DDP's place
+    aux_weight = 0.0
+    layers = moe_layers(model)
+    if layers:
+        moe, aux_weight, moe_did = apply_moe(model, optimizer, layers)
+        notes.append(moe_did)
+    chunks = list(model) if pipelined and isinstance(model, nn.ModuleList) else [model]
+    synchronising: list[Extension] = []
+    if gpc.gradient_size > 1 or cfg.get("zero") is not None:
+        chunks, synchronising, data = wrap_data_parallel(model, chunks, pipelined, optimizer, moe)
+        notes.append(data)
     # the loop calls them in this order (extensions.py): the loss's wrappers nest in it, and
     # end_group averages over the data ranks before it sums tied copies over the stages
     front = model if pipelined else chunks[0]  # what the engine's forward runs through
-    extensions = [*extend_loss(model, front, criterion, optimizer, aux_weight),
-                  *synchronising, *sum_tied_weights(model, optimizer, pipelined),
-                  *split_labels(criterion)]
-    engine, engine_did = build_engine(model, optimizer, criterion, chunks, extensions, schedule)
+    extensions = [*extend_loss(model, front, criterion, optimizer, aux_weight), *synchronising]
+    if tied:  # a weight stages share steps with the sum of its gradients
+        extensions.append(sum_tied_weights(tied, optimizer))
+    if tensor_batch_shares() > 1:  # 2d, 2.5d, 3d: the engine returns this rank's share's labels
+        extensions.append(SplitLabels(criterion))
+    clip = cfg.get("clip_grad_norm", 0.0)
+    accumulation = cfg.get("gradient_accumulation", 1)
+    if pipelined:
+        engine: Engine = PipelineEngine(model, optimizer, criterion, schedule, chunks, clip,
+                                        extensions)
+    else:
+        engine = Engine(model, optimizer, criterion, chunks[0], accumulation, clip, extensions)
+    notes += [f"gradient accumulation x{accumulation}" if accumulation > 1 else None,
+              f"clip_grad_norm={clip}" if clip else None]
     if verbose:
-        did = [d for d in (layout_note(schedule), sync_bn, mixed, zero, moe_did, data,
-                           engine_did) if d]
-        get_dist_logger().info(f"initialize: {', '.join(did) or 'plain fp32, single process'}")
-    return engine, split_loader(train_dataloader), split_loader(test_dataloader), lr_scheduler
+        did = ", ".join(n for n in notes if n) or "plain fp32, single process"
+        get_dist_logger().info(f"initialize: {did}")
+    if gpc.sequence_size > 1:  # each rank its share of every sequence
+        return engine, split_loader(train_dataloader), split_loader(test_dataloader), lr_scheduler
+    return engine, train_dataloader, test_dataloader, lr_scheduler
+
+
+def sum_tied_weights(tied: list, optimizer: PlainOptimizer) -> Extension:
+    """A weight two pipeline stages share (a GPT's embedding and classifier) steps with the sum
+    of their gradients (pipeline/tied.py); under ZeRO level 2-3, from the ranks' segments
+    (zero/tied.py)."""
+    summing = None
+    if isinstance(optimizer, ShardedOptimizer) and optimizer.level >= 2:
+        summing = partial(sum_sharded_tied_gradients, optimizer)
+    return TiedGradients(tied, summing)
