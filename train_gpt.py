@@ -110,9 +110,10 @@ def main():
     logger, cfg = nc.get_dist_logger(), gpc.config
 
     # 2. the model, cut into this rank's pipeline stage when parallel.pipeline > 1
+    moe = moe_model_settings(cfg) if "NUM_EXPERTS" in cfg else None  # MoeLayer's arguments
     model = gpt(seq_len=cfg.SEQ_LEN, dim=cfg.get("DIM", 128), depth=cfg.get("DEPTH", 4),
                 heads=cfg.get("HEADS", 4), mlp_ratio=cfg.get("MLP_RATIO", 4),
-                dropout=cfg.get("DROPOUT", 0.0), moe=moe_model_settings(cfg))
+                dropout=cfg.get("DROPOUT", 0.0), moe=moe)
     if gpc.pipeline_size > 1:
         model = build_pipeline_model(model, num_chunks=cfg.get("NUM_CHUNKS", 1),
                                      partition="uniform", verbose=True)

@@ -84,7 +84,7 @@ def measure(args, moe: bool) -> dict:
             "counted_per_call": forward["all_to_all_single"] // (2 * len(layers)),
             "formula_E_C_d": args.experts * capacity * args.dim,
             "tokens_x_dim": tokens * args.dim,
-            "remote_formula": (p.block - 1) * p.num_local * capacity * args.dim,
+            "remote_formula": (p.peers - 1) * p.num_local * capacity * args.dim,
             "calls_per_step": 2 * len(layers), "steps": args.steps + 1}
         total = sum(q.numel() for q in model.parameters()) + sum(
             q.numel() for m in layers for q in m.experts.parameters())  # the other rank's experts

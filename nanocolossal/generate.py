@@ -22,23 +22,20 @@ from .context import gpc
 from .engine import Engine, PipelineEngine
 from .sequence import even_shares, split_batch
 from .tensor.comm import gather
-from .tensor.layers_2d import batch_blocks
+from .tensor.layers_2d import tensor_batch_shares
+
+# where a vocab-split classifier's logits lie (3d: layout B, the vocabulary over the cube's y)
+SPLIT_OVER = {"1d": "tensor_group", "2d": "tensor_row_group", "2.5d": "tensor_row_group",
+              "3d": "tensor_y_group"}
 
 
 def _whole_logits(logits: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
-    """The last position's logits of the first sample, over the whole vocabulary: gathered where
-    a vocabulary-parallel classifier (one with `predictions`, as hooks.AccuracyHook finds it)
-    split them; a feature-split classifier's logits are whole on every rank already."""
+    """The last position's logits of the first sample, gathered where a vocab-parallel classifier
+    (one with `predictions`, as hooks.AccuracyHook finds it) split them by vocabulary."""
     last = logits[:1, -1]
     split = next((m for m in model.modules() if callable(getattr(m, "predictions", None))), None)
-    if split is None or last.shape[-1] != split.weight.shape[0]:  # not this rank's classes only
-        return last[0]
-    if gpc.tensor_mode == "1d":
-        last = gather(last, -1, gpc.tensor_group)
-    elif gpc.tensor_mode in ("2d", "2.5d"):
-        last = gather(last, -1, gpc.tensor_row_group)
-    elif gpc.tensor_mode == "3d":  # layout B: the vocabulary over the cube's y axis
-        last = gather(last, -1, gpc.tensor_y_group)
+    if split is not None and last.shape[-1] == split.weight.shape[0]:  # my classes only
+        last = gather(last, -1, getattr(gpc, SPLIT_OVER[gpc.tensor_mode]))
     return last[0]
 
 
@@ -53,16 +50,16 @@ def pick(logits: torch.Tensor, generator: torch.Generator, top_k: int = 10,
 @torch.no_grad()
 def next_token(engine: Engine, window: torch.Tensor, batch: int,
                generator: torch.Generator) -> int:
-    ids = window.unsqueeze(0).repeat(batch * batch_blocks(), 1)  # one copy per batch block
-    ids = split_batch(ids, gpc.sequence_size, gpc.sequence_rank, even_shares())  # my tokens
+    ids = window.unsqueeze(0).repeat(batch * tensor_batch_shares(), 1)  # a copy per batch share
+    if gpc.sequence_size > 1:  # my tokens
+        ids = split_batch(ids, gpc.sequence_size, gpc.sequence_rank, even_shares())
+    holder = gpc.pipeline_size - 1
     if isinstance(engine, PipelineEngine):
+        holder = engine.schedule.output_rank()
         output, _, _ = engine.execute_schedule((ids, torch.zeros_like(ids)), forward_only=True,
                                                return_loss=False)
     else:
         output = engine(ids)
-    holder = gpc.pipeline_size - 1
-    if isinstance(engine, PipelineEngine):
-        holder = engine.schedule.output_rank()
     token = torch.zeros((), dtype=torch.long, device=gpc.device)
     if gpc.pipeline_rank == holder:
         token.fill_(pick(_whole_logits(output, engine.model), generator))

@@ -2,12 +2,8 @@
 
 `parallel=dict(pipeline=P, tensor=dict(size=N, mode='sequence'))` (Colossal-AI's spelling): the
 N ranks of a tensor group become a *sequence group*. Each holds the whole model (parameters
-replicated) and, of every sequence in its data rank's batch, a zig-zag share of the tokens
-(tensor/zigzag.py explains the zig-zag). N = 2, a sequence of 8 tokens in 2N stripes:
-
-    tokens         t0 t1 | t2 t3 | t4 t5 | t6 t7
-    rank 0 holds   t0 t1                   t6 t7      stripes 0 and 3
-    rank 1 holds           t2 t3 | t4 t5              stripes 1 and 2
+replicated) and, of every sequence in its data rank's batch, a zig-zag share of the tokens:
+stripes r and 2N-1-r of 2N (tensor/zigzag.py draws it).
 
 Who does what, layer by layer:
 
@@ -21,6 +17,8 @@ Who does what, layer by layer:
                 tensor/ulysses.py): all tokens meet for h/N heads per rank
     loss        N x this rank's share of the sequences' loss: its tokens' sum divided by the
                 targets counted on all N ranks (sequence_share), so the N ranks' mean is the loss
+                (padding at the end of sequences falls on some ranks' stripes only: a mean of
+                per-rank means would weigh it)
     gradients   averaged over the gradient group: data x sequence ranks (gpc.gradient_group)
 
 Why averaging is exact. The global batch's loss is the mean over its B*s tokens; each rank's
@@ -40,20 +38,17 @@ all-to-all attention takes shares a token apart (tensor/zigzag.py).
 """
 from __future__ import annotations
 
-from collections.abc import Sized
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from .checks import loader_length
-from .config import ConfigError
 from .context import gpc
 from .loss_weights import counted_targets, mean_over
 from .nest import map_tensors
-from .tensor.zigzag import check_length, share_lengths, zigzag_split
+from .sequence_checks import check_positions, check_sample_lengths
+from .tensor.zigzag import share_lengths, zigzag_split
 
 ATTENTION = ("ring", "all_to_all")  # parallel.tensor's attention=: how a rank meets the others
 
@@ -71,29 +66,24 @@ def even_shares() -> bool:
 
 
 def token_positions(ids: torch.Tensor, max_positions: Optional[int] = None) -> torch.Tensor:
-    """The position in the whole sequence of each of this rank's tokens, shaped like `ids`
-    ([batch, local length]): 0..s-1 without sequence parallelism, the zig-zag share with it.
-    `max_positions`: the table's size; a longer sequence is refused on every rank alike (only
-    some ranks' stripes would reach past it, and the others would wait in ring attention)."""
-    n, r, even = gpc.sequence_size, gpc.sequence_rank, even_shares()
-    lengths = [ids.shape[1]] * n if even else share_lengths(ids.shape[1], gpc.sequence_group,
-                                                            ids.device)
-    if max_positions is not None and sum(lengths) > max_positions:
-        raise ValueError(f"[rank {gpc.rank}] a sequence of {sum(lengths)} tokens"
-                         f"{f' ({n} x {ids.shape[1]})' if n > 1 and even else ''} is longer "
-                         f"than the model's {max_positions} positions; use sequences of at most "
-                         f"{max_positions} tokens (SEQ_LEN) or a model with more positions")
-    whole = torch.arange(sum(lengths), device=ids.device)
-    return zigzag_split(whole, 0, n, r, even).expand_as(ids)
+    """The position in the whole sequence of each of this rank's tokens (`ids` [b, local s]);
+    a sequence longer than `max_positions` is refused on every rank alike."""
+    n = gpc.sequence_size
+    even = n == 1 or even_shares()
+    lengths = [ids.shape[1]] * n
+    if not even:  # all-to-all attention: shares may differ by a token
+        lengths = share_lengths(ids.shape[1], gpc.sequence_group, ids.device)
+    check_positions(lengths, max_positions, even)
+    positions = torch.arange(sum(lengths), device=ids.device)
+    if n > 1:  # my zig-zag share of them
+        positions = zigzag_split(positions, 0, n, gpc.sequence_rank, even)
+    return positions.expand_as(ids)
 
 
 def sequence_share(losses: torch.Tensor, target: torch.Tensor, reduction: str = "mean",
                    ignore_index: int = -100, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The loss of this rank's tokens (`losses`, per token) as N x its share of the sequences'
-    loss, so that the average over the N sequence ranks (DDP's, the metrics') is the loss of
-    whole sequences. A mean divides by the targets counted on *all* N ranks: padding at the end
-    of sequences falls on some ranks' stripes only, and a mean of per-rank means would weigh it.
-    (nn/layers.py's token cross-entropy calls it.)"""
+    loss; a mean divides by the targets counted on *all* N ranks (the module docstring)."""
     n = gpc.sequence_size
     if reduction == "sum":
         return losses.sum() * n
@@ -114,7 +104,8 @@ class SequenceSplitLoader:
     (sampler, dataset, batch_size) is the loader's own."""
 
     def __init__(self, loader: Any) -> None:
-        self.loader, self.n, self.r = loader, gpc.sequence_size, gpc.sequence_rank
+        self.loader = loader
+        self.n, self.r = gpc.sequence_size, gpc.sequence_rank
         self.even = even_shares()
 
     def __iter__(self) -> Iterator[Any]:
@@ -139,44 +130,3 @@ def split_loader(loader: Any) -> Any:
         check_sample_lengths(loader)
     sized = loader_length(loader) is not None
     return (SizedSequenceSplitLoader if sized else SequenceSplitLoader)(loader)
-
-
-# -- hardening: what the config and initialize refuse -------------------------------------------
-
-
-def check_sample_lengths(loader: Any) -> None:
-    """Ring attention at initialize: the first sample of a loader's dataset (where batches are
-    its samples stacked) has the sequences' length; refused now, not at the first batch."""
-    dataset = getattr(loader, "dataset", None)
-    if not (isinstance(loader, DataLoader) and loader.collate_fn is default_collate
-            and isinstance(dataset, Sized) and not isinstance(dataset, IterableDataset)
-            and len(dataset) > 0):
-        return
-    # a sample's tensors of 1 or more dims are the batch's of 2 or more: split along dim 1
-    map_tensors(lambda t: check_length(len(t), gpc.sequence_size) if t.dim() else None,
-                dataset[0])
-
-
-def check_sequence_model(model: nn.Module) -> None:
-    """Sequence parallelism is right only if every layer but attention works per token, and
-    attention knows the sequence is split. A model without such attention (a CNN, a ViT of
-    torch.nn.MultiheadAttention) would train on pieces of sequences as if they were whole.
-    A pipeline stage may hold no attention (zbv's rank 0: the embedding and the head): the
-    stages ask each other (collective over the pipeline group) whether any of them has one."""
-    aware = [n for n, m in model.named_modules() if getattr(m, "splits_sequence", False)]
-    unaware = [n for n, m in model.named_modules()
-               if isinstance(m, (nn.MultiheadAttention, nn.Conv1d, nn.Conv2d))]
-    if gpc.pipeline_size > 1:
-        anyone = torch.tensor([float(bool(aware))], device=gpc.device)
-        dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=gpc.pipeline_group)
-        aware = aware or (["another stage's"] if anyone.item() else [])
-    if not aware or unaware:
-        kind = type(model.get_submodule(unaware[0])).__name__ if unaware else ""
-        found = (f"it has {', '.join(unaware[:3])} ({kind}), which mixes tokens the split "
-                 f"keeps apart" if unaware else "it has no attention that knows the sequence is "
-                 "split")
-        raise ConfigError(
-            f"[rank {gpc.rank}] parallel.tensor mode='sequence' splits every sequence over "
-            f"{gpc.sequence_size} ranks, but {found}; build attention with "
-            f"nanocolossal.nn.transformer.Attention (ring attention) and per-token layers, or "
-            f"use tensor mode '1d'/'2d' or data parallelism")

@@ -60,19 +60,24 @@ def stdlib_text(max_bytes: int) -> tuple[bytes, str]:
 
 def load_text(path: Optional[str], download: bool = False, max_bytes: int = 1_000_000) -> bytes:
     """The bytes of `path` (fetched first with `download`), else the standard library's source."""
-    logger = get_dist_logger()
     if path and download and not os.path.exists(path):
-        try:
-            urllib.request.urlretrieve(SHAKESPEARE_URL, path)
-        except OSError as e:
-            logger.warning(f"could not download tiny Shakespeare to {path} ({e})", ranks=[0])
+        download_shakespeare(path)
     if path and os.path.exists(path):
         with open(path, "rb") as f:
             return f.read()[:max_bytes]
     text, what = stdlib_text(max_bytes)
-    logger.info(f"no text file{f' at {path}' if path else ''}: training on {what}, "
-                f"{len(text):,} bytes", ranks=[0])
+    get_dist_logger().info(f"no text file{f' at {path}' if path else ''}: training on {what}, "
+                           f"{len(text):,} bytes", ranks=[0])
     return text
+
+
+def download_shakespeare(path: str) -> None:
+    """nanoGPT's tiny Shakespeare into `path` (a warning if the machine is offline)."""
+    try:
+        urllib.request.urlretrieve(SHAKESPEARE_URL, path)
+    except OSError as e:
+        get_dist_logger().warning(f"could not download tiny Shakespeare to {path} ({e})",
+                                  ranks=[0])
 
 
 def byte_datasets(text: bytes, seq_len: int,

@@ -329,7 +329,7 @@ def test_deep_sequence_loaders_with_workers_or_without_len(workers):
 def test_deep_sequence_with_trailing_padding_equals_one_process():
     """Targets of the last 6 of 16 positions are ignore_index: sequence rank 0 (chunks 0, 3)
     counts 4 tokens per sequence, rank 1 (chunks 1, 2) counts 6. One process's loss is the mean
-    over all 10; each rank divides by the count of all ranks (TokenCrossEntropyLoss), not by its
+    over all 10; each rank divides by the count of all ranks (SequenceCrossEntropyLoss), not by its
     own (which made it the mean of the two ranks' means)."""
     ref, runs = gpt_one_and_layout(dict(PAD=6), 2, SEQ2, 1)
     compare_runs(ref, runs)

@@ -52,11 +52,11 @@ def test_3d_cube_groups_run_along_named_axes():
     """tensor_rank = x * q^2 + y * q + z; a group along an axis varies that coordinate only, a
     plane (the batch's blocks in layout A or B) two of them (context.layout, no process)."""
     cube = layout(8, T=8, mode="3d")
-    assert cube.cube_x == [[0, 4], [1, 5], [2, 6], [3, 7]]   # same (y, z)
-    assert cube.cube_y == [[0, 2], [1, 3], [4, 6], [5, 7]]   # same (x, z)
-    assert cube.cube_z == [[0, 1], [2, 3], [4, 5], [6, 7]]   # same (x, y)
-    assert cube.plane_xy == [[0, 2, 4, 6], [1, 3, 5, 7]]     # same z, block x * q + y
-    assert cube.plane_xz == [[0, 1, 4, 5], [2, 3, 6, 7]]     # same y, block x * q + z
+    assert cube.tensor_x == [[0, 4], [1, 5], [2, 6], [3, 7]]   # same (y, z)
+    assert cube.tensor_y == [[0, 2], [1, 3], [4, 6], [5, 7]]   # same (x, z)
+    assert cube.tensor_z == [[0, 1], [2, 3], [4, 5], [6, 7]]   # same (x, y)
+    assert cube.tensor_xy == [[0, 2, 4, 6], [1, 3, 5, 7]]     # same z, block x * q + y
+    assert cube.tensor_xz == [[0, 1, 4, 5], [2, 3, 6, 7]]     # same y, block x * q + z
 
 
 def _layers_worker(rank, world_size, port):
@@ -105,7 +105,7 @@ def test_gloo_3d_bad_shapes_are_one_line_errors():
                     f"SwiGLU's second)",
             "in": f"[rank {rank}] Linear in_features 6 is not divisible by 4 (tensor parallel "
                   f"3d, size 8); choose a multiple of 4",
-            "batch": f"[rank {rank}] a batch of 6 cannot be split over the 4 batch blocks of the "
+            "batch": f"[rank {rank}] a batch of 6 cannot be split over the 4 batch shares of the "
                      f"3d cube (tensor size 8); use a batch size that is a multiple of 4",
             "both": f"[rank {rank}] Linear(parallel='row', input_is_split=False) contradict each "
                     f"other: a column Linear takes a whole input (3d: layout A), a row Linear a "

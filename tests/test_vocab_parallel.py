@@ -242,12 +242,12 @@ def test_deep_vocab_parallel_edges_behave_as_torch(mode, world_size):
     for rank, (ids, targets, tied) in enumerate(run_ranks(_edges_worker, world_size, mode)):
         assert ids.startswith(f"IndexError: [rank {rank}] token ids must be in [0, {V})"), ids
         assert targets.startswith(f"IndexError: [rank {rank}] targets must be in [0, {V})")
-        assert "the tied weight's block has shape" in tied, tied
+        assert "the tied weight's slice has shape" in tied, tied
 
 
 def test_a_tied_classifier_of_the_wrong_shape_is_refused_without_tensor_parallelism():
     table = nn.Embedding(V, D).weight
-    with pytest.raises(ValueError, match=r"the tied weight's block has shape \(16, 8\), but a "
+    with pytest.raises(ValueError, match=r"the tied weight's slice has shape \(16, 8\), but a "
                                          r"classifier of 8 features and 32 classes needs"):
         col_nn.Classifier(D, 2 * V, weight=table)
     assert col_nn.Classifier(D, V, weight=table).weight is table

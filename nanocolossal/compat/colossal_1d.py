@@ -2,27 +2,19 @@
 
 A model written for Colossal-AI's `colossalai.nn` (Linear1D_Col, Linear1D_Row, ...) runs here
 after `colossalai` -> `nanocolossal`. Each class *is* one of our layers (tensor/layers_1d.py,
-tensor/vocab_parallel.py; same parameters, same layout: torch's [out, in] blocks recorded in
+tensor/vocab_parallel.py; same parameters, same layout: torch's [out, in] slices recorded in
 `tensor_splits`, same state_dict keys), plus what its extra arguments ask for:
 
-    Linear1D_Col(in, out, bias, dtype, gather_output, skip_bias_add, weight_initializer,
-                 bias_initializer)
-        gather_output   all-gather the split output, so it leaves whole (the next Linear1D_Row
-                        then needs parallel_input=False)
-        skip_bias_add   return (output, bias) and let the caller add the bias (to fuse it with
-                        what follows); with gather_output the bias is gathered as well
-    Linear1D_Row(in, out, bias, dtype, parallel_input, skip_bias_add, weight_initializer,
-                 bias_initializer, stream_chunk_num)
-        parallel_input  True: the input comes split (after Linear1D_Col); False: it comes whole
-                        and each rank keeps its slice of the features
-        stream_chunk_num  inference only: the product and its all-reduce in that many slices of
-                        the output features, concatenated (the same numbers); training with it
-                        is an error, as in Colossal-AI
-    Embedding1D, VocabParallelEmbedding1D(num, dim, padding_idx, dtype, weight_initializer)
-    Classifier1D, VocabParallelClassifier1D(in, num_classes, weight, bias, dtype, [gather_output,]
-                 weight_initializer, bias_initializer); `weight=` ties the embedding's table
-    VocabParallelCrossEntropyLoss1D(reduction=True)   True: the mean; False: per token
-    Dropout1D(p, inplace)   a per-rank mask when the activation is split (after Linear1D_Col)
+    gather_output     (Linear1D_Col, VocabParallelClassifier1D) all-gather the split output, so
+                      it leaves whole (the next Linear1D_Row then needs parallel_input=False)
+    skip_bias_add     return (output, bias) and let the caller add the bias (to fuse it with
+                      what follows); with gather_output the bias is gathered as well
+    parallel_input    (Linear1D_Row) True: the input comes split (after Linear1D_Col); False: it
+                      comes whole and each rank keeps its slice of the features
+    stream_chunk_num  (Linear1D_Row) inference only: the product and its all-reduce in that many
+                      slices of the output features, concatenated (the same numbers); training
+                      with it is an error, as in Colossal-AI
+    reduction         (VocabParallelCrossEntropyLoss1D) True: the mean; False: per token
 
 Arguments shared by all (initializers, dtype, F.embedding's extras) are in colossal_args.py.
 """
@@ -38,31 +30,21 @@ from ..nn import layers
 from ..tensor import layers_1d, vocab_parallel
 from ..tensor.base import add_bias
 from ..tensor.comm import gather, split
-from .colossal_args import (
-    Initializer,
-    check_embedding_extras,
-    check_skip_bias_add,
-    initialise,
-    require_mode,
-    set_parallel_input,
-    with_padding_zeroed,
-)
+from .colossal_2d import ColossalClassifier, ColossalEmbedding, ColossalLinear, ColossalLoss
+from .colossal_args import Initializer, require_mode, set_parallel_input
 
 
-class Linear1D_Col(layers_1d.ColumnLinear1D):
+class Linear1D_Col(ColossalLinear, layers_1d.ColumnLinear1D):
     """Column-parallel Linear: output features split over the tensor ranks."""
+    MODE = "1d"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  dtype: Optional[torch.dtype] = None, gather_output: bool = False,
                  skip_bias_add: bool = False, weight_initializer: Optional[Initializer] = None,
                  bias_initializer: Optional[Initializer] = None) -> None:
-        require_mode("Linear1D_Col", "1d")
-        check_skip_bias_add("Linear1D_Col", skip_bias_add, bias)
-        super().__init__(in_features, out_features, bias)
-        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
-        initialise(self, [(self.weight, weight_initializer,
-                           {"fan_in": in_features, "fan_out": out_features}),
-                          (self.bias, bias_initializer, {"fan_in": in_features})], dtype)
+        super().__init__(in_features, out_features, bias, dtype, skip_bias_add,
+                         weight_initializer, bias_initializer)
+        self.gather_output = gather_output
         set_parallel_input(not gather_output)
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -76,25 +58,22 @@ class Linear1D_Col(layers_1d.ColumnLinear1D):
         return y, bias
 
 
-class Linear1D_Row(layers_1d.RowLinear1D):
+class Linear1D_Row(ColossalLinear, layers_1d.RowLinear1D):
     """Row-parallel Linear: input features split, output summed over the tensor ranks."""
+    MODE = "1d"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  dtype: Optional[torch.dtype] = None, parallel_input: bool = True,
                  skip_bias_add: bool = False, weight_initializer: Optional[Initializer] = None,
                  bias_initializer: Optional[Initializer] = None,
                  stream_chunk_num: int = 1) -> None:
-        require_mode("Linear1D_Row", "1d")
-        check_skip_bias_add("Linear1D_Row", skip_bias_add, bias)
         if stream_chunk_num < 1:
             raise ValueError(f"[rank {gpc.rank}] Linear1D_Row(stream_chunk_num="
                              f"{stream_chunk_num}): give 1 (no chunks) or more")
-        super().__init__(in_features, out_features, bias)
-        self.parallel_input, self.skip_bias_add = parallel_input, skip_bias_add
+        super().__init__(in_features, out_features, bias, dtype, skip_bias_add,
+                         weight_initializer, bias_initializer)
+        self.parallel_input = parallel_input
         self.stream_chunk_num = stream_chunk_num
-        initialise(self, [(self.weight, weight_initializer,
-                           {"fan_in": in_features, "fan_out": out_features}),
-                          (self.bias, bias_initializer, {"fan_in": in_features})], dtype)
         set_parallel_input(False)
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -114,80 +93,45 @@ class Linear1D_Row(layers_1d.RowLinear1D):
         return add_bias(y, self.bias)
 
 
-class Embedding1D(layers_1d.Embedding1D):
+class Embedding1D(ColossalEmbedding, layers_1d.Embedding1D):
     """Embedding with each vector's dimensions split; the output is gathered whole."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
-                 dtype: Optional[torch.dtype] = None,
-                 weight_initializer: Optional[Initializer] = None, *args, **kwargs) -> None:
-        require_mode("Embedding1D", "1d")
-        check_embedding_extras("Embedding1D", args, kwargs)
-        super().__init__(num_embeddings, embedding_dim, padding_idx)
-        initialise(self, [(self.weight, with_padding_zeroed(weight_initializer, padding_idx),
-                           {"fan_in": num_embeddings, "fan_out": embedding_dim})], dtype)
-        set_parallel_input(False)
+    MODE = "1d"
 
 
-class VocabParallelEmbedding1D(vocab_parallel.VocabParallelEmbedding1D):
+class VocabParallelEmbedding1D(ColossalEmbedding, vocab_parallel.VocabParallelEmbedding1D):
     """Embedding with the table's rows (the vocabulary) split; the output is summed whole."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
-                 dtype: Optional[torch.dtype] = None,
-                 weight_initializer: Optional[Initializer] = None, *args, **kwargs) -> None:
-        require_mode("VocabParallelEmbedding1D", "1d")
-        check_embedding_extras("VocabParallelEmbedding1D", args, kwargs)
-        super().__init__(num_embeddings, embedding_dim, padding_idx)
-        initialise(self, [(self.weight, with_padding_zeroed(weight_initializer, padding_idx),
-                           {"fan_in": num_embeddings, "fan_out": embedding_dim})], dtype)
-        set_parallel_input(False)
+    MODE = "1d"
 
 
-class Classifier1D(layers_1d.Classifier1D):
+class Classifier1D(ColossalClassifier, layers_1d.Classifier1D):
     """Row-parallel head on a whole input; whole logits. `weight=`: an Embedding1D's table."""
-
-    def __init__(self, in_features: int, num_classes: int, weight: Optional[nn.Parameter] = None,
-                 bias: bool = True, dtype: Optional[torch.dtype] = None,
-                 weight_initializer: Optional[Initializer] = None,
-                 bias_initializer: Optional[Initializer] = None) -> None:
-        require_mode("Classifier1D", "1d")
-        super().__init__(in_features, num_classes, bias, weight)
-        own = self.weight if weight is None else None  # a tied table is its owner's to initialise
-        initialise(self, [(own, weight_initializer,
-                           {"fan_in": in_features, "fan_out": num_classes}),
-                          (self.bias, bias_initializer, {"fan_in": in_features})], dtype)
-        set_parallel_input(False)
+    MODE = "1d"
 
 
-class VocabParallelClassifier1D(vocab_parallel.VocabParallelClassifier1D):
+class VocabParallelClassifier1D(ColossalClassifier, vocab_parallel.VocabParallelClassifier1D):
     """Logits split by vocabulary (gather_output: gathered whole). `weight=`: a
     VocabParallelEmbedding1D's table."""
+    MODE = "1d"
 
     def __init__(self, in_features: int, num_classes: int, weight: Optional[nn.Parameter] = None,
                  bias: bool = True, dtype: Optional[torch.dtype] = None,
                  gather_output: bool = False, weight_initializer: Optional[Initializer] = None,
                  bias_initializer: Optional[Initializer] = None) -> None:
-        require_mode("VocabParallelClassifier1D", "1d")
-        super().__init__(in_features, num_classes, bias, weight)
+        super().__init__(in_features, num_classes, weight, bias, dtype, weight_initializer,
+                         bias_initializer)
         self.gather_output = gather_output
-        own = self.weight if weight is None else None
-        initialise(self, [(own, weight_initializer,
-                           {"fan_in": in_features, "fan_out": num_classes}),
-                          (self.bias, bias_initializer, {"fan_in": in_features})], dtype)
-        set_parallel_input(False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = super().forward(h)
         return gather(logits, -1, gpc.tensor_group) if self.gather_output else logits
 
 
-class VocabParallelCrossEntropyLoss1D(vocab_parallel.VocabParallelCrossEntropyLoss1D):
+class VocabParallelCrossEntropyLoss1D(ColossalLoss,
+                                      vocab_parallel.VocabParallelCrossEntropyLoss1D):
     """Cross-entropy of vocabulary-split logits. reduction: True (mean, Colossal-AI's default) or
     False (per token, shaped as the targets); also torch's 'mean'/'sum'/'none', ignore_index
     and weight."""
-
-    def __init__(self, reduction: Union[bool, str] = True, **kwargs) -> None:
-        require_mode("VocabParallelCrossEntropyLoss1D", "1d")
-        super().__init__(reduction=reduction, **kwargs)
+    MODE = "1d"
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor,
                 process_group=None) -> torch.Tensor:

@@ -1,30 +1,18 @@
 """Colossal-AI's 2d layer classes, by name and constructor arguments, over our 2d layers.
 
 As colossal_1d.py for the q x q grid: each class is one of our layers (tensor/layers_2d.py,
-tensor/vocab_parallel_2d.py; our layout, torch's [out, in] blocks recorded in `tensor_splits`,
-which differs from Colossal-AI's transposed blocks but not in any result), plus its arguments:
-
-    Linear2D(in, out, bias, dtype, skip_bias_add, weight_initializer, bias_initializer)
-        skip_bias_add   return (output, bias), the bias as this rank's output block needs it
-    LayerNorm2D(normalized_shape, eps, bias, dtype)          bias=False: scale only
-    Embedding2D, VocabParallelEmbedding2D(num, dim, padding_idx, dtype, weight_initializer)
-    PatchEmbedding2D(img_size, patch_size, in_chans, embed_size, flatten, dtype,
-                     weight_initializer, bias_initializer, position_embed_initializer)
-        flatten=False is an error: with a class token prepended there is no [B, C, H, W] output
-        (Colossal-AI's would fail at the concatenation too)
-    Classifier2D, VocabParallelClassifier2D(in, num_classes, weight, bias, dtype,
-                     weight_initializer, bias_initializer); `weight=` ties the embedding's table
-    CrossEntropyLoss2D(reduction=True, weight, size_average, ignore_index, reduce,
-                       label_smoothing)   the positional order Colossal-AI passes to
-        F.cross_entropy; size_average and reduce (torch's deprecated spellings of reduction) are
-        an error, since they would contradict `reduction`
-    VocabParallelCrossEntropyLoss2D(reduction=True)
-
+tensor/vocab_parallel_2d.py; our layout, torch's [out, in] tiles recorded in `tensor_splits`,
+which differs from Colossal-AI's transposed tiles but not in any result), plus its arguments:
+skip_bias_add returns (output, bias), the bias as this rank's output needs it; LayerNorm2D's
+bias=False is scale only; PatchEmbedding2D's flatten=False is an error (with a class token
+prepended there is no [B, C, H, W] output; Colossal-AI's would fail at the concatenation too);
+CrossEntropyLoss2D takes F.cross_entropy's positional order, its size_average and reduce
+(torch's deprecated spellings of reduction) an error, since they would contradict `reduction`.
 reduction=True is the whole batch's mean, False this grid row's per-sample (per-token) losses.
 
 Each class's arguments are handled once, in a mixin (ColossalLinear, ColossalEmbedding,
-ColossalClassifier, ColossalLoss) that the 2.5d and 3d classes (colossal_2p5d.py,
-colossal_3d.py) share; a class says its mode in MODE, and refuses to be built under another.
+ColossalClassifier, ColossalLoss) that the 1d, 2.5d and 3d classes share; a class says its mode
+in MODE, and refuses to be built under another.
 """
 from __future__ import annotations
 
@@ -41,6 +29,7 @@ from .colossal_args import (
     check_skip_bias_add,
     initialise,
     require_mode,
+    set_parallel_input,
     with_padding_zeroed,
 )
 
@@ -49,7 +38,7 @@ Size = Union[int, tuple[int, int]]
 
 class ColossalLinear:
     """Linear{2D,2p5D,3D}(in, out, bias, dtype, skip_bias_add, weight_initializer,
-    bias_initializer) over a layer with product() and bias_block()."""
+    bias_initializer) over a layer with product() and bias_slice(); Linear1D_* add their own."""
     MODE = "2d"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -71,12 +60,12 @@ class ColossalLinear:
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if not self.skip_bias_add:
             return super().forward(x)
-        # the bias block of my output, its gradient summed over the ranks that use it
-        return self.product(x), self.bias_block()
+        # the bias slice of my output, its gradient summed over the ranks that use it
+        return self.product(x), self.bias_slice()
 
 
 class ColossalEmbedding:
-    """Embedding{2D,...}, VocabParallelEmbedding{2D,...}(num, dim, padding_idx, dtype,
+    """Embedding{1D,2D,...}, VocabParallelEmbedding{1D,2D,...}(num, dim, padding_idx, dtype,
     weight_initializer, *F.embedding's args)."""
     MODE = "2d"
 
@@ -89,11 +78,13 @@ class ColossalEmbedding:
         super().__init__(num_embeddings, embedding_dim, padding_idx)
         initialise(self, [(self.weight, with_padding_zeroed(weight_initializer, padding_idx),
                            {"fan_in": num_embeddings, "fan_out": embedding_dim})], dtype)
+        if self.MODE == "1d":
+            set_parallel_input(False)  # the output is whole: the next Linear is a column one
 
 
 class ColossalClassifier:
-    """Classifier{2D,...}, VocabParallelClassifier{2D,...}(in, num_classes, weight, bias, dtype,
-    weight_initializer, bias_initializer); `weight=` ties the embedding's table."""
+    """Classifier{1D,2D,...}, VocabParallelClassifier{1D,2D,...}(in, num_classes, weight, bias,
+    dtype, weight_initializer, bias_initializer); `weight=` ties the embedding's table."""
     MODE = "2d"
 
     def __init__(self, in_features: int, num_classes: int, weight: Optional[nn.Parameter] = None,
@@ -106,10 +97,12 @@ class ColossalClassifier:
         initialise(self, [(own, weight_initializer,
                            {"fan_in": in_features, "fan_out": num_classes}),
                           (self.bias, bias_initializer, {"fan_in": in_features})], dtype)
+        if self.MODE == "1d":
+            set_parallel_input(False)
 
 
 class Linear2D(ColossalLinear, layers_2d.Linear2D):
-    """SUMMA Linear: input and output [B/q, ..., d/q] blocks of the grid."""
+    """SUMMA Linear: input and output [B/q, ..., d/q] tiles of the grid."""
 
 
 class LayerNorm2D(layers_2d.LayerNorm2D):
@@ -128,7 +121,7 @@ class Embedding2D(ColossalEmbedding, layers_2d.Embedding2D):
 
 
 class VocabParallelEmbedding2D(ColossalEmbedding, vocab_parallel_2d.VocabParallelEmbedding2D):
-    """Embedding with the table in q x q blocks (vocabulary down the column, hidden along the
+    """Embedding with the table in q x q tiles (vocabulary down the column, hidden along the
     row)."""
 
 
@@ -171,7 +164,7 @@ class Classifier2D(ColossalClassifier, layers_2d.Classifier2D):
 
 
 class VocabParallelClassifier2D(ColossalClassifier, vocab_parallel_2d.VocabParallelClassifier2D):
-    """Logits in [batch block, vocabulary block] on the grid. `weight=`: a
+    """Logits in [batch share, vocabulary slice] on the grid. `weight=`: a
     VocabParallelEmbedding2D's table."""
 
 

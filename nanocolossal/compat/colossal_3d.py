@@ -1,17 +1,9 @@
 """Colossal-AI's 3d layer classes (Linear3D, ...), by name and constructor arguments.
 
-Over tensor/layers_3d.py, with c2d.py's argument handling (the same arguments mean the
-same things):
-
-    Linear3D(in, out, bias, dtype, skip_bias_add, weight_initializer, bias_initializer)
-        column or row by the alternation nc.nn.Linear follows (Colossal-AI's Linear3D swaps its
-        input and output groups after each layer the same way): pairs start and end in layout A
-    LayerNorm3D(normalized_shape, eps, bias, dtype)
-    Embedding3D, VocabParallelEmbedding3D(num, dim, padding_idx, dtype, weight_initializer)
-    PatchEmbedding3D(img_size, patch_size, in_chans, embed_size, flatten, dtype, initializers)
-    Classifier3D, VocabParallelClassifier3D(in, num_classes, weight, bias, dtype, initializers)
-    CrossEntropyLoss3D(reduction=True, weight, ..., label_smoothing)
-    VocabParallelCrossEntropyLoss3D(reduction=True, ...)
+Over tensor/layers_3d.py, with colossal_2d.py's argument handling (the same arguments mean the
+same things). Linear3D is column or row by the alternation nc.nn.Linear follows (Colossal-AI's
+Linear3D swaps its input and output groups after each layer the same way): pairs start and end
+in layout A.
 """
 from __future__ import annotations
 
@@ -35,7 +27,7 @@ Embedding3D = in_mode(c2d.Embedding2D, "Embedding3D", "3d", "Token embedding int
 PatchEmbedding3D = in_mode(c2d.PatchEmbedding2D, "PatchEmbedding3D", "3d",
                            "ViT's patch embedding into layout A.")
 Classifier3D = in_mode(c2d.Classifier2D, "Classifier3D", "3d",
-                       "Whole logits per sample of batch block (x, y); `weight=` ties Embedding3D.")
+                       "Whole logits per sample of batch share (x, y); `weight=` ties Embedding3D.")
 CrossEntropyLoss3D = in_mode(c2d.CrossEntropyLoss2D, "CrossEntropyLoss3D", "3d",
                              "F.cross_entropy of the whole batch from layout A's logits.")
 

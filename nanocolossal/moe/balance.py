@@ -5,8 +5,8 @@ faster, win more, and the other experts (and their capacity) go to waste. Switch
 auxiliary loss pushes towards a uniform load:
 
     aux = E * sum_e f_e * P_e
-    f_e = (tokens whose first choice is e) / N      -- the load; a count, no gradient
-    P_e = (sum over tokens of prob(e)) / N           -- the router's wish; differentiable
+    f_e = (tokens whose first choice is e) / n      -- the load; a count, no gradient
+    P_e = (sum over tokens of prob(e)) / n           -- the router's wish; differentiable
 
 It is 1 when both are uniform (1/E each) and grows as they concentrate on the same experts.
 Only P carries gradient: it lowers the probability of the experts that are overloaded.
@@ -16,7 +16,7 @@ computes aux on its tokens and the ranks average -- gives mean_r(E * sum_e f_e^r
 of per-rank products, which is not the product of the means one process computes on the whole
 batch. So the two means are taken over ALL tokens of the global batch: every rank sums its
 probabilities and counts per expert, and one all-reduce of those 2E numbers over the
-data-parallel group gives every rank the global sums (N = sum of the counts):
+data-parallel group gives every rank the global sums (n = sum of the counts: the batch's tokens):
 
     rank r:  [sum_t prob_t(0..E-1) | count(0..E-1)]  --all-reduce-->  global sums  -> aux
 
@@ -26,10 +26,10 @@ over those ranks' d aux / d P for this rank's probabilities -- D times the one-p
 gradient of this rank's share, as for every other term once the engine averages gradients over
 the D data ranks (grads.py).
 
-Two more numbers ride along, the token count T and T^2 summed over the ranks: capacity is per
-rank's tokens, so ranks with different T would build all-to-all buffers of different sizes and
-wait forever. D * sum(T^2) == sum(T)^2 holds exactly when every T is equal; otherwise every
-rank raises the same error here, before any all-to-all starts.
+Two more numbers ride along, a rank's token count n_r and n_r^2 summed over the ranks:
+capacity is per rank's tokens, so ranks with different n_r would build all-to-all buffers of
+different sizes and wait forever. D * sum(n_r^2) == sum(n_r)^2 holds exactly when every n_r is
+equal; otherwise every rank raises the same error here, before any all-to-all starts.
 """
 from __future__ import annotations
 
@@ -37,30 +37,23 @@ import torch
 import torch.nn.functional as F
 
 from ..tensor.comm import group_sum
-from .placement import Group, group_size, rank_prefix
+from .checks import check_equal_tokens
+from .placement import Group, group_size
 
 
 def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor,
                         group: Group = None) -> torch.Tensor:
     """E * sum_e f_e * P_e over the tokens of every rank of `group` (None: these tokens only).
 
-    probs: [T, E] router probabilities; first_choice: [T] each token's top expert."""
+    probs: [n_r, E] router probabilities; first_choice: [n_r] each token's top expert."""
     tokens, num_experts = probs.shape
     counts = F.one_hot(first_choice, num_experts).sum(0)
-    # float64: counts and T^2 stay exact integers well past any batch size
+    # float64: counts and n_r^2 stay exact integers well past any batch size
     stats = torch.cat([probs.sum(0).double(), counts.double(),
                        probs.new_tensor([tokens, tokens * tokens], dtype=torch.float64)])
     stats = group_sum(stats, group)
-    _check_equal_tokens(stats[-2].item(), stats[-1].item(), tokens, group_size(group))
-    total = stats[num_experts:2 * num_experts].sum()  # N: every token has one first choice
-    load, wish = stats[num_experts:2 * num_experts] / total, stats[:num_experts] / total
+    check_equal_tokens(stats[-2].item(), stats[-1].item(), tokens, group_size(group))
+    total = stats[num_experts:2 * num_experts].sum()  # n: every token has one first choice
+    load = stats[num_experts:2 * num_experts] / total
+    wish = stats[:num_experts] / total
     return (num_experts * (load * wish).sum()).to(probs.dtype)
-
-
-def _check_equal_tokens(sum_t: float, sum_t2: float, tokens: int, ranks: int) -> None:
-    if ranks * sum_t2 != sum_t * sum_t:
-        raise ValueError(
-            f"{rank_prefix()} MoE layer: the data-parallel ranks route different numbers of "
-            f"tokens (this rank {tokens}, mean {sum_t / ranks:g}); capacity is counted per rank's "
-            f"tokens, and the all-to-all needs the same capacity on every rank: give every rank "
-            f"the same batch size and sequence length (DistributedSampler pads the last batch)")

@@ -54,9 +54,9 @@ class LocalExperts(nn.ModuleDict):
         super().__init__(experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [G, L, C, d] (G sending ranks, L local experts, C slots) -> the same shape."""
+        """x: [peers, L, C, d] (L local experts, C slots from each peer) -> the same shape."""
         outputs = []
         for i, expert in enumerate(self.values()):
-            tokens = x[:, i]  # every sender's slots for this expert at once: [G, C, d]
+            tokens = x[:, i]  # every peer's slots for this expert at once: [peers, C, d]
             outputs.append(expert(tokens.reshape(-1, x.shape[-1])).view_as(tokens))
         return torch.stack(outputs, 1)

@@ -7,19 +7,19 @@ gradient of sum_r L_r through *its own use* of that parameter:
 
     non-expert (router, attention, ...): used on this rank's tokens -> d L_r / d theta
         (plus, through the aux loss's all-reduce, the other ranks' terms: balance.py)
-    expert e on holder h: used on the tokens its block sent it, and the combine all-to-all
-        brought back d L_s / d y for every sender s -> sum over the block of d L_s / d theta_e
+    expert e on holder h: used on the tokens its peers sent it, and the combine all-to-all
+        brought back d L_s / d y for every sender s -> sum over the peers of d L_s / d theta_e
 
 The uses of a parameter over all its holders cover every token exactly once, so:
 
     gradient = (sum over the ranks that hold the parameter) / D
 
     non-expert: held by all D data ranks     -> all-reduce over the data group, / D (the mean)
-    expert:     held by D / G ranks          -> all-reduce over the expert-data group, / D
-                (G = min(E, EP): the ranks of one exchange block; D = data-parallel size)
+    expert:     held by D / peers ranks      -> all-reduce over the expert-data group, / D
+                (peers = min(E, EP): the ranks that exchange tokens; D = data-parallel size)
 
-Dividing an expert's sum by its D / G holders instead (what DDP on the expert-data group
-would do) gives G times the gradient. Colossal-AI scales the expert gradient by 1/EP inside
+Dividing an expert's sum by its D / peers holders instead (what DDP on the expert-data group
+would do) gives `peers` times the gradient. Colossal-AI scales the expert gradient by 1/EP inside
 the layer (EPGradScaler) so that a plain average works; here the layer's gradient is the
 plain derivative and the division by D says what it means. `allreduce_moe_gradients` does
 both reductions, for a loop of your own (one that keeps DDP for the non-expert parameters may
@@ -27,10 +27,10 @@ reduce only `expert_parameters(model)` with `allreduce_expert_gradients`); the E
 MoeGradientHandler below.
 
 Groups. Expert parallelism is carved out of the data-parallel ranks (as Colossal-AI): with the
-data group's ranks listed in data-rank order, EP groups are blocks of EP consecutive data
-ranks, and the holders of the same experts are the data ranks with equal data_rank % G.
-D = 4, EP = 2, E = 4 (G = 2): EP groups {0, 1} {2, 3}; experts 0-1 on {0, 2}, 2-3 on {1, 3}.
-D = 4, EP = 4, E = 2 (G = 2): one EP group {0..3}, exchange blocks {0, 1} {2, 3}; expert 0
+data group's ranks listed in data-rank order, EP groups are runs of EP consecutive data
+ranks, and the holders of the same experts are the data ranks with equal data_rank % peers.
+D = 4, EP = 2, E = 4 (2 peers): EP groups {0, 1} {2, 3}; experts 0-1 on {0, 2}, 2-3 on {1, 3}.
+D = 4, EP = 4, E = 2 (2 peers): one EP group {0..3}, peers {0, 1} {2, 3}; expert 0
 on {0, 2}, expert 1 on {1, 3}.
 """
 from __future__ import annotations
@@ -45,9 +45,10 @@ from ..checks import check_still_frozen
 from ..context import gpc
 from ..extensions import Extension
 from ..gradient_handler import sum_gradients
+from .checks import check_expert_sizes, rank_prefix
 from .experts import expert_parameters
 from .layer import moe_layers
-from .placement import Group, check_expert_sizes, group_size, rank_prefix
+from .placement import Group, group_size
 
 
 @dataclass
@@ -69,7 +70,7 @@ def build_moe_groups(ep_size: int, num_experts: int,
     check_expert_sizes(num_experts, ep_size)
     if data_ranks is None:
         data_ranks = [list(range(dist.get_world_size()))]
-    block = min(num_experts, ep_size)
+    peers = min(num_experts, ep_size)
     me, world = dist.get_rank(), dist.get_world_size()
     mine = MoeGroups(None, None, ep_size, 1)
     for ranks in data_ranks:
@@ -78,7 +79,7 @@ def build_moe_groups(ep_size: int, num_experts: int,
                              f"of the expert-parallel size {ep_size}; use a moe size dividing "
                              f"{len(ranks)}")
         eps = [list(ranks[i:i + ep_size]) for i in range(0, len(ranks), ep_size)]
-        holders = [list(ranks[g::block]) for g in range(block)]
+        holders = [list(ranks[i::peers]) for i in range(peers)]
         for kind, lists in (("ep_group", eps), ("expert_data_group", holders)):
             for members in lists:
                 group = _new_group(members, world)
@@ -126,15 +127,15 @@ class MoeGradientHandler(Extension):
     a group's last backward (extensions.py: end_group), in place of DDP -- whose one group and
     whose check that every rank holds the same parameters do not fit experts:
 
-        non-expert:          all-reduce over gpc's gradient group, / D (the mean)
-        experts of block G:  all-reduce over the data ranks holding them (gpc.expert_data_groups[G],
-                             data_rank % G equal), / D
+        non-expert:   all-reduce over gpc's gradient group, / D (the mean)
+        experts:      all-reduce over the data ranks holding them
+                      (gpc.expert_data_groups[peers], data_rank % peers equal), / D
 
     Replicas start equal: initialize broadcasts each parameter from the first rank holding it
     (replicas.py) before building this. `norm` gives clip_grad_norm each expert's weight in the
-    expert-parallel group: an expert of block G has EP / G copies there, so it adds its squares
-    x G / EP and the global norm counts every expert once (masters under AMP O2 included, by
-    `pairs`)."""
+    expert-parallel group: an expert among `peers` ranks has EP / peers copies there, so it adds
+    its squares x peers / EP and the global norm counts every expert once (masters under AMP
+    O2 included, by `pairs`)."""
 
     def __init__(self, model: nn.Module,
                  pairs: Sequence[tuple[nn.Parameter, nn.Parameter]] = ()) -> None:
@@ -142,25 +143,25 @@ class MoeGradientHandler(Extension):
         self.dense, _ = split_parameters(model)
         self.frozen = [p for p in model.parameters() if not p.requires_grad]
         self.data_group, self.data_size = gpc.gradient_group, gpc.gradient_size
-        self.experts: dict[int, list[nn.Parameter]] = {}  # by exchange block G
+        self.experts: dict[int, list[nn.Parameter]] = {}  # by their number of peers
         for layer in moe_layers(model):
             mine = [p for p in layer.experts.parameters() if p.requires_grad]
-            self.experts.setdefault(layer.placement.block, []).extend(mine)
+            self.experts.setdefault(layer.placement.peers, []).extend(mine)
         master = {id(p): m for p, m in pairs}
-        self.norm = ({id(master.get(id(p), p)): g / gpc.moe_size
-                      for g, params in self.experts.items() for p in params}, gpc.ep_group)
+        self.norm = ({id(master.get(id(p), p)): peers / gpc.ep_size
+                      for peers, params in self.experts.items() for p in params}, gpc.ep_group)
 
     @staticmethod
-    def _holders(block: int) -> tuple[Group, list[int]]:
-        if block not in gpc.expert_data_groups:  # experts on every data rank (no parallel.moe)
+    def _holders(peers: int) -> tuple[Group, list[int]]:
+        if peers not in gpc.expert_data_groups:  # experts on every data rank (no parallel.moe)
             return gpc.gradient_group, gpc.gradient_ranks
-        return gpc.expert_data_groups[block]
+        return gpc.expert_data_groups[peers]
 
     def handle_gradient(self) -> None:
         check_still_frozen(self.model, self.frozen, "MoeGradientHandler")
         sum_gradients(self.dense, self.data_group, self.data_size)
-        for g, params in sorted(self.experts.items()):
-            sum_gradients(params, self._holders(g)[0], self.data_size)
+        for peers, params in sorted(self.experts.items()):
+            sum_gradients(params, self._holders(peers)[0], self.data_size)
 
     def end_group(self) -> None:
         self.handle_gradient()

@@ -4,16 +4,19 @@ A dense MLP spends the same weights on every token. An MoE layer holds E MLPs (e
 router that sends each token to one or two of them, so parameters grow E-fold while the work
 per token stays that of one or two MLPs. One forward, on every rank:
 
-    x [..., d] -> tokens [T, d]
+    x [..., d] -> tokens [n, d]
       1. route (router.py)        expert + queue position per token, capacity C; the aux loss's
                                   all-reduce of 2E (+2) numbers over the data-parallel group
-      2. pack                     [E, C, d] buffer, tokens in their experts' slots (dispatch.py)
-      3. dispatch all-to-all      -> [G, L, C, d]: the slots of my L experts from my G peers
-                                  (the exchange block G = min(E, EP): placement.py)
-      4. experts (experts.py)     each local expert on its G*C tokens
+      2. pack                     [E, C, d] buffer, tokens in their experts' slots (below)
+      3. dispatch all-to-all      -> [peers, L, C, d]: the slots of my L experts from each of
+                                  my min(E, EP) peers (placement.py; dispatch.py)
+      4. experts (experts.py)     each local expert on its peers x C tokens
       5. combine all-to-all       -> [E, C, d] back on the tokens' own rank
       6. unpack                   out[t] = sum of weight * expert output over t's kept slots;
                                   0 for a dropped token (the block's residual passes it)
+
+Pack and unpack are two index_adds (out of place, so autograd flows through both): slot
+e*C + q of the buffer holds the q-th token queued at expert e, zeros where none did.
 
 With one rank (or ep_group=None) 3 and 5 are skipped and all E experts are local: the same
 code is the one-process reference. Without an ep_group on several data ranks, every rank holds
@@ -32,7 +35,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .dispatch import all_to_all, from_buffer, to_buffer
+from .checks import check_forward_ran
+from .dispatch import all_to_all
 from .experts import LocalExperts
 from .placement import Group, placement_for
 from .router import CAPACITY_FACTOR_EVAL, CAPACITY_FACTOR_TRAIN, MIN_CAPACITY, Router, Routing
@@ -43,8 +47,7 @@ class MoeLayer(nn.Module):
 
     ep_group: the expert-parallel group (EP ranks); None is EP = 1. E % EP == 0 gives E/EP
         experts per rank; EP % E == 0 puts one expert per rank, each on EP/E ranks, and a rank
-        sends its tokens to the replicas in its own block of E consecutive ep ranks
-        (placement.py).
+        sends its tokens to the replicas among its peers, E consecutive ep ranks (placement.py).
     data_group: the ranks whose tokens form the global batch (data-parallel; with sequence
         parallelism data x sequence), over which the load-balancing loss takes its means.
         None: this process's tokens are the whole batch.
@@ -58,7 +61,8 @@ class MoeLayer(nn.Module):
                  ep_group: Group = None, data_group: Group = None) -> None:
         super().__init__()
         self.placement = placement_for(num_experts, ep_group)  # checks E against EP first
-        self.ep_group, self.data_group = ep_group, data_group
+        self.ep_group = ep_group
+        self.data_group = data_group
         self.router = Router(d_model, num_experts, top_k, capacity_factor_train,
                              capacity_factor_eval, min_capacity, jitter_eps)
         self.experts = LocalExperts(d_model, d_hidden, self.placement)
@@ -72,14 +76,20 @@ class MoeLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         routing = self.router(tokens, self.data_group)
-        token, slot, weight = routing.slots()
-        p, c, d = self.placement, routing.capacity, tokens.shape[-1]
-        buffer = to_buffer(tokens, token, slot, p.num_experts * c)
-        # [E, C, d] is [G, L, C, d]: slice j holds the slots of ep rank j's experts
-        received = all_to_all(buffer.view(p.block, p.num_local, c, d), p, self.ep_group)
-        results = all_to_all(self.experts(received), p, self.ep_group)
-        out = from_buffer(results.view(-1, d), token, slot, weight, tokens.shape[0])
-        self.aux_loss, self.routing = routing.aux_loss, routing
+        token, slot, weight = routing.slots()  # every kept choice; slot = expert * C + position
+        p = self.placement
+        c = routing.capacity
+        d = tokens.shape[-1]
+        # pack: token[i]'s row in slot[i] of the [E * C, d] buffer, zeros in unused slots
+        buffer = tokens.new_zeros(p.num_experts * c, d).index_add(0, slot, tokens[token])
+        # [E, C, d] is [peers, L, C, d]: share j holds the slots of peer j's experts
+        received = all_to_all(buffer.view(p.peers, p.num_local, c, d), p, self.ep_group)
+        results = all_to_all(self.experts(received), p, self.ep_group).view(-1, d)
+        # unpack: each token's sum of weight * result over its kept slots (dropped: 0)
+        weighted = results[slot] * weight.unsqueeze(-1).to(results.dtype)
+        out = results.new_zeros(tokens.shape[0], d).index_add(0, token, weighted)
+        self.aux_loss = routing.aux_loss
+        self.routing = routing
         return out.view_as(x)
 
 
@@ -91,8 +101,7 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor:
     """Sum of the load-balancing losses of `model`'s MoE layers from their last forward (0 for
     a model, or a pipeline stage, without MoE layers)."""
     layers = moe_layers(model)
-    if any(m.aux_loss is None for m in layers):
-        raise ValueError("moe_aux_loss: an MoE layer of the model has not run a forward yet")
+    check_forward_ran(layers)
     if not layers:
         return torch.zeros(())
     return torch.stack([m.aux_loss for m in layers]).sum()

@@ -8,11 +8,11 @@ renormalised to sum to 1: g1 / (g1 + g2), g2 / (g1 + g2).
 Capacity. Each expert takes at most C tokens from each rank, so buffers have a fixed size
 and the all-to-all (dispatch.py) knows what to send before looking at the data:
 
-    C = max(ceil(capacity_factor * T / E), min_capacity)      T = this rank's tokens
+    C = max(ceil(capacity_factor * n / E), min_capacity)      n = this rank's tokens
 
 capacity_factor is 1.25 in training and 2.0 in evaluation (`module.training` picks), and
 min_capacity 4 -- Colossal-AI's defaults. (Colossal-AI also multiplies by k and rounds C up
-to even; here C is the same for k = 1 and 2.) With capacity_factor >= E, C >= T: no expert
+to even; here C is the same for k = 1 and 2.) With capacity_factor >= E, C >= n: no expert
 can overflow and nothing is ever dropped.
 
 Who gets a slot: position in the batch, as Switch. Tokens queue at their expert in the order
@@ -41,27 +41,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from .balance import load_balancing_loss
-from .placement import Group, rank_prefix
+from .checks import check_router_args
+from .placement import Group
 
-CAPACITY_FACTOR_TRAIN, CAPACITY_FACTOR_EVAL, MIN_CAPACITY = 1.25, 2.0, 4
+CAPACITY_FACTOR_TRAIN = 1.25  # Colossal-AI's defaults
+CAPACITY_FACTOR_EVAL = 2.0
+MIN_CAPACITY = 4
 
 
 def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float,
                     min_capacity: int = MIN_CAPACITY) -> int:
-    """max(ceil(capacity_factor * T / E), min_capacity)."""
+    """max(ceil(capacity_factor * n / E), min_capacity)."""
     # rounded first: 1.1 * 100 / 10 is 11.000000000000002 in floating point, and C is 11
     return max(math.ceil(round(capacity_factor * num_tokens / num_experts, 9)), min_capacity)
 
 
 @dataclass
 class Routing:
-    """The router's decision for T tokens, k choices each."""
+    """The router's decision for n tokens, k choices each."""
 
-    expert: torch.Tensor    # [T, k] chosen experts (first choice in column 0)
-    position: torch.Tensor  # [T, k] place in that expert's queue
-    kept: torch.Tensor      # [T, k] position < capacity
-    weight: torch.Tensor    # [T, k] combine weights, 0 where dropped (differentiable)
-    probs: torch.Tensor     # [T, E] router probabilities
+    expert: torch.Tensor    # [n, k] chosen experts (first choice in column 0)
+    position: torch.Tensor  # [n, k] place in that expert's queue
+    kept: torch.Tensor      # [n, k] position < capacity
+    weight: torch.Tensor    # [n, k] combine weights, 0 where dropped (differentiable)
+    probs: torch.Tensor     # [n, E] router probabilities
     capacity: int
     aux_loss: torch.Tensor  # the load-balancing loss (balance.py)
 
@@ -77,7 +80,7 @@ class Routing:
         return token[self.kept], slot[self.kept], self.weight[self.kept]
 
     def dispatch_mask(self) -> torch.Tensor:
-        """[T, E, C] bool: token t sits in slot c of expert e (GShard's dispatch tensor)."""
+        """[n, E, C] bool: token t sits in slot c of expert e (GShard's dispatch tensor)."""
         mask = torch.zeros(self.expert.shape[0], self.num_experts * self.capacity,
                            dtype=torch.bool, device=self.expert.device)
         token, slot, _ = self.slots()
@@ -96,7 +99,7 @@ class Routing:
 
 
 def assign_slots(probs: torch.Tensor, top_k: int, capacity: int) -> tuple[torch.Tensor, ...]:
-    """(expert, position, kept, weight), each [T, k], for probabilities [T, E]."""
+    """(expert, position, kept, weight), each [n, k], for probabilities [n, E]."""
     num_experts = probs.shape[-1]
     choice = probs.argmax(-1)  # the first maximum: ties go to the lower index
     experts = [choice]
@@ -119,30 +122,10 @@ def assign_slots(probs: torch.Tensor, top_k: int, capacity: int) -> tuple[torch.
     return expert, position, kept, gate * kept
 
 
-def check_router_args(num_experts: int, top_k: int, capacity_factor_train: float,
-                      capacity_factor_eval: float, min_capacity: int, jitter_eps: float) -> None:
-    where = rank_prefix()
-    if top_k not in (1, 2):
-        raise ValueError(f"{where} top_k={top_k}: the router does top-1 (Switch) or top-2 "
-                         f"(GShard); use MOE_TOP_K=1 or 2")
-    if top_k > num_experts:
-        raise ValueError(f"{where} top_k={top_k} needs at least {top_k} experts, got "
-                         f"num_experts={num_experts}")
-    for name, value in (("capacity_factor_train", capacity_factor_train),
-                        ("capacity_factor_eval", capacity_factor_eval)):
-        if not value > 0:
-            raise ValueError(f"{where} {name}={value}: the capacity factor must be > 0 (1.25 "
-                             f"is usual; >= num_experts={num_experts} never drops a token)")
-    if min_capacity < 1:
-        raise ValueError(f"{where} min_capacity={min_capacity} must be at least 1")
-    if not 0 <= jitter_eps < 1:
-        raise ValueError(f"{where} jitter_eps={jitter_eps} must be in [0, 1) (Switch uses 0.01)")
-
-
 class Router(nn.Module):
     """Top-1 / top-2 router with capacity and the load-balancing loss.
 
-    `forward(x, group)` routes the [T, d] tokens `x`; `group` is the data-parallel group over
+    `forward(x, group)` routes the [n, d] tokens `x`; `group` is the data-parallel group over
     which the load-balancing loss takes its means (None: these tokens are the whole batch)."""
 
     def __init__(self, d_model: int, num_experts: int, top_k: int = 1,
@@ -152,10 +135,12 @@ class Router(nn.Module):
         super().__init__()
         check_router_args(num_experts, top_k, capacity_factor_train, capacity_factor_eval,
                           min_capacity, jitter_eps)
-        self.num_experts, self.top_k = num_experts, top_k
-        self.capacity_factor_train, self.capacity_factor_eval = (capacity_factor_train,
-                                                                 capacity_factor_eval)
-        self.min_capacity, self.jitter_eps = min_capacity, jitter_eps
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.capacity_factor_train = capacity_factor_train
+        self.capacity_factor_eval = capacity_factor_eval
+        self.min_capacity = min_capacity
+        self.jitter_eps = jitter_eps
         self.gate = nn.Linear(d_model, num_experts, bias=False)
 
     def capacity(self, num_tokens: int) -> int:

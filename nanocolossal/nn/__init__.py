@@ -10,49 +10,6 @@ Colossal-AI's mode-specific classes, with its constructor arguments, are importa
 (they live in compat/colossal_1d.py, colossal_2d.py, colossal_2p5d.py and colossal_3d.py):
 `col_nn.Linear1D_Col(384, 1536, gather_output=True)`, ...
 """
-from ..compat.colossal_1d import (
-    Classifier1D,
-    Dropout1D,
-    Embedding1D,
-    Linear1D_Col,
-    Linear1D_Row,
-    VocabParallelClassifier1D,
-    VocabParallelCrossEntropyLoss1D,
-    VocabParallelEmbedding1D,
-)
-from ..compat.colossal_2d import (
-    Classifier2D,
-    CrossEntropyLoss2D,
-    Embedding2D,
-    LayerNorm2D,
-    Linear2D,
-    PatchEmbedding2D,
-    VocabParallelClassifier2D,
-    VocabParallelCrossEntropyLoss2D,
-    VocabParallelEmbedding2D,
-)
-from ..compat.colossal_2p5d import (
-    Classifier2p5D,
-    CrossEntropyLoss2p5D,
-    Embedding2p5D,
-    LayerNorm2p5D,
-    Linear2p5D,
-    PatchEmbedding2p5D,
-    VocabParallelClassifier2p5D,
-    VocabParallelCrossEntropyLoss2p5D,
-    VocabParallelEmbedding2p5D,
-)
-from ..compat.colossal_3d import (
-    Classifier3D,
-    CrossEntropyLoss3D,
-    Embedding3D,
-    LayerNorm3D,
-    Linear3D,
-    PatchEmbedding3D,
-    VocabParallelClassifier3D,
-    VocabParallelCrossEntropyLoss3D,
-    VocabParallelEmbedding3D,
-)
 from . import lr_scheduler, metric
 from .layers import (
     VOCAB_PARALLEL_LIMIT,
@@ -72,16 +29,13 @@ from .layers import (
 __all__ = ["lr_scheduler", "metric", "VOCAB_PARALLEL_LIMIT", "Classifier", "CrossEntropyLoss",
            "Dropout", "Embedding", "LayerNorm", "Linear", "PatchEmbedding",
            "VocabParallelClassifier", "VocabParallelCrossEntropyLoss", "VocabParallelEmbedding",
-           "reset_1d_alternation",
-           # Colossal-AI's classes by mode
-           "Classifier1D", "Dropout1D", "Embedding1D", "Linear1D_Col", "Linear1D_Row",
-           "VocabParallelClassifier1D", "VocabParallelCrossEntropyLoss1D",
-           "VocabParallelEmbedding1D", "Classifier2D", "CrossEntropyLoss2D", "Embedding2D",
-           "LayerNorm2D", "Linear2D", "PatchEmbedding2D", "VocabParallelClassifier2D",
-           "VocabParallelCrossEntropyLoss2D", "VocabParallelEmbedding2D",
-           "Classifier2p5D", "CrossEntropyLoss2p5D", "Embedding2p5D", "LayerNorm2p5D",
-           "Linear2p5D", "PatchEmbedding2p5D", "VocabParallelClassifier2p5D",
-           "VocabParallelCrossEntropyLoss2p5D", "VocabParallelEmbedding2p5D",
-           "Classifier3D", "CrossEntropyLoss3D", "Embedding3D", "LayerNorm3D", "Linear3D",
-           "PatchEmbedding3D", "VocabParallelClassifier3D", "VocabParallelCrossEntropyLoss3D",
-           "VocabParallelEmbedding3D"]
+           "reset_1d_alternation"]
+
+
+def __getattr__(name: str):
+    """Colossal-AI's classes by mode (Linear1D_Col, Linear2D, ...), from compat/."""
+    from ..compat import colossal_1d, colossal_2d, colossal_2p5d, colossal_3d
+    for module in (colossal_1d, colossal_2d, colossal_2p5d, colossal_3d):
+        if name in vars(module) and isinstance(vars(module)[name], type):
+            return vars(module)[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -45,12 +45,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..config import ConfigError
 from ..context import gpc, on_destroy
 from ..sequence import sequence_share
 from ..tensor import layers_1d, layers_2d, layers_3d
 from ..tensor.base import PatchEmbedding as _PlainPatchEmbedding
-from ..tensor.base import check_tied_shape, sharded_dropout
+from ..tensor.base import sharded_dropout
+from ..tensor.layer_checks import check_tied_shape
 from ..tensor.vocab_parallel import (
     VocabParallelClassifier1D,
     VocabParallelCrossEntropyLoss1D,
@@ -61,6 +61,7 @@ from ..tensor.vocab_parallel_2d import (
     VocabParallelCrossEntropyLoss2D,
     VocabParallelEmbedding2D,
 )
+from .checks import check_3d_layout, check_3d_side, check_linear_arguments
 
 GRID = ("2d", "2.5d")  # SUMMA on a grid (2.5d: on each of its stacked grids)
 ALTERNATING = ("1d", "3d")  # Linears alternate column, row, column...
@@ -90,80 +91,61 @@ def alternate(parallel: Optional[str] = None) -> str:
     return "row" if row else "column"
 
 
-def check_3d_layout(layer: str) -> None:
-    """Under 3d a column Linear's output is in layout B (tensor/cube.py), which only a row Linear
-    takes; LayerNorm, embeddings and classifiers work on layout A. Built between a column Linear
-    and its row partner, they would compute on the wrong blocks, silently: refuse."""
-    if gpc.tensor_mode == "3d" and _state["next_is_row"]:
-        raise ConfigError(f"[rank {gpc.rank}] {layer} built after a column Linear under 3d "
-                          f"tensor parallelism: its input would be the column Linear's output "
-                          f"(layout B), where only a row Linear fits; build Linears in the order "
-                          f"data flows, in column/row pairs (nc.nn.Linear alternates), and pass "
-                          f"input_is_split=False to a column Linear whose input is not the "
-                          f"previous Linear's output (as SwiGLU's second)")
-
-
-def check_3d_side(parallel: Optional[str]) -> None:
-    """Under 3d a column Linear takes layout A and a row Linear layout B, whose blocks have the
-    same shapes: a Linear(parallel=) against the alternation would compute on the wrong blocks,
-    silently (1d's shapes differ and fail). Refuse it."""
-    if parallel is None or (parallel == "row") == _state["next_is_row"]:
-        return
-    if parallel == "column":
-        where = ("after a column Linear: its input would be that Linear's output (layout B), "
-                 "where only a row Linear fits")
-    else:
-        where = ("with no column Linear before it: its input would be in layout A, where only a "
-                 "column Linear fits")
-    raise ConfigError(f"[rank {gpc.rank}] Linear(parallel={parallel!r}) built {where} under 3d "
-                      f"tensor parallelism; build Linears in column/row pairs (parallel=None "
-                      f"alternates), or say where its input comes from with input_is_split=")
-
-
-def check_linear_arguments(parallel: Optional[str], input_is_split: Optional[bool]) -> None:
-    """`parallel` is a side, and `input_is_split`, which also picks one, does not contradict it."""
-    if parallel not in (None, "column", "row"):
-        raise ConfigError(f"[rank {gpc.rank}] Linear(parallel=...) must be 'column', 'row' or "
-                          f"None, got {parallel!r}")
-    if input_is_split is not None and parallel is not None \
-            and input_is_split != (parallel == "row"):
-        raise ConfigError(f"[rank {gpc.rank}] Linear(parallel={parallel!r}, input_is_split="
-                          f"{input_is_split}) contradict each other: a column Linear takes a "
-                          f"whole input (3d: layout A), a row Linear a split one (layout B); "
-                          f"pass one of them")
-
-
 VOCAB_PARALLEL_LIMIT = 2048  # Colossal-AI's default: larger tables split by vocabulary
+
+_2D = dict(LayerNorm=layers_2d.LayerNorm2D, Embedding=layers_2d.Embedding2D,
+           VocabParallelEmbedding=VocabParallelEmbedding2D,
+           VocabParallelClassifier=VocabParallelClassifier2D,
+           VocabParallelCrossEntropyLoss=VocabParallelCrossEntropyLoss2D,
+           PatchEmbedding=layers_2d.PatchEmbedding2D, Classifier=layers_2d.Classifier2D,
+           CrossEntropyLoss=layers_2d.CrossEntropyLoss2D)
+BY_MODE = {  # what each name builds per tensor mode (the module docstring's table)
+    "1d": dict(Embedding=layers_1d.Embedding1D, VocabParallelEmbedding=VocabParallelEmbedding1D,
+               VocabParallelClassifier=VocabParallelClassifier1D,
+               VocabParallelCrossEntropyLoss=VocabParallelCrossEntropyLoss1D,
+               PatchEmbedding=layers_1d.PatchEmbedding1D, Classifier=layers_1d.Classifier1D),
+    "2d": _2D,
+    "2.5d": _2D,
+    "3d": dict(LayerNorm=layers_3d.LayerNorm3D, Embedding=layers_3d.Embedding3D,
+               VocabParallelEmbedding=layers_3d.VocabParallelEmbedding3D,
+               VocabParallelClassifier=layers_3d.VocabParallelClassifier3D,
+               VocabParallelCrossEntropyLoss=layers_3d.VocabParallelCrossEntropyLoss3D,
+               PatchEmbedding=layers_3d.PatchEmbedding3D, Classifier=layers_3d.Classifier3D,
+               CrossEntropyLoss=layers_3d.CrossEntropyLoss3D),
+}
+LAYOUT_A = ("LayerNorm", "VocabParallelClassifier", "Classifier")  # 3d: refused after a column
+
+
+def _split(name: str):
+    """The tensor-parallel layer `name` builds in this job's mode; None: the plain one."""
+    layer = BY_MODE.get(gpc.tensor_mode, {}).get(name)
+    if gpc.tensor_mode == "3d" and name in LAYOUT_A:
+        check_3d_layout(name, _state["next_is_row"])
+    return layer
 
 
 def Linear(in_features: int, out_features: int, bias: bool = True,
            parallel: Optional[str] = None, input_is_split: Optional[bool] = None) -> nn.Module:
-    """`parallel`: "column" or "row" under 1d and 3d (None: alternate, starting with column).
-    `input_is_split` (1d, 3d): is the input a column Linear's output -- split (1d), in layout B
-    (3d)? None: the Linear built before this one says (the alternation); False, as for an input
-    that is not that Linear's output (SwiGLU's second column Linear: the module docstring)."""
+    """`parallel` (1d, 3d): "column", "row" or None (alternate); `input_is_split`: is the input a
+    column Linear's output? None: the alternation says (the module docstring: SwiGLU)."""
     check_linear_arguments(parallel, input_is_split)
     if gpc.tensor_mode in GRID:
         return layers_2d.Linear2D(in_features, out_features, bias)
-    if gpc.tensor_mode in ALTERNATING:
-        if input_is_split is not None:  # the data flow, as the model says it
-            set_1d_input_is_split(input_is_split)
-        if gpc.tensor_mode == "3d":
-            check_3d_side(parallel)
-            return layers_3d.Linear3D(in_features, out_features, bias, alternate(parallel))
-        side = alternate(parallel)
-        layer = layers_1d.RowLinear1D if side == "row" else layers_1d.ColumnLinear1D
-        return layer(in_features, out_features, bias)
-    return nn.Linear(in_features, out_features, bias)
+    if gpc.tensor_mode not in ALTERNATING:
+        return nn.Linear(in_features, out_features, bias)
+    if input_is_split is not None:  # the data flow, as the model says it
+        set_1d_input_is_split(input_is_split)
+    if gpc.tensor_mode == "3d":
+        check_3d_side(parallel, _state["next_is_row"])
+        return layers_3d.Linear3D(in_features, out_features, bias, alternate(parallel))
+    side = alternate(parallel)
+    layer = layers_1d.RowLinear1D if side == "row" else layers_1d.ColumnLinear1D
+    return layer(in_features, out_features, bias)
 
 
 def LayerNorm(normalized_shape: int, eps: float = 1e-5) -> nn.Module:
-    if gpc.tensor_mode == "3d":
-        check_3d_layout("LayerNorm")
-        return layers_3d.LayerNorm3D(normalized_shape, eps)
-    if gpc.tensor_mode in GRID:
-        return layers_2d.LayerNorm2D(normalized_shape, eps)
-    return nn.LayerNorm(normalized_shape, eps=eps)  # 1d: acts on whole (replicated) activations
+    """1d: torch's LayerNorm, on whole (replicated) activations."""
+    return (_split("LayerNorm") or nn.LayerNorm)(normalized_shape, eps)
 
 
 def Embedding(num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
@@ -171,24 +153,13 @@ def Embedding(num_embeddings: int, embedding_dim: int, padding_idx: Optional[int
     """Feature-split (1d/2d) or, for a large table or when asked, vocabulary-split."""
     if vocab_parallel or vocab_parallel is None and num_embeddings > VOCAB_PARALLEL_LIMIT:
         return VocabParallelEmbedding(num_embeddings, embedding_dim, padding_idx)
-    if gpc.tensor_mode == "3d":
-        return layers_3d.Embedding3D(num_embeddings, embedding_dim, padding_idx)
-    if gpc.tensor_mode in GRID:
-        return layers_2d.Embedding2D(num_embeddings, embedding_dim, padding_idx)
-    if gpc.tensor_mode == "1d":
-        return layers_1d.Embedding1D(num_embeddings, embedding_dim, padding_idx)
-    return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
+    return (_split("Embedding") or nn.Embedding)(num_embeddings, embedding_dim, padding_idx)
 
 
 def VocabParallelEmbedding(num_embeddings: int, embedding_dim: int,
                            padding_idx: Optional[int] = None) -> nn.Module:
-    if gpc.tensor_mode == "3d":
-        return layers_3d.VocabParallelEmbedding3D(num_embeddings, embedding_dim, padding_idx)
-    if gpc.tensor_mode in GRID:
-        return VocabParallelEmbedding2D(num_embeddings, embedding_dim, padding_idx)
-    if gpc.tensor_mode == "1d":
-        return VocabParallelEmbedding1D(num_embeddings, embedding_dim, padding_idx)
-    return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
+    layer = _split("VocabParallelEmbedding") or nn.Embedding
+    return layer(num_embeddings, embedding_dim, padding_idx)
 
 
 class TiedLinear(nn.Module):
@@ -209,13 +180,15 @@ class TiedLinear(nn.Module):
 
 def VocabParallelClassifier(in_features: int, num_classes: int, bias: bool = True,
                             weight: Optional[nn.Parameter] = None) -> nn.Module:
-    if gpc.tensor_mode == "3d":
-        check_3d_layout("VocabParallelClassifier")
-        return layers_3d.VocabParallelClassifier3D(in_features, num_classes, bias, weight)
-    if gpc.tensor_mode in GRID:
-        return VocabParallelClassifier2D(in_features, num_classes, bias, weight)
-    if gpc.tensor_mode == "1d":
-        return VocabParallelClassifier1D(in_features, num_classes, bias, weight)
+    return _classifier("VocabParallelClassifier", in_features, num_classes, bias, weight)
+
+
+def _classifier(name: str, in_features: int, num_classes: int, bias: bool,
+                weight: Optional[nn.Parameter]) -> nn.Module:
+    """The mode's classifier `name`; plain: torch's Linear, or one tied to `weight`."""
+    layer = _split(name)
+    if layer is not None:
+        return layer(in_features, num_classes, bias, weight)
     if weight is not None:
         return TiedLinear(in_features, weight, bias, num_classes)
     return nn.Linear(in_features, num_classes, bias)
@@ -223,13 +196,8 @@ def VocabParallelClassifier(in_features: int, num_classes: int, bias: bool = Tru
 
 def VocabParallelCrossEntropyLoss(**kwargs) -> nn.Module:
     """F.cross_entropy's keywords (reduction, ignore_index, weight) on vocabulary-split logits."""
-    if gpc.tensor_mode == "3d":
-        return layers_3d.VocabParallelCrossEntropyLoss3D(**kwargs)
-    if gpc.tensor_mode in GRID:
-        return VocabParallelCrossEntropyLoss2D(**kwargs)
-    if gpc.tensor_mode == "1d":
-        return VocabParallelCrossEntropyLoss1D(**kwargs)
-    return TokenCrossEntropyLoss(**kwargs)
+    plain = SequenceCrossEntropyLoss if gpc.sequence_size > 1 else TokenCrossEntropyLoss
+    return (_split("VocabParallelCrossEntropyLoss") or plain)(**kwargs)
 
 
 class TokenCrossEntropyLoss(nn.CrossEntropyLoss):
@@ -241,33 +209,32 @@ class TokenCrossEntropyLoss(nn.CrossEntropyLoss):
             reduction = "mean" if reduction else "none"
         super().__init__(reduction=reduction, **kwargs)
 
-    @property
-    def spans_sequence(self) -> bool:
-        """Is a mean over the sequence group's targets (loss_weights.py: a piece is the group)?"""
-        return gpc.sequence_size > 1 and self.reduction != "none"
-
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.spans_sequence:
-            return self._sequence_share(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
         loss = super().forward(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
         return loss.reshape(target.shape) if self.reduction == "none" else loss
 
-    def _sequence_share(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Under sequence parallelism: N x my tokens' share of the sequences' loss
-        (sequence.sequence_share)."""
-        losses = F.cross_entropy(logits, target, self.weight, ignore_index=self.ignore_index,
-                                 reduction="none", label_smoothing=self.label_smoothing)
-        return sequence_share(losses, target, self.reduction, self.ignore_index, self.weight)
+
+class SequenceCrossEntropyLoss(TokenCrossEntropyLoss):
+    """Under sequence parallelism: N x my tokens' share of the sequences' loss (sequence.py)."""
+
+    @property
+    def spans_sequence(self) -> bool:
+        """Is a mean over the sequence group's targets (loss_weights.py: a piece is the group)?"""
+        return self.reduction != "none"
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if not self.spans_sequence:
+            return super().forward(logits, target)
+        losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                 self.weight, reduction="none", ignore_index=self.ignore_index,
+                                 label_smoothing=self.label_smoothing)
+        return sequence_share(losses, target.reshape(-1), self.reduction, self.ignore_index,
+                              self.weight)
 
 
 def PatchEmbedding(img_size: int, patch_size: int, in_chans: int, embed_size: int) -> nn.Module:
-    if gpc.tensor_mode == "3d":
-        return layers_3d.PatchEmbedding3D(img_size, patch_size, in_chans, embed_size)
-    if gpc.tensor_mode in GRID:
-        return layers_2d.PatchEmbedding2D(img_size, patch_size, in_chans, embed_size)
-    if gpc.tensor_mode == "1d":
-        return layers_1d.PatchEmbedding1D(img_size, patch_size, in_chans, embed_size)
-    return _PlainPatchEmbedding(img_size, patch_size, in_chans, embed_size)
+    layer = _split("PatchEmbedding") or _PlainPatchEmbedding
+    return layer(img_size, patch_size, in_chans, embed_size)
 
 
 def Classifier(in_features: int, num_classes: int, bias: bool = True,
@@ -276,34 +243,16 @@ def Classifier(in_features: int, num_classes: int, bias: bool = True,
     """Logits whole per sample (1d/2d), or split by vocabulary: when asked, when tied to a
     vocab-parallel embedding's `weight`, or for more than VOCAB_PARALLEL_LIMIT classes."""
     if vocab_parallel is None:
-        split_rows = weight is not None and _is_vocab_split(weight)
+        split_rows = any(dim == 0 for dim, _ in getattr(weight, "tensor_splits", []))
         vocab_parallel = split_rows or num_classes > VOCAB_PARALLEL_LIMIT
-    if vocab_parallel:
-        return VocabParallelClassifier(in_features, num_classes, bias, weight)
-    if gpc.tensor_mode == "3d":
-        check_3d_layout("Classifier")
-        return layers_3d.Classifier3D(in_features, num_classes, bias, weight)
-    if gpc.tensor_mode in GRID:
-        return layers_2d.Classifier2D(in_features, num_classes, bias, weight)
-    if gpc.tensor_mode == "1d":
-        return layers_1d.Classifier1D(in_features, num_classes, bias, weight)
-    if weight is not None:
-        return TiedLinear(in_features, weight, bias, num_classes)
-    return nn.Linear(in_features, num_classes, bias)
-
-
-def _is_vocab_split(weight: nn.Parameter) -> bool:
-    return any(dim == 0 for dim, _ in getattr(weight, "tensor_splits", []))
+    name = "VocabParallelClassifier" if vocab_parallel else "Classifier"
+    return _classifier(name, in_features, num_classes, bias, weight)
 
 
 def CrossEntropyLoss(**kwargs) -> nn.Module:
-    if gpc.tensor_mode == "3d":
-        return layers_3d.CrossEntropyLoss3D(**kwargs)
-    if gpc.tensor_mode in GRID:
-        return layers_2d.CrossEntropyLoss2D(**kwargs)
-    if gpc.sequence_size > 1:  # a mean over the tokens of all sequence ranks
-        return TokenCrossEntropyLoss(**kwargs)
-    return nn.CrossEntropyLoss(**kwargs)
+    # under sequence parallelism: a mean over the tokens of all sequence ranks
+    plain = SequenceCrossEntropyLoss if gpc.sequence_size > 1 else nn.CrossEntropyLoss
+    return (_split("CrossEntropyLoss") or plain)(**kwargs)
 
 
 class Dropout(nn.Dropout):
@@ -317,4 +266,6 @@ class Dropout(nn.Dropout):
         self.sharded = sharded
 
     def forward(self, x):
-        return sharded_dropout(x, self.p, self.training) if self.sharded else super().forward(x)
+        if self.sharded and self.p:
+            return sharded_dropout(x, self.p, self.training)
+        return super().forward(x)

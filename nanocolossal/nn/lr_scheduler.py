@@ -1,25 +1,25 @@
 """Colossal-AI's learning-rate schedulers (`colossalai.nn.lr_scheduler`), with their formulas.
 
-Each takes `total_steps` -- the number of times `.step()` will be called: epochs when the
+Each takes `total_steps` (n) -- the number of times `.step()` will be called: epochs when the
 LRSchedulerHook steps by epoch, optimizer steps when it steps per iteration -- and scales
-every parameter group's base learning rate `base` at step t = 0, 1, ..., T - 1:
+every parameter group's base learning rate `base` at step t = 0, 1, ..., n - 1:
 
     CosineAnnealingLR        t < w: base * (t + 1) / w            (warm-up, w = warmup_steps)
-                             else:  eta_min + (base - eta_min) * (1 + cos(pi * (t-w) / (T-w))) / 2
+                             else:  eta_min + (base - eta_min) * (1 + cos(pi * (t-w) / (n-w))) / 2
     CosineAnnealingWarmupLR  the same (Colossal-AI's name when w > 0)
-    LinearWarmupLR           t < w: base * (t + 1) / (w + 1)   else: base * (T - t) / (T - w)
+    LinearWarmupLR           t < w: base * (t + 1) / (w + 1)   else: base * (n - t) / (n - w)
     MultiStepLR              base * gamma ** (number of milestones <= t)
     StepLR                   base * gamma ** (t // step_size)
     ExponentialLR            base * gamma ** t
     PolynomialLR             t < w: base * (t + 1) / w
-                             else:  (base - end_lr) * (1 - (t - w) / (T - w)) ** power + end_lr
+                             else:  (base - end_lr) * (1 - (t - w) / (n - w)) ** power + end_lr
 
-From t = T on, each schedule holds its value at t = T: where the decay ends for the warm-up
-schedulers (0, eta_min, end_lr), the formula at t = T for the others.
+From t = n on, each schedule holds its value at t = n: where the decay ends for the warm-up
+schedulers (0, eta_min, end_lr), the formula at t = n for the others.
 
-A run shorter than its warm-up (T <= w: a short trial of a script written for many epochs) is
-accepted, as Colossal-AI accepts it: its T steps all warm up, and the decay, which never
-starts, is over at t = T like any other's. w = 0 starts decaying at once.
+A run shorter than its warm-up (n <= w: a short trial of a script written for many epochs) is
+accepted, as Colossal-AI accepts it: its n steps all warm up, and the decay, which never
+starts, is over at t = n like any other's. w = 0 starts decaying at once.
 
 They are torch LambdaLR schedulers, so state_dict/load_state_dict, get_last_lr and
 checkpointing work as for any torch scheduler.
@@ -43,16 +43,16 @@ def _per_group(optimizer: torch.optim.Optimizer, rule: Callable[[int, float], fl
     return [lambda t, b=base: rule(t, b) / b if b else 0.0 for base in bases]
 
 
-def _warmup_then(T: int, w: int, decay: Callable[[float, float], float],
+def _warmup_then(n: int, w: int, decay: Callable[[float, float], float],
                  ramp: int) -> Callable[[int, float], float]:
     """lr(t, base): the linear warm-up base * (t + 1) / ramp for t < w, then decay(p, base) as the
-    progress p through the decay goes from 0 (t = w) towards 1 (t = T)."""
+    progress p through the decay goes from 0 (t = w) towards 1 (t = n)."""
     def lr(t: int, base: float) -> float:
-        if t >= T:  # over -- also when T <= w, where the decay never started: hold its end
+        if t >= n:  # over -- also when n <= w, where the decay never started: hold its end
             return decay(1.0, base)
         if t < w:
             return base * (t + 1) / ramp
-        return decay((t - w) / (T - w), base)  # here w <= t < T, so T - w >= 1
+        return decay((t - w) / (n - w), base)  # here w <= t < n, so n - w >= 1
     return lr
 
 
@@ -74,9 +74,7 @@ class CosineAnnealingLR(LambdaLR):
 
 
 class CosineAnnealingWarmupLR(CosineAnnealingLR):
-    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
-                 eta_min: float = 0.0, last_epoch: int = -1) -> None:
-        super().__init__(optimizer, total_steps, warmup_steps, eta_min, last_epoch)
+    """CosineAnnealingLR by Colossal-AI's name for it with a warm-up (the same arguments)."""
 
 
 class LinearWarmupLR(LambdaLR):
@@ -85,7 +83,7 @@ class LinearWarmupLR(LambdaLR):
         _check(total_steps, warmup_steps)
 
         def linear(p: float, base: float) -> float:
-            return base * (1 - p)  # = base * (T - t) / (T - w)
+            return base * (1 - p)  # = base * (n - t) / (n - w)
         # Colossal-AI's warm-up ends one step below base: (t + 1) / (w + 1)
         lr = _warmup_then(total_steps, warmup_steps, linear, ramp=warmup_steps + 1)
         super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)

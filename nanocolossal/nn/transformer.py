@@ -5,7 +5,7 @@ row-parallel -- attention's qkv and output projection, the MLP's two layers -- s
 communicates twice forward and twice backward; attention splits its heads over the tensor
 ranks, because the qkv projection's output is laid out head by head (a contiguous slice of it is
 whole heads). In 2d every Linear is a SUMMA product and LayerNorm sums its statistics along the
-grid row; the same code runs on the local blocks. Under mode='sequence' every layer sees this
+grid row; the same code runs on the local tiles. Under mode='sequence' every layer sees this
 rank's share of the tokens and only attention changes: ring attention over the sequence group
 (tensor/ring_attention.py, sequence.py), which applies the causal mask by global position, or
 with attention='all_to_all' (tensor/ulysses.py) this very attention on whole sequences for the
@@ -15,12 +15,12 @@ A Block built with `moe=...` holds a mixture of experts (moe/) instead of its ML
 Attention on the whole sequence is written twice, chosen by `attention=`:
 
     'explicit'  softmax(q k^T / sqrt(d) + mask) v, as the formula reads: the s x s scores and
-                their softmax are tensors (held for backward: 2 B h s^2 numbers per layer)
+                their softmax are tensors (held for backward: 2 b h s^2 numbers per layer)
     'fused'     F.scaled_dot_product_attention, the same formula in one kernel (flash /
-                memory-efficient on CUDA, a blocked online softmax on CPU): no s x s tensor,
+                memory-efficient on CUDA, a tiled online softmax on CPU): no s x s tensor,
                 the default
 
-The ring's blocks follow the same choice (ring_attention's table says where a fused kernel runs).
+The ring's tiles follow the same choice (ring_attention's table says where a fused kernel runs).
 
 They agree to rounding (tests/test_attention.py: equal in float64, forward and gradients).
 Dropout on the attention weights: the fused kernel draws its mask from torch's default
@@ -42,14 +42,14 @@ from ..moe import MoeLayer
 from ..sequence import sequence_attention
 from ..tensor.ring_attention import ring_attention
 from ..tensor.ulysses import ulysses_attention
+from .checks import check_attention, check_block, check_moe_mlp
 from .layers import Dropout, LayerNorm, Linear
-from .transformer_checks import check_attention
 
 
 class Attention(nn.Module):
     """Multi-head self-attention; `causal`: a token attends only to itself and earlier ones;
     `recompute`: the core softmax(q k^T) v is recomputed in backward (Block's 'selective')."""
-    splits_sequence = True  # knows when the sequence is split: sequence.check_sequence_model
+    splits_sequence = True  # knows when the sequence is split: sequence_checks.py
     recompute = False
 
     def __init__(self, dim: int, heads: int, dropout: float = 0.0, causal: bool = False,
@@ -58,17 +58,19 @@ class Attention(nn.Module):
         # Ulysses: each sequence rank attends for whole heads of its own
         self.all_to_all = gpc.sequence_size > 1 and sequence_attention() == "all_to_all"
         check_attention(dim, heads, dropout, attention, self.all_to_all)
-        self.head_dim, self.scale = dim // heads, (dim // heads) ** -0.5
-        self.causal, self.attention = causal, attention
+        self.head_dim = dim // heads
+        self.scale = self.head_dim ** -0.5
+        self.causal = causal
+        self.attention = attention
         self.qkv = Linear(dim, 3 * dim, parallel="column")  # 1d: heads split over ranks
         self.attn_drop = Dropout(dropout)
         self.proj = Linear(dim, dim, parallel="row")        # 1d: sum over the heads' ranks
         self.proj_drop = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, _ = x.shape
-        # [B, N, local heads, (q, k, v), head_dim]: a slice of the output is whole heads
-        q, k, v = self.qkv(x).view(B, N, -1, 3, self.head_dim).unbind(3)
+        b, s, _ = x.shape
+        # [b, s, local heads, (q, k, v), head_dim]: a slice of the output is whole heads
+        q, k, v = self.qkv(x).view(b, s, -1, 3, self.head_dim).unbind(3)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.all_to_all:  # every rank's tokens, for my heads, by this module's attention
             out = ulysses_attention(q, k, v, gpc.sequence_group, attend=self.attend)
@@ -79,10 +81,10 @@ class Attention(nn.Module):
             out = checkpoint(self.attend, q, k, v)
         else:
             out = self.attend(q, k, v)
-        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, N, -1)))
+        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, s, -1)))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v on the whole sequence, [B, heads, N, head_dim]."""
+        """softmax(q k^T / sqrt(d)) v on the whole sequence, [b, heads, s, head_dim]."""
         drop = self.attn_drop.p if self.training else 0.0
         if self.attention == "explicit" or drop and self.attn_drop.sharded:
             return self.attend_explicit(q, k, v)
@@ -90,11 +92,11 @@ class Attention(nn.Module):
                                               scale=self.scale)
 
     def attend_explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The same, as the formula reads: the scores are a [B, heads, N, N] tensor."""
+        """The same, as the formula reads: the scores are a [b, heads, s, s] tensor."""
         scores = q @ k.transpose(-2, -1) * self.scale
         if self.causal:  # no looking ahead: mask the scores of later tokens
-            N = q.shape[-2]
-            ahead = torch.ones(N, N, dtype=torch.bool, device=q.device).triu(1)
+            s = q.shape[-2]
+            ahead = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
             scores = scores.masked_fill(ahead, float("-inf"))
         return self.attn_drop(scores.softmax(dim=-1)) @ v
 
@@ -113,19 +115,9 @@ class MLP(nn.Module):
 
 
 def moe_mlp(dim: int, hidden: int, moe: dict) -> nn.Module:
-    """An MoE layer in the MLP's place, on gpc's groups: experts over the expert-parallel ranks
-    (parallel.moe), the load-balancing loss's means over the data ranks. `moe`: MoeLayer's
-    arguments (num_experts, top_k, capacity_factor_train, ...; moe/settings.py reads them from
-    the config). Without parallel.moe every data rank holds all the experts (replicas)."""
-    if gpc.tensor_size > 1 and gpc.tensor_mode == "sequence":
-        raise ValueError(f"[rank {gpc.rank}] an MoE layer is not combined with sequence "
-                         f"parallelism (parallel.tensor mode='sequence'): build the model without "
-                         f"moe, or drop the sequence split and spread the experts with "
-                         f"parallel.moe")
-    if gpc.tensor_size > 1:
-        raise ValueError(f"[rank {gpc.rank}] an MoE layer holds whole expert MLPs: it does not "
-                         f"split over {gpc.tensor_mode} tensor ranks; use parallel.moe instead "
-                         f"of parallel.tensor")
+    """An MoE layer in the MLP's place (`moe`: MoeLayer's arguments, moe/settings.py), experts
+    over the expert-parallel ranks (none: replicas on every data rank), aux means over the data."""
+    check_moe_mlp()
     return MoeLayer(dim, hidden, ep_group=gpc.ep_group, data_group=gpc.gradient_group, **moe)
 
 
@@ -134,7 +126,7 @@ class Block(nn.Module):
     (MoeLayer's arguments) puts a mixture of experts in the MLP's place; `attention`: 'fused' or
     'explicit' (the module docstring). The config's ACTIVATION_CHECKPOINT says what it
     recomputes in backward (activation_checkpoint.py; `index`: its place in the stack, for
-    every N-th block)."""
+    every n-th block)."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0,
                  causal: bool = False, moe: Optional[dict] = None,
@@ -146,12 +138,8 @@ class Block(nn.Module):
         self.mlp = moe_mlp(dim, mlp_ratio * dim, moe) if moe else \
             MLP(dim, mlp_ratio * dim, dropout)
         self.recompute = block_mode(index)  # 'full', 'selective' or None
+        check_block(self.recompute, moe)
         self.attn.recompute = self.recompute == "selective"
-        if self.recompute == "full" and moe:
-            raise ValueError(f"[rank {gpc.rank}] ACTIVATION_CHECKPOINT would recompute an MoE "
-                             f"block whole, but its load-balancing loss is kept from the forward "
-                             f"(moe/layer.py aux_loss), which runs without autograd there; use "
-                             f"ACTIVATION_CHECKPOINT='selective' (attention only)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full":  # keep x; the rest is recomputed in backward

@@ -10,6 +10,13 @@ and re-split it) and how many tensor ranks hold an identical copy (`tensor_repli
 a true slice, T for a replicated parameter (1d LayerNorm, a row-parallel bias), q for a 2d
 parameter split along the row but replicated down the column. A global gradient norm then
 counts each element once: sum of (local squares / tensor_replicas) over the tensor group.
+
+Dropout on split activations (`sharded_dropout`) needs a mask per tensor rank. Every rank is
+seeded alike at launch (replicated activations must drop the same units), so split ones draw
+from a second generator, seeded with this rank's place in its model replica (pipeline stage and
+tensor rank): stages hold different layers, so their masks must differ too, not repeat stage
+0's. The seed is fixed by the launch seed (same seed, same masks) and the generator's state is
+saved with every checkpoint.
 """
 from __future__ import annotations
 
@@ -19,13 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ConfigError
 from ..context import gpc
+from .layer_checks import check_slice
 
 # How a parameter is cut: a list of (dim, axis), outermost first. Axis "tensor" splits over all
 # T ranks by tensor rank (1d); on the 2d (and 2.5d) grid "col" splits over a row group by my
 # column index and "row" over a column group by my row index; in the 3d cube "x", "y", "z"
-# split along the cube's axes. No entry: replicated (2.5d: every grid holds the same blocks).
+# split along the cube's axes. No entry: replicated (2.5d: every grid holds the same slices).
 Splits = list[tuple[int, str]]
 
 # where tensor rank t sits along an axis, for a grid or cube of side q (t = k q^2 + row q + col
@@ -58,19 +65,16 @@ def axis_group(axis: str):
 
 
 def slice_of(full: torch.Tensor, splits: Splits) -> torch.Tensor:
-    """This rank's block of `full` (a plain tensor) for the given splits."""
+    """This rank's slice of `full` (a plain tensor) for the given splits."""
     for dim, axis in splits:
         index, parts = axis_position(axis)
-        if full.shape[dim] % parts != 0:
-            raise ValueError(f"[rank {gpc.rank}] a dimension of size {full.shape[dim]} does not "
-                             f"split over {parts} tensor-parallel ranks ({gpc.tensor_mode}); make "
-                             f"it a multiple of {parts}")
+        check_slice(full.shape[dim], parts)
         full = full.chunk(parts, dim=dim)[index]
     return full
 
 
 def gather_slices(local: torch.Tensor, splits: Splits) -> torch.Tensor:
-    """The whole tensor from every rank's block: slice_of's inverse (a tensor-group collective)."""
+    """The whole tensor from every rank's slice: slice_of's inverse (a tensor-group collective)."""
     for dim, axis in reversed(splits):
         if axis_position(axis)[1] == 1:  # (2.5d's depth 1: no group)
             continue
@@ -82,7 +86,7 @@ def gather_slices(local: torch.Tensor, splits: Splits) -> torch.Tensor:
 
 
 def keep_slice(full: torch.Tensor, splits: Splits) -> nn.Parameter:
-    """A Parameter holding this rank's block of `full`, marked with how it was cut."""
+    """A Parameter holding this rank's slice of `full`, marked with how it was cut."""
     param = nn.Parameter(slice_of(full.detach(), splits).clone())
     param.tensor_splits = list(splits)
     parts = 1
@@ -95,7 +99,7 @@ def keep_slice(full: torch.Tensor, splits: Splits) -> nn.Parameter:
 def reinitialize(param: nn.Parameter, fill, **fans) -> None:
     """Refill a slice as `fill` (a Colossal-AI initializer, `fill(tensor, fan_in=, fan_out=)`)
     would fill the plain layer's whole tensor: draw the whole tensor -- every rank the same
-    random numbers, as one process -- and keep this rank's block. Filling the block alone would
+    random numbers, as one process -- and keep this rank's slice. Filling the slice alone would
     draw other numbers and break the contract above."""
     shape = list(param.shape)
     for dim, axis in getattr(param, "tensor_splits", []):
@@ -106,49 +110,10 @@ def reinitialize(param: nn.Parameter, fill, **fans) -> None:
         param.copy_(slice_of(full, getattr(param, "tensor_splits", [])))
 
 
-def check_tied_shape(weight: nn.Parameter, expected: torch.Size, in_features: int,
-                     num_classes: int) -> None:
-    if weight.shape != expected:
-        raise ValueError(f"[rank {gpc.rank}] the tied weight's block has shape "
-                         f"{tuple(weight.shape)}, but a classifier of {in_features} features and "
-                         f"{num_classes} classes needs {tuple(expected)} here: tie it to an "
-                         f"embedding of {num_classes} rows and {in_features} features")
-
-
-def tied(weight: nn.Parameter, own: nn.Parameter) -> nn.Parameter:
-    """Another layer's parameter, for a layer that shares it (a classifier tied to the token
-    embedding): it must be cut the way this layer cuts its own weight `own`, to its shape."""
-    splits = own.tensor_splits
-    if list(getattr(weight, "tensor_splits", [])) != list(splits):
-        raise ValueError(f"[rank {gpc.rank}] a tied weight must be split {splits} here "
-                         f"({gpc.tensor_mode}), got {getattr(weight, 'tensor_splits', [])}: tie a "
-                         f"classifier to an embedding of the same kind (both vocab-parallel, or "
-                         f"both split by features)")
-    check_tied_shape(weight, own.shape, own.shape[-1], own.shape[0])
-    return weight
-
-
 def add_bias(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """y + bias in y's dtype: under autocast F.linear casts its bias with its weight, so a split
     Linear adding its bias apart must too (a half y plus an fp32 bias would be fp32)."""
     return y if bias is None else y + bias.to(y.dtype)
-
-
-def check_divisible(size: int, parts: int, what: str) -> None:
-    """A size the layer splits must divide: said when the layer is built (a model's size is the
-    user's choice, like the config's: a ConfigError, one line)."""
-    if size % parts != 0:
-        raise ConfigError(f"[rank {gpc.rank}] {what} {size} is not divisible by "
-                          f"{parts} (tensor parallel {gpc.tensor_mode}, size "
-                          f"{gpc.tensor_size}); choose a multiple of {parts}")
-
-
-def check_input_split(x: torch.Tensor, layer: str, in_features: int, parts: int,
-                      over: str) -> None:
-    """A split Linear's input holds in_features / parts of the hidden dimension."""
-    if x.shape[-1] * parts != in_features:
-        raise ValueError(f"[rank {gpc.rank}] {layer} expects its input's last dimension split "
-                         f"over the {parts} {over} ({in_features // parts}), got {x.shape[-1]}")
 
 
 class PatchEmbedding(nn.Module):
@@ -178,13 +143,7 @@ def embed_patches(x, weight, bias, cls_token, pos_embed, patch: int) -> torch.Te
 
 
 def sharded_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Dropout whose mask differs between tensor ranks: their activations are different slices.
-
-    Every rank is seeded alike at launch (replicated activations must drop the same units), so
-    sharded ones draw from a second generator, seeded with this rank's place in its model replica
-    (pipeline stage and tensor rank): stages hold different layers, so their masks must differ
-    too, not repeat stage 0's. The seed is fixed by the launch seed (same seed, same masks) and
-    the generator's state is saved with every checkpoint."""
+    """Dropout whose mask differs between tensor ranks (the module docstring: its generator)."""
     if not training or p == 0.0:
         return x
     gen = gpc.dropout_generators.get(x.device)

@@ -5,7 +5,7 @@ whether each rank's gradient is whole or a piece depends on where the parameter 
 LayerNorm after a row-parallel Linear sees the whole activation, a scale after a column-parallel
 one a slice), which no check can see. Refused, naming it, rather than let its copies drift.
 
-A batch the grid (2d, 2.5d) or the cube (3d) cannot cut into its batch blocks fails in the
+A batch the grid (2d, 2.5d) or the cube (3d) cannot cut into its batch shares fails in the
 forward; a loader's last, shorter batch only after an epoch's steps. Checked up front.
 """
 from __future__ import annotations
@@ -17,11 +17,12 @@ from torch.utils.data import DataLoader
 
 from ..config import ConfigError
 from ..context import gpc
-from .layers_2d import batch_blocks, batch_split_error
+from .layer_checks import batch_split_error
+from .layers_2d import tensor_batch_shares
 
 
 def check_tensor_model(model: nn.Module, loaders: dict[str, Any]) -> None:
-    """Every trainable parameter is an nc.nn layer's; every batch splits into the batch blocks."""
+    """Every trainable parameter is an nc.nn layer's; every batch splits into the batch shares."""
     check_replicated_parameters(model)
     check_batches_split(loaders)
 
@@ -52,13 +53,15 @@ def check_replicated_parameters(model: nn.Module) -> None:
 
 
 def check_batches_split(loaders: dict[str, Any]) -> None:
-    """Every batch of a DataLoader, the full ones and the last, cuts into the batch blocks; in
+    """Every batch of a DataLoader, the full ones and the last, cuts into the batch shares; in
     a pipeline each of its NUM_MICRO_BATCHES micro-batches does (so the batch: a multiple of
-    blocks x micro-batches)."""
-    if batch_blocks() == 1:  # 1d: every rank takes the whole batch
+    shares x micro-batches)."""
+    shares = tensor_batch_shares()
+    if shares == 1:  # 1d: every rank takes the whole batch
         return
     m = gpc.config.get("NUM_MICRO_BATCHES", 1) if gpc.pipeline_size > 1 else 1
-    multiple, cut = batch_blocks() * m, f" ({m} micro-batches)" if m > 1 else ""
+    multiple = shares * m
+    cut = f" ({m} micro-batches)" if m > 1 else ""
     for name, loader in loaders.items():
         # batch_size= makes a BatchSampler too; a batch_sampler= of the user's may say its size
         batches = getattr(loader, "batch_sampler", None)
@@ -73,11 +76,11 @@ def check_batches_split(loaders: dict[str, Any]) -> None:
         last = 0 if getattr(batches, "drop_last", False) else n % size
         if full % multiple:
             raise ConfigError(f"[rank {gpc.rank}] the {name} dataloader's batches of {full}"
-                              f"{cut} {batch_split_error()}; use a batch size that is a "
+                              f"{cut} {batch_split_error(shares)}; use a batch size that is a "
                               f"multiple of {multiple}")
         if last % multiple:
             raise ConfigError(f"[rank {gpc.rank}] the {name} dataloader's last batch has {last} "
-                              f"sample(s){cut}, which {batch_split_error()}, and would fail "
+                              f"sample(s){cut}, which {batch_split_error(shares)}, and would fail "
                               f"after {n // size} batches; pass drop_last=True, or "
                               f"pick a batch size that leaves no remainder of {n} or a multiple "
                               f"of {multiple}")

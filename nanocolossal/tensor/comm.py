@@ -11,7 +11,7 @@ every rank ends with the gradient one process would compute for its slice.
     split        keep my slice      all-gather (dim)   replicated -> split (input)
     group_sum    all-reduce (sum)   all-reduce (sum)   a replicated statistic of split values
                                                        feeds split math (LayerNorm2D)
-    exchange     all-to-all         the reverse        blocks change owners: tokens to their
+    exchange     all-to-all         the reverse        shares change owners: tokens to their
                                     all-to-all         experts (moe/dispatch.py), heads to
                                                        their ranks (tensor/ulysses.py)
     all_gather   all-gather (dim)   reduce-scatter     a slice enters math that differs per
@@ -23,8 +23,8 @@ copy_to / reduce_from are Megatron's `f` and `g`. Why the backwards: after `copy
 rank's split math yields only its part of dL/dx, so the parts are summed. After
 `reduce_from` every rank computes the same thing from the replicated sum, so each already
 holds the whole dL/dy. `group_sum` feeds *split* math again, hence sums in both directions.
-`exchange` moves each block to one new owner and nothing is summed: the gradient of a block
-goes back to where the block came from, the same all-to-all with the split sizes swapped.
+`exchange` moves each share to one new owner and nothing is summed: the gradient of a share
+goes back to where the share came from, the same all-to-all with the split sizes swapped.
 `all_gather` differs from `gather` in what follows it: after `gather` every rank computes the
 same thing (its gradient is whole on each, keep my slice); after `all_gather` each rank uses the
 gathered tensor in a different product, so the gradients are partial sums -- summed, then
@@ -41,6 +41,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .layer_checks import check_slice
+
 Group = Optional[dist.ProcessGroup]
 
 
@@ -48,17 +50,15 @@ def _size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+# The raw collectives: called only where the group has more than one rank (the ops below check).
+
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    if _size(group) == 1:
-        return x
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group)
     return x
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    if _size(group) == 1:
-        return x
     parts = [torch.empty_like(x) for _ in range(_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
@@ -66,8 +66,6 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     n = _size(group)
-    if n == 1:
-        return x
     parts = [part.contiguous() for part in x.chunk(n, dim=dim)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
@@ -76,11 +74,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 def _my_slice(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     n = _size(group)
-    if n == 1:
-        return x
-    if x.shape[dim] % n != 0:
-        raise ValueError(f"[rank {dist.get_rank()}] dimension {dim} of size {x.shape[dim]} does "
-                         f"not split over {n} tensor-parallel ranks; make it a multiple of {n}")
+    check_slice(x.shape[dim], n)
     return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
 
 
@@ -130,7 +124,9 @@ class _Conjugate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dim, group, forward_op, backward_op):
-        ctx.dim, ctx.group, ctx.backward_op = dim, group, backward_op
+        ctx.dim = dim
+        ctx.group = group
+        ctx.backward_op = backward_op
         return forward_op(x, dim, group)
 
     @staticmethod
@@ -141,7 +137,10 @@ class _Conjugate(torch.autograd.Function):
 class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, send, receive):
-        ctx.shape, ctx.group, ctx.send, ctx.receive = x.shape, group, send, receive
+        ctx.shape = x.shape
+        ctx.group = group
+        ctx.send = send
+        ctx.receive = receive
         return _exchange(x, group, send, receive)
 
     @staticmethod
@@ -187,5 +186,5 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 def exchange(x: torch.Tensor, group: Group, send: Optional[list[int]] = None,
              receive: Optional[list[int]] = None) -> torch.Tensor:
     """All-to-all of `x`'s elements, flattened: send[j] of them (in order) to rank j, receive[i]
-    from rank i, returned flat in rank order (None: equal blocks). Backward: the reverse."""
+    from rank i, returned flat in rank order (None: equal shares). Backward: the reverse."""
     return _Exchange.apply(x, group, send, receive) if _size(group) > 1 else x.reshape(-1)

@@ -1,12 +1,12 @@
 """3d tensor parallelism (Bian et al. 2021, Colossal-AI's Linear3D): a matrix product on a cube.
 
 T = q^3 ranks form a q x q x q cube; rank (x, y, z) has tensor_rank = x q^2 + y q + z. For
-Y = X W^T (X [M, K] activations, W [N, K] in torch's layout), the block product
+Y = X W^T (X [M, K] activations, W [N, K] in torch's layout), the tiled product
 
-    Y_(x, y) = sum_z X_(x, z) W_(y, z)^T        (M in q blocks by x, K by z, N by y)
+    Y_(x, y) = sum_z X_(x, z) W_(y, z)^T        (M in q slices by x, K by z, N by y)
 
-puts the term for (x, y, z) on rank (x, y, z): each rank multiplies one pair of blocks and the
-z axis sums them. Nobody stores a whole block: X_(x, z) is cut in q slices along M over the y
+puts the term for (x, y, z) on rank (x, y, z): each rank multiplies one pair of tiles and the
+z axis sums them. Nobody stores a whole tile: X_(x, z) is cut in q slices along M over the y
 axis, W_(y, z) in q slices along K over the x axis, so every rank holds 1/q^3 of X, W and Y:
 
     step                           collective            along   elements per rank
@@ -22,8 +22,8 @@ collectives (the paper's O(1 / q^2), against SUMMA's O(1 / q)).
 
 Two layouts of a [batch, ..., hidden] activation follow, each split over two axes:
 
-    layout A  batch in q^2 blocks over (x, y) -- block x q + y -- hidden in q over z
-    layout B  batch in q^2 blocks over (x, z) -- block x q + z -- hidden in q over y
+    layout A  batch in q^2 shares over (x, y) -- share x q + y -- hidden in q over z
+    layout B  batch in q^2 shares over (x, z) -- share x q + z -- hidden in q over y
 
 The product above takes A to B (all-gather over y, reduce-scatter over z: a "column" Linear);
 with y and z swapped it takes B back to A (a "row" Linear), its weight [N over z, K over (y,
@@ -32,10 +32,10 @@ start and end in layout A, where LayerNorm, embeddings and residuals live; atten
 layout B, heads split over y.
 
       q = 2, layout A of X [M, K]:          W [N, K] of a column Linear:
-               K block z=0  z=1                       K block z=0       z=1
+               K slice z=0  z=1                       K slice z=0       z=1
       M  x=0 y=0  (0,0,0)  (0,0,1)            N  y=0  (0,0,0)(1,0,0)  (0,0,1)(1,0,1)
          x=0 y=1  (0,1,0)  (0,1,1)               y=1  (0,1,0)(1,1,0)  (0,1,1)(1,1,1)
-         x=1 y=0  (1,0,0)  (1,0,1)            (each K block of z cut again in two by x)
+         x=1 y=0  (1,0,0)  (1,0,1)            (each K slice of z cut again in two by x)
          x=1 y=1  (1,1,0)  (1,1,1)
 """
 from __future__ import annotations
@@ -60,12 +60,12 @@ def row_splits() -> list[tuple[int, str]]:
 
 def cube_matmul(x: torch.Tensor, w: torch.Tensor, gather: Group, scatter: Group) -> torch.Tensor:
     """x [M/q^2, ..., K/q] @ w [N/q, K/q^2]^T on the cube -> [M/q^2, ..., N/q]: the input's
-    batch blocks gathered over `gather`, the weight's slices over the x axis, the partial
+    batch shares gathered over `gather`, the weight's slices over the x axis, the partial
     products summed and scattered by batch over `scatter` (autograd gives the backward above)."""
     x, w = autocast_operands(x, w)
-    x_block = all_gather(x, 0, gather)              # X_(x, z): my batch block x, hidden z
-    w_block = all_gather(w, 1, gpc.tensor_x_group)  # W_(y, z): whole along K's block
-    return reduce_scatter(F.linear(x_block, w_block), 0, scatter)
+    x_tile = all_gather(x, 0, gather)              # X_(x, z): my batch share x, hidden z
+    w_tile = all_gather(w, 1, gpc.tensor_x_group)  # W_(y, z): whole along K's slice
+    return reduce_scatter(F.linear(x_tile, w_tile), 0, scatter)
 
 
 def column_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """1d tensor parallelism (Megatron-LM): split each Linear along one dimension over T ranks.
 
-An MLP block is a column-parallel Linear followed by a row-parallel one:
+An MLP is a column-parallel Linear followed by a row-parallel one:
 
     x (replicated) --f--> [ x @ A_j ]  --act-->  [ h_j @ B_j ] --g--> y (replicated)
                           column-parallel        row-parallel
@@ -31,8 +31,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..context import gpc
-from .base import PatchEmbedding, add_bias, check_divisible, embed_patches, keep_slice, tied
+from .base import PatchEmbedding, add_bias, embed_patches, keep_slice
 from .comm import copy_to, gather, reduce_from, split
+from .layer_checks import check_column_input, check_divisible, check_row_input, tied
 
 
 class ColumnLinear1D(nn.Module):
@@ -54,7 +55,7 @@ class ColumnLinear1D(nn.Module):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x W_j^T without the bias (Colossal-AI's skip_bias_add hands the two back apart)."""
-        _check_column_input(self, x)
+        check_column_input(self, x)
         return F.linear(copy_to(x, gpc.tensor_group), self.weight)
 
 
@@ -78,7 +79,7 @@ class RowLinear1D(nn.Module):
         """sum_j x_j W_j^T without the bias. `streams` > 1 computes and reduces it in that many
         parts of the output features (Colossal-AI's stream_chunk_num): same numbers, and on a
         GPU one part's all-reduce can overlap the next part's product."""
-        _check_row_input(self, x)
+        check_row_input(self, x)
         parts = [reduce_from(F.linear(x, w), gpc.tensor_group)
                  for w in self.weight.chunk(streams, dim=0)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
@@ -142,21 +143,3 @@ class Classifier1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from(F.linear(split(x, -1, gpc.tensor_group), self.weight), gpc.tensor_group)
         return add_bias(y, self.bias)
-
-
-# -- inputs that do not fit, said before the collective -----------------------------------------
-
-def _check_column_input(layer: ColumnLinear1D, x: torch.Tensor) -> None:
-    if x.shape[-1] != layer.in_features:
-        raise ValueError(f"[rank {gpc.rank}] column-parallel Linear({layer.in_features}, "
-                         f"{layer.out_features}) got an input with {x.shape[-1]} features; 1d "
-                         f"Linears alternate column/row, so a model needs its Linears in pairs "
-                         f"(or pass a replicated input here)")
-
-
-def _check_row_input(layer: RowLinear1D, x: torch.Tensor) -> None:
-    if x.shape[-1] * gpc.tensor_size != layer.in_features:
-        raise ValueError(f"[rank {gpc.rank}] row-parallel Linear({layer.in_features}, "
-                         f"{layer.out_features}) expects its input split over {gpc.tensor_size} "
-                         f"ranks ({layer.in_features // gpc.tensor_size} features), got "
-                         f"{x.shape[-1]}; put a column-parallel Linear before it")

@@ -2,17 +2,17 @@
 
 2d: a q x q grid splits batch *and* hidden.
 
-Rank (row i, col j) of the grid holds, for an activation [B, ..., d], the block
+Rank (row i, col j) of the grid holds, for an activation [B, ..., d], the tile
 [B/q rows i, ..., d/q cols j]: the batch is split down a column group, the hidden dimension
-along a row group. A Linear's weight is cut into q x q blocks (see summa.py for the product).
+along a row group. A Linear's weight is cut into q x q tiles (see summa.py for the product).
 
                  hidden d ->                        W [in, out]
              +--------+--------+                +--------+--------+
-    batch B  | (0, 0) | (0, 1) |   row group 0  | W_00   | W_01   |  in block 0
+    batch B  | (0, 0) | (0, 1) |   row group 0  | W_00   | W_01   |  in tile 0
        |     +--------+--------+                +--------+--------+
-       v     | (1, 0) | (1, 1) |   row group 1  | W_10   | W_11   |  in block 1
+       v     | (1, 0) | (1, 1) |   row group 1  | W_10   | W_11   |  in tile 1
              +--------+--------+                +--------+--------+
-              column    column                   out blk 0 out blk 1
+              column    column                   out tile 0 out tile 1
               group 0   group 1
 
 Memory per rank: weights 1/q^2 (1d: 1/T = 1/q^2 too) and *every* activation 1/q^2 (1d keeps
@@ -21,20 +21,20 @@ rank, less than 1d's all-reduce of |X| once q grows.
 
 Vectors along the hidden dimension (biases, LayerNorm's gamma/beta, patch embeddings) are
 split over the row and replicated down the column: every row computes their gradient from
-its own batch block, so `copy_to(param, column group)` sums those in backward. LayerNorm's
+its own batch share, so `copy_to(param, column group)` sums those in backward. LayerNorm's
 mean and variance are sums over the row group (`group_sum`). The classifier multiplies its
-hidden block and sums over the row group, so the logits [B/q, classes] are whole within a
+hidden slice and sums over the row group, so the logits [B/q, classes] are whole within a
 row; the loss sums each row's losses down the column group and divides by the batch's count.
 
 2.5d (Tesseract, Wang et al. 2021) stacks `depth` such grids, T = q * q * depth. The batch is
-cut into depth * q blocks, grid k row i holding block k * q + i; every grid holds the same
-weight blocks, so a grid is a data-parallel replica of a 2d layer:
+cut into depth * q shares, grid k row i holding share k * q + i; every grid holds the same
+weight tiles, so a grid is a data-parallel replica of a 2d layer:
 
     rank (grid k, row i, col j), q = 2, depth = 2:
-        grid 0: batch blocks 0, 1      grid 1: batch blocks 2, 3
+        grid 0: batch shares 0, 1      grid 1: batch shares 2, 3
         (0,0,0) (0,0,1)                (1,0,0) (1,0,1)     W_ij on (0, i, j) and (1, i, j)
         (0,1,0) (0,1,1)                (1,1,0) (1,1,1)
-    depth group {(0, i, j), (1, i, j)}: one weight block, two grids' samples
+    depth group {(0, i, j), (1, i, j)}: one weight tile, two grids' samples
     batch group {(k, i, j) for every k, i}: column j of every grid, grid-major
 
 Each grid runs SUMMA on its own samples (summa.py, unchanged: rows and columns are the grid's).
@@ -45,7 +45,7 @@ as is the loss. depth = 1 is 2d exactly. Per rank: weights |W| / q^2, activation
 gradient's all-reduce over the depth group, |W| / q^2 elements.
 
 Every layer here but Linear2D only needs to know which group splits the hidden dimension and
-which splits the batch (`blocks()`); 3d's layout A (tensor/cube.py: batch over the cube's
+which splits the batch (`activation_split()`); 3d's layout A (tensor/cube.py: batch over the cube's
 (x, y) plane, hidden over z) is such a layout too, so LayerNorm, Embedding, PatchEmbedding,
 Classifier and the loss serve 3d as they are (layers_3d.py names them).
 
@@ -60,27 +60,19 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..config import ConfigError
 from ..context import gpc
 from ..extensions import Extension
 from ..loss_weights import counted_targets, mean_over
-from .base import (
-    PatchEmbedding,
-    add_bias,
-    check_divisible,
-    check_input_split,
-    embed_patches,
-    keep_slice,
-    tied,
-)
+from .base import PatchEmbedding, add_bias, embed_patches, keep_slice
 from .comm import Group, copy_to, group_sum, reduce_from, split
+from .layer_checks import check_batch, check_divisible, check_input_split, tied
 from .summa import summa_matmul
 
 
 @dataclass
-class Blocks:
+class ActivationSplit:
     """How an activation [batch, ..., hidden] is cut: hidden in `parts` over `hidden_group`
-    (named `hidden_axis` in tensor_splits), batch in `batch_parts` blocks over `batch_group`."""
+    (named `hidden_axis` in tensor_splits), batch in `batch_parts` shares over `batch_group`."""
     hidden_axis: str
     hidden_group: Group
     parts: int
@@ -88,79 +80,65 @@ class Blocks:
     batch_parts: int
 
 
-def blocks() -> Blocks:
+def activation_split() -> ActivationSplit:
     """2d / 2.5d: hidden along the row (by column), batch over the batch group (column x depth);
     3d: layout A, hidden over z, batch over the (x, y) plane."""
     if gpc.tensor_mode == "3d":
         q = gpc.cube_dim
-        return Blocks("z", gpc.tensor_z_group, q, gpc.tensor_xy_group, q * q)
+        return ActivationSplit("z", gpc.tensor_z_group, q, gpc.tensor_xy_group, q * q)
     q = gpc.summa_dim
-    return Blocks("col", gpc.tensor_row_group, q, gpc.tensor_batch_group, q * gpc.tensor_depth)
+    return ActivationSplit("col", gpc.tensor_row_group, q, gpc.tensor_batch_group,
+                           q * gpc.tensor_depth)
 
 
-def batch_blocks() -> int:
-    """How many blocks the tensor ranks cut a batch into (1 unless 2d, 2.5d or 3d)."""
-    return blocks().batch_parts if gpc.tensor_mode in ("2d", "2.5d", "3d") else 1
+def tensor_batch_shares() -> int:
+    """How many shares the tensor ranks cut a batch into (1 unless 2d, 2.5d or 3d)."""
+    return activation_split().batch_parts if gpc.tensor_mode in ("2d", "2.5d", "3d") else 1
 
 
-def batch_block(x: torch.Tensor) -> torch.Tensor:
-    """This rank's block of a batch that every tensor rank holds whole (inputs, labels): the
-    grid row's (2.5d: block grid_depth * q + row of depth * q; 3d: block x * q + y)."""
-    layout = blocks()
+def batch_share(x: torch.Tensor) -> torch.Tensor:
+    """This rank's share of a batch that every tensor rank holds whole (inputs, labels): the
+    grid row's (2.5d: share grid_depth * q + row of depth * q; 3d: share x * q + y)."""
+    layout = activation_split()
     check_batch(x, layout.batch_parts)
-    return split(x, 0, layout.batch_group)  # backward: the batch group's blocks gathered
-
-
-def check_batch(x: torch.Tensor, parts: int) -> None:
-    if x.shape[0] % parts != 0:
-        raise ConfigError(f"[rank {gpc.rank}] a batch of {x.shape[0]} {batch_split_error(parts)}; "
-                          f"use a batch size that is a multiple of {parts}")
-
-
-def batch_split_error(parts: Optional[int] = None) -> str:
-    """What a batch that does not split into `parts` (this mode's batch blocks) cannot do."""
-    where = {"2d": "rows of the 2d grid",
-             "2.5d": f"rows of the 2.5d grids ({gpc.tensor_depth} grids of {gpc.summa_dim})",
-             "3d": "batch blocks of the 3d cube"}[gpc.tensor_mode]
-    return (f"cannot be split over the {parts or batch_blocks()} {where} (tensor size "
-            f"{gpc.tensor_size})")
+    return split(x, 0, layout.batch_group)  # backward: the batch group's shares gathered
 
 
 def grid_batch(x: torch.Tensor) -> torch.Tensor:
-    """2.5d: this grid's samples (block grid_depth of depth); 2d: all of them."""
+    """2.5d: this grid's samples (share grid_depth of depth); 2d: all of them."""
     check_batch(x, gpc.summa_dim * gpc.tensor_depth)
     return split(x, 0, gpc.tensor_depth_group)
 
 
 def across_grids(w: torch.Tensor) -> torch.Tensor:
-    """A weight block every grid holds (2.5d): each grid's gradient is for its own samples, so
+    """A weight tile every grid holds (2.5d): each grid's gradient is for its own samples, so
     the depth group sums them in backward, as a data split requires."""
     return copy_to(w, gpc.tensor_depth_group)
 
 
 class SplitLabels(Extension):
     """The labels of the samples this rank's output holds (execute_schedule returns them, for
-    metrics; extensions.py): a grid row holds one block of the batch, so its labels are cut the
+    metrics; extensions.py): a grid row holds one share of the batch, so its labels are cut the
     same way -- as the criterion cuts them where it says (`output_targets`: 3d's vocab-parallel
     logits are in another layout)."""
 
     def __init__(self, criterion=None) -> None:
-        self.split = getattr(criterion, "output_targets", batch_block)
+        self.split = getattr(criterion, "output_targets", batch_share)
 
     def output_labels(self, label: torch.Tensor) -> torch.Tensor:
         return self.split(label)
 
 
 def along_row(full: torch.Tensor, dim: int) -> nn.Parameter:
-    """Block `col` of a hidden-dimension vector: split along my row, replicated down my column
-    (3d: block z, replicated over the (x, y) plane)."""
-    return keep_slice(full, [(dim, blocks().hidden_axis)])
+    """Slice `col` of a hidden-dimension vector: split along my row, replicated down my column
+    (3d: slice z, replicated over the (x, y) plane)."""
+    return keep_slice(full, [(dim, activation_split().hidden_axis)])
 
 
 def down_column(p: torch.Tensor) -> torch.Tensor:
-    """Replicated down the column (in every grid; 3d: over the plane): sum its batch blocks'
+    """Replicated down the column (in every grid; 3d: over the plane): sum its batch shares'
     gradients."""
-    return copy_to(p, blocks().batch_group)
+    return copy_to(p, activation_split().batch_group)
 
 
 class Linear2D(nn.Module):
@@ -173,15 +151,15 @@ class Linear2D(nn.Module):
         check_divisible(out_features, q, "Linear out_features")
         full = nn.Linear(in_features, out_features, bias=bias)
         self.in_features, self.out_features = in_features, out_features
-        # torch stores [out, in]: block (row i, col j) is W's in-block i, out-block j
+        # torch stores [out, in]: tile (row i, col j) is W's in-slice i, out-slice j
         self.weight = keep_slice(full.weight, [(0, "col"), (1, "row")])
         self.bias = along_row(full.bias, 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return add_bias(self.product(x), self.bias_block())
+        return add_bias(self.product(x), self.bias_slice())
 
-    def bias_block(self) -> Optional[torch.Tensor]:
-        """The bias block of my output columns, its gradient summed over the batch group."""
+    def bias_slice(self) -> Optional[torch.Tensor]:
+        """The bias slice of my output columns, its gradient summed over the batch group."""
         return down_column(self.bias) if self.bias is not None else None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,14 +176,16 @@ class LayerNorm2D(nn.Module):
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, bias: bool = True) -> None:
         super().__init__()
-        check_divisible(normalized_shape, blocks().parts, "LayerNorm size")
+        check_divisible(normalized_shape, activation_split().parts, "LayerNorm size")
         full = nn.LayerNorm(normalized_shape, eps=eps, bias=bias)
-        self.normalized_shape, self.eps = normalized_shape, eps
+        self.normalized_shape = normalized_shape
+        self.eps = eps
         self.weight = along_row(full.weight, 0)
         self.bias = along_row(full.bias, 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows, d = blocks().hidden_group, self.normalized_shape
+        rows = activation_split().hidden_group
+        d = self.normalized_shape
         # in float32, as torch's LayerNorm computes: in fp16 the squares of activations near
         # 100 overflow, small variances lose their digits, and the backward's cancellations too
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # (float64 stays float64)
@@ -223,7 +203,7 @@ class PatchEmbedding2D(nn.Module):
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int) -> None:
         super().__init__()
-        check_divisible(embed_size, blocks().parts, "PatchEmbedding embed_size")
+        check_divisible(embed_size, activation_split().parts, "PatchEmbedding embed_size")
         full = PatchEmbedding(img_size, patch_size, in_chans, embed_size)
         self.patch_size = patch_size
         self.proj = nn.Module()  # so the state_dict keys are the plain layer's (proj.weight, ...)
@@ -236,7 +216,7 @@ class PatchEmbedding2D(nn.Module):
         params = [down_column(p) for p in (self.proj.weight, self.proj.bias, self.cls_token,
                                             self.pos_embed)]
         # every column convolves the same images with its own channels: sum their input gradients
-        return embed_patches(copy_to(batch_block(x), blocks().hidden_group), *params,
+        return embed_patches(copy_to(batch_share(x), activation_split().hidden_group), *params,
                              self.patch_size)
 
 
@@ -246,13 +226,13 @@ class Embedding2D(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  padding_idx: Optional[int] = None) -> None:
         super().__init__()
-        check_divisible(embedding_dim, blocks().parts, "Embedding dim")
+        check_divisible(embedding_dim, activation_split().parts, "Embedding dim")
         full = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
         self.weight = along_row(full.weight, 1)
         self.padding_idx = padding_idx  # every rank holds every row: torch's meaning as is
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(batch_block(ids), down_column(self.weight),
+        return F.embedding(batch_share(ids), down_column(self.weight),
                            padding_idx=self.padding_idx)
 
 
@@ -262,14 +242,14 @@ class Classifier2D(nn.Module):
     def __init__(self, in_features: int, num_classes: int, bias: bool = True,
                  weight: Optional[nn.Parameter] = None) -> None:
         super().__init__()
-        check_divisible(in_features, blocks().parts, "Classifier in_features")
+        check_divisible(in_features, activation_split().parts, "Classifier in_features")
         full = nn.Linear(in_features, num_classes, bias=bias)
         own = along_row(full.weight, 1)
         self.weight = own if weight is None else tied(weight, own)
         self.bias = keep_slice(full.bias, []) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from(F.linear(x, down_column(self.weight)), blocks().hidden_group)
+        y = reduce_from(F.linear(x, down_column(self.weight)), activation_split().hidden_group)
         return add_bias(y, down_column(self.bias) if self.bias is not None else None)
 
 
@@ -296,17 +276,19 @@ class CrossEntropyLoss2D(nn.Module):
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"[rank {gpc.rank}] reduction must be 'mean', 'sum' or 'none', got "
                              f"{reduction!r}")
-        self.reduction, self.ignore_index, self.label_smoothing = (reduction, ignore_index,
-                                                                   label_smoothing)
+        self.reduction = reduction
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
         self.register_buffer("weight", weight)  # moves with .to(device), as torch's loss
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        losses = F.cross_entropy(logits, batch_block(target), self.weight,
+        losses = F.cross_entropy(logits, batch_share(target), self.weight,
                                  ignore_index=self.ignore_index, reduction="none",
                                  label_smoothing=self.label_smoothing)
         if self.reduction == "none":
             return losses
-        total = reduce_from(losses.sum(), blocks().batch_group)  # the rows' sums: the batch's
+        # the rows' sums: the batch's
+        total = reduce_from(losses.sum(), activation_split().batch_group)
         if self.reduction == "sum":
             return total
         return mean_over(total, self._count(target).to(total))

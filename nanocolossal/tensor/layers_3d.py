@@ -1,27 +1,28 @@
 """3d tensor-parallel layers on the q x q x q cube (tensor/cube.py has the product and layouts).
 
-Activations live in layout A -- batch in q^2 blocks over the (x, y) plane, hidden in q over z --
+Activations live in layout A -- batch in q^2 shares over the (x, y) plane, hidden in q over z --
 except between a column and a row Linear (layout B: batch over (x, z), hidden over y):
 
     layer                  weights on rank (x, y, z)                 in -> out
     Linear3D column        W [N/q over y, K/q^2 over z then x]       A -> B
     Linear3D row           W [N/q over z, K/q^2 over y then x]       B -> A
-      bias                 its output hidden block, replicated over the output's batch plane
-    LayerNorm3D            gamma, beta block z; statistics summed over z      A -> A
+      bias                 its output hidden slice, replicated over the output's batch plane
+    LayerNorm3D            gamma, beta slice z; statistics summed over z      A -> A
     Embedding3D            table [V, d/q over z], replicated over (x, y)      ids -> A
     VocabParallelEmbedding3D  E [V/q over y, d/q^2 over z then x]: a column Linear's weight
     VocabParallelClassifier3D logits = h E^T, the column product with E: A -> B, vocabulary over y
     VocabParallelCrossEntropyLoss3D  the 1d vocabulary-parallel loss along y, summed over (x, z)
 
 LayerNorm3D, Embedding3D, PatchEmbedding3D, Classifier3D and CrossEntropyLoss3D are the 2d
-layers on layout A (layers_2d.blocks()); only the weights that meet the cube product differ.
+layers on layout A (layers_2d.activation_split()); only the weights that meet the cube product
+differ.
 Linears come in column/row pairs: nc.nn refuses a LayerNorm or classifier built between a column
 Linear and its row partner, whose input would be in layout B.
 
 The vocabulary-parallel embedding, with E cut as the classifier's weight (so the two are tied):
-rank (x, y, z) gathers E's block (vocabulary y, hidden z) along x, looks up batch block x of
+rank (x, y, z) gathers E's tile (vocabulary y, hidden z) along x, looks up batch share x of
 the ids in it (zeros outside its vocabulary), and the y axis sums and scatters the result by
-batch: block (x, y), hidden z -- layout A. Its backward sums E's gradient over x and keeps each
+batch: share (x, y), hidden z -- layout A. Its backward sums E's gradient over x and keeps each
 rank's slice (the all-gather's conjugate).
 
 Before a launch, `nanocolossal plan` computes these per-rank shapes (nanocolossal/plan/model.py).
@@ -35,16 +36,17 @@ from torch import nn
 
 from ..context import gpc
 from . import layers_2d
-from .base import add_bias, check_divisible, check_input_split, keep_slice
+from .base import add_bias, keep_slice
 from .comm import all_gather, copy_to, reduce_scatter, split
 from .cube import column_matmul, column_splits, row_matmul, row_splits
-from .vocab_parallel import (
-    VocabParallelCrossEntropyLoss1D,
+from .layer_checks import (
+    check_batch,
+    check_divisible,
     check_ids,
-    look_up_block,
+    check_input_split,
     vocab_classifier_weight,
-    vocab_parallel_argmax,
 )
+from .vocab_parallel import VocabParallelCrossEntropyLoss1D, look_up_slice, vocab_parallel_argmax
 
 
 class Linear3D(nn.Module):
@@ -57,13 +59,14 @@ class Linear3D(nn.Module):
         check_divisible(in_features, q * q, "Linear in_features")
         check_divisible(out_features, q, "Linear out_features")
         full = nn.Linear(in_features, out_features, bias=bias)
-        self.in_features, self.out_features, self.parallel = in_features, out_features, parallel
+        self.in_features, self.out_features = in_features, out_features
+        self.parallel = parallel
         column = parallel == "column"
         self.weight = keep_slice(full.weight, column_splits() if column else row_splits())
         self.bias = keep_slice(full.bias, [(0, "y" if column else "z")]) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return add_bias(self.product(x), self.bias_block())
+        return add_bias(self.product(x), self.bias_slice())
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The cube product without the bias (Colossal-AI's skip_bias_add)."""
@@ -73,8 +76,8 @@ class Linear3D(nn.Module):
         matmul = column_matmul if self.parallel == "column" else row_matmul
         return matmul(x, self.weight)
 
-    def bias_block(self) -> Optional[torch.Tensor]:
-        """The bias block of my output's hidden block; its gradient summed over the output's
+    def bias_slice(self) -> Optional[torch.Tensor]:
+        """The bias slice of my output's hidden slice; its gradient summed over the output's
         batch plane ((x, z) after a column Linear, (x, y) after a row one)."""
         if self.bias is None:
             return None
@@ -83,19 +86,19 @@ class Linear3D(nn.Module):
 
 
 class LayerNorm3D(layers_2d.LayerNorm2D):
-    """LayerNorm on layout A: statistics summed over z, gamma and beta block z."""
+    """LayerNorm on layout A: statistics summed over z, gamma and beta slice z."""
 
 
 class Embedding3D(layers_2d.Embedding2D):
-    """Token embedding into layout A: the ids' batch block (x, y), the table's hidden block z."""
+    """Token embedding into layout A: the ids' batch share (x, y), the table's hidden slice z."""
 
 
 class PatchEmbedding3D(layers_2d.PatchEmbedding2D):
-    """ViT's patch embedding into layout A: images block (x, y), channels block z."""
+    """ViT's patch embedding into layout A: images share (x, y), channels slice z."""
 
 
 class Classifier3D(layers_2d.Classifier2D):
-    """Whole logits per sample of batch block (x, y): hidden block z's product summed over z."""
+    """Whole logits per sample of batch share (x, y): hidden slice z's product summed over z."""
 
 
 class CrossEntropyLoss3D(layers_2d.CrossEntropyLoss2D):
@@ -103,8 +106,8 @@ class CrossEntropyLoss3D(layers_2d.CrossEntropyLoss2D):
 
 
 def split_layout_b(x: torch.Tensor) -> torch.Tensor:
-    """This rank's batch block in layout B (block x * q + z of q^2)."""
-    layers_2d.check_batch(x, gpc.cube_dim ** 2)
+    """This rank's batch share in layout B (share x * q + z of q^2)."""
+    check_batch(x, gpc.cube_dim ** 2)
     return split(x, 0, gpc.tensor_xz_group)
 
 
@@ -119,24 +122,24 @@ class VocabParallelEmbedding3D(nn.Module):
         check_divisible(embedding_dim, q * q, "Embedding dim")
         full = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
         self.weight = keep_slice(full.weight, column_splits())
-        self.start = gpc.cube_y * num_embeddings // q  # my vocabulary block: y
+        self.start = gpc.cube_y * num_embeddings // q  # my vocabulary slice: y
         self.end = (gpc.cube_y + 1) * num_embeddings // q
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_ids(ids, self.num_embeddings, "token ids")
-        layers_2d.check_batch(ids, gpc.cube_dim ** 2)
-        ids = split(ids, 0, gpc.tensor_x_group)  # batch block x
-        table = all_gather(self.weight, 1, gpc.tensor_x_group)  # E's block (vocabulary y, hidden z)
-        found = look_up_block(ids, table, self.start, self.end, self.padding_idx,
+        check_batch(ids, gpc.cube_dim ** 2)
+        ids = split(ids, 0, gpc.tensor_x_group)  # batch share x
+        table = all_gather(self.weight, 1, gpc.tensor_x_group)  # E's tile (vocabulary y, hidden z)
+        found = look_up_slice(ids, table, self.start, self.end, self.padding_idx,
                               self.num_embeddings)
-        return reduce_scatter(found, 0, gpc.tensor_y_group)  # summed over y: batch block (x, y)
+        return reduce_scatter(found, 0, gpc.tensor_y_group)  # summed over y: batch share (x, y)
 
 
 class VocabParallelClassifier3D(Linear3D):
     """logits = h E^T (+ b): the column product, E a VocabParallelEmbedding3D's table when tied
-    (`weight=`); logits in layout B, vocabulary block y."""
+    (`weight=`); logits in layout B, vocabulary slice y."""
 
     def __init__(self, in_features: int, num_classes: int, bias: bool = True,
                  weight: Optional[nn.Parameter] = None) -> None:
@@ -146,12 +149,12 @@ class VocabParallelClassifier3D(Linear3D):
         self.in_features, self.num_classes = in_features, num_classes
 
     def predictions(self, logits: torch.Tensor) -> torch.Tensor:
-        """The predicted class of each of this rank's positions (its vocabulary block: y)."""
+        """The predicted class of each of this rank's positions (its vocabulary slice: y)."""
         return vocab_parallel_argmax(logits, gpc.tensor_y_group, gpc.cube_y)
 
 
 class VocabParallelCrossEntropyLoss3D(VocabParallelCrossEntropyLoss1D):
-    """The vocab-parallel loss of layout B's batch block (vocabulary over y), summed and counted
+    """The vocab-parallel loss of layout B's batch share (vocabulary over y), summed and counted
     over the (x, z) plane; takes the *whole* batch's targets."""
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """SUMMA: a matrix product on a q x q grid of processes (Colossal-AI's 2D tensor parallelism).
 
-Y = X W with X [batch, in] and W [in, out] both cut into q x q blocks. Rank (i, j) of the
-grid holds X_ij (batch block i, hidden block j) and W_ij (in block i, out block j), and must
+Y = X W with X [batch, in] and W [in, out] both cut into q x q tiles. Rank (i, j) of the
+grid holds X_ij (batch share i, hidden slice j) and W_ij (in slice i, out slice j), and must
 end with Y_ij = sum_k X_ik W_kj. No rank holds a whole row of X or column of W, so the sum
 is built in q steps; in step k the owners broadcast the k-th panels:
 
@@ -9,7 +9,7 @@ is built in q steps; in step k the owners broadcast the k-th panels:
              W_kj  from rank (k, j) to its column  (column group j)
              Y_ij += X_ik @ W_kj
 
-      q = 2, step k = 0:       W_00 W_01  <- row 0 of W's blocks goes down the columns
+      q = 2, step k = 0:       W_00 W_01  <- row 0 of W's tiles goes down the columns
                                .    .
                 X_00 -> (0,0)  (0,1)      X_00 goes along row 0; X_10 along row 1
                 X_10 -> (1,0)  (1,1)
@@ -35,9 +35,9 @@ from ..context import gpc
 
 def panel(mine: torch.Tensor, owner: int, group: dist.ProcessGroup,
            ranks: list[int]) -> torch.Tensor:
-    """The owner's block (position `owner` in the group), received by every member.
+    """The owner's tile (position `owner` in the group), received by every member.
 
-    A broadcast moves raw bytes: the owner sends its block in contiguous order, so receivers
+    A broadcast moves raw bytes: the owner sends its tile in contiguous order, so receivers
     must receive into a contiguous buffer too. (`empty_like` would copy the strides of a view
     such as `w.t()`, and the bytes would land transposed.)"""
     if dist.get_rank(group) == owner:
@@ -57,12 +57,13 @@ def reduce_to(partial: torch.Tensor, owner: int, group: dist.ProcessGroup,
 
 
 class _Summa(torch.autograd.Function):
-    """Y = X @ W^T on the grid; x [b, in/q], w [out/q, in/q] (this rank's blocks)."""
+    """Y = X @ W^T on the grid; x [b, in/q], w [out/q, in/q] (this rank's tiles)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, w)
-        q, rows, cols = gpc.summa_dim, gpc.tensor_row_group, gpc.tensor_col_group
+        q = gpc.summa_dim
+        rows, cols = gpc.tensor_row_group, gpc.tensor_col_group
         y = x.new_zeros(x.shape[0], w.shape[0])
         for k in range(q):
             x_ik = panel(x, k, rows, gpc.tensor_row_ranks)
@@ -73,7 +74,8 @@ class _Summa(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w = ctx.saved_tensors
-        q, rows, cols = gpc.summa_dim, gpc.tensor_row_group, gpc.tensor_col_group
+        q = gpc.summa_dim
+        rows, cols = gpc.tensor_row_group, gpc.tensor_col_group
         dy = dy.contiguous()
         dx, dw = torch.empty_like(x), torch.empty_like(w)
         for k in range(q):

@@ -1,7 +1,7 @@
 """Ulysses attention: sequence parallelism by all-to-all, each rank attending for some heads.
 
 Sequence parallelism gives each of N ranks s/N tokens of every sequence (sequence.py). Ring
-attention keeps each rank's queries home and sends K/V blocks round a ring. DeepSpeed-Ulysses
+attention keeps each rank's queries home and sends K/V shares round a ring. DeepSpeed-Ulysses
 (Jacobs et al., 2023) moves the heads instead: heads are independent, so one all-to-all turns
 "my tokens, every head" into "every token, my heads"; each rank runs plain attention on whole
 sequences for h/N heads, and a second all-to-all turns the output back. N = 2, heads 0-3, a
@@ -18,10 +18,10 @@ sequence of 8 tokens (zig-zag: rank 0 holds t0 t1 t6 t7, rank 1 t2 t3 t4 t5):
 Who holds what, per layer and rank: outside attention [B, s/N tokens, width w] as every layer
 under sequence parallelism; inside, q, k, v and the output as [B, h/N, s, w/h]. The scores are
 the attention's own: none kept with the fused kernel, (h/N) s^2 with the explicit formula
-(1/N of one process's; ring attention holds h (s/N)^2, 1/N^2, one block at a time).
+(1/N of one process's; ring attention holds h (s/N)^2, 1/N^2, one tile at a time).
 
 Traffic per layer and rank, in elements (B = 1, width w): what a rank hands to collectives
-(of an all-to-all's, its own block, 1/N, stays home) and what leaves it:
+(of an all-to-all's, its own share, 1/N, stays home) and what leaves it:
 
                         handed over        leaves the rank
     Ulysses  forward    4 s w / N          4 s w (N-1) / N^2    q, k, v (one all-to-all), output
@@ -30,7 +30,7 @@ Traffic per layer and rank, in elements (B = 1, width w): what a rank hands to c
              backward   2 s w (2N-1) / N   the same             K, V N-1 times, dK, dV N times
 
 At N = 2 as much leaves a rank forward, s w; Ulysses' falls as 1/N where ring's approaches
-2 s w (N = 8: a quarter). Ring overlaps each hop with a block's compute; an all-to-all is
+2 s w (N = 8: a quarter). Ring overlaps each hop with a tile's compute; an all-to-all is
 waited for. Ulysses needs h % N == 0 (whole heads per rank), ring does not.
 
 Uneven lengths. Where 2N does not divide s, the zig-zag stripes and the shares differ by a
@@ -92,17 +92,19 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
 def _every_token(x: torch.Tensor, lengths: list[int], group: Group) -> torch.Tensor:
     """[B, h, my tokens, d] -> [B, h/N, s, d] in rank order: rank j gets heads j*h/N.. of mine."""
     b, h, mine, d = x.shape
-    n, hn = len(lengths), h // len(lengths)
-    blocks = x.reshape(b, n, hn, mine, d).transpose(0, 1)  # block j: the heads rank j attends
+    n = len(lengths)
+    hn = h // n  # heads per rank
+    shares = x.reshape(b, n, hn, mine, d).transpose(0, 1)  # share j: the heads rank j attends
     sizes = [b * hn * m * d for m in lengths]
-    got = exchange(blocks, group, [b * hn * mine * d] * n, sizes)
+    got = exchange(shares, group, [b * hn * mine * d] * n, sizes)
     return torch.cat([p.view(b, hn, m, d) for p, m in zip(got.split(sizes), lengths)], dim=2)
 
 
 def _my_tokens(y: torch.Tensor, lengths: list[int], group: Group) -> torch.Tensor:
     """The inverse: [B, h/N, s, d] in rank order -> [B, h, my tokens, d]."""
     b, hn, _, d = y.shape
-    n, mine = len(lengths), lengths[dist.get_rank(group)]
+    n = len(lengths)
+    mine = lengths[dist.get_rank(group)]
     parts = y.split(lengths, dim=2)  # rank j's tokens, for my heads
     got = exchange(torch.cat([p.reshape(-1) for p in parts]), group,
                    [p.numel() for p in parts], [b * hn * mine * d] * n)
@@ -111,7 +113,8 @@ def _my_tokens(y: torch.Tensor, lengths: list[int], group: Group) -> torch.Tenso
 
 def _every_key(keep: torch.Tensor, lengths: list[int], group: Group) -> torch.Tensor:
     """[B, my keys] -> [B, s] in rank order: each rank sends its share of the mask to all."""
-    b, n = len(keep), len(lengths)
+    b = len(keep)
+    n = len(lengths)
     sizes = [b * m for m in lengths]
     got = exchange(keep.to(torch.uint8).repeat(n, 1), group, [keep.numel()] * n, sizes)
     return torch.cat([p.view(b, m) for p, m in zip(got.split(sizes), lengths)], dim=1).bool()

@@ -33,35 +33,20 @@ from torch.nn import functional as F
 
 from ..context import gpc
 from ..loss_weights import mean_over
-from .base import check_divisible, check_tied_shape, keep_slice
+from .base import keep_slice
 from .comm import copy_to, reduce_from
+from .layer_checks import check_divisible, check_ids, check_vocab_loss, vocab_classifier_weight
 
 
-def check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
-    """Out-of-range ids would find no rank's row (a zero vector, or a meaningless loss) where
-    torch raises: raise too. (A sync per call: the price of failing loudly.)"""
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise IndexError(f"[rank {gpc.rank}] {what} must be in [0, {vocab_size}), got "
-                         f"{int(ids.min())} .. {int(ids.max())}")
-
-
-def local_padding_idx(padding_idx: Optional[int], vocab_size: int, start: int,
-                      end: int) -> Optional[int]:
-    """The padding row's index in this rank's block, if the block holds it (negative counts from
-    the end, as torch's)."""
-    if padding_idx is None:
-        return None
-    padding_idx %= vocab_size
-    return padding_idx - start if start <= padding_idx < end else None
-
-
-def look_up_block(ids: torch.Tensor, table: torch.Tensor, start: int, end: int,
+def look_up_slice(ids: torch.Tensor, table: torch.Tensor, start: int, end: int,
                   padding_idx: Optional[int], vocab_size: int) -> torch.Tensor:
-    """The rows of `table` (the vocabulary block [start, end)) for the ids in it, zeros for the
-    others: summed over the ranks holding the other blocks, every id is found exactly once."""
+    """The rows of `table` (the vocabulary slice [start, end)) for the ids in it, zeros for the
+    others: summed over the ranks holding the other slices, every id is found exactly once."""
     outside = (ids < start) | (ids >= end)
     local = (ids - start).masked_fill(outside, 0)  # any valid row; zeroed below
-    local_pad = local_padding_idx(padding_idx, vocab_size, start, end)
+    local_pad = None  # the padding row's index here, if this slice holds it
+    if padding_idx is not None and start <= padding_idx % vocab_size < end:
+        local_pad = padding_idx % vocab_size - start  # negative counts from the end, as torch's
     found = F.embedding(local, table, padding_idx=local_pad)
     return found.masked_fill(outside.unsqueeze(-1), 0.0)
 
@@ -87,28 +72,14 @@ class VocabParallelEmbedding1D(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_ids(ids, self.num_embeddings, "token ids")
-        found = look_up_block(ids, self.weight, self.start, self.end, self.padding_idx,
+        found = look_up_slice(ids, self.weight, self.start, self.end, self.padding_idx,
                               self.num_embeddings)
         return reduce_from(found, gpc.tensor_group)
 
 
-def vocab_classifier_weight(own: nn.Parameter, weight: Optional[nn.Parameter], embedding: str,
-                            in_features: int, num_classes: int) -> nn.Parameter:
-    """The classifier's own block, or the tied `weight` if it is cut as `own` is (by vocabulary
-    rows, to the same shape): another kind of table would silently compute wrong logits."""
-    if weight is None:
-        return own
-    if getattr(weight, "tensor_splits", None) != own.tensor_splits:
-        raise ValueError(f"[rank {gpc.rank}] a vocab-parallel classifier ties only to a weight "
-                         f"split by vocabulary rows ({embedding}); got one split "
-                         f"{getattr(weight, 'tensor_splits', [])}")
-    check_tied_shape(weight, own.shape, in_features, num_classes)
-    return weight
-
-
 def vocab_parallel_argmax(logits: torch.Tensor, group, rank: int) -> torch.Tensor:
     """argmax over the whole vocabulary of logits split by it (rank `rank` of `group` holds the
-    block starting at rank x its width): the group's largest value, and of the ranks holding
+    slice starting at rank x its width): the group's largest value, and of the ranks holding
     it the lowest id -- torch.argmax's first maximum. Two small all-reduces, no gather."""
     value, index = logits.max(dim=-1)
     best = value.clone()
@@ -179,14 +150,10 @@ def reduce_losses(losses: torch.Tensor, valid: torch.Tensor, reduction: Reductio
     losses = losses * w
     if reduction in ("none", False):
         return losses  # this rank's tokens
-    total = losses.sum()
-    if batch_group is not None:
-        total = reduce_from(total, batch_group)  # each rank back-propagates its own tokens
+    total = reduce_from(losses.sum(), batch_group)  # each rank back-propagates its own tokens
     if reduction == "sum":
         return total
-    count = w.sum().detach()
-    if batch_group is not None:
-        dist.all_reduce(count, group=batch_group)
+    count = reduce_from(w.sum().detach(), batch_group)
     return mean_over(total, count)  # "mean" (Colossal-AI's reduction=True)
 
 
@@ -198,13 +165,10 @@ class VocabParallelCrossEntropyLoss1D(nn.Module):
     def __init__(self, reduction: Reduction = "mean", ignore_index: int = -100,
                  weight: Optional[torch.Tensor] = None, label_smoothing: float = 0.0) -> None:
         super().__init__()
-        if label_smoothing:
-            raise ValueError(f"[rank {gpc.rank}] label_smoothing is not supported by the "
-                             f"vocab-parallel loss; use 0")
-        if reduction not in ("mean", "sum", "none", True, False):
-            raise ValueError(f"[rank {gpc.rank}] reduction must be 'mean', 'sum' or 'none', got "
-                             f"{reduction!r}")
-        self.reduction, self.ignore_index, self.weight = reduction, ignore_index, weight
+        check_vocab_loss(reduction, label_smoothing)
+        self.reduction = reduction
+        self.ignore_index = ignore_index
+        self.weight = weight
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss(logits, target, gpc.tensor_group, gpc.tensor_rank, None)

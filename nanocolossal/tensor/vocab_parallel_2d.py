@@ -1,23 +1,23 @@
-"""Vocabulary-parallel layers on the 2d grid: the embedding table E [V, d] in q x q blocks.
+"""Vocabulary-parallel layers on the 2d grid: the embedding table E [V, d] in q x q tiles.
 
-Rank (i, j) holds E's block (vocabulary block i, hidden block j) -- the layout an embedding
-needs, since the activations it produces are [batch block i, ..., hidden block j] (layers_2d.py):
+Rank (i, j) holds E's tile (vocabulary slice i, hidden slice j) -- the layout an embedding
+needs, since the activations it produces are [batch share i, ..., hidden slice j] (layers_2d.py):
 
-    embedding   every rank looks up the *whole* batch's ids in its vocabulary block (zeros
+    embedding   every rank looks up the *whole* batch's ids in its vocabulary slice (zeros
                 elsewhere); the column group j sums them (each id found on one rank), and rank
-                (i, j) keeps batch block i. Backward: its batch block's gradient is gathered
-                down the column, so each rank updates the rows of its vocabulary block.
-    classifier  logits = x E^T with x and E in the same block layout (the tied weight), so
-                the product is SUMMA's "A B^T" form: for each vocabulary block m,
+                (i, j) keeps batch share i. Backward: its batch share's gradient is gathered
+                down the column, so each rank updates the rows of its vocabulary slice.
+    classifier  logits = x E^T with x and E in the same tile layout (the tied weight), so
+                the product is SUMMA's "A B^T" form: for each vocabulary slice m,
                     E_mk goes down column k from rank (m, k);  rank (i, k) forms X_ik E_mk^T;
                     the row group i sums these onto rank (i, m).
-                Logits end as [batch block i, ..., vocabulary block m] on rank (i, m): every
+                Logits end as [batch share i, ..., vocabulary slice m] on rank (i, m): every
                 rank holds b*s*V/q^2 of them.
-    loss        the 1d vocab-parallel loss along each grid row (the row holds one batch block's
-                whole vocabulary), then sums and counts over the column (the batch blocks).
+    loss        the 1d vocab-parallel loss along each grid row (the row holds one batch share's
+                whole vocabulary), then sums and counts over the column (the batch shares).
 
-2.5d: each grid does the same on its own samples (the embedding looks up its grid's block of the
-batch), and E's blocks enter through the depth group, which sums their gradients (layers_2d.py).
+2.5d: each grid does the same on its own samples (the embedding looks up its grid's share of the
+batch), and E's tiles enter through the depth group, which sums their gradients (layers_2d.py).
 """
 from __future__ import annotations
 
@@ -27,24 +27,19 @@ import torch
 from torch import nn
 
 from ..context import gpc
-from .base import add_bias, check_divisible, keep_slice
+from .base import add_bias, keep_slice
 from .comm import reduce_from, split
-from .layers_2d import across_grids, along_row, batch_block, down_column, grid_batch
+from .layer_checks import check_divisible, check_ids, vocab_classifier_weight
+from .layers_2d import across_grids, along_row, batch_share, down_column, grid_batch
 from .summa import autocast_operands, panel, reduce_to
-from .vocab_parallel import (
-    VocabParallelCrossEntropyLoss1D,
-    check_ids,
-    look_up_block,
-    vocab_classifier_weight,
-    vocab_parallel_argmax,
-)
+from .vocab_parallel import VocabParallelCrossEntropyLoss1D, look_up_slice, vocab_parallel_argmax
 
-VOCAB_BLOCKS = [(0, "row"), (1, "col")]  # E's block (vocabulary i, hidden j) on rank (i, j)
+VOCAB_TILES = [(0, "row"), (1, "col")]  # E's tile (vocabulary i, hidden j) on rank (i, j)
 
 
 class _SummaABT(torch.autograd.Function):
-    """C = X E^T on the grid: x [b, d/q] block (i, k), e [V/q, d/q] block (m, k) on rank (m, k);
-    C's block (i, m) ends on rank (i, m)."""
+    """C = X E^T on the grid: x [b, d/q] tile (i, k), e [V/q, d/q] tile (m, k) on rank (m, k);
+    C's tile (i, m) ends on rank (i, m)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -84,23 +79,24 @@ class VocabParallelEmbedding2D(nn.Module):
         check_divisible(num_embeddings, q, "vocabulary size")
         check_divisible(embedding_dim, q, "Embedding dim")
         full = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
-        self.weight = keep_slice(full.weight, VOCAB_BLOCKS)
-        block = gpc.grid_row  # my row of the grid: my vocabulary block
-        self.start, self.end = block * num_embeddings // q, (block + 1) * num_embeddings // q
+        self.weight = keep_slice(full.weight, VOCAB_TILES)
+        row = gpc.grid_row  # my row of the grid: my vocabulary slice
+        self.start = row * num_embeddings // q
+        self.end = (row + 1) * num_embeddings // q
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_ids(ids, self.num_embeddings, "token ids")
         ids = grid_batch(ids)  # 2.5d: my grid's samples
-        found = look_up_block(ids, across_grids(self.weight), self.start, self.end,
+        found = look_up_slice(ids, across_grids(self.weight), self.start, self.end,
                               self.padding_idx, self.num_embeddings)
         whole = reduce_from(found, gpc.tensor_col_group)
-        return split(whole, 0, gpc.tensor_col_group)  # my row's block of my grid's samples
+        return split(whole, 0, gpc.tensor_col_group)  # my row's share of my grid's samples
 
 
 class VocabParallelClassifier2D(nn.Module):
-    """logits = x E^T (+ b) with E in the embedding's block layout (`weight=` ties them)."""
+    """logits = x E^T (+ b) with E in the embedding's tile layout (`weight=` ties them)."""
 
     def __init__(self, in_features: int, num_classes: int, bias: bool = True,
                  weight: Optional[nn.Parameter] = None) -> None:
@@ -109,9 +105,9 @@ class VocabParallelClassifier2D(nn.Module):
         check_divisible(num_classes, q, "vocabulary size")
         check_divisible(in_features, q, "Classifier in_features")
         full = nn.Linear(in_features, num_classes, bias=bias)
-        self.weight = vocab_classifier_weight(keep_slice(full.weight, VOCAB_BLOCKS), weight,
+        self.weight = vocab_classifier_weight(keep_slice(full.weight, VOCAB_TILES), weight,
                                               "VocabParallelEmbedding2D", in_features, num_classes)
-        self.bias = along_row(full.bias, 0) if bias else None  # vocabulary block m, rank (., m)
+        self.bias = along_row(full.bias, 0) if bias else None  # vocabulary slice m, rank (., m)
         self.in_features, self.num_classes = in_features, num_classes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,14 +118,14 @@ class VocabParallelClassifier2D(nn.Module):
         return add_bias(logits, down_column(self.bias) if self.bias is not None else None)
 
     def predictions(self, logits: torch.Tensor) -> torch.Tensor:
-        """The predicted class of each row of this rank's batch block (the row's vocabulary)."""
+        """The predicted class of each row of this rank's batch share (the row's vocabulary)."""
         return vocab_parallel_argmax(logits, gpc.tensor_row_group, gpc.tensor_row_rank)
 
 
 class VocabParallelCrossEntropyLoss2D(VocabParallelCrossEntropyLoss1D):
-    """The vocab-parallel loss of this row's batch block (vocabulary split along the row), summed
+    """The vocab-parallel loss of this row's batch share (vocabulary split along the row), summed
     and counted over the column group; takes the *whole* batch's targets, as CrossEntropyLoss2D."""
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self._loss(logits, batch_block(target), gpc.tensor_row_group, gpc.tensor_row_rank,
+        return self._loss(logits, batch_share(target), gpc.tensor_row_group, gpc.tensor_row_rank,
                           gpc.tensor_batch_group)

@@ -12,7 +12,7 @@ same over a process group.
 
 A length 2N does not divide is cut into stripes one token apart, the longer ones last (so
 stripe 2N-1, rank 0's, always holds the last token): 10 tokens on N = 2 are stripes of 2, 2, 3,
-3, and both ranks hold 5. Ring attention refuses such a split (its blocks must be equal: `even`);
+3, and both ranks hold 5. Ring attention refuses such a split (its tiles must be equal: `even`);
 all-to-all attention takes it, and learns the other ranks' lengths with `share_lengths`.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError
+from .layer_checks import check_length, check_share_lengths
 
 Group = Optional[dist.ProcessGroup]
 
@@ -39,18 +39,6 @@ def zigzag_stripes(n: int, r: int) -> tuple[int, int]:
     return r, 2 * n - 1 - r
 
 
-def check_length(length: int, n: int, what: str = "") -> None:
-    """Ring attention's length: 2n equal stripes (`what`: how the message names the length;
-    before launch, as a config is checked, the error hook names the rank)."""
-    if length % (2 * n):
-        lo, hi = length // (2 * n) * 2 * n, (length // (2 * n) + 1) * 2 * n
-        rank = f"[rank {dist.get_rank()}] " if dist.is_initialized() else ""
-        raise ConfigError(f"{rank}sequence length {what}{length} does not split into 2 x {n} "
-                          f"zig-zag stripes for {n} sequence-parallel ranks; use a multiple of "
-                          f"{2 * n} (nearest: "
-                          f"{', '.join(str(x) for x in (lo, hi) if x > 0)})")
-
-
 def zigzag_sizes(length: int, n: int) -> list[int]:
     """The 2n stripe lengths: equal, or the last `length % 2n` stripes one token longer."""
     q, extra = divmod(length, 2 * n)
@@ -59,7 +47,7 @@ def zigzag_sizes(length: int, n: int) -> list[int]:
 
 def zigzag_split(x: torch.Tensor, dim: int, n: int, r: int, even: bool = True) -> torch.Tensor:
     """Rank r's share of n: stripes r and 2n-1-r of 2n along `dim` (no communication). `even`:
-    refuse a length that 2n does not divide (ring attention's blocks must be equal)."""
+    refuse a length that 2n does not divide (ring attention's tiles must be equal)."""
     if n == 1:
         return x
     if even:
@@ -83,13 +71,7 @@ def share_lengths(mine: int, group: Group, device: torch.device) -> list[int]:
     lengths = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(n)]
     dist.all_gather(lengths, torch.tensor([mine], device=device), group=group)
     lengths = [int(t) for t in lengths]
-    whole, sizes = sum(lengths), zigzag_sizes(sum(lengths), n)
-    want = [sizes[a] + sizes[b] for a, b in (zigzag_stripes(n, j) for j in range(n))]
-    if lengths != want:
-        raise ValueError(f"[rank {dist.get_rank()}] the {n} sequence-parallel ranks hold "
-                         f"{lengths} tokens, which is not the zig-zag split of {whole} tokens "
-                         f"({want}); give rank r zigzag_split(x, 1, {n}, r, even=False) (the "
-                         f"loader initialize returns does)")
+    check_share_lengths(lengths, zigzag_sizes(sum(lengths), n))
     return lengths
 
 
