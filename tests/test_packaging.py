@@ -134,3 +134,60 @@ def test_the_first_reading_names_functions_that_exist_with_their_line_counts():
     wrong = [(read, stated, counted) for read, stated, counted in counted_rows if stated != counted]
     assert not wrong, f"stated, counted: {wrong}"
     assert len(counted_rows) >= 10 and total <= 2600, (len(counted_rows), total)
+
+
+def _import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports anywhere in its text: at the top, inside a
+    function, or for annotations alone under TYPE_CHECKING (a circle is a circle to a reader)."""
+    import ast
+    modules = {".".join(f.relative_to(package.parent).with_suffix("").parts)
+               .removesuffix(".__init__"): f for f in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, file in modules.items():
+        here = name if file.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                depth = len(here.split(".")) - node.level + 1
+                parts = here.split(".")[:depth] if node.level else []
+                target = ".".join(parts + ([node.module] if node.module else []))
+                for alias in node.names:  # a submodule named, or a name from a module
+                    edges.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules
+                              else target)
+            elif isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+        graph[name] = {e for e in edges if e in modules and e != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                found.append(sorted(component))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_imports_without_a_circle():
+    """Every module imports in one direction (zero/optimizer.py -> state.py, formulas.py ->
+    plan/ranks.py, never back), function-level and type-only imports included."""
+    assert _circles(_import_graph(ROOT / "nanocolossal")) == []
