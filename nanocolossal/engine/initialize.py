@@ -187,13 +187,6 @@ def wrap_data_parallel(model: nn.Module, chunks: list[nn.Module], pipelined: boo
     """What forward runs through (DDP around each chunk) and the extensions that synchronise:
     DDP's no_sync but on the last backward, or the gradient handler after it (its replicas
     broadcast their buffers); ZeRO 2 and 3 synchronise their own way (wrap_sharded)."""
-    # a weight two chunks of a stage share is reduced by the first: its last backward is the
-    # stage's last (DdpSync keeps every other chunk's DDP in no_sync meanwhile)
-    earlier = [[p for q in chunks[:i] for p in q.parameters()] for i in range(len(chunks))]
-    if isinstance(optimizer, ShardedOptimizer) and optimizer.level >= 2:
-        return wrap_sharded(model, chunks, earlier, pipelined, optimizer)
-    if gpc.gradient_size == 1:
-        return chunks, [], None
     if moe is not None:  # experts are not replicated over the data ranks: apply_moe's handler
         return chunks, [moe, BroadcastBuffers(chunks)], None
     if gpc.config.get("gradient_handler"):  # Colossal-AI's all-reduce after backward
@@ -207,7 +200,7 @@ def wrap_data_parallel(model: nn.Module, chunks: list[nn.Module], pipelined: boo
         options["broadcast_buffers"] = False
     shown = "".join(f", {k}={v}" for k, v in options.items() if k != "broadcast_buffers")
     wrapped = [DistributedDataParallel(chunk, reduced_elsewhere=skip, **options)
-               for chunk, skip in zip(chunks, earlier)]
+               for chunk, skip in zip(chunks, reduced_earlier(chunks))]
     if isinstance(optimizer, ShardedOptimizer):  # level 1: DDP, named in errors as zero
         for ddp in wrapped:
             ddp.name, ddp.other_way = "zero", ""
@@ -215,9 +208,14 @@ def wrap_data_parallel(model: nn.Module, chunks: list[nn.Module], pipelined: boo
     return wrapped, [DdpSync(wrapped, pipelined)], did
 
 
-def wrap_sharded(model: nn.Module, chunks: list[nn.Module], earlier: list[list],
-                 pipelined: bool, optimizer: ShardedOptimizer
-                 ) -> tuple[list[nn.Module], list[Extension], LogNote]:
+def reduced_earlier(chunks: list[nn.Module]) -> list[list]:
+    """A weight two chunks of a stage share is reduced by the first: its last backward is the
+    stage's last (DdpSync keeps every other chunk's DDP in no_sync meanwhile)."""
+    return [[p for q in chunks[:i] for p in q.parameters()] for i in range(len(chunks))]
+
+
+def wrap_sharded(model: nn.Module, chunks: list[nn.Module], pipelined: bool,
+                 optimizer: ShardedOptimizer) -> tuple[list[nn.Module], list[Extension], LogNote]:
     """ZeRO 3: its hooks reduce the gradients, and the replicas broadcast their buffers. ZeRO 2:
     DDP's buckets, each rank keeping its shard (a pipeline stage syncs buffers per batch)."""
     if isinstance(optimizer, ParamShardedOptimizer):
@@ -225,7 +223,7 @@ def wrap_sharded(model: nn.Module, chunks: list[nn.Module], earlier: list[list],
     zero = gpc.config.get("zero", {})
     wrapped = [ShardKeepingDDP(chunk, optimizer, zero.get("reduce_bucket_size_mb", 25),
                                zero.get("overlap_communication", True), not pipelined, skip)
-               for chunk, skip in zip(chunks, earlier)]
+               for chunk, skip in zip(chunks, reduced_earlier(chunks))]
     return wrapped, [DdpSync(wrapped, pipelined)], "bucketed gradients, my shard kept"
 
 
@@ -297,7 +295,10 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
         notes.append(moe_did)
     chunks = list(model) if pipelined and isinstance(model, nn.ModuleList) else [model]
     synchronising: list[Extension] = []
-    if gpc.gradient_size > 1 or cfg.get("zero") is not None:
+    if isinstance(optimizer, ShardedOptimizer) and optimizer.level >= 2:
+        chunks, synchronising, data = wrap_sharded(model, chunks, pipelined, optimizer)
+        notes.append(data)
+    elif gpc.gradient_size > 1:
         chunks, synchronising, data = wrap_data_parallel(model, chunks, pipelined, optimizer, moe)
         notes.append(data)
     # the loop calls them in this order (extensions.py): the loss's wrappers nest in it, and
