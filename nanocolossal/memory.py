@@ -28,15 +28,16 @@ from torch.utils._pytree import tree_leaves
 class SavedBytes:
     """While entered: the bytes of the tensors autograd keeps for backward (activations), live
     (`now`) and at most (`peak`). Parameters are not counted; a tensor saved twice counts once
-    (by its data pointer: the micro-batches of one batch are views of one storage, each its own)."""
+    (by its storage and offset: the micro-batches of one batch are views of one storage, each its
+    own; meta tensors, which `nanocolossal plan` measures, have no addresses)."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self.skip = {p.data_ptr() for p in params}
-        self.live: dict[int, list[int]] = {}  # data pointer -> [bytes, times saved]
+        self.skip = {_where(p) for p in params}
+        self.live: dict[tuple, list[int]] = {}  # place -> [bytes, times saved]
         self.now = self.peak = 0
 
     def _pack(self, t: torch.Tensor) -> Any:
-        ptr = t.data_ptr()
+        ptr = _where(t)
         if ptr in self.skip:
             return t
         if ptr not in self.live:
@@ -48,7 +49,7 @@ class SavedBytes:
         weakref.finalize(holder, self._release, ptr)  # autograd let go of this saved tensor
         return holder
 
-    def _release(self, ptr: int) -> None:
+    def _release(self, ptr: tuple) -> None:
         entry = self.live[ptr]
         entry[1] -= 1
         if entry[1] == 0:
@@ -63,6 +64,11 @@ class SavedBytes:
 
     def __exit__(self, *exc: Any) -> None:
         self.ctx.__exit__(*exc)
+
+
+def _where(t: torch.Tensor) -> tuple[int, int]:
+    """A tensor's place: its storage (the C++ object, real or meta) and its offset there."""
+    return t.untyped_storage()._cdata, t.storage_offset()
 
 
 class _Holder:

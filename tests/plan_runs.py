@@ -84,3 +84,41 @@ def gpt_worker(rank, world_size, port, config):
     return {"rank": rank, "pipeline_rank": gpc.pipeline_rank, "data_rank": gpc.data_rank,
             "total": sum(storages(engine).values()), "parameters": sum(params.values()),
             "elements": dict(elements), "saved": saved.peak}
+
+
+def convnet():
+    """A custom model the planner knows nothing of (measured on the meta device), float64."""
+    from torch import nn
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 8 * 8, 10)).double()
+
+
+def convnet_worker(rank, world_size, port, config, micro):
+    """Two steps of convnet() under `config`, `micro` images per micro-step: the same live
+    numbers as gpt_worker's."""
+    import nanocolossal as nc
+    from nanocolossal.memory import SavedBytes
+    from nanocolossal.traffic import count_collectives
+    nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=60)
+    torch.manual_seed(0)
+    model = convnet()
+    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               torch.nn.CrossEntropyLoss(reduction="sum"), verbose=False)
+    x = torch.randn(micro, 3, 8, 8, dtype=torch.float64)
+    y = torch.randint(0, 10, (micro,))
+    for _ in range(2):
+        with count_collectives() as counted, SavedBytes(engine.model.parameters()) as saved:
+            engine.zero_grad()
+            for _ in range(config.get("gradient_accumulation", 1)):
+                engine.execute_schedule((x, y))
+            engine.step()
+    elements = Counter()
+    for name, count in counted.items():
+        elements[KIND[name]] += count
+    held = [*engine.model.parameters(), *engine.model.buffers()]
+    held += [b.local for b in getattr(engine.optimizer, "buffers", [])
+             if getattr(b, "local", None) is not None]  # ZeRO 3: my shard of each unit
+    params = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    return {"rank": rank, "total": sum(storages(engine).values()),
+            "parameters": sum(n for n in params.values() if n), "elements": dict(elements),
+            "saved": saved.peak}

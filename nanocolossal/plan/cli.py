@@ -17,11 +17,13 @@ import json
 import re
 import sys
 from dataclasses import replace
-from typing import Optional, Sequence
+from functools import partial
+from typing import Any, Optional, Sequence
 
 from ..config import ConfigError
 from .formulas import COLLECTIVES, TEACHES, Layout
 from .layouts import load, search
+from .measure import Measured, load_measured, plan_measured, search_measured
 from .model import GPT
 from .ranks import Rank, plan_layout
 
@@ -61,26 +63,33 @@ def build_parser() -> argparse.ArgumentParser:
                       ("experts", "NUM_EXPERTS"), ("micro-batches", "NUM_MICRO_BATCHES")):
         p.add_argument(f"--{flag}", type=int, default=None, dest=key, help=f"overrides {key}")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default=None, dest="OPTIMIZER")
+    p.add_argument("--model", help="a custom model, MODULE:FUNCTION returning it (measure.py)")
+    p.add_argument("--input", help="--model's micro-batch on one rank, e.g. 32x3x224x224 or "
+                                   "8x1024:int64")
     return p
 
 
-def to_json(m: GPT, layouts: list[tuple[Layout, list[Rank]]]) -> dict:
-    return {"model": vars(m), "layouts": [
+def to_json(m: Any, layouts: list[tuple[Layout, list[Rank]]]) -> dict:
+    model = vars(m) if isinstance(m, GPT) else {"name": m.name, "shape": m.shape, "parameters":
+                                                  sum(t.numel for t in m.tensors)}
+    return {"model": model, "layouts": [
         {"layout": lay.describe(), "ranks": [
             {"kind": r.kind, "bytes": r.bytes, "elements": r.elements, "bubble": r.bubble}
             for r in ranks]} for lay, ranks in layouts]}
 
 
-def show_layout(m: GPT, lay: Layout, ranks: list[Rank], memory: Optional[int]) -> str:
+def show_layout(m: Any, lay: Layout, ranks: list[Rank], memory: Optional[int]) -> str:
     d = lay.describe()
     head = ", ".join(f"{k} {v}" for k, v in d.items() if v not in (None, False, 1, 0) or
                      k in ("world", "data"))
-    lines = [f"model: GPT dim {m.dim}, {m.depth} blocks, {m.heads} heads, seq {m.seq}, vocab "
-             f"{m.vocab}" + (f", {m.experts} experts" if m.experts else "") +
-             f"; batch {lay.batch} per data rank; {lay.optimizer}",
+    experts = getattr(m, "experts", 0)
+    model = m.describe() if isinstance(m, Measured) else (
+        f"model: GPT dim {m.dim}, {m.depth} blocks, {m.heads} heads, seq {m.seq}, vocab "
+        f"{m.vocab}" + (f", {experts} experts" if experts else ""))
+    lines = [f"{model}; batch {lay.batch} per data rank; {lay.optimizer}",
              f"layout: {head}", ""]
     width = max(len(r.kind) for r in ranks) + 2
-    shown = [k for k in BYTES if k != "routing" or m.experts]
+    shown = [k for k in BYTES if k != "routing" or experts]
     lines.append("bytes".ljust(width) + "".join(f"{k:>13}" for k in shown))
     for r in ranks:
         lines.append(r.kind.ljust(width) + "".join(f"{human(r.bytes[k]):>13}" for k in shown))
@@ -157,11 +166,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             world = P * T
         if world < 1:
             raise ConfigError(f"--world must be a positive number of ranks, got {world}")
-        m, lay = load(args.config, world, **overrides)
-        results = [(lay, plan_layout(m, lay))]
+        if args.model:  # a custom nn.Module: measured on the meta device (measure.py)
+            m, lay = load_measured(args.model, args.input or "", args.config, world,
+                                   **overrides)
+            planned, others = partial(plan_measured, m), search_measured(lay)
+        else:
+            m, lay = load(args.config, world, **overrides)
+            planned, others = partial(plan_layout, m), search(m, lay)
+        results = [(lay, planned(lay))]
         if args.search:
-            results += [(other, plan_layout(m, other)) for other in search(m, lay)
-                        if other != lay]
+            results += [(other, planned(other)) for other in others if other != lay]
     except (ConfigError, ValueError) as e:
         print(f"nanocolossal plan: {e}", file=sys.stderr)
         return 2

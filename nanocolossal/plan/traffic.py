@@ -43,28 +43,21 @@ def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tenso
     """Elements per optimizer step by collective, on pipeline rank p holding `chunks`."""
     c: Counter = Counter()
     N, T, P = lay.replicas, lay.tensor, lay.pipeline
-    psi, n = sum(t.numel for t in ts), len(ts)
     layers = {layer for chunk in chunks for layer in chunk}
     head, tokens = m.layers - 1, lay.batch * m.seq // (T if lay.mode == "sequence" else 1)
     bsd = tokens * m.dim
     blocks = sum(1 for layer in layers if 0 < layer < head)
-    # data parallel and ZeRO
-    if m.experts and lay.zero == 0 and not lay.handler:  # moe/grads.py's handler, no DDP
+    # data parallel and ZeRO; clipping's sum and AMP's overflow flag
+    model_ranks = P * (1 if lay.mode == "sequence" else T)
+    handled = bool(m.experts) and not lay.handler
+    if handled and lay.zero == 0:  # moe/grads.py's handler, no DDP
         dense = [t.numel for t in ts if not t.expert]
         experts = [t.numel for t in ts if t.expert]
         c["all_reduce"] += (sum(dense) + len(dense)) * (N > 1)
         holders = N // lay.ep * max(1, lay.ep // m.experts)  # an expert's data ranks
         c["all_reduce"] += (sum(experts) + len(experts)) * (holders > 1)
-    elif N > 1 and lay.zero in (0, 1) or lay.zero == 2:  # level 2 reduces even on 1 data rank
-        c["all_reduce"] += psi + n
-    if N > 1 and lay.zero in (1, 2):
-        c["all_gather"] += sum(pad(k, N) for k, _, _ in _buffers(ts, lay))
-    if N > 1 and lay.zero == 3:
-        units = sum(pad(k, N) for k, _, _ in _buffers(ts, lay))
-        k = lay.accumulation  # every micro-step gathers, reduces and flags again
-        c["all_gather"] += 2 * units * k
-        c["all_reduce" if lay.backend == "gloo" else "reduce_scatter"] += units * k
-        c["all_reduce"] += n * k + 2 + 1
+    c.update(data_parallel_traffic([] if handled and lay.zero == 0 else ts, lay, model_ranks,
+                                   handled))
     micro = lay.accumulation if P == 1 else 1
     # tensor 1d: Megatron's f and g
     if lay.mode == "1d" and T > 1:
@@ -109,13 +102,36 @@ def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tenso
             c["all_reduce"] += 1                         # the targets, counted over data ranks
     elif N > 1:
         c["all_reduce"] += lay.accumulation              # the targets, counted over data ranks
-    if lay.clip:  # the squares summed over the data ranks, then over the model's other ranks
-        model_ranks = P * (1 if lay.mode == "sequence" else T)
-        split = lay.zero > 0 or m.experts and not lay.handler  # ZeRO's shards, moe/grads.py
-        c["all_reduce"] += (N > 1 and split) + (model_ranks > 1)
+    return {k: c.get(k, 0) for k in COLLECTIVES}
+
+
+def data_parallel_traffic(ts: list[Tensor], lay: Layout, model_ranks: int = 1,
+                          handled: bool = False, buffers: int = 0) -> Counter:
+    """DDP's or ZeRO's elements per step for the parameters `ts` (the table's first rows), and
+    the step's: clipping's sum (over the data ranks where the gradients are split -- ZeRO's
+    shards, or `handled` by MoE's handler -- then over `model_ranks`), AMP's overflow flag.
+    DDP (levels 0-2) also broadcasts the model's `buffers` elements (BatchNorm's statistics) at
+    every forward (ddp.py), counted with the all-gathers as gloo's broadcasts are."""
+    c: Counter = Counter()
+    N = lay.replicas
+    psi, n = sum(t.numel for t in ts), len(ts)
+    if N > 1 and lay.zero in (0, 1) or lay.zero == 2:  # level 2 reduces even on 1 data rank
+        c["all_reduce"] += psi + n
+    if N > 1 and lay.zero < 3 and not lay.handler:
+        c["all_gather"] += buffers * lay.accumulation
+    if N > 1 and lay.zero in (1, 2):
+        c["all_gather"] += sum(pad(k, N) for k, _, _ in _buffers(ts, lay))
+    if N > 1 and lay.zero == 3:
+        units = sum(pad(k, N) for k, _, _ in _buffers(ts, lay))
+        k = lay.accumulation  # every micro-step gathers, reduces and flags again
+        c["all_gather"] += 2 * units * k
+        c["all_reduce" if lay.backend == "gloo" else "reduce_scatter"] += units * k
+        c["all_reduce"] += n * k + 2 + 1
+    if lay.clip:
+        c["all_reduce"] += (N > 1 and (lay.zero > 0 or handled)) + (model_ranks > 1)
     if N > 1 and lay.zero != 3 and (lay.zero and lay.amp or lay.amp in ("O2", "O3")):
         c["all_reduce"] += 1                             # any inf / nan, agreed job-wide
-    return {k: c.get(k, 0) for k in COLLECTIVES}
+    return c
 
 
 def grid_traffic(m: GPT, lay: Layout, layers: set, k: int) -> Counter:
