@@ -15,8 +15,7 @@ every script reads. Each raises ConfigError naming the key, what is wrong and wh
     parallel.tensor's attention=, SEQ_LEN    check_sequence_config          sequence.py
     parallel.moe, NUM_EXPERTS, MOE_*         check_moe                      moe/settings.py
 
-Checks that need the model or the data run later, in `initialize` (engine/initialize.py's
-check_inputs).
+Checks needing the model or the data run later, in `initialize` (engine/checks.py's check_inputs).
 """
 from __future__ import annotations
 
@@ -194,9 +193,8 @@ def check_zero(cfg: Mapping) -> None:
     fp16 = cfg.get("fp16")
     if isinstance(fp16, Mapping) and "mode" in fp16:
         mode = AMP_TYPE.parse(fp16["mode"])
-        level_amp = {AMP_TYPE.TORCH: "O1", AMP_TYPE.NAIVE: "O2"}.get(mode,
-                                                                     fp16.get("opt_level", "O1"))
-        if level_amp == "O3":  # no fp32 masters to shard: the state would be half
+        # O3: no fp32 masters to shard, the state would be half
+        if {AMP_TYPE.TORCH: "O1", AMP_TYPE.NAIVE: "O2"}.get(mode, fp16.get("opt_level")) == "O3":
             raise ConfigError(f"zero with fp16 {mode.name} O3 (half parameters, no fp32 master "
                               f"weights) is not supported; use O2 (mode=AMP_TYPE.NAIVE) with zero, "
                               f"or fp16=dict(mode=AMP_TYPE.TORCH) (O1)")
@@ -204,14 +202,19 @@ def check_zero(cfg: Mapping) -> None:
 
 def check_ddp_config(cfg: Mapping) -> None:
     ddp = cfg.get("ddp", {})
-    if not isinstance(ddp, Mapping):
-        raise ConfigError(f"ddp must be a dict of {', '.join(DDP_OPTIONS)}; got {ddp!r}")
-    unknown = sorted(set(ddp) - set(DDP_OPTIONS))
-    if unknown:
-        raise ConfigError(f"ddp must be a dict of {', '.join(DDP_OPTIONS)}; got {ddp!r} "
-                          f"(unknown: {', '.join(unknown)})")
+    unknown = sorted(set(ddp) - set(DDP_OPTIONS)) if isinstance(ddp, Mapping) else None
+    if unknown != []:  # not a dict, or keys DDP does not take
+        raise ConfigError(f"ddp must be a dict of {', '.join(DDP_OPTIONS)}; got {ddp!r}"
+                          + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
     if ddp.get("compress") not in (None, "bf16", "fp16"):
         raise ConfigError(f"ddp.compress must be None, 'bf16' or 'fp16', got {ddp['compress']!r}")
+    level = (cfg.get("zero") or {}).get("level", 0)
+    instead = ("gradient_handler" if cfg.get("gradient_handler")
+               else f"zero level {level}" if level >= 2 else None)
+    if ddp and instead:  # their gradients never pass through DDP
+        raise ConfigError(f"ddp={dict(ddp)} sets DDP's options, but {instead} reduces the "
+                          f"gradients without DDP; leave ddp out (zero level 1 takes "
+                          f"reduce_bucket_size_mb)")
 
 
 def check_gradient_handler_config(cfg: Mapping) -> None:

@@ -186,6 +186,16 @@ def test_bad_ddp_options_are_named(ddp, message):
         load_config({"ddp": ddp})
 
 
+@pytest.mark.parametrize("instead, named", [
+    ({"gradient_handler": [{"type": "DataParallelGradientHandler"}]}, "gradient_handler"),
+    ({"zero": {"level": 2}}, "zero level 2"),
+    ({"zero": {"level": 3}}, "zero level 3")])
+def test_ddp_options_where_no_ddp_runs_are_refused_not_ignored(instead, named):
+    with pytest.raises(ConfigError, match=f"but {named} reduces the gradients without DDP"):
+        load_config({"ddp": {"compress": "bf16"}, **instead})
+    load_config({"ddp": {"compress": "bf16"}, "zero": {"level": 1}})  # level 1 is DDP
+
+
 def test_a_key_the_config_file_lacks_names_the_file_and_what_to_add(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "configs").mkdir()

@@ -113,11 +113,15 @@ def _config_worker(rank, world_size, port, batch_sizes):
     # functions and objects repr with a memory address, different in every process: not a difference
     config = {"BATCH_SIZE": batch_sizes[rank], "transform": _transform,
               "loss": nn.CrossEntropyLoss(), "nested": {"fn": lambda x: x, "sizes": (1, 2)}}
-    engine = _engine(config, rank, world_size, port)
+    try:
+        engine = _engine(config, rank, world_size, port)
+    except RuntimeError as e:  # initialize compares the ranks' configs, for any loop
+        return str(e)
     return _fit_error(engine, DataLoader(_data(8), batch_size=4))
 
 
 def test_gloo_config_that_differs_between_ranks_is_named():
+    """Named by initialize, before a step: the Engine's own loop included."""
     for rank, message in enumerate(run_ranks(_config_worker, 2, (32, 64), timeout=60)):
         differs = f"the config differs between rank {rank} and rank {1 - rank} in ['BATCH_SIZE']"
         assert f"[rank {rank}] {differs}" in message
@@ -125,6 +129,23 @@ def test_gloo_config_that_differs_between_ranks_is_named():
 
 def test_gloo_config_with_functions_and_objects_is_not_a_false_difference():
     assert run_ranks(_config_worker, 2, (32, 32), timeout=60) == ["no error", "no error"]
+
+
+def _zero3_model_worker(rank, world_size, port):
+    nc.launch({"timeout": TIMEOUT, "zero": {"level": 3}}, rank=rank, world_size=world_size,
+              host="127.0.0.1", port=port)
+    model = nn.Sequential(nn.Linear(4, 4 + rank), nn.Linear(4 + rank, 2))  # rank 1's differs
+    try:
+        nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_gloo_models_that_differ_between_ranks_are_named_under_zero3():
+    """ZeRO 3 shards what it is given: different models would make shards of different sizes."""
+    for rank, message in enumerate(run_ranks(_zero3_model_worker, 2, timeout=60)):
+        assert f"[rank {rank}] the model (stage 0) differs between rank {rank} and rank" in message
 
 
 def test_comparable_config_values():

@@ -7,6 +7,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..activation_checkpoint_checks import warn_if_nothing_recomputes
+from ..checks import check_consistency
 from ..config import ConfigError
 from ..context import gpc
 from ..pipeline import PipelineChunks, PipelinePart
@@ -16,7 +17,7 @@ from ..tensor.checks import check_tensor_model
 
 
 def check_inputs(model: nn.Module, loaders: dict[str, Any], schedule: Any) -> None:
-    """Everything that can be refused is refused here, before the model changes."""
+    check_consistency(model, loaders["train"], loaders["test"])  # every rank: config, model
     if schedule is not None:
         check_batches_fill_micro_batches(schedule.num_microbatches, loaders)
     if gpc.sequence_size > 1:
@@ -46,8 +47,8 @@ def check_tensor_parallel_model(model: nn.Module) -> None:
                           f"nc.nn.Classifier) after launch")
 
 
-def check_pipeline_model(model: nn.Module) -> None:
-    """The model is a pipeline stage built for the config's chunks and schedule."""
+def check_pipeline_model(model: nn.Module, chunks: int, name: str) -> None:
+    """The model is a pipeline stage built for the config's chunks and schedule `name`."""
     cfg = gpc.config
     if not isinstance(model, (PipelinePart, PipelineChunks)):
         raise ConfigError(f"[rank {gpc.rank}] parallel.pipeline={gpc.pipeline_size} but the model "
@@ -60,12 +61,10 @@ def check_pipeline_model(model: nn.Module) -> None:
         raise ConfigError(f"[rank {gpc.rank}] gradient_accumulation is not combined with "
                           f"pipelines: micro-batches already accumulate; raise NUM_MICRO_BATCHES "
                           f"(and the batch size) instead")
-    chunks = len(model) if isinstance(model, PipelineChunks) else 1
     if cfg.get("NUM_CHUNKS", 1) != chunks:
         raise ConfigError(f"[rank {gpc.rank}] NUM_CHUNKS={cfg.get('NUM_CHUNKS', 1)} but the stage "
                           f"has {chunks} chunk(s); pass num_chunks=NUM_CHUNKS to "
                           f"build_pipeline_model")
-    name = cfg.get("PIPELINE_SCHEDULE", "interleaved" if chunks > 1 else "1f1b")
     if name in ("zero_bubble", "zbv") and cfg.get("ACTIVATION_CHECKPOINT"):
         raise ConfigError(f"[rank {gpc.rank}] ACTIVATION_CHECKPOINT recomputes a block in a "
                           f"backward of its own, which cannot split into {name}'s input "
