@@ -1,17 +1,16 @@
 """Sampling from a language model in any layout: what a reader wants to see it learned.
 
-Each new token is one forward of the last SEQ_LEN tokens (a full window, so every forward has
-the same shapes -- the pipeline exchanges shapes once). The logits of the last position are
-split by vocabulary (1d: over the tensor group, 2d: along the grid row) and are gathered (a
-feature-split classifier's are whole on every rank already); one rank that holds them picks the
-token (top-k sampling at a temperature, from a generator of its own seeded alike everywhere, so
-the training RNG does not move) and broadcasts it, so every rank
-continues from the same text. A pipeline runs the window as a forward-only batch of `batch`
-copies (one per micro-batch), and the stage that holds the last part picks (the last rank; rank
-0 under zbv, whose parts come back up a V). Under sequence parallelism each rank
-runs its zig-zag share of the window; the last token is the end of stripe 2N-1, which sequence
-rank 0 holds, last, whatever the window's length (sequence.py, tensor/zigzag.py): the rank that
-picks is the same one.
+Each new token is one forward of the last SEQ_LEN tokens (a full window, so every forward has the
+same shapes -- the pipeline exchanges shapes once). The logits of the last position are split by
+vocabulary (1d: over the tensor group, 2d: along the grid row) and are gathered (a feature-split
+classifier's are whole on every rank already); one rank that holds them picks the token (top-k
+sampling at a temperature, from a generator of its own seeded alike everywhere, so the training RNG
+does not move) and broadcasts it, so every rank continues from the same text. A pipeline runs the
+window as a forward-only batch of `batch` copies (one per micro-batch), and the stage that holds the
+last part picks (the last rank; rank 0 under zbv, whose parts come back up a V). Under sequence
+parallelism each rank runs its zig-zag share of the window; the last token is the end of stripe
+2N-1, which sequence rank 0 holds, last, whatever the window's length (sequence.py,
+tensor/zigzag.py): the rank that picks is the same one.
 """
 from __future__ import annotations
 

@@ -61,7 +61,11 @@ def stdlib_text(max_bytes: int) -> tuple[bytes, str]:
 def load_text(path: Optional[str], download: bool = False, max_bytes: int = 1_000_000) -> bytes:
     """The bytes of `path` (fetched first with `download`), else the standard library's source."""
     if path and download and not os.path.exists(path):
-        download_shakespeare(path)
+        try:  # nanoGPT's tiny Shakespeare; offline, a warning
+            urllib.request.urlretrieve(SHAKESPEARE_URL, path)
+        except OSError as e:
+            get_dist_logger().warning(f"could not download tiny Shakespeare to {path} ({e})",
+                                      ranks=[0])
     if path and os.path.exists(path):
         with open(path, "rb") as f:
             return f.read()[:max_bytes]
@@ -69,15 +73,6 @@ def load_text(path: Optional[str], download: bool = False, max_bytes: int = 1_00
     get_dist_logger().info(f"no text file{f' at {path}' if path else ''}: training on {what}, "
                            f"{len(text):,} bytes", ranks=[0])
     return text
-
-
-def download_shakespeare(path: str) -> None:
-    """nanoGPT's tiny Shakespeare into `path` (a warning if the machine is offline)."""
-    try:
-        urllib.request.urlretrieve(SHAKESPEARE_URL, path)
-    except OSError as e:
-        get_dist_logger().warning(f"could not download tiny Shakespeare to {path} ({e})",
-                                  ranks=[0])
 
 
 def byte_datasets(text: bytes, seq_len: int,

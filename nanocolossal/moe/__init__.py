@@ -22,8 +22,7 @@ from .layer import MoeLayer, moe_aux_loss, moe_layers
 from .placement import Placement
 from .router import Router, Routing, assign_slots, expert_capacity
 
-__all__ = ["ExpertMLP", "LocalExperts", "MoeGradientHandler", "MoeGroups",
-           "MoeLayer", "Placement",
+__all__ = ["ExpertMLP", "LocalExperts", "MoeGradientHandler", "MoeGroups", "MoeLayer", "Placement",
            "Router", "Routing", "allreduce_expert_gradients", "allreduce_moe_gradients",
            "assign_slots", "build_moe_groups", "expert_capacity", "expert_parameters",
            "load_balancing_loss", "moe_aux_loss", "moe_layers", "split_parameters"]

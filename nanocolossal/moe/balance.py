@@ -20,11 +20,10 @@ data-parallel group gives every rank the global sums (n = sum of the counts: the
 
     rank r:  [sum_t prob_t(0..E-1) | count(0..E-1)]  --all-reduce-->  global sums  -> aux
 
-Gradient: the all-reduce is `group_sum` (tensor/comm.py), whose backward all-reduces the
-gradient too. Each rank's aux is the same number, a term of every rank's loss; backward sums
-over those ranks' d aux / d P for this rank's probabilities -- D times the one-process
-gradient of this rank's share, as for every other term once the engine averages gradients over
-the D data ranks (grads.py).
+Gradient: the all-reduce is `group_sum` (tensor/comm.py), whose backward all-reduces the gradient
+too. Each rank's aux is the same number, a term of every rank's loss; backward sums over those
+ranks' d aux / d P for this rank's probabilities -- D times the one-process gradient of this rank's
+share, as for every other term once the engine averages gradients over the D data ranks (grads.py).
 
 Two more numbers ride along, a rank's token count n_r and n_r^2 summed over the ranks:
 capacity is per rank's tokens, so ranks with different n_r would build all-to-all buffers of

@@ -45,6 +45,5 @@ def all_to_all(x: torch.Tensor, placement: Placement, group: Group) -> torch.Ten
     j goes to peer j, arriving there as this rank's share. Differentiable; a group of one: `x`."""
     if group_size(group) == 1:
         return x
-    per_rank = x.numel() // placement.peers
-    splits = placement.split_sizes(per_rank)  # in and out alike: share j <-> share r
+    splits = placement.split_sizes(x.numel() // placement.peers)  # in = out: share j <-> share r
     return exchange(x, group, splits, splits).view_as(x)

@@ -57,8 +57,6 @@ class MoeGroups:
 
     ep_group: Group           # EP consecutive data ranks; None when EP = 1
     expert_data_group: Group  # data ranks holding my experts; None when that is me alone
-    ep_size: int
-    expert_data_size: int
 
 
 def build_moe_groups(ep_size: int, num_experts: int,
@@ -72,7 +70,7 @@ def build_moe_groups(ep_size: int, num_experts: int,
         data_ranks = [list(range(dist.get_world_size()))]
     peers = min(num_experts, ep_size)
     me, world = dist.get_rank(), dist.get_world_size()
-    mine = MoeGroups(None, None, ep_size, 1)
+    mine = MoeGroups(None, None)
     for ranks in data_ranks:
         if len(ranks) % ep_size:
             raise ValueError(f"{rank_prefix()} data-parallel size {len(ranks)} is not a multiple "
@@ -85,8 +83,6 @@ def build_moe_groups(ep_size: int, num_experts: int,
                 group = _new_group(members, world)
                 if me in members:
                     setattr(mine, kind, group)
-                    if kind == "expert_data_group":
-                        mine.expert_data_size = len(members)
     return mine
 
 
@@ -125,11 +121,8 @@ def allreduce_moe_gradients(model: nn.Module, data_group: Group, expert_data_gro
 class MoeGradientHandler(Extension):
     """The Engine's gradient reduction for a model with MoE layers (initialize.apply_moe), after
     a group's last backward (extensions.py: end_group), in place of DDP -- whose one group and
-    whose check that every rank holds the same parameters do not fit experts:
-
-        non-expert:   all-reduce over gpc's gradient group, / D (the mean)
-        experts:      all-reduce over the data ranks holding them
-                      (gpc.expert_data_groups[peers], data_rank % peers equal), / D
+    whose check that every rank holds the same parameters do not fit experts: the module
+    docstring's two all-reduces, experts over gpc.expert_data_groups[peers].
 
     Replicas start equal: initialize broadcasts each parameter from the first rank holding it
     (replicas.py) before building this. `norm` gives clip_grad_norm each expert's weight in the
@@ -151,17 +144,13 @@ class MoeGradientHandler(Extension):
         self.norm = ({id(master.get(id(p), p)): peers / gpc.ep_size
                       for peers, params in self.experts.items() for p in params}, gpc.ep_group)
 
-    @staticmethod
-    def _holders(peers: int) -> tuple[Group, list[int]]:
-        if peers not in gpc.expert_data_groups:  # experts on every data rank (no parallel.moe)
-            return gpc.gradient_group, gpc.gradient_ranks
-        return gpc.expert_data_groups[peers]
-
     def handle_gradient(self) -> None:
         check_still_frozen(self.model, self.frozen, "MoeGradientHandler")
         sum_gradients(self.dense, self.data_group, self.data_size)
         for peers, params in sorted(self.experts.items()):
-            sum_gradients(params, self._holders(peers)[0], self.data_size)
+            # no expert_data_groups[peers]: experts on every data rank (no parallel.moe)
+            holders, _ = gpc.expert_data_groups.get(peers, (self.data_group, None))
+            sum_gradients(params, holders, self.data_size)
 
     def end_group(self) -> None:
         self.handle_gradient()

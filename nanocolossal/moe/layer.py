@@ -45,9 +45,8 @@ from .router import CAPACITY_FACTOR_EVAL, CAPACITY_FACTOR_TRAIN, MIN_CAPACITY, R
 class MoeLayer(nn.Module):
     """E expert MLPs (d -> d_hidden -> d) behind a top-1 / top-2 router.
 
-    ep_group: the expert-parallel group (EP ranks); None is EP = 1. E % EP == 0 gives E/EP
-        experts per rank; EP % E == 0 puts one expert per rank, each on EP/E ranks, and a rank
-        sends its tokens to the replicas among its peers, E consecutive ep ranks (placement.py).
+    ep_group: the expert-parallel group (EP ranks); None is EP = 1. placement.py says which
+        rank holds which expert.
     data_group: the ranks whose tokens form the global batch (data-parallel; with sequence
         parallelism data x sequence), over which the load-balancing loss takes its means.
         None: this process's tokens are the whole batch.

@@ -68,10 +68,6 @@ class Routing:
     capacity: int
     aux_loss: torch.Tensor  # the load-balancing loss (balance.py)
 
-    @property
-    def num_experts(self) -> int:
-        return self.probs.shape[-1]
-
     def slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(token, slot, weight) of every kept choice; slot = expert * C + position."""
         token = torch.arange(self.expert.shape[0], device=self.expert.device)
@@ -81,11 +77,11 @@ class Routing:
 
     def dispatch_mask(self) -> torch.Tensor:
         """[n, E, C] bool: token t sits in slot c of expert e (GShard's dispatch tensor)."""
-        mask = torch.zeros(self.expert.shape[0], self.num_experts * self.capacity,
+        mask = torch.zeros(self.expert.shape[0], self.probs.shape[-1] * self.capacity,
                            dtype=torch.bool, device=self.expert.device)
         token, slot, _ = self.slots()
         mask[token, slot] = True
-        return mask.view(-1, self.num_experts, self.capacity)
+        return mask.view(-1, self.probs.shape[-1], self.capacity)
 
     @property
     def dropped_tokens(self) -> int:
@@ -123,10 +119,8 @@ def assign_slots(probs: torch.Tensor, top_k: int, capacity: int) -> tuple[torch.
 
 
 class Router(nn.Module):
-    """Top-1 / top-2 router with capacity and the load-balancing loss.
-
-    `forward(x, group)` routes the [n, d] tokens `x`; `group` is the data-parallel group over
-    which the load-balancing loss takes its means (None: these tokens are the whole batch)."""
+    """Top-1 / top-2 router with capacity and the load-balancing loss; `forward(x, group)`
+    routes the [n, d] tokens `x`, the loss's means over `group` (MoeLayer's data_group)."""
 
     def __init__(self, d_model: int, num_experts: int, top_k: int = 1,
                  capacity_factor_train: float = CAPACITY_FACTOR_TRAIN,

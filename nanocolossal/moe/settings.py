@@ -16,12 +16,11 @@ and the model's keys, read by train_gpt.py (`moe_model_settings`: MoeLayer's arg
 
 Expert parallelism is carved out of the data-parallel ranks, so EP must divide the data size D
 (checked at launch, config_checks.check_world: the world size is not known before). A pipeline
-composes (each stage's expert groups are carved out of that stage's data ranks, and every
-stage's load-balancing loss joins its backward per micro-batch: pipeline/moe_aux.py). What does
-not compose is refused when the config is loaded, by name: tensor parallelism of every mode
-(1d, 2d, 2.5d, 3d) and sequence parallelism (the experts' tokens would be split or sharded a
-second way), and ZeRO (which flattens all parameters into one data-parallel shard: experts are
-not replicated there).
+composes (each stage's expert groups are carved out of that stage's data ranks, and every stage's
+load-balancing loss joins its backward per micro-batch: pipeline/moe_aux.py). What does not compose
+is refused when the config is loaded, by name: tensor parallelism of every mode (1d, 2d, 2.5d, 3d)
+and sequence parallelism (the experts' tokens would be split or sharded a second way), and ZeRO
+(which flattens all parameters into one data-parallel shard: experts are not replicated there).
 """
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ def moe_model_settings(cfg: Mapping) -> Optional[dict[str, Any]]:
 
 
 def moe_aux_weight(cfg: Mapping) -> float:
-    """MOE_AUX_WEIGHT: the load-balancing loss's weight in the training loss (0.01 by default;
-    checked when the config is loaded)."""
+    """MOE_AUX_WEIGHT: the load-balancing loss's weight in the training loss (0.01 by default)."""
     return float(cfg.get("MOE_AUX_WEIGHT", AUX_WEIGHT))
 
 

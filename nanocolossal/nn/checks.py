@@ -31,21 +31,15 @@ def check_attention(dim: int, heads: int, dropout: float, attention: str,
                           f"number of heads divisible by {parts} that divides {dim}")
 
 
-def check_moe_mlp() -> None:
-    """An MoE layer holds whole expert MLPs: no tensor or sequence split around it."""
-    if gpc.tensor_size > 1 and gpc.tensor_mode == "sequence":
-        raise ValueError(f"[rank {gpc.rank}] an MoE layer is not combined with sequence "
-                         f"parallelism (parallel.tensor mode='sequence'): build the model without "
-                         f"moe, or drop the sequence split and spread the experts with "
-                         f"parallel.moe")
-    if gpc.tensor_size > 1:
-        raise ValueError(f"[rank {gpc.rank}] an MoE layer holds whole expert MLPs: it does not "
-                         f"split over {gpc.tensor_mode} tensor ranks; use parallel.moe instead "
-                         f"of parallel.tensor")
-
-
 def check_block(recompute, moe) -> None:
-    """A whole MoE block is not recomputed: its aux loss is kept from the forward."""
+    """An MoE block holds whole expert MLPs, with no tensor or sequence split around them, and is
+    not recomputed whole: its aux loss is kept from the forward."""
+    if moe and gpc.tensor_size > 1:
+        split = ("is not combined with sequence parallelism" if gpc.tensor_mode == "sequence"
+                 else f"does not split over {gpc.tensor_mode} tensor ranks")
+        raise ValueError(f"[rank {gpc.rank}] an MoE layer holds whole expert MLPs and {split} "
+                         f"(parallel.tensor mode={gpc.tensor_mode!r}): build the model without "
+                         f"moe, or use parallel.moe instead of parallel.tensor")
     if recompute == "full" and moe:
         raise ValueError(f"[rank {gpc.rank}] ACTIVATION_CHECKPOINT would recompute an MoE "
                          f"block whole, but its load-balancing loss is kept from the forward "
@@ -54,9 +48,8 @@ def check_block(recompute, moe) -> None:
 
 
 def check_3d_layout(layer: str, next_is_row: bool) -> None:
-    """Under 3d a column Linear's output is in layout B (tensor/cube.py), which only a row Linear
-    takes; LayerNorm, embeddings and classifiers work on layout A. Built between a column Linear
-    and its row partner, they would compute on the wrong slices, silently: refuse."""
+    """Under 3d only a row Linear takes a column Linear's output (layout B, tensor/cube.py): a
+    LayerNorm, embedding or classifier built there would compute on the wrong slices, silently."""
     if gpc.tensor_mode == "3d" and next_is_row:
         raise ConfigError(f"[rank {gpc.rank}] {layer} built after a column Linear under 3d "
                           f"tensor parallelism: its input would be the column Linear's output "
@@ -67,9 +60,8 @@ def check_3d_layout(layer: str, next_is_row: bool) -> None:
 
 
 def check_3d_side(parallel: Optional[str], next_is_row: bool) -> None:
-    """Under 3d a column Linear takes layout A and a row Linear layout B, whose slices have the
-    same shapes: a Linear(parallel=) against the alternation would compute on the wrong slices,
-    silently (1d's shapes differ and fail). Refuse it."""
+    """Under 3d layouts A and B have slices of the same shapes: a Linear(parallel=) against the
+    alternation would compute on the wrong ones, silently (1d's shapes differ and fail)."""
     if parallel is None or (parallel == "row") == next_is_row:
         return
     if parallel == "column":

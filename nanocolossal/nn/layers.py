@@ -47,20 +47,10 @@ from torch.nn import functional as F
 
 from ..context import gpc, on_destroy
 from ..sequence import sequence_share
-from ..tensor import layers_1d, layers_2d, layers_3d
+from ..tensor import layers_1d, layers_2d, layers_3d, vocab_parallel, vocab_parallel_2d
 from ..tensor.base import PatchEmbedding as _PlainPatchEmbedding
 from ..tensor.base import sharded_dropout
 from ..tensor.layer_checks import check_tied_shape
-from ..tensor.vocab_parallel import (
-    VocabParallelClassifier1D,
-    VocabParallelCrossEntropyLoss1D,
-    VocabParallelEmbedding1D,
-)
-from ..tensor.vocab_parallel_2d import (
-    VocabParallelClassifier2D,
-    VocabParallelCrossEntropyLoss2D,
-    VocabParallelEmbedding2D,
-)
 from .checks import check_3d_layout, check_3d_side, check_linear_arguments
 
 GRID = ("2d", "2.5d")  # SUMMA on a grid (2.5d: on each of its stacked grids)
@@ -94,15 +84,16 @@ def alternate(parallel: Optional[str] = None) -> str:
 VOCAB_PARALLEL_LIMIT = 2048  # Colossal-AI's default: larger tables split by vocabulary
 
 _2D = dict(LayerNorm=layers_2d.LayerNorm2D, Embedding=layers_2d.Embedding2D,
-           VocabParallelEmbedding=VocabParallelEmbedding2D,
-           VocabParallelClassifier=VocabParallelClassifier2D,
-           VocabParallelCrossEntropyLoss=VocabParallelCrossEntropyLoss2D,
+           VocabParallelEmbedding=vocab_parallel_2d.VocabParallelEmbedding2D,
+           VocabParallelClassifier=vocab_parallel_2d.VocabParallelClassifier2D,
+           VocabParallelCrossEntropyLoss=vocab_parallel_2d.VocabParallelCrossEntropyLoss2D,
            PatchEmbedding=layers_2d.PatchEmbedding2D, Classifier=layers_2d.Classifier2D,
            CrossEntropyLoss=layers_2d.CrossEntropyLoss2D)
 BY_MODE = {  # what each name builds per tensor mode (the module docstring's table)
-    "1d": dict(Embedding=layers_1d.Embedding1D, VocabParallelEmbedding=VocabParallelEmbedding1D,
-               VocabParallelClassifier=VocabParallelClassifier1D,
-               VocabParallelCrossEntropyLoss=VocabParallelCrossEntropyLoss1D,
+    "1d": dict(Embedding=layers_1d.Embedding1D,
+               VocabParallelEmbedding=vocab_parallel.VocabParallelEmbedding1D,
+               VocabParallelClassifier=vocab_parallel.VocabParallelClassifier1D,
+               VocabParallelCrossEntropyLoss=vocab_parallel.VocabParallelCrossEntropyLoss1D,
                PatchEmbedding=layers_1d.PatchEmbedding1D, Classifier=layers_1d.Classifier1D),
     "2d": _2D,
     "2.5d": _2D,

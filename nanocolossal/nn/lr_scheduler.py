@@ -37,10 +37,17 @@ __all__ = ["CosineAnnealingLR", "CosineAnnealingWarmupLR", "ExponentialLR", "Lin
            "MultiStepLR", "PolynomialLR", "StepLR"]
 
 
-def _per_group(optimizer: torch.optim.Optimizer, rule: Callable[[int, float], float]) -> list:
-    """LambdaLR factors from a rule lr(t, base) (LambdaLR multiplies the base lr by the factor)."""
-    bases = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
-    return [lambda t, b=base: rule(t, b) / b if b else 0.0 for base in bases]
+class _Schedule(LambdaLR):
+    """LambdaLR of the rule lr(t, base), whose factor for a group is lr(t, base) / base."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int,
+                 lr: Callable[[int, float], float], last_epoch: int) -> None:
+        if total_steps < 0 or warmup_steps < 0:
+            raise ValueError(f"need total_steps >= 0 and warmup_steps >= 0, got total_steps="
+                             f"{total_steps}, warmup_steps={warmup_steps}")
+        bases = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+        factors = [lambda t, b=base: lr(t, b) / b if b else 0.0 for base in bases]
+        super().__init__(optimizer, factors, last_epoch)
 
 
 def _warmup_then(n: int, w: int, decay: Callable[[float, float], float],
@@ -56,77 +63,60 @@ def _warmup_then(n: int, w: int, decay: Callable[[float, float], float],
     return lr
 
 
-def _check(total_steps: int, warmup_steps: int = 0) -> None:
-    if total_steps < 0 or warmup_steps < 0:
-        raise ValueError(f"need total_steps >= 0 and warmup_steps >= 0, got total_steps="
-                         f"{total_steps}, warmup_steps={warmup_steps}")
-
-
-class CosineAnnealingLR(LambdaLR):
+class CosineAnnealingLR(_Schedule):
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
                  eta_min: float = 0.0, last_epoch: int = -1) -> None:
-        _check(total_steps, warmup_steps)
-
         def cosine(p: float, base: float) -> float:
             return eta_min + (base - eta_min) * (1 + math.cos(math.pi * p)) / 2
         lr = _warmup_then(total_steps, warmup_steps, cosine, ramp=warmup_steps)
-        super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
+        super().__init__(optimizer, total_steps, warmup_steps, lr, last_epoch)
 
 
 class CosineAnnealingWarmupLR(CosineAnnealingLR):
     """CosineAnnealingLR by Colossal-AI's name for it with a warm-up (the same arguments)."""
 
 
-class LinearWarmupLR(LambdaLR):
+class LinearWarmupLR(_Schedule):
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
                  last_epoch: int = -1) -> None:
-        _check(total_steps, warmup_steps)
-
         def linear(p: float, base: float) -> float:
             return base * (1 - p)  # = base * (n - t) / (n - w)
         # Colossal-AI's warm-up ends one step below base: (t + 1) / (w + 1)
         lr = _warmup_then(total_steps, warmup_steps, linear, ramp=warmup_steps + 1)
-        super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
+        super().__init__(optimizer, total_steps, warmup_steps, lr, last_epoch)
 
 
-class MultiStepLR(LambdaLR):
+class MultiStepLR(_Schedule):
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int,
                  milestones: Optional[Sequence[int]] = None,
                  gamma: float = 0.1, last_epoch: int = -1) -> None:
-        _check(total_steps)
         marks = sorted(milestones or [])
 
         def lr(t: int, base: float) -> float:
             return base * gamma ** bisect_right(marks, min(t, total_steps))
-        super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
+        super().__init__(optimizer, total_steps, 0, lr, last_epoch)
 
 
-class StepLR(LambdaLR):
+class StepLR(_Schedule):
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, step_size: int = 1,
                  gamma: float = 0.1, last_epoch: int = -1) -> None:
-        _check(total_steps)
-
         def lr(t: int, base: float) -> float:
             return base * gamma ** (min(t, total_steps) // step_size)
-        super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
+        super().__init__(optimizer, total_steps, 0, lr, last_epoch)
 
 
-class ExponentialLR(LambdaLR):
+class ExponentialLR(_Schedule):
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, gamma: float = 1.0,
                  last_epoch: int = -1) -> None:
-        _check(total_steps)
-
         def lr(t: int, base: float) -> float:
             return base * gamma ** min(t, total_steps)
-        super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
+        super().__init__(optimizer, total_steps, 0, lr, last_epoch)
 
 
-class PolynomialLR(LambdaLR):
+class PolynomialLR(_Schedule):
     def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, end_lr: float = 0.0001,
                  power: float = 1.0, warmup_steps: int = 0, last_epoch: int = -1) -> None:
-        _check(total_steps, warmup_steps)
-
         def polynomial(p: float, base: float) -> float:
             return (base - end_lr) * (1 - p) ** power + end_lr
         lr = _warmup_then(total_steps, warmup_steps, polynomial, ramp=warmup_steps)
-        super().__init__(optimizer, _per_group(optimizer, lr), last_epoch)
+        super().__init__(optimizer, total_steps, warmup_steps, lr, last_epoch)

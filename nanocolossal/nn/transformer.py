@@ -1,16 +1,15 @@
 """A transformer block of nc.nn layers, shared by train_tensor.py's ViT and train_gpt.py's GPT.
 
-Written once for every layout. In 1d (Megatron) each pair of Linears is column- then
-row-parallel -- attention's qkv and output projection, the MLP's two layers -- so a block
-communicates twice forward and twice backward; attention splits its heads over the tensor
-ranks, because the qkv projection's output is laid out head by head (a contiguous slice of it is
-whole heads). In 2d every Linear is a SUMMA product and LayerNorm sums its statistics along the
-grid row; the same code runs on the local tiles. Under mode='sequence' every layer sees this
-rank's share of the tokens and only attention changes: ring attention over the sequence group
-(tensor/ring_attention.py, sequence.py), which applies the causal mask by global position, or
-with attention='all_to_all' (tensor/ulysses.py) this very attention on whole sequences for the
-rank's h/N heads, between two all-to-alls.
-A Block built with `moe=...` holds a mixture of experts (moe/) instead of its MLP.
+Written once for every layout. In 1d (Megatron) each pair of Linears is column- then row-parallel --
+attention's qkv and output projection, the MLP's two layers -- so a block communicates twice forward
+and twice backward; attention splits its heads over the tensor ranks, because the qkv projection's
+output is laid out head by head (a contiguous slice of it is whole heads). In 2d every Linear is a
+SUMMA product and LayerNorm sums its statistics along the grid row; the same code runs on the local
+tiles. Under mode='sequence' every layer sees this rank's share of the tokens and only attention
+changes: ring attention over the sequence group (tensor/ring_attention.py, sequence.py), which
+applies the causal mask by global position, or with attention='all_to_all' (tensor/ulysses.py) this
+very attention on whole sequences for the rank's h/N heads, between two all-to-alls. A Block built
+with `moe=...` (MoeLayer's arguments) holds a mixture of experts (moe/) instead of its MLP.
 
 Attention on the whole sequence is written twice, chosen by `attention=`:
 
@@ -42,7 +41,7 @@ from ..moe import MoeLayer
 from ..sequence import sequence_attention
 from ..tensor.ring_attention import ring_attention
 from ..tensor.ulysses import ulysses_attention
-from .checks import check_attention, check_block, check_moe_mlp
+from .checks import check_attention, check_block
 from .layers import Dropout, LayerNorm, Linear
 
 
@@ -114,19 +113,9 @@ class MLP(nn.Module):
         return self.drop2(self.fc2(self.drop(self.act(self.fc1(x)))))
 
 
-def moe_mlp(dim: int, hidden: int, moe: dict) -> nn.Module:
-    """An MoE layer in the MLP's place (`moe`: MoeLayer's arguments, moe/settings.py), experts
-    over the expert-parallel ranks (none: replicas on every data rank), aux means over the data."""
-    check_moe_mlp()
-    return MoeLayer(dim, hidden, ep_group=gpc.ep_group, data_group=gpc.gradient_group, **moe)
-
-
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attention(norm(x)), then x + MLP(norm(x)); `moe`
-    (MoeLayer's arguments) puts a mixture of experts in the MLP's place; `attention`: 'fused' or
-    'explicit' (the module docstring). The config's ACTIVATION_CHECKPOINT says what it
-    recomputes in backward (activation_checkpoint.py; `index`: its place in the stack, for
-    every n-th block)."""
+    """Pre-LayerNorm: x + attention(norm(x)), then x + MLP(norm(x)). ACTIVATION_CHECKPOINT says
+    what it recomputes (activation_checkpoint.py; `index`: its place, for every n-th block)."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0,
                  causal: bool = False, moe: Optional[dict] = None,
@@ -135,10 +124,13 @@ class Block(nn.Module):
         self.norm1 = LayerNorm(dim)
         self.attn = Attention(dim, heads, dropout, causal, attention)
         self.norm2 = LayerNorm(dim)
-        self.mlp = moe_mlp(dim, mlp_ratio * dim, moe) if moe else \
-            MLP(dim, mlp_ratio * dim, dropout)
         self.recompute = block_mode(index)  # 'full', 'selective' or None
         check_block(self.recompute, moe)
+        if moe:  # experts over the expert-parallel ranks; aux means over the gradient group
+            self.mlp = MoeLayer(dim, mlp_ratio * dim, ep_group=gpc.ep_group,
+                                data_group=gpc.gradient_group, **moe)
+        else:
+            self.mlp = MLP(dim, mlp_ratio * dim, dropout)
         self.attn.recompute = self.recompute == "selective"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
