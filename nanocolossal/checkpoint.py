@@ -15,9 +15,6 @@ not identical but shards: every data rank r writes its segments beside its stage
 (`ckpt-zero{r}.pt`, zero/state.py; at level 3 its segments of the parameters too, None in the
 stage file); a ZeRO job's rank reads only the files holding its own segments (zero/load.py),
 anything else puts them all back together (`complete_zero_state`).
-Tensor-parallel files record how each parameter was cut, so `merge_checkpoint(path)` rebuilds
-the plain model's state_dict from all of them offline, and `load_plain_state_dict` loads a plain
-state_dict into any layout (each rank keeps its slice).
 
 How: write to `ckpt.pt.tmp-PID`, fsync, then `os.replace` it over `ckpt.pt`. A rename is
 atomic, so a crash at any moment leaves either the old checkpoint or the new one, whole.
@@ -33,8 +30,9 @@ and the partition decide --, tensor mode and size); another layout is an error t
 and the way across: `merge_checkpoint` it into the plain model, `load_plain_state_dict` that.
 
 Files are read without running code from them (checkpoint_files.py; `trusted=True` for a file
-you trust that holds other objects). The offline part (reading, merging, cutting a plain
-state_dict again) lives in checkpoint_files.py and checkpoint_merge.py, re-exported here.
+you trust that holds other objects). Tensor-parallel files record how each parameter was cut, so
+`merge_checkpoint(path)` rebuilds the plain model's state_dict offline, and `load_plain_state_dict`
+cuts it into any layout (each rank keeps its slice): checkpoint_merge.py, re-exported here.
 """
 from __future__ import annotations
 
@@ -49,11 +47,9 @@ import torch.distributed as dist
 from torch import nn
 
 from . import cpu_half
-from .checkpoint_files import name_kind, rank_files
+from .checkpoint_files import PREFIXES, UnsafeCheckpointError, name_kind, rank_files  # noqa: F401
 from .checkpoint_merge import (  # noqa: F401 -- re-exported: the offline half of checkpoints
-    PREFIXES,
     PathLike,
-    UnsafeCheckpointError,
     check_one_save,
     complete_zero_state,
     describe_save,
@@ -81,8 +77,7 @@ from .zero.state import my_segments, skeleton
 
 def stage_path(path: PathLike, stage: Optional[int] = None,
                tensor_rank: Optional[int] = None) -> Path:
-    """This rank's file: ckpt.pt alone, ckpt-stage{p}.pt with pipelines, and
-    ...-tensor{t}.pt with tensor parallelism."""
+    """This rank's file: ckpt.pt alone, else ckpt-stage{p}-tensor{t}-expert{e}.pt (see above)."""
     path = Path(path)
     parts = []
     if gpc.pipeline_size > 1 or stage is not None:
@@ -95,8 +90,7 @@ def stage_path(path: PathLike, stage: Optional[int] = None,
 
 
 def _plain_shapes(model: nn.Module, splits: dict[str, list]) -> dict[str, list[int]]:
-    """The shape each entry has in the plain model: the local block's, times the parts of each
-    split dimension."""
+    """Each entry's shape in the plain model: the local block's, times the parts of its splits."""
     shapes = {}
     # keep_vars: shapes only, so no gather of ZeRO 3's sharded parameters (not collective)
     for key, value in strip_prefixes(unwrap(model).state_dict(keep_vars=True)).items():
@@ -112,8 +106,7 @@ def _rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if gpc.dropout_generators:  # tensor-parallel dropout's own generators (tensor/base.py)
-        generators = gpc.dropout_generators.items()
-        state["dropout"] = {str(device): gen.get_state() for device, gen in generators}
+        state["dropout"] = {str(d): g.get_state() for d, g in gpc.dropout_generators.items()}
     try:
         import numpy as np
         state["numpy"] = np.random.get_state()
@@ -183,8 +176,7 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
     # rank of the first expert-parallel group, whose ranks hold different experts
     if gpc.gradient_rank < gpc.ep_size:
         splits = tensor_splits_of(model)
-        state = {"epoch": epoch, "save_id": save_id[0],
-                 "model": model_state,
+        state = {"epoch": epoch, "save_id": save_id[0], "model": model_state,
                  "optimizer": optimizer_state,
                  "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
                  "rng": rng, "extra": extra,
@@ -203,8 +195,7 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
 def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None,
                     lr_scheduler: Any = None, map_location: Any = None, strict: bool = True,
                     restore_rng: bool = True, trusted: bool = False) -> dict:
-    """Load into model/optimizer/scheduler; returns {"epoch": ..., **extra}. `trusted=True`
-    also loads a file holding objects a weights-only load refuses (see checkpoint_merge)."""
+    """Load into model/optimizer/scheduler; returns {"epoch": ..., **extra}."""
     file = stage_path(path)
     if not file.is_file():
         _refuse_other_layout(path, trusted)
@@ -325,9 +316,8 @@ def _refuse_other_layout(path: PathLike, trusted: bool) -> None:
 
 
 def _refuse_an_older_save(path: PathLike, file: Path) -> None:
-    """Another layout saved to `path` after this rank's file was written (its files have other
-    names): the newest save there is that one, the one merge_checkpoint reads. Loading this
-    file would resume an older run without a word."""
+    """Another layout saved to `path` since this file was written: loading it would resume an
+    older run without a word."""
     written = file.stat().st_mtime_ns
     newer = [f for f in (Path(path), *rank_files(path)) if f.is_file()
              and name_kind(path, f) != name_kind(path, file) and f.stat().st_mtime_ns > written]

@@ -121,10 +121,9 @@ def name_kind(path: PathLike, file: Path) -> tuple[bool, ...]:
 
 
 def save_files(path: PathLike, trusted: bool = False) -> list[Path]:
-    """The files of the newest save to `path`: `path` itself (one process) or its per-rank files
-    (`ckpt-stage{p}[-tensor{t}].pt`). Files of other names that share the prefix are not this
-    save's, and neither are files an older save of another layout left (their save id differs:
-    a pipeline-4 save's stage2/3 beside a newer pipeline-2 save's stage0/1)."""
+    """The files of the newest save to `path`: `path` itself (one process) or its rank_files,
+    less those an older save of another layout left (their save id differs: a pipeline-4 save's
+    stage2/3 beside a newer pipeline-2 save's stage0/1)."""
     path = Path(path)
     ranks = rank_files(path)
     single = [path] if path.is_file() else []

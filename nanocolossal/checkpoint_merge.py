@@ -1,14 +1,11 @@
-"""A checkpoint's files offline: read them safely, merge them into the plain model, cut it again.
+"""A checkpoint's files offline, with no running job: one save's files of any layout merged into
+the plain model's state_dict (`merge_checkpoint`), which `load_plain_state_dict` cuts into any
+other layout; a ZeRO save's segments are put back first (`complete_zero_state`, with
+zero/state.py's `assemble`).
 
-checkpoint.py writes one file per (pipeline stage, tensor rank, expert rank). This needs no running
-job: with the files of one save, read without trusting them (checkpoint_files.py), it turns
-any layout's files into the plain model's state_dict (`merge_checkpoint`), which
-`load_plain_state_dict` cuts into any other layout; a ZeRO save's segments are put back first
-(`complete_zero_state`, with zero/state.py's `assemble`).
-
-Merging. Tensor-parallel files record how each parameter was cut (`tensor_splits`, keyed by
-the plain model's keys) and the plain shape, so the blocks are put back together offline.
-Expert-parallel files (MoE) hold their experts under the plain model's keys: a union.
+Tensor-parallel files record how each parameter was cut (`tensor_splits`, keyed by the plain
+model's keys) and the plain shape, so the blocks are put back together; expert-parallel files
+(MoE) hold their experts under the plain model's keys: a union.
 """
 from __future__ import annotations
 
@@ -18,10 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint_files import (  # noqa: F401 -- re-exported: the files, then merging them
-    PREFIXES,
+from .checkpoint_files import (
     PathLike,
-    UnsafeCheckpointError,
     check_one_save,
     describe_save,
     read_file,

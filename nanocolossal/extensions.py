@@ -46,7 +46,6 @@ class Extension:
     """A feature's part in the Engine and the pipeline executor (see the module docstring)."""
 
     def loss(self, compute: Loss, output: Any, label: Any) -> torch.Tensor:
-        """engine.criterion: compute(output, label), or what the feature makes of it."""
         return compute(output, label)
 
     def group_labels(self, labels: Sequence[Any]) -> None:
@@ -60,7 +59,6 @@ class Extension:
         """After a group's last backward (a pipeline: a batch's), before clipping and step."""
 
     def clip_options(self) -> dict:
-        """Keyword arguments for the optimizer's clip_grad_norm."""
         return {}
 
     def sync_buffers(self) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import resource
 import time
+from functools import partialmethod
 from typing import Any, Optional
 
 import torch
@@ -93,12 +94,8 @@ class LossHook(BaseHook):
 
     before_train_epoch = before_test_epoch = _reset
     after_train_iter = after_test_iter = _add
-
-    def after_train_epoch(self, trainer) -> None:
-        self._publish("train", trainer)
-
-    def after_test_epoch(self, trainer) -> None:
-        self._publish("test", trainer)
+    after_train_epoch = partialmethod(_publish, "train")
+    after_test_epoch = partialmethod(_publish, "test")
 
 
 class AccuracyHook(BaseHook):
@@ -260,11 +257,9 @@ class SaveCheckpointHook(BaseHook):
             self._save(trainer)
 
     def after_train_epoch(self, trainer) -> None:
-        # stopped by max_steps: save where it stopped, to resume there
-        if not trainer.epoch_finished:
+        if not trainer.epoch_finished:  # stopped by max_steps: save there, to resume there
             self._save(trainer)
-        # the Trainer counts this epoch done just after
-        elif (trainer.cur_epoch + 1) % self.interval == 0:
+        elif (trainer.cur_epoch + 1) % self.interval == 0:  # (counted done by the Trainer after)
             self._save(trainer, epoch_end=True)
 
 

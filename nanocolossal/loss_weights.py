@@ -49,9 +49,6 @@ weighs 1 / N, as Accelerate does unless told the group's count.
 
 Evaluation communicates nothing (ranks may run different numbers of batches): each rank's loss
 is its batch's own mean -- a pipeline's micro-batches weigh W_m / W within the batch.
-
-`CountedTargets` puts this into the loop (extensions.py): initialize adds it for a criterion that
-counts targets; it weighs engine.criterion's loss and the pipeline's micro-batches.
 """
 from __future__ import annotations
 
@@ -93,17 +90,12 @@ def target_counts(criterion: Any, targets: Sequence[torch.Tensor]) -> torch.Tens
 
 def total_count(counts: torch.Tensor) -> torch.Tensor:
     """W: the counts summed over this rank's pieces and the ranks that average gradients
-    (gpc.gradient_group): one all-reduce of one number."""
+    (gpc.gradient_group): one all-reduce of one number. debug=True first checks that every data
+    rank is here, not in another collective (ZeRO 3 checks its gathers the same way); a peer that
+    stopped is named with this collective."""
     total = counts.sum()
-    if gpc.gradient_size > 1:
-        _checked_all_reduce(total)
-    return total
-
-
-def _checked_all_reduce(total: torch.Tensor) -> None:
-    """total summed over the gradient group, with its misuse named: debug=True first checks that
-    every data rank is here, not in another collective (ZeRO 3 checks its gathers the same way);
-    a peer that stopped is named with this collective."""
+    if gpc.gradient_size == 1:
+        return total
     if gpc.config.get("debug") and not same_everywhere(-1, gpc.gradient_group, gpc.device):
         raise RuntimeError(f"[rank {gpc.rank}] the loss's target count (loss_weights.py) is "
                            f"all-reduced here while another data rank runs another collective: "
@@ -113,6 +105,7 @@ def _checked_all_reduce(total: torch.Tensor) -> None:
     except RuntimeError as e:  # a peer stopped: say which collective, and where to look
         raise peer_failed("the all-reduce of the loss's target count (loss_weights.py)",
                           gpc.gradient_group, e) from e
+    return total
 
 
 def weighed_ranks(spans_sequence: bool) -> int:
@@ -181,14 +174,11 @@ def weigh(loss: torch.Tensor, weight: torch.Tensor, count: torch.Tensor) -> torc
 
 
 class CountedTargets(Extension):
-    """The weights above in the Engine and the pipeline executor (extensions.py).
-
-    engine.criterion, training with several ranks averaging gradients (or a counted group):
-    this rank's mean x W_p G / W. In a counted group of k the gradient weighs W_i G k / W, W the
-    group's count (backward's 1 / N leaves k / N of it); the value stays the micro-step's, for
-    logging (x + (y - y.detach()) is x, with y's gradient). Not in evaluation (an all-reduce
-    would wait for a partner). The executor: micro-batch m weighs W_m G / W (evaluating: W_m / W
-    over this batch)."""
+    """The weights above in the loop (extensions.py): initialize adds it for a criterion that
+    counts targets; it weighs engine.criterion's loss and the pipeline's micro-batches. In a
+    counted group the gradient weighs by the group's count, and the value stays the micro-step's,
+    for logging (x + (y - y.detach()) is x, with y's gradient). engine.criterion weighs nothing in
+    evaluation (an all-reduce would wait for a partner)."""
 
     def __init__(self, criterion: Any, modules: Sequence[Any], accumulation: int) -> None:
         self.criterion = criterion

@@ -65,8 +65,7 @@ class Accuracy:
         """Global correct / global total: a collective over _reduce_group's ranks."""
         correct, total = all_reduce_sum([self.correct, self.total], self.group)
         if total == 0:
-            raise ValueError("Accuracy.compute: no samples were "
-                             "seen on any rank; call update() first")
+            raise ValueError("Accuracy.compute: no samples seen on any rank; call update() first")
         return correct / total
 
 

@@ -31,18 +31,13 @@ run is bit-identical (with num_workers=0: worker processes are seeded when the i
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 import torch.nn as nn
 
-from .checkpoint import (
-    PathLike,
-    load_checkpoint,
-    save_checkpoint,
-    save_files,
-    set_rng_state,
-    stage_path,
-)
+from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
+from .checkpoint_files import PathLike, rank_files
 from .checks import loader_length
 from .context import gpc
 
@@ -59,13 +54,6 @@ def skip_batches(loader: Iterable, skip: int, rng_state: Optional[dict] = None) 
     return batches
 
 
-def _saved_anything(path: PathLike) -> bool:
-    try:
-        return bool(save_files(path))
-    except FileNotFoundError:
-        return False
-
-
 class Progress:
     """(epoch, step, batch_in_epoch) of a run, and the RNG state to restore on a resume."""
 
@@ -79,7 +67,7 @@ class Progress:
         """Load `path` into model/optimizer/scheduler and continue where it was saved.
         Returns False, changing nothing, when nothing was saved there (yet). Files that another
         layout saved there are an error naming both layouts, never a silent fresh start."""
-        if not stage_path(path).is_file() and not _saved_anything(path):
+        if not Path(path).is_file() and not rank_files(path):  # (this rank's file is one of them)
             return False
         info = load_checkpoint(path, model, optimizer, lr_scheduler, restore_rng=False)
         self.epoch, self.step = info["epoch"], info.get("step", 0)
@@ -87,8 +75,7 @@ class Progress:
         self._rng = info.get("rng")
         # the hooks' state in the middle of the resumed epoch (LossHook's sums so far)
         self.hook_states = info.get("hooks", {}) if self.batch_in_epoch else {}
-        # saved between epochs: nothing to skip
-        if self.batch_in_epoch == 0 and self._rng is not None:
+        if self.batch_in_epoch == 0 and self._rng is not None:  # between epochs: nothing to skip
             set_rng_state(self._rng)
             self._rng = None
         return True
@@ -99,13 +86,9 @@ class Progress:
         for owner in (getattr(loader, "sampler", None), getattr(loader, "dataset", None)):
             if hasattr(owner, "set_epoch"):
                 owner.set_epoch(self.epoch)
-        if self.batch_in_epoch:  # a resumed epoch
-            return self._resumed_batches(loader)
-        return iter(loader)
-
-    def _resumed_batches(self, loader: Iterable) -> Iterator:
-        rng = self._rng
-        self._rng = None
+        if not self.batch_in_epoch:
+            return iter(loader)
+        rng, self._rng = self._rng, None  # a resumed epoch: the RNG is put back only once
         return skip_batches(loader, self.batch_in_epoch, rng)
 
     def remaining(self, loader: Iterable) -> Optional[int]:
@@ -140,7 +123,6 @@ class Progress:
                 f"(engine.accumulating is False); a loop of your own can end each epoch with "
                 f"one by calling engine.close_group() before its last batch, as the Trainer does")
         epoch, in_epoch = (self.epoch + 1, 0) if epoch_end else (self.epoch, self.batch_in_epoch)
-        # the hooks' state matters in the middle of an epoch only
-        extra = {"hooks": hooks} if hooks and in_epoch else {}
+        extra = {"hooks": hooks} if hooks and in_epoch else {}  # (needed mid-epoch only)
         save_checkpoint(path, epoch, model, optimizer, lr_scheduler, step=self.step,
                         batch_in_epoch=in_epoch, **extra)

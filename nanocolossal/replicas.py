@@ -38,7 +38,6 @@ def broadcast_replicas(model: nn.Module) -> None:
         group, ranks = gpc.expert_data_groups[block]
         if group is not None:  # (a group of one: nobody else holds these experts)
             broadcast_coalesced(params, ranks[0], group)
-    # (the first stage has the lowest rank of each group)
-    for param, group in getattr(model, "tied", []):
+    for param, group in getattr(model, "tied", []):  # (the first stage: each group's lowest rank)
         if group is not None:
             broadcast_coalesced([param], dist.get_global_rank(group, 0), group)

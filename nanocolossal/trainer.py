@@ -48,10 +48,8 @@ class Trainer:
         self.progress = Progress()  # epoch, step, batch in epoch: saved, and read by resume
         self.last_step_taken = False
         self.last_batch_size = 0
-        # did the last iteration end an optimizer step (not inside an accumulation group)?
-        self.step_ended = False
-        # did the last training epoch run to its end (not cut by max_steps)?
-        self.epoch_finished = False
+        self.step_ended = False  # the last iteration ended an optimizer step (not mid-group)
+        self.epoch_finished = False  # the last training epoch ran to its end (not cut by max_steps)
         self.states: dict = {"metrics": {"train": {}, "test": {}}}
         self._hooks: list[hooks.BaseHook] = []
 
@@ -65,23 +63,12 @@ class Trainer:
 
     def hook_states(self) -> dict:
         """Each hook's state_dict, by class, for a checkpoint (a collective: every rank)."""
-        states = {}
-        for hook in self._hooks:
-            state = hook.state_dict()
-            if state is not None:
-                states[type(hook).__name__] = state
-        return states
-
-    def _load_hook_states(self) -> None:
-        for hook in self._hooks:
-            if type(hook).__name__ in self.progress.hook_states:
-                hook.load_state_dict(self.progress.hook_states[type(hook).__name__])
-        self.progress.hook_states = {}
+        states = {type(hook).__name__: hook.state_dict() for hook in self._hooks}
+        return {name: state for name, state in states.items() if state is not None}
 
     def _set_hooks(self, hook_list: Optional[Iterable[hooks.BaseHook]]) -> None:
         if hook_list is not None:
-            # stable: ties keep list order
-            self._hooks = sorted(hook_list, key=lambda h: h.priority)
+            self._hooks = sorted(hook_list, key=lambda h: h.priority)  # stable: ties keep order
 
     def _execute(self, batch: Any, forward_only: bool):
         result = self.engine.execute_schedule(batch, forward_only=forward_only)
@@ -127,8 +114,11 @@ class Trainer:
                      max_steps: Optional[int]) -> bool:
         self.engine.train()
         self._call("before_train_epoch")
-        if self.progress.hook_states:  # a resumed epoch: what the hooks had counted before
-            self._load_hook_states()
+        saved = self.progress.hook_states  # a resumed epoch: what the hooks had counted before
+        for hook in self._hooks:
+            if type(hook).__name__ in saved:
+                hook.load_state_dict(saved[type(hook).__name__])
+        self.progress.hook_states = {}
         self.timer.start("train-epoch")
         batches = self.progress.batches(loader)
         if self.engine.gradient_accumulation > 1:

@@ -27,8 +27,7 @@ ZeRO 2/3, each its own segment of them), and ranks holding *other* parameters (p
 tensor slices, MoE experts) add their squares once (clip.py).
 
 Everything else a feature needs from the loop comes through its extensions (extensions.py),
-called at the places marked `# extensions:` below -- what the loss weighs or adds, when a
-backward synchronises, what runs after a group's last backward, which labels the output holds.
+called at the places marked `# extensions:` below.
 
 A pipeline stage has no forward of its own: PipelineEngine runs whole batches as micro-batches
 through its schedule (`execute_schedule`), one optimizer step per batch.
@@ -86,8 +85,7 @@ class Engine:
         return with_extensions(self.extensions, self._criterion)(output, _to_device(label))
 
     def count_targets(self, labels: Sequence[Any]) -> None:
-        """The labels of the accumulation group about to run, one per micro-step, for the
-        features that weigh a micro-step by its group (loss_weights.py). Call it between groups."""
+        """The next group's labels, one per micro-step, counted before it runs (loss_weights.py)."""
         check_whole_group(self, labels)
         for extension in self.extensions:  # extensions: counted targets (loss_weights.py)
             extension.group_labels(labels)
@@ -109,7 +107,6 @@ class Engine:
         return self._micro != 0
 
     def set_schedule(self, schedule: Any) -> None:
-        """Only a pipeline engine runs a schedule (PipelineEngine.set_schedule)."""
         raise ValueError(f"[rank {gpc.rank}] Trainer(schedule=...) needs a pipeline engine: set "
                          f"parallel=dict(pipeline=P) and pass build_pipeline_model(model) to "
                          f"initialize")
@@ -134,10 +131,9 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         self._micro += 1
         self._ended = self._group_ends()
-        loss = loss / self.gradient_accumulation
         # extensions: gradients are averaged once, on the last of the accumulated backwards
         with synchronising(self.extensions, 0, last=self._ended):
-            self.optimizer.backward(loss)
+            self.optimizer.backward(loss / self.gradient_accumulation)
 
     def step(self) -> Union[bool, torch.Tensor]:
         """Take the optimizer step at the end of each accumulation group; True if a step was
@@ -154,8 +150,7 @@ class Engine:
         return self.optimizer.step()
 
     def _clip(self) -> None:
-        # ranks holding *other* parameters (pipeline stages, tensor slices) add their squares
-        others = gpc.other_parts_group
+        others = gpc.other_parts_group  # ranks holding other parameters add their squares
         options = {}
         for extension in self.extensions:  # extensions: MoE experts' copies (moe/grads.py)
             options.update(extension.clip_options())
@@ -173,8 +168,7 @@ class Engine:
         return label
 
     def execute_schedule(self, batch: Any, forward_only: bool = False, return_loss: bool = True):
-        """One iteration on `batch` = (inputs, label): forward, loss and (unless forward_only)
-        backward."""
+        """One iteration on `batch` = (inputs, label): forward, loss and, to train, backward."""
         check_batch(batch, return_loss)
         inputs, label = batch
         output = self(inputs)
@@ -185,12 +179,9 @@ class Engine:
 
 
 class PipelineEngine(Engine):
-    """A pipeline stage's engine: whole batches only, run by a schedule as micro-batches.
-
-    The stage holds only some of the layers, so `engine(x)` and `engine.backward(loss)` are
-    errors; `execute_schedule(batch)` returns (output, label, loss): output/label on the stage
-    holding the last part, the batch's mean loss on every stage. The extensions reach the
-    executor too, per chunk and per micro-batch."""
+    """A pipeline stage's engine: `engine(x)` and `engine.backward(loss)` are errors (the stage
+    holds only some of the layers); `execute_schedule(batch)` returns (output, label, loss):
+    output/label on the stage holding the last part, the batch's mean loss on every stage."""
 
     def __init__(self, model: nn.Module, optimizer: PlainOptimizer,
                  criterion: Optional[Callable], schedule: Any, chunks: list,

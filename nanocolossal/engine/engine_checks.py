@@ -15,10 +15,7 @@ def check_criterion(criterion: Any) -> None:
 
 
 def check_outside_backward(engine: Any) -> None:
-    """engine.step() with no engine.backward since the last step. Where gradients are there
-    anyway, the last step's were stepped already, or a loss.backward() of the user's made them,
-    past the engine's loss scale, accumulation and averaging over data ranks: either way this
-    step would silently do nothing."""
+    """engine.step() with gradients but no engine.backward since the last step does nothing."""
     params = [*engine.model.parameters(), *engine.optimizer.params()]
     if any(p.grad is not None for p in params):
         raise RuntimeError(f"[rank {gpc.rank}] engine.step() found gradients but no "
@@ -47,7 +44,6 @@ def check_batch(batch: Any, return_loss: bool = True) -> None:
 
 
 def check_whole_group(engine: Any, labels: Sequence[Any]) -> None:
-    """engine.count_targets takes one whole group, before its first backward."""
     if engine.accumulating or len(labels) > engine.gradient_accumulation:
         raise RuntimeError(f"[rank {gpc.rank}] engine.count_targets takes the labels of one "
                            f"whole group (at most gradient_accumulation="

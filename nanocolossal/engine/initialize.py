@@ -30,8 +30,7 @@ places:
     split_loader        mode='sequence': the loaders yield this rank's share of each sequence
 
 The order matters: AMP O2 casts parameters, and DDP's buckets hold the final ones; SyncBN
-replaces modules, so it comes before AMP picks which layers stay in fp32. The extensions' order
-matters too: the loss's wrappers nest in it, and end_group reduces in it.
+replaces modules, so it comes before AMP picks which layers stay in fp32.
 """
 from __future__ import annotations
 
@@ -78,10 +77,10 @@ LogNote = Optional[str]  # what a step did, for the log line (None: nothing)
 
 def pipeline_schedule(model: nn.Module) -> Any:
     """The schedule gpc.config asks for (pipeline/schedules.py), for this stage's chunks."""
-    check_pipeline_model(model)
     cfg = gpc.config
     chunks = len(model) if isinstance(model, PipelineChunks) else 1
     name = cfg.get("PIPELINE_SCHEDULE", "interleaved" if chunks > 1 else "1f1b")
+    check_pipeline_model(model, chunks, name)
     try:
         return make_schedule(name, cfg.NUM_MICRO_BATCHES, chunks, cfg.get("TENSOR_SHAPE"))
     except ValueError as e:  # PlanError: already names the rank
@@ -127,9 +126,8 @@ def apply_amp(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Opt
 
 
 def apply_zero(model: nn.Module, optimizer: PlainOptimizer) -> tuple[ShardedOptimizer, str]:
-    """zero=dict(level=1|2|3, ...): the optimizer flattens the parameters into N shards and
-    keeps the state of this rank's (after AMP: it shards the final parameters). Level 3 cuts them
-    per unit and installs the gather / free / reduce-scatter hooks on the model."""
+    """zero=dict(level=1|2|3, ...); level 3 cuts the parameters per unit and installs the gather /
+    free / reduce-scatter hooks on the model."""
     zero, _, notes = zero_settings(gpc.config)
     for note in notes:
         get_dist_logger().info(note)
@@ -185,8 +183,7 @@ def wrap_data_parallel(model: nn.Module, chunks: list[nn.Module], pipelined: boo
                        optimizer: PlainOptimizer, moe: Any = None
                        ) -> tuple[list[nn.Module], list[Extension], LogNote]:
     """What forward runs through (DDP around each chunk) and the extensions that synchronise:
-    DDP's no_sync but on the last backward, or the gradient handler after it (its replicas
-    broadcast their buffers); ZeRO 2 and 3 synchronise their own way (wrap_sharded)."""
+    DDP's no_sync but on the last backward, or the gradient handler after it."""
     if moe is not None:  # experts are not replicated over the data ranks: apply_moe's handler
         return chunks, [moe, BroadcastBuffers(chunks)], None
     if gpc.config.get("gradient_handler"):  # Colossal-AI's all-reduce after backward
@@ -229,9 +226,7 @@ def wrap_sharded(model: nn.Module, chunks: list[nn.Module], pipelined: bool,
 
 def extend_loss(model: nn.Module, forward_module: nn.Module, criterion: Any,
                 optimizer: PlainOptimizer, aux_weight: float) -> list[Extension]:
-    """What the loss weighs and adds: a criterion whose mean divides by counted targets weighs
-    each piece by them (loss_weights.py); MoE layers add MOE_AUX_WEIGHT x their load-balancing
-    loss (pipeline/moe_aux.py). In this order: the aux loss is not weighed."""
+    """What the loss weighs, then adds (in this order: the aux loss is not weighed)."""
     extensions: list[Extension] = []
     if weighs_by_targets(criterion):
         # fp16: the G of the weights (amp.py)
@@ -301,8 +296,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
     elif gpc.gradient_size > 1:
         chunks, synchronising, data = wrap_data_parallel(model, chunks, pipelined, optimizer, moe)
         notes.append(data)
-    # the loop calls them in this order (extensions.py): the loss's wrappers nest in it, and
-    # end_group averages over the data ranks before it sums tied copies over the stages
+    # in the order the loop calls them (extensions.py): data-parallel averages before tied sums
     front = model if pipelined else chunks[0]  # what the engine's forward runs through
     extensions = [*extend_loss(model, front, criterion, optimizer, aux_weight), *synchronising]
     if tied:  # a weight stages share steps with the sum of its gradients
@@ -327,9 +321,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def sum_tied_weights(tied: list, optimizer: PlainOptimizer) -> Extension:
-    """A weight two pipeline stages share (a GPT's embedding and classifier) steps with the sum
-    of their gradients (pipeline/tied.py); under ZeRO level 2-3, from the ranks' segments
-    (zero/tied.py)."""
+    """The tied weights' sums (a GPT's embedding and classifier); under ZeRO level 2-3 from the
+    ranks' segments (zero/tied.py)."""
     summing = None
     if isinstance(optimizer, ShardedOptimizer) and optimizer.level >= 2:
         summing = partial(sum_sharded_tied_gradients, optimizer)
