@@ -79,9 +79,8 @@ _ANCHOR = torch.empty(0, requires_grad=True)  # puts the function in the graph (
 
 
 class _Replay:
-    """What a forward ran under, to run it again alike: the CPU and CUDA generators, the
-    tensor-parallel dropout's own (tensor/base.py), autocast; and the buffers of every module
-    the recomputation runs, put back after it (the module docstring)."""
+    """What a forward ran under, to run it again alike: the CPU and CUDA generators, the tensor-
+    parallel dropout's (tensor/base.py), autocast; the buffers of the modules it runs, put back."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.gpus = sorted({t.device.index for t in tensors if t.is_cuda})
@@ -162,8 +161,7 @@ def checkpoint(fn: Callable, *args: Any) -> Any:
 # -- the config key (activation_checkpoint_checks.py checks it) -----------------------------------
 
 def block_mode(index: Optional[int]) -> Optional[str]:
-    """What transformer block number `index` recomputes under the job's config: 'full',
-    'selective' or None."""
+    """What transformer block number `index` recomputes: 'full', 'selective' or None."""
     mode = gpc.config.get("ACTIVATION_CHECKPOINT")
     check_activation_checkpoint(gpc.config)  # (a gpc.config changed by hand too)
     if not is_positive_int(mode):

@@ -1,6 +1,5 @@
-"""What activation checkpointing (activation_checkpoint.py) refuses or says: a backward that
-would miss the recomputation's gradients, a config key with nothing to recompute, and the key's
-values."""
+"""What activation checkpointing (activation_checkpoint.py) refuses or says: a backward that would
+miss the recomputation's gradients, a config key with nothing to recompute, and the key's values."""
 from __future__ import annotations
 
 from typing import Mapping
@@ -13,8 +12,7 @@ from .logging import get_dist_logger
 
 
 def check_backward() -> None:
-    """The recomputation's backward puts the parameters' gradients in .grad; only a plain
-    loss.backward() collects them there."""
+    """The recomputation's parameter gradients land in .grad: only loss.backward() reads them."""
     if not torch.autograd._is_checkpoint_valid():
         raise RuntimeError(f"[rank {gpc.rank}] activation checkpointing recomputes in a backward "
                            f"of its own, whose parameter gradients land in .grad: "

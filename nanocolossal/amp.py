@@ -48,7 +48,6 @@ from .amp_casts import autocast_loss, cast_to_half, hook_autocast
 from .amp_checks import check_initialize, count_skipped
 from .amp_scaler import (
     DynamicLossScaler,
-    find_non_finite,
     make_scaler,
     unscale_and_check,
     unscale_and_check_fused,
@@ -158,14 +157,9 @@ class MixedPrecisionOptimizer(AmpState, PlainOptimizer):
         if self._master_pairs:
             self._grads_to_masters()
         grads = [p.grad for p in self.params() if p.grad is not None]
-        if self.scaler is not None:
-            return unscale_grads(grads, self.backward_scale)  # amp_scaler.py: fused where it can
-        # nothing scaled (bf16): only the check, which writes no gradient -- if asked
-        found = torch.zeros(1, device=grads[0].device if grads else gpc.device,
-                            dtype=torch.float32)  # fp32: the fused kernel's flag
-        if self.check_finite:
-            find_non_finite(grads, found)
-        return found
+        if self.check_finite:  # always with a scaler; at scale 1 (bf16) unscale_grads only checks
+            return unscale_grads(grads, self.backward_scale)
+        return torch.zeros(1, device=grads[0].device if grads else gpc.device, dtype=torch.float32)
 
     def _agreed(self, found: torch.Tensor) -> torch.Tensor:
         """The flag all-reduced (MAX) over the job: every rank skips together."""

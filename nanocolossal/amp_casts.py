@@ -40,16 +40,14 @@ def is_norm(module: nn.Module) -> bool:
             or getattr(module, "is_normalization", False))
 
 
-def cast_io(module: nn.Module, input_dtype: torch.dtype,
-            output_dtype: Optional[torch.dtype]) -> None:
+def cast_io(module: nn.Module, inputs: torch.dtype, outputs: Optional[torch.dtype]) -> None:
     """Hooks that cast a module's floating inputs and outputs (None: outputs as they are)."""
-    module.register_forward_pre_hook(lambda m, args: _cast_floats(args, input_dtype))
-    if output_dtype is not None:
-        module.register_forward_hook(lambda m, args, out: _cast_floats(out, output_dtype))
+    module.register_forward_pre_hook(lambda m, args: _cast_floats(args, inputs))
+    if outputs is not None:
+        module.register_forward_hook(lambda m, args, out: _cast_floats(out, outputs))
 
 
-def cast_to_half(model: nn.Module, dtype: torch.dtype, keep_norms: bool,
-                 output_fp32: bool) -> None:
+def cast_to_half(model: nn.Module, dtype: torch.dtype, keep_norms: bool, output_fp32: bool) -> None:
     """O2/O3: the model in `dtype`, its inputs cast down, its output up (if it is the model's);
     `keep_norms`: normalisation statistics need fp32's precision."""
     model.to(dtype)
@@ -63,8 +61,7 @@ def cast_to_half(model: nn.Module, dtype: torch.dtype, keep_norms: bool,
 
 def hook_autocast(module: nn.Module, device_type: str, dtype: torch.dtype,
                   output_fp32: bool) -> None:
-    """O1: the module's forward runs under autocast (left even if it raises), its output upcast
-    if `output_fp32`."""
+    """O1: the forward runs under autocast (left even if it raises), its output upcast if asked."""
     entered = module.__dict__.setdefault("_amp_autocasts", [])  # one stack per module
 
     def enter(module: nn.Module, args: Any) -> None:

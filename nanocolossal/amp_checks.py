@@ -14,21 +14,15 @@ from .logging import get_dist_logger
 # the scaler's own arguments (amp_scaler.DynamicLossScaler), accepted in every mode
 SCALER = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
           "min_scale", "max_scale", "max_consecutive_overflows")
-MODE_KEYS = {  # beyond SCALER, RENAMED, mode, dtype, enabled
-    AMP_TYPE.TORCH: (),
-    AMP_TYPE.NAIVE: (),
-    AMP_TYPE.APEX: ("opt_level", "loss_scale", "keep_batchnorm_fp32", "master_weights"),
-}
+MODE_KEYS = {AMP_TYPE.TORCH: (), AMP_TYPE.NAIVE: (),  # beyond SCALER, RENAMED, mode, dtype, enabled
+             AMP_TYPE.APEX: ("opt_level", "loss_scale", "keep_batchnorm_fp32", "master_weights")}
 
 
 def check_fp16(fp16: Mapping[str, Any]) -> None:
-    """The config's fp16=dict(...): refuse keys that its mode does not take, naming them and what
-    to do (amp_settings.py)."""
+    """fp16=dict(...): refuse keys its mode does not take, naming them and what to do."""
     mode = AMP_TYPE.parse(fp16["mode"])
     allowed = {"mode", "dtype", "enabled", *SCALER, *RENAMED, *MODE_KEYS[mode]}
-    for key in fp16:
-        if key in allowed:
-            continue
+    for key in [k for k in fp16 if k not in allowed]:  # the first such key
         hint = NO_EFFECT.get(key, f"{mode.name} takes {', '.join(sorted(allowed - {'mode'}))}")
         raise ConfigError(f"fp16.{key} has no effect with mode=AMP_TYPE.{mode.name}: {hint}")
     if fp16.get("dtype") not in (None, "float16", "bfloat16", torch.float16, torch.bfloat16):
@@ -65,8 +59,7 @@ def check_scaler_settings(s: Any) -> None:
 
 
 def check_not_stuck(scaler: Any) -> None:
-    """At min_scale, max_consecutive_overflows overflowing steps in a row: the loss itself is
-    inf/nan, which no scale can fix."""
+    """At min_scale, max_consecutive_overflows overflows in a row: the loss itself is inf/nan."""
     at_the_floor = scaler.scale <= scaler.min_scale
     if at_the_floor and scaler.consecutive_overflows >= scaler.max_consecutive_overflows:
         raise FloatingPointError(

@@ -29,12 +29,9 @@ from .context import gpc
 
 
 class DynamicLossScaler:
-    """The loss scale S and its update rule (the module docstring).
-
-    hysteresis: overflows tolerated before backing off (refilled at each growth).
-    max_consecutive_overflows: at min_scale, this many overflowing steps in a row raise an
-    error -- the loss itself is then inf/nan, which no scale can fix.
-    """
+    """The loss scale S and its update rule (the module docstring). hysteresis: overflows
+    tolerated before backing off (refilled at each growth); max_consecutive_overflows: at
+    min_scale, this many overflowing steps in a row raise an error (the loss itself is inf/nan)."""
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, hysteresis: int = 1,
@@ -63,7 +60,7 @@ class DynamicLossScaler:
             self.hysteresis_tracker -= 1
             if self.hysteresis_tracker <= 0:
                 self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-            check_not_stuck(self)  # at min_scale, overflowing on and on: the loss is inf/nan
+            check_not_stuck(self)  # (amp_checks.py)
             return
         self.consecutive_overflows = 0
         self.growth_tracker += 1
@@ -86,8 +83,7 @@ def unscale_and_check(grads: list[torch.Tensor], found_inf: torch.Tensor,
     """The plain loop: for each gradient, note an inf/NaN in `found_inf` (set to 1), then
     multiply it by `inv_scale` = 1/S (both one-element tensors)."""
     for grad in grads:
-        all_finite = torch.isfinite(grad).all()
-        found_inf.masked_fill_(all_finite.logical_not(), 1.0)
+        found_inf.masked_fill_(torch.isfinite(grad).all().logical_not(), 1.0)
         grad.mul_(inv_scale.reshape(()))  # 0-d: multiplies a 0-d gradient too
 
 
@@ -133,14 +129,13 @@ def unscale_grads(grads: list[torch.Tensor], loss_scale: float) -> torch.Tensor:
     return found_inf
 
 
-def make_scaler(loss_scale: Union[str, float, None],
-                **scaler_kwargs: Any) -> Optional[DynamicLossScaler]:
+def make_scaler(loss_scale: Union[str, float, None], **kwargs: Any) -> Optional[DynamicLossScaler]:
     """apex's loss_scale: "dynamic" searches for S, a number fixes S (it never grows or backs
     off), None turns scaling off."""
     if loss_scale is None:
         return None
     if loss_scale == "dynamic":
-        return DynamicLossScaler(**scaler_kwargs)
+        return DynamicLossScaler(**kwargs)
     fixed = float(loss_scale)
     return DynamicLossScaler(init_scale=fixed, min_scale=fixed, max_scale=fixed,
                              growth_interval=2**62)

@@ -1,5 +1,4 @@
-"""`colossalai.builder`: the pipeline tutorial imports `build_pipeline_model` from here (see
-pipeline/partition.py)."""
+"""`colossalai.builder`: the pipeline tutorial's `build_pipeline_model` (pipeline/partition.py)."""
 from .pipeline import build_pipeline_model
 
 __all__ = ["build_pipeline_model"]

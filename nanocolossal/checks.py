@@ -9,9 +9,9 @@ all-gather at the start of training and fails with the full picture:
     [rank 0] ranks disagree on the number of training batches per epoch: rank 0: 12, rank 1: 11.
     Every rank must run the same number of steps ...
 
-`debug=True` in the config adds TORCH_DISTRIBUTED_DEBUG=DETAIL (torch checks that every
-collective matches across ranks) and a barrier after each epoch; on gloo a monitored one, which
-names the ranks that did not arrive instead of waiting silently (nccl has none: a plain barrier).
+`debug=True` in the config adds TORCH_DISTRIBUTED_DEBUG=DETAIL (torch checks that every collective
+matches across ranks) and a barrier after each epoch; on gloo a monitored one, which names the ranks
+that did not arrive instead of waiting silently (nccl has none: a plain barrier).
 """
 from __future__ import annotations
 
@@ -45,21 +45,17 @@ def check_same_model(model: nn.Module, group: Optional[dist.ProcessGroup], who: 
         if theirs == mine:
             continue
         diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
-        if diff:
-            detail = f"first difference: {diff[0]} here vs {diff[1]} on rank {rank}"
-        else:
-            detail = f"{len(mine)} parameters here vs {len(theirs)} on rank {rank}"
+        detail = (f"first difference: {diff[0]} here vs {diff[1]} on rank {rank}" if diff
+                  else f"{len(mine)} parameters here vs {len(theirs)} on rank {rank}")
         raise RuntimeError(f"[rank {gpc.rank}] {who}: the model on rank {gpc.rank} differs from "
                            f"the model on rank {rank} ({detail}); build the same model on every "
                            f"rank")
 
 
 def comparable(value: Any) -> Any:
-    """A form of a config value that means the same on every rank.
-
-    Plain data compares by value. A function, class or other object has no such form (its
-    repr carries a memory address, different in every process), so only what it *is* --
-    its qualified name -- is compared."""
+    """A form of a config value that means the same on every rank: plain data by value; a
+    function, class or other object by what it *is*, its qualified name (its repr carries a
+    memory address, different in every process)."""
     if isinstance(value, _PLAIN):
         return repr(value)
     if isinstance(value, Enum):
@@ -135,12 +131,10 @@ def check_evaluation(model: nn.Module, test_dataloader: Iterable) -> None:
     """Collective: `_check_evaluation_batches` alone, before an evaluation outside `fit`."""
     if gpc.is_initialized and gpc.world_size > 1:
         everyone: list[Any] = [None] * gpc.world_size
-        mine = loader_length(test_dataloader)
-        dist.all_gather_object(everyone, mine)
+        dist.all_gather_object(everyone, loader_length(test_dataloader))
         _check_evaluation_batches(everyone, model)
 
 
-# Features whose forward itself talks between data ranks register why (None: not this model)
 _FORWARD_TALKS: list[Callable[[nn.Module], Optional[str]]] = []
 
 
@@ -167,30 +161,26 @@ def _check_evaluation_batches(counts: list, model: nn.Module) -> None:
 def peer_failed(what: str, group: Any, error: Exception) -> RuntimeError:
     """The error for a collective of a data-parallel group that failed: which one, and where to
     look (the peer that stopped has the first error)."""
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
     return RuntimeError(
-        f"[rank {gpc.rank}] {what} failed "
-        f"({str(error).splitlines()[0] if str(error) else type(error).__name__}): another rank "
-        f"of data-parallel group {dist.get_process_group_ranks(group)} stopped, crashed or fell "
-        f"more than {gpc.timeout.total_seconds():.0f} s behind; look for the first error on the "
-        f"other ranks")
+        f"[rank {gpc.rank}] {what} failed ({first}): another rank of data-parallel group "
+        f"{dist.get_process_group_ranks(group)} stopped, crashed or fell more than "
+        f"{gpc.timeout.total_seconds():.0f} s behind; look for the first error on the other ranks")
 
 
 def _name(model: nn.Module, param: nn.Parameter) -> str:
     return next((n for n, p in model.named_parameters() if p is param), "a parameter")
 
 
-def check_still_frozen(model: nn.Module, frozen: list,
-                       who: str = "DistributedDataParallel") -> None:
-    """DDP and the gradient handlers list the parameters that need a gradient when they are
-    built: one unfrozen since would never be averaged, and the replicas would drift apart
-    silently (torch's DDP too)."""
+def check_still_frozen(model: nn.Module, frozen: list, who: str) -> None:
+    """DDP and the gradient handlers list the parameters needing a gradient when built: one
+    unfrozen since would never be averaged, the replicas drifting apart silently (torch's too)."""
     thawed = [_name(model, p) for p in frozen if p.requires_grad]
     if thawed:
         raise RuntimeError(f"[rank {gpc.rank}] {who}: {', '.join(thawed[:4])} did not require "
-                           f"grad when {who} was built and now does: its "
-                           f"gradient would never be averaged. Unfreeze before "
-                           f"nanocolossal.initialize (or wrapping in DDP), or keep it trainable "
-                           f"and freeze it with lr=0")
+                           f"grad when {who} was built and now does: its gradient would never be "
+                           f"averaged. Unfreeze before nanocolossal.initialize (or wrapping in "
+                           f"DDP), or keep it trainable and freeze it with lr=0")
 
 
 def refuse_unfreezing(hooked: nn.Module, model: nn.Module, who: Callable[[], str]) -> Any:
@@ -204,11 +194,9 @@ def refuse_unfreezing(hooked: nn.Module, model: nn.Module, who: Callable[[], str
             else None)
 
 
-def ready_twice(model: nn.Module, param: nn.Parameter, who: str,
-                other: str = "") -> RuntimeError:
-    """A parameter's gradient hook fired twice in one backward (reentrant checkpointing of a
-    layer used twice): its first gradient is already in a bucket being averaged. `who` reduces
-    the buckets; `other`: another way out it offers."""
+def ready_twice(model: nn.Module, param: nn.Parameter, who: str, other: str = "") -> RuntimeError:
+    """A parameter's gradient hook fired twice in one backward, its first gradient already being
+    averaged. `who` reduces the buckets; `other`: another way out it offers."""
     return RuntimeError(f"[rank {gpc.rank}] {who}: {_name(model, param)} got a second gradient "
                         f"in one backward after its first was handed to the reduction (a layer "
                         f"used twice, each use checkpointed by nc.utils.checkpoint or by "

@@ -58,10 +58,9 @@ def weighted_squares(grads: list[torch.Tensor], weights: list[float], acc: torch
     """sum_p |g_p|^2 x w_p, accumulated in `acc` on `device` (0 without gradients)."""
     if not grads:
         return torch.zeros((), device=device, dtype=acc)
-    norms = torch._foreach_norm(grads)
     # built on the host, sent without waiting (a blocking copy would wait for the device)
     w = torch.tensor(weights, dtype=acc).to(device, non_blocking=True)
-    return (torch.stack(norms).to(acc) ** 2 * w).sum()
+    return (torch.stack(torch._foreach_norm(grads)).to(acc) ** 2 * w).sum()
 
 
 def summed(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:

@@ -7,16 +7,15 @@
     parallel = dict(pipeline=2)
     fp16 = dict(mode=AMP_TYPE.TORCH)
 
-`load_config` turns such a file (or a dict, or a Config) into a `Config`: a dict whose
-keys are also attributes (`cfg.parallel.pipeline`), with nested dicts converted too.
-Every global of the file that is not a module, a class or a dunder becomes a key, so
-`from nanocolossal.amp import AMP_TYPE` in the file is fine (AMP_TYPE lives here, as the
-config names the modes; amp re-exports it).
+`load_config` turns such a file (or a dict, or a Config) into a `Config`: a dict whose keys are
+also attributes (`cfg.parallel.pipeline`), with nested dicts converted too. Every global of the
+file but modules, classes and dunders becomes a key, so `from nanocolossal.amp import AMP_TYPE`
+in the file is fine (AMP_TYPE lives here, as the config names the modes; amp re-exports it).
 
-A config is checked when it is loaded, not when a feature first reads it: a value we cannot
-honour (an unknown tensor mode, a size that does not divide) or of the wrong type is an error
-that says what to change, never silently ignored. A key the script reads but the file
-lacks says which file and what to add (`MissingKeyError`):
+A config is checked when it is loaded, not when a feature first reads it: a value we cannot honour
+(an unknown tensor mode, a size that does not divide) or of the wrong type is an error that says
+what to change, never silently ignored. A key the script reads but the file lacks says which file
+and what to add (`MissingKeyError`):
 
     configs/x.py has no NUM_EPOCHS: add e.g. NUM_EPOCHS = 10
 
@@ -34,8 +33,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 
 class ConfigError(ValueError):
-    """A config file or value that nanocolossal cannot use: the user's to fix, so a script
-    prints its message alone, without a traceback."""
+    """A config file or value that nanocolossal cannot use (a user error: the module docstring)."""
 
 
 class MissingKeyError(ConfigError, AttributeError):
@@ -49,9 +47,8 @@ _EXAMPLES = {"BATCH_SIZE": "128", "NUM_EPOCHS": "10", "NUM_MICRO_BATCHES": "4", 
 
 
 class Config(dict):
-    """A dict with attribute access; nested dicts become Configs.
-
-    `cfg.__file__` is the .py file it was loaded from (None for a dict), for error messages."""
+    """A dict with attribute access; nested dicts become Configs. `cfg.__file__` is the .py file
+    it was loaded from (None for a dict), for error messages."""
 
     def __init__(self, data: Mapping[str, Any] | None = None, **kwargs: Any):
         super().__init__()
@@ -66,10 +63,8 @@ class Config(dict):
         super().__setitem__(key, value)
 
     def __getattr__(self, name: str) -> Any:
-        try:
+        if name in self:
             return self[name]
-        except KeyError:
-            pass
         example = (f"add e.g. {name} = {_EXAMPLES[name]}" if name in _EXAMPLES
                    else f"add a line {name} = ...")
         file = self.__dict__.get("__file__")  # (absent in a copy that skipped __init__)
@@ -83,9 +78,8 @@ class Config(dict):
     def __delattr__(self, name: str) -> None:
         del self[name]
 
-    def update(self, other: Mapping[str, Any] = (),  # type: ignore[override]
-               **kwargs: Any) -> None:
-        for key, value in {**dict(other), **kwargs}.items():
+    def update(self, other: Mapping[str, Any] = (), **kw: Any) -> None:  # type: ignore[override]
+        for key, value in {**dict(other), **kw}.items():
             self[key] = value
 
     @staticmethod
@@ -105,7 +99,6 @@ class Config(dict):
                               f"{e.msg}\n    {line}") from None
         except Exception as e:
             raise ConfigError(f"config file {str(path)!r} raised {type(e).__name__}: {e}") from e
-        # the file's own names: not its imports, helper modules or classes
         cfg = Config({k: v for k, v in namespace.items() if not k.startswith("__")
                       and not inspect.ismodule(v) and not inspect.isclass(v)})
         cfg.__dict__["__file__"] = str(path)  # as the user wrote it, e.g. configs/x.py
@@ -142,11 +135,9 @@ def load_config(config: ConfigLike, **overrides: Any) -> Config:
     """
     for hook in ON_LOAD:  # launch_checks' hook: a bad config ends a script in one line per rank
         hook()
-    if config is None:
-        cfg = Config()
-    elif isinstance(config, (str, os.PathLike)):
+    if isinstance(config, (str, os.PathLike)):
         cfg = Config.from_file(config)
-    elif isinstance(config, Mapping):
+    elif config is None or isinstance(config, Mapping):
         cfg = Config(config)
     else:
         raise ConfigError(f"config must be a path to a .py file, a dict or a Config, not "

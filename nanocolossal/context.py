@@ -50,16 +50,11 @@ class ParallelContext:
     # Colossal-AI, my index IN my row group is `tensor_row_rank` (= grid_col), and vice versa
     summa_dim = 1
     tensor_depth = 1
-    grid_depth = 0
-    grid_row = 0
-    grid_col = 0
-    tensor_row_rank = 0
-    tensor_col_rank = 0
+    grid_depth = grid_row = grid_col = 0
+    tensor_row_rank = tensor_col_rank = 0
     # 3d: my place in the q x q x q cube
     cube_dim = 1
-    cube_x = 0
-    cube_y = 0
-    cube_z = 0
+    cube_x = cube_y = cube_z = 0
     # expert parallelism (parallel.moe): my place in my EP group, and per G (peers: moe/
     # placement.py) the data ranks that hold the same experts as I do (moe/grads.py sums there)
     ep_size = 1
@@ -122,21 +117,18 @@ class ParallelContext:
         self.sequence_ranks = self.tensor_ranks
 
     def _init_grid(self, depth: int) -> None:
-        """2d, 2.5d: my place in my q x q grid (layout.py)."""
         q = math.isqrt(self.tensor_size // depth)
         self.tensor_depth = depth
         self.summa_dim = q
         self.grid_depth, in_grid = divmod(self.tensor_rank, q * q)
         self.grid_row, self.grid_col = divmod(in_grid, q)
-        # as Colossal-AI: the rank *within* my row group is my column index, and vice versa
-        self.tensor_row_rank = self.grid_col
+        self.tensor_row_rank = self.grid_col  # my index IN my row group (the class's comment)
         self.tensor_col_rank = self.grid_row
         if depth == 1:  # 2d: the ranks splitting the batch are my column
             self.tensor_batch_group = self.tensor_col_group
             self.tensor_batch_ranks = self.tensor_col_ranks
 
     def _init_cube(self) -> None:
-        """3d: my place in the q x q x q cube (layout.py)."""
         q = self.cube_dim = round(self.tensor_size ** (1 / 3))
         t = self.tensor_rank
         self.cube_x = t // (q * q)
@@ -144,7 +136,6 @@ class ParallelContext:
         self.cube_z = t % q
 
     def _init_experts(self, data: list[list[int]]) -> None:
-        """My EP group, and per G (peers) the data ranks holding my experts."""
         eps, holders = ep_layout(data, self.ep_size)
         for ranks in eps:
             group = self._new_group(ranks)
@@ -171,8 +162,7 @@ class ParallelContext:
             self._job_env.append(name)
 
     def destroy(self) -> None:
-        """End the job: tear down the process groups, forget everything the job set, and return
-        to the single-process defaults."""
+        """End the job: the process groups, all the job set; back to the one-process defaults."""
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         for name in self._job_env:
@@ -223,9 +213,8 @@ class ParallelContext:
         return self.pipeline_ranks[(self.pipeline_rank + 1) % self.pipeline_size]
 
     def __repr__(self) -> str:
-        return (f"ParallelContext(rank={self.rank}/{self.world_size}, "
-                f"local_rank={self.local_rank}, device={self.device}, "
-                f"pipeline={self.pipeline_rank}/{self.pipeline_size}, "
+        return (f"ParallelContext(rank={self.rank}/{self.world_size}, local_rank={self.local_rank}"
+                f", device={self.device}, pipeline={self.pipeline_rank}/{self.pipeline_size}, "
                 f"tensor={self.tensor_rank}/{self.tensor_size} {self.tensor_mode or ''}, "
                 f"data={self.data_rank}/{self.data_size})")
 
@@ -234,8 +223,7 @@ _JOB_STATE_RESETS: list[Callable[[], None]] = []
 
 
 def on_destroy(reset: Callable[[], None]) -> None:
-    """Register what a module remembers for one job, forgotten by gpc.destroy(): each module
-    registers its own reset when it is imported (the context knows none of them)."""
+    """Register a module's reset of what it remembers for one job (gpc.destroy() runs them)."""
     _JOB_STATE_RESETS.append(reset)
 
 

@@ -8,25 +8,23 @@ rank shares, then deals it out like cards:
     rank 1          2     4     3  (7)          indices[1::3]  + padding
     rank 2            9     1     6  (2)        indices[2::3]  + padding
 
-Training wants equal shares (every rank must run the same number of steps, or the
-all-reduces stop matching), so by default the list is padded by repeating its start
-(`pad=True`, exactly torch's sampler) or cut (`drop_last=True`). Evaluation wants every
-sample exactly once, so `pad=False` gives uneven, non-overlapping shares; counts summed
-over ranks (metrics.Accuracy) are then exact. Call `set_epoch(e)` each epoch (the Trainer
-does) or every epoch repeats the same order.
+Training wants equal shares (every rank must run the same number of steps, or the all-reduces stop
+matching), so by default the list is padded by repeating its start (`pad=True`, exactly torch's
+sampler) or cut (`drop_last=True`). Evaluation wants every sample exactly once, so `pad=False` gives
+uneven, non-overlapping shares; counts summed over ranks (metrics.Accuracy) are then exact. Call
+`set_epoch(e)` each epoch (the Trainer does) or every epoch repeats the same order.
 
 A stream -- a loader without a length, such as a DataLoader over an IterableDataset -- has no
-count to compare before training, and one rank's may end a batch before another's: the rank
-with the extra batch would wait in its gradient all-reduce until the timeout. `agreed_stream`
-lets a stream's batches through only once every rank has one (one all-reduce of a flag per rank
-per batch; the Trainer uses it), so the ranks stop together, or fail together at once, naming
-the ranks that ran out. A loader with a length passes through (check_consistency compared the
-lengths once, up front): no collective is added to its path.
-
-The dataset builders load the real CIFAR-10/MNIST with torchvision (root from the argument,
-else $DATA, else ./data). Where the files are absent and cannot be downloaded, they say so
-in one line on rank 0 and return a synthetic dataset of the same shape and classes that a
-small model can learn, so every script runs offline.
+count to compare before training, and one rank's may end a batch before another's: the rank with the
+extra batch would wait in its gradient all-reduce until the timeout. `agreed_stream` lets a stream's
+batches through only once every rank has one (one all-reduce of a flag per rank per batch; the
+Trainer uses it), so the ranks stop together, or fail together at once, naming the ranks that ran
+out. A loader with a length passes through (check_consistency compared the lengths once, up front):
+no collective is added to its path.
+The dataset builders load the real CIFAR-10/MNIST with torchvision (root from the argument, else
+$DATA, else ./data). Where the files are absent and cannot be downloaded, they say so in one line
+on rank 0 and return a synthetic dataset of the same shape and classes that a small model can
+learn, so every script runs offline.
 """
 from __future__ import annotations
 
@@ -78,8 +76,7 @@ class DistributedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         n = len(self.dataset)
         if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
             indices = torch.randperm(n, generator=g).tolist()
         else:
             indices = list(range(n))
@@ -146,9 +143,8 @@ class AgreedStream:
 
 
 def agreed_stream(loader: Iterable) -> Iterable:
-    """`loader` with its end agreed between the ranks where it is a stream on several ranks;
-    itself otherwise (a length, one process, or already agreed). A loop of your own over a
-    stream: `for x, y in nc.data.agreed_stream(loader)`."""
+    """`loader` with its end agreed where it is a stream on several ranks, else itself. A loop
+    of your own over a stream: `for x, y in nc.data.agreed_stream(loader)`."""
     if (loader_length(loader) is not None or isinstance(loader, AgreedStream)
             or not gpc.is_initialized or gpc.world_size == 1):
         return loader
@@ -158,11 +154,10 @@ def agreed_stream(loader: Iterable) -> Iterable:
 class SyntheticImages(Dataset):
     """Learnable stand-in for an image dataset (C, H, W): class template + noise, on demand.
 
-    Each class has a fixed smooth random template; sample i is its class's template, shifted
-    by up to `max_shift` pixels and scaled in contrast, plus Gaussian noise, all derived from
-    (seed, i), so any rank can make any sample and the data costs no memory. Values look like
-    normalised images (about zero mean, unit scale). A small CNN learns it in an epoch or two.
-    """
+    Each class has a fixed smooth random template; sample i is its class's template, shifted by up
+    to `max_shift` pixels and scaled in contrast, plus Gaussian noise, all derived from (seed, i),
+    so any rank can make any sample and the data costs no memory. Values look like normalised
+    images (about zero mean, unit scale). A small CNN learns it in an epoch or two."""
 
     def __init__(self, size: int, shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10,
                  seed: int = 0, noise: float = 1.0, max_shift: int = 4) -> None:
@@ -175,9 +170,8 @@ class SyntheticImages(Dataset):
         self.seed = seed
         self.noise = noise
         self.max_shift = max_shift
-        # templates shared by train and test
+        # templates shared by train and test: a coarse pattern upsampled, smooth like pictures
         g = torch.Generator().manual_seed(1234567 + num_classes)
-        # upsample a coarse pattern, so that templates are smooth, like pictures
         C, H, W = self.shape
         coarse = torch.randn(num_classes, C, max(1, H // 4), max(1, W // 4), generator=g)
         self.templates = torch.nn.functional.interpolate(coarse, size=(H, W), mode="bilinear",
@@ -236,8 +230,7 @@ def _load_or_synthesize(name: str, folder: str, build: Callable[[], Dataset], ro
             if not download and not os.path.isdir(os.path.join(root, folder)):
                 raise FileNotFoundError(f"{os.path.join(root, folder)} does not exist")
             return build()
-        # not on disk ("Dataset not found"), or download failed
-        except (RuntimeError, OSError) as e:
+        except (RuntimeError, OSError) as e:  # not on disk ("Dataset not found"), or no download
             where = os.path.abspath(root)
             if (name, where) not in _announced:  # one line per dataset, not one per split
                 _announced.add((name, where))
@@ -252,8 +245,7 @@ def _load_or_synthesize(name: str, folder: str, build: Callable[[], Dataset], ro
 
 def cifar10(root: Optional[str] = None, train: bool = True, download: bool = False,
             transform: Optional[Callable] = None, synthetic_size: Optional[int] = None) -> Dataset:
-    """CIFAR-10 with the tutorials' transforms (crop + flip for training), or a synthetic
-    stand-in."""
+    """CIFAR-10 with the tutorials' transforms (crop + flip to train), or a synthetic stand-in."""
     root = data_root(root)
 
     def build() -> Dataset:

@@ -25,11 +25,10 @@ Rules that keep every rank's collectives matched (a mismatch is a hang):
   * the end of backward is also caught by a hook on the module's output: a rank where no
     parameter gets a gradient (its samples all skipped them) still joins the all-reduces.
 
-Two options, after the core: with `gradient_as_bucket_view=True` each `.grad` *is* its bucket
-slot: no copy back (and with `zero_grad(set_to_none=False)` backward accumulates straight into
-the bucket); `compress="bf16"` (or "fp16") all-reduces a half-precision copy of each bucket --
-half the bytes, the sum in that precision, as torch's bf16_compress_hook (bench_ddp.py measures
-the effect).
+Two options, after the core: with `gradient_as_bucket_view=True` each `.grad` *is* its bucket slot:
+no copy back (and with `zero_grad(set_to_none=False)` backward accumulates straight into the
+bucket); `compress="bf16"` (or "fp16") all-reduces a half-precision copy of each bucket -- half the
+bytes, the sum in that precision, as torch's bf16_compress_hook (bench_ddp.py measures the effect).
 
 `no_sync()` skips the communication (gradient accumulation); gradients keep accumulating in
 `.grad` and the next synchronised backward averages the accumulated sum.
@@ -80,8 +79,7 @@ class DistributedDataParallel(nn.Module):
     gradient group: the data-parallel ranks, times the sequence ranks if any).
 
     `reduced_elsewhere`: parameters this wrapper leaves alone because another wrapper averages
-    them -- a weight two pipeline chunks of one rank share is averaged by the first chunk's.
-    `bucket_class`, `name` and `other_way` are what ZeRO level 2's subclass changes."""
+    them -- a weight two pipeline chunks of one rank share is averaged by the first chunk's."""
 
     # what ZeRO changes (zero/gradients.py): level 2's buckets come and go; errors name it
     bucket_class = _Bucket
@@ -94,18 +92,16 @@ class DistributedDataParallel(nn.Module):
                  reduced_elsewhere: Collection[nn.Parameter] = ()) -> None:
         super().__init__()
         self.module = module
-        if process_group is None:
-            process_group = gpc.gradient_group or dist.group.WORLD  # data (x sequence) ranks
-        self.process_group = process_group
+        # by default the data (x sequence) ranks
+        self.process_group = process_group or gpc.gradient_group or dist.group.WORLD
         check_ddp(self, compress)  # a launched job, one model on every rank, none unfrozen later
-        self.world_size = dist.get_world_size(process_group)
+        self.world_size = dist.get_world_size(self.process_group)
         self.broadcast_buffers = broadcast_buffers
         self.require_sync = True
-        # the options, after the core: .grad *is* its bucket slot; a half-precision wire
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compress)
         broadcast_coalesced(list(module.parameters()) + list(module.buffers()),
-                             dist.get_global_rank(process_group, 0), process_group)
+                             dist.get_global_rank(self.process_group, 0), self.process_group)
         skip = {id(q) for q in reduced_elsewhere}  # another pipeline chunk's DDP reduces them
         params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
         self.buckets = self._make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))
@@ -175,8 +171,7 @@ class DistributedDataParallel(nn.Module):
             bucket.work = dist.all_reduce(wire, group=self.process_group, async_op=True)
 
     def _fill_unused(self, bucket: _Bucket, i: int) -> None:
-        """A parameter whose hook did not fire: its gradient from an earlier no_sync micro-step
-        if it holds one, else zeros (the module docstring's rules)."""
+        """No hook fired: the gradient of an earlier no_sync micro-step if any, else zeros."""
         if bucket.params[i].grad is None:
             bucket.view(i).zero_()
         else:
@@ -240,8 +235,7 @@ class DistributedDataParallel(nn.Module):
 
     # -- the options: gradients as bucket views, a compressed wire ------------------------
     def _write_view(self, bucket: _Bucket, i: int) -> None:
-        """gradient_as_bucket_view: .grad becomes its slot (with zero_grad(set_to_none=False)
-        backward accumulates straight into it), so _finish copies nothing back."""
+        """gradient_as_bucket_view: .grad becomes its slot, so _finish copies nothing back."""
         param = bucket.params[i]
         slot = bucket.view(i)
         if param.grad.data_ptr() == slot.data_ptr():  # already the slot
@@ -252,8 +246,7 @@ class DistributedDataParallel(nn.Module):
         bucket.flags()[i] = 1
 
     def _compressed(self, bucket: _Bucket) -> torch.Tensor:
-        """compress: the bucket in half precision, all-reduced in its place (half the bytes, the
-        sum in that precision: torch's bf16_compress_hook); _finish copies it back."""
+        """compress: a half-precision copy, reduced in the bucket's place; _finish copies back."""
         bucket.wire = bucket.buffer.to(self.wire_dtype)
         return bucket.wire
 
@@ -294,6 +287,4 @@ class BroadcastBuffers(Extension):
             broadcast_buffers(module)
 
 
-# -- the config's ddp=dict(...) keys (config_checks.py checks them) ---------------------------
-
-DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "compress")  # DDP's, by config
+DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "compress")  # config's ddp=dict(...)

@@ -34,12 +34,10 @@ from .extensions import Extension
 @torch.no_grad()
 def sum_gradients(params: list[nn.Parameter], group: Optional[dist.ProcessGroup],
                   divisor: int) -> None:
-    """grad = (sum over `group` of grad) / divisor, one all-reduce per dtype. A rank without a
-    gradient sends zeros and a 0 flag; a parameter whose flags sum to 0 keeps grad=None."""
+    """grad = (sum over `group` of grad) / divisor, one all-reduce per dtype, with the flags."""
     for same in by_dtype(params).values():
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
-        had = torch.tensor([p.grad is not None for p in same], dtype=same[0].dtype,
-                           device=same[0].device)
+        had = torch.tensor([p.grad is not None for p in same]).to(same[0])  # its dtype, device
         flat = torch.cat([_flatten_dense_tensors(grads) / divisor, had])
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(flat, group=group)
@@ -56,13 +54,11 @@ def sum_gradients(params: list[nn.Parameter], group: Optional[dist.ProcessGroup]
 
 class DataParallelGradientHandler(Extension):
     """Average the gradients of `model` over the gradient group after the last backward of each
-    accumulation group (extensions.py: end_group). It broadcasts the parameters once, as torch's
-    DDP does, so that it also works on a model nobody made equal (initialize already did)."""
+    accumulation group (extensions.py: end_group); broadcasts the parameters once, as DDP does."""
 
     def __init__(self, model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
         self.model = model
         self.group = group if group is not None else gpc.gradient_group
-        self.size = dist.get_world_size(self.group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.frozen = [p for p in model.parameters() if not p.requires_grad]
         broadcast_coalesced(list(model.parameters()) + list(model.buffers()),
@@ -70,7 +66,7 @@ class DataParallelGradientHandler(Extension):
 
     def handle_gradient(self) -> None:
         check_still_frozen(self.model, self.frozen, "DataParallelGradientHandler")
-        sum_gradients(self.params, self.group, self.size)
+        sum_gradients(self.params, self.group, dist.get_world_size(self.group))
 
     def end_group(self) -> None:
         self.handle_gradient()

@@ -22,10 +22,9 @@ All of them then do the same three things (`_launch`):
 3. Every rank seeds its RNGs alike, so that the replicas' models are born equal (and
    initialize broadcasts them anyway: replicas.py).
 
-Backend: nccl when CUDA is available, else gloo. Device: cuda:local_rank with nccl, cpu with
-gloo. Every wait is bounded by `timeout` (config `timeout`, default 300 s). What makes a start
-that fails say why, in time -- an absent rank 0, torch's error texts, user errors as one
-line per rank -- is in launch_checks.py.
+Backend: nccl when CUDA is available, else gloo. Device: cuda:local_rank with nccl, cpu with gloo.
+Every wait is bounded by `timeout` (config `timeout`, default 300 s). launch_checks.py makes a
+failing start say why, in time: an absent rank 0, torch's errors, user errors one line per rank.
 """
 from __future__ import annotations
 
@@ -38,21 +37,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import launch_checks
 from .config import ConfigLike, load_config
 from .context import gpc
-from .launch_checks import (
-    LaunchError,
-    beneath_user_error_hook,
-    check_env,
-    check_gpu,
-    check_host_port,
-    check_launch,
-    checked_port,
-    explained,
-    install_user_error_hook,
-    ranked,
-    wait_for_rank0,
-)
+from .launch_checks import LaunchError
 from .logging import get_dist_logger
 
 DEFAULT_TIMEOUT_S = 300
@@ -62,11 +50,10 @@ def launch(config: ConfigLike, rank: int, world_size: int, host: str, port: int,
            backend: Optional[str] = None, local_rank: Optional[int] = None, seed: int = 1024,
            timeout: Optional[float] = None) -> None:
     """Start this process as `rank` of `world_size`, meeting the others at host:port."""
-    install_user_error_hook()  # from here, a user error ends in one line, without a traceback
+    launch_checks.install_user_error_hook()  # from here, a user error ends in one line
     if not host:
-        raise LaunchError(f"[rank {rank}] no host given: pass --host "
-                          "with the address of the rank-0 node")
-    port = checked_port(port, rank)
+        raise LaunchError(f"[rank {rank}] no host given: pass --host, the rank-0 node's address")
+    port = launch_checks.checked_port(port, rank)
     _launch(config, rank, world_size, local_rank, f"tcp://{host}:{port}", f"{host}:{port}",
             backend, seed, timeout)
 
@@ -75,7 +62,7 @@ def launch_from_torch(config: ConfigLike, backend: Optional[str] = None, seed: i
                       timeout: Optional[float] = None, allow_single_process: bool = False) -> None:
     """Launch under torchrun (or `nanocolossal run`), which sets everything in the environment.
     With `allow_single_process=True`, a plain `python script.py` runs as a job of one process."""
-    install_user_error_hook()
+    launch_checks.install_user_error_hook()
     torchrun_vars = _VARIABLES["torch"][0].values()
     if allow_single_process and not any(var in os.environ for var in torchrun_vars):
         # nobody else joins: the one rank meets itself in memory (_init_process_group)
@@ -120,14 +107,13 @@ _VARIABLES = {
 def _launch_from_variables(config: ConfigLike, launcher: str, host: Optional[str],
                            port: Optional[int], backend: Optional[str], seed: int,
                            timeout: Optional[float]) -> None:
-    """A launcher that names rank and size in its own variables; the script passes host:port
-    (else MASTER_ADDR and MASTER_PORT)."""
-    install_user_error_hook()
+    """Rank and size from the launcher's variables; host:port passed, else MASTER_ADDR/_PORT."""
+    launch_checks.install_user_error_hook()
     env = _read_env(launcher)
     host = host or os.environ.get("MASTER_ADDR")
     port = port or os.environ.get("MASTER_PORT")
-    check_host_port(host, port, env["rank"], launcher)
-    port = checked_port(port, env["rank"])
+    launch_checks.check_host_port(host, port, env["rank"], launcher)
+    port = launch_checks.checked_port(port, env["rank"])
     _launch(config, env["rank"], env["world_size"], env["local_rank"], f"tcp://{host}:{port}",
             f"{host}:{port}", backend, seed, timeout)
 
@@ -137,9 +123,9 @@ def _launch(config: ConfigLike, rank: int, world_size: int, local_rank: Optional
             timeout: Optional[float]) -> None:
     """What every launcher does once it knows who this process is."""
     backend = (backend or ("nccl" if torch.cuda.is_available() else "gloo")).lower()
-    with ranked(rank):  # what can fail alone fails before waiting for the others
+    with launch_checks.ranked(rank):  # what can fail alone fails before waiting for the others
         cfg = load_config(config)
-        check_launch(cfg, rank, world_size, backend)
+        launch_checks.check_launch(cfg, rank, world_size, backend)
     local_rank = default_local_rank(rank, local_rank)
     device = _pick_device(backend, rank, local_rank)
     seconds = timeout if timeout is not None else cfg.get("timeout", DEFAULT_TIMEOUT_S)
@@ -164,7 +150,7 @@ def _init_process_group(backend: str, init_method: str, rank: int, world_size: i
     name lookup). Under torchrun the ranks meet in the agent's store, under keys of this attempt:
     a restarted job keeps the store, and its predecessors' keys would send it to dead addresses.
     `where` is host:port, for messages (and for polling rank 0)."""
-    with explained(rank, world_size, timeout, where):  # torch's errors, as what to change
+    with launch_checks.explained(rank, world_size, timeout, where):  # torch's errors: what to do
         store = None
         if world_size == 1:
             store = dist.HashStore()
@@ -174,9 +160,9 @@ def _init_process_group(backend: str, init_method: str, rank: int, world_size: i
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             store = dist.PrefixStore(f"nanocolossal/attempt_{attempt}", agent)
         if store is None and rank != 0:
-            wait_for_rank0(where, timeout)  # an absent rank 0 costs one timeout, not two
+            launch_checks.wait_for_rank0(where, timeout)  # an absent rank 0: one timeout, not two
         meet = dict(store=store) if store is not None else dict(init_method=init_method)
-        with beneath_user_error_hook():
+        with launch_checks.beneath_user_error_hook():
             dist.init_process_group(backend, rank=rank, world_size=world_size,
                                     timeout=timeout, **meet)
 
@@ -194,17 +180,14 @@ def _seed_everything(seed: int) -> None:
 def get_default_parser() -> argparse.ArgumentParser:
     """The arguments `launch` needs; add your own with `parser.add_argument`."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", type=str, default=None, help="path to the config .py file")
-    parser.add_argument("--host", type=str, default=None, help="address of the rank-0 node")
-    parser.add_argument("--port", type=int, default=None, help="free port on the rank-0 node")
-    parser.add_argument("--rank", type=int, default=None, help="global rank of this process")
-    parser.add_argument("--world_size", type=int, default=None,
-                        help="number of processes in the job")
+    parser.add_argument("--config", help="path to the config .py file")  # (None when absent)
+    parser.add_argument("--host", help="address of the rank-0 node")
+    parser.add_argument("--port", type=int, help="free port on the rank-0 node")
+    parser.add_argument("--rank", type=int, help="global rank of this process")
+    parser.add_argument("--world_size", type=int, help="number of processes in the job")
     # torch.distributed.launch passes --local-rank (newer) or --local_rank (older): accept both
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                        help="rank on this node (selects the GPU)")
-    parser.add_argument("--backend", type=str, default=None,
-                        help="nccl or gloo (default: nccl with CUDA, else gloo)")
+    parser.add_argument("--local_rank", "--local-rank", type=int, help="rank on this node (= GPU)")
+    parser.add_argument("--backend", help="nccl or gloo (default: nccl with CUDA, else gloo)")
     parser.add_argument("--debug", action="store_true",
                         help="config debug=True: TORCH_DISTRIBUTED_DEBUG=DETAIL and a barrier "
                              "after each epoch (on gloo it names ranks that do not arrive)")
@@ -214,13 +197,9 @@ def get_default_parser() -> argparse.ArgumentParser:
 def _pick_device(backend: str, rank: int, local_rank: int) -> torch.device:
     if backend != "nccl":
         return torch.device("cpu")
-    check_gpu(rank, local_rank)
+    launch_checks.check_gpu(rank, local_rank)
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
-
-
-# Where launchers put this process's rank on its node.
-_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
 
 
 def default_local_rank(rank: int, local_rank: Optional[int] = None, env: Optional[dict] = None,
@@ -230,7 +209,7 @@ def default_local_rank(rank: int, local_rank: Optional[int] = None, env: Optiona
     if local_rank is not None:
         return local_rank
     env = os.environ if env is None else env
-    for var in _LOCAL_RANK_VARS:
+    for var in (names["local_rank"] for names, _ in _VARIABLES.values()):
         if env.get(var, "").isdigit():
             return int(env[var])
     gpus = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if gpus is None else gpus
@@ -242,6 +221,6 @@ def _read_env(launcher: str) -> dict[str, int | str]:
     names, command = _VARIABLES[launcher]
     found = {role: next((var for var in spelling.split("|") if var in os.environ), spelling)
              for role, spelling in names.items()}
-    check_env(found, launcher, command)  # all set, integers but the host
+    launch_checks.check_env(found, launcher, command)  # all set, integers but the host
     return {role: os.environ[var] if role == "host" else int(os.environ[var])
             for role, var in found.items()}

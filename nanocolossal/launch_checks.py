@@ -134,16 +134,15 @@ def explained(rank: int, world_size: int, timeout: timedelta, where: str) -> Ite
     except (RuntimeError, ValueError, OSError) as error:
         text = str(error)
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
-        seconds = f"{timeout.total_seconds():.0f} s"
+        seconds = timeout.total_seconds()
+        meet = f"could not meet the other processes at {where} within {seconds:.0f} s"
+        agree = f"agree on world_size={world_size}?"
         if "in use" in text.lower() or "EADDRINUSE" in text:
             hint = f"port at {where} is already in use: choose a free one (--port / --master_port)"
         elif timed_out and rank == 0:  # rank 0 listened, and not everyone came
-            hint = (f"could not meet the other processes at {where} within {seconds}: did all "
-                    f"{world_size} start, and do they agree on world_size={world_size}?")
+            hint = f"{meet}: did all {world_size} start, and do they {agree}"
         elif timed_out:  # this rank found nobody listening, or listening for others
-            hint = (f"could not meet the other processes at {where} within {seconds}: is rank 0 "
-                    f"running, is the host reachable, do all ranks agree on "
-                    f"world_size={world_size}?")
+            hint = f"{meet}: is rank 0 running, is the host reachable, do all ranks {agree}"
         else:
             hint = f"could not join the job at {where}"
         first = text.splitlines()[0] if text else ""
@@ -157,9 +156,8 @@ _previous_hook = None  # the excepthook ours replaced, while ours is installed
 
 
 def install_user_error_hook() -> None:
-    """From now on an uncaught user error prints `[rank r] message` alone; anything else goes to
-    the hook that was there before, traceback and all. Every launch* (and load_config) calls
-    this; calling it again does nothing. gpc.destroy() uninstalls it."""
+    """Install the module docstring's hook (calling again does nothing). Every launch* and
+    load_config call this; gpc.destroy() uninstalls it."""
     global _previous_hook
     if sys.excepthook is not _print_user_error:
         _previous_hook, sys.excepthook = sys.excepthook, _print_user_error

@@ -12,14 +12,13 @@ innermost, so a tensor group (which talks every layer) is consecutive ranks -- o
                                  ^ tensor group {0,1}
                                  data groups (same stage, same slice): {0,4} {1,5} {2,6} {3,7}
 
-With T = 1 this is `data_rank * P + pipeline_rank`. For mode='2d' the T = q * q tensor
-ranks form a q x q grid, tensor_rank = row * q + col: a *row group* (same row, every col)
-splits the hidden dimension, a *column group* (same col, every row) splits the batch.
-mode='2.5d' stacks `depth` such grids, tensor_rank = grid_depth * q * q + row * q + col: rows
-and columns are each grid's own, and a *depth group* (same row and col, every grid) holds the
-same weight tiles for different samples. mode='3d' is a q x q x q cube, tensor_rank =
-cube_x * q * q + cube_y * q + cube_z, with one group along each axis (tensor/cube.py says what
-each axis splits).
+With T = 1 this is `data_rank * P + pipeline_rank`. For mode='2d' the T = q * q tensor ranks form a
+q x q grid, tensor_rank = row * q + col: a *row group* (same row, every col) splits the hidden
+dimension, a *column group* (same col, every row) splits the batch. mode='2.5d' stacks `depth` such
+grids, tensor_rank = grid_depth * q * q + row * q + col: rows and columns are each grid's own, and a
+*depth group* (same row and col, every grid) holds the same weight tiles for different samples.
+mode='3d' is a q x q x q cube, tensor_rank = cube_x * q * q + cube_y * q + cube_z, with one group
+along each axis (tensor/cube.py says what each axis splits).
 For mode='sequence' the T ranks of a "tensor" group split every *sequence* instead
 (sequence.py): they hold the same parameters and different tokens, so their gradients are
 averaged together with the data ranks' -- over the *gradient group*, every rank of a stage.
@@ -122,10 +121,9 @@ def _cube(out: Layout, q: int) -> None:
 
 def ep_layout(data: list[list[int]], ep: int) -> tuple[list[list[int]], dict]:
     """Expert parallelism inside each data group (ranks in data-rank order): EP groups are EP
-    consecutive data ranks. A layer of E experts trades tokens with its *peers*, the
-    G = min(E, EP) consecutive ranks that hold all E experts between them (moe/placement.py), so
-    an expert is held by the data ranks with equal data_rank % G -- one group list per G
-    dividing EP.
+    consecutive data ranks. A layer of E experts trades tokens with its *peers*, the G = min(E, EP)
+    consecutive ranks that hold all E experts between them (moe/placement.py), so an expert is held
+    by the data ranks with equal data_rank % G -- one group list per G dividing EP.
     `data` has one group per pipeline stage (and tensor rank), so under a pipeline every stage
     has its own expert groups: a stage's experts only ever meet the same stage's replicas.
 

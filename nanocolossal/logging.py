@@ -1,7 +1,6 @@
 """A logger that knows its rank.
 
-With N processes, N copies of every message is noise, and one message with no rank is a
-mystery. So:
+With N processes, N copies of every message is noise, and one message with no rank is a mystery. So:
 
     logger = get_dist_logger()
     logger.info("epoch 1 done")                 # rank 0 only (pass ranks=[...] for others)

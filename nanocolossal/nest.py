@@ -11,8 +11,7 @@ import torch
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
-    """`obj` with every tensor t replaced by fn(t); containers keep their type, other leaves
-    stay."""
+    """`obj` with each tensor t replaced by fn(t); containers keep their type, other leaves stay."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes its fields

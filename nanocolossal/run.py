@@ -1,7 +1,6 @@
 """`nanocolossal run`: start a job on one node or many with a single command.
 
-torchrun must be started once on *every* node, each told its --node_rank. This wrapper
-does that for you:
+torchrun must be started once on *every* node, each told its --node_rank. This wrapper does that:
 
     nanocolossal run --nproc_per_node 4 train.py                  # this node, 4 processes
     nanocolossal run --nproc_per_node 4 --host h1,h2 --master_addr h1 train.py
@@ -11,8 +10,8 @@ One node: torchrun's own entry point (what `python -m torch.distributed.run` cal
 this process, which has imported torch already, and its outcome is our exit code. Several
 nodes: one `ssh host 'cd $PWD && python -m torch.distributed.run --nnodes K --node_rank i ...'`
 per node, all started at once; if one fails the rest are stopped.
-`--dry-run` prints the commands instead. The scripts call `launch_from_torch`.
-`nanocolossal plan ...` (before a launch: will it fit?) is plan/cli.py's.
+`--dry-run` prints the commands instead. The scripts call `launch_from_torch`. `nanocolossal plan
+...` (before a launch: will it fit?) is plan/cli.py's.
 
 A hostfile lists one host name per line (blank lines and `# comments` are ignored).
 """
@@ -34,19 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nanocolossal run",
                                 description="Launch a distributed training script.")
     p.add_argument("--nproc_per_node", type=int, required=True, help="processes (GPUs) per node")
-    p.add_argument("--master_addr", type=str, default=None,
-                   help="rank-0 node (required with several hosts)")
+    p.add_argument("--master_addr", help="rank-0 node (required with several hosts)")
     p.add_argument("--master_port", type=int, default=29500, help="free port on the rank-0 node")
     hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument("--host", type=str, default=None, help="comma-separated host names")
-    hosts.add_argument("--hostfile", type=str, default=None,
-                       help="file with one host name per line")
-    p.add_argument("--include", type=str, default=None,
-                   help="with --hostfile: use only these hosts")
-    p.add_argument("--exclude", type=str, default=None,
-                   help="with --hostfile: leave out these hosts")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the commands instead of running them")
+    hosts.add_argument("--host", help="comma-separated host names")
+    hosts.add_argument("--hostfile", help="file with one host name per line")
+    p.add_argument("--include", help="with --hostfile: use only these hosts")
+    p.add_argument("--exclude", help="with --hostfile: leave out these hosts")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
@@ -116,8 +110,7 @@ def torchrun_args(args: argparse.Namespace, nnodes: int = 1, node_rank: int = 0)
 def build_commands(args: argparse.Namespace) -> list[list[str]]:
     """One argv per node: torchrun locally, or ssh + torchrun for each remote host."""
     if args.nproc_per_node < 1:
-        raise SystemExit(f"nanocolossal run: --nproc_per_node must be >= 1, got "
-                         f"{args.nproc_per_node}")
+        raise SystemExit(f"nanocolossal run: --nproc_per_node {args.nproc_per_node}: must be >= 1")
     hosts = select_hosts(args)
     if len(hosts) <= 1 and all(h in LOCAL_NAMES or h == socket.gethostname() for h in hosts):
         return [[sys.executable, *torchrun_args(args)]]

@@ -30,8 +30,8 @@ all_reduce([sum_dy, sum_dy_xmu]). The parameter gradients stay local,
 dL/dw = sum_j g_j xhat_j = invstd * sum_dy_xmu and dL/db = sum_dy (this rank's samples only),
 because DDP averages parameter gradients afterwards.
 
-In eval mode running statistics are used and no collective runs. PyTorch's own
-SyncBatchNorm is CUDA-only; this one runs on CPU/gloo and CUDA/nccl alike.
+In eval mode running statistics are used and no collective runs. PyTorch's own SyncBatchNorm is
+CUDA-only; this one runs on CPU/gloo and CUDA/nccl alike.
 """
 from __future__ import annotations
 
@@ -171,16 +171,14 @@ class SyncBatchNorm(_BatchNorm):
 
 def convert_sync_batchnorm(module: nn.Module,
                            process_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
-    """Replace every BatchNorm*d in `module` by a SyncBatchNorm with the same weights and
-    statistics."""
+    """Each BatchNorm*d in `module` replaced by a SyncBatchNorm with its weights and statistics."""
     converted = module
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
         converted = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
                                   module.track_running_stats, process_group)
         if module.affine:
-            with torch.no_grad():
-                converted.weight = module.weight
-                converted.bias = module.bias
+            converted.weight = module.weight
+            converted.bias = module.bias
         if module.track_running_stats:
             converted.running_mean = module.running_mean
             converted.running_var = module.running_var

@@ -5,10 +5,10 @@
     trainer.fit(...)
     timer.get_timer("train-step").get_history_mean()    # seconds per training step
 
-Each named Timer accumulates start/stop intervals; `stop(keep_in_history=True)` also
-records the interval, so mean and sum over the history are available. Wall time
-(time.perf_counter) is what is measured: on a GPU, work still queued when stop() is called
-is not waited for (the Trainer's phases end in a loss.item() or a collective, which waits).
+Each named Timer accumulates start/stop intervals; `stop(keep_in_history=True)` also records the
+interval, so mean and sum over the history are available. Wall time (time.perf_counter) is what is
+measured: on a GPU, work still queued when stop() is called is not waited for (the Trainer's phases
+end in a loss.item() or a collective, which waits).
 """
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ class Timer:
         self._started: float | None = None
 
     def start(self) -> None:
-        """Begin an interval (a start while running -- an exception skipped the stop -- begins
-        anew)."""
+        """Begin an interval (a start while running -- a stop skipped by an error -- restarts)."""
         self._started = time.perf_counter()
 
     def stop(self, keep_in_history: bool = True) -> float:
