@@ -3,8 +3,8 @@
     python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--chunks 2]
                                     [--schedule 1f1b|gpipe|interleaved|zero_bubble|zbv]
 
-Prints a schedule's timeline (one row per rank) and its bubble, and checks the plan by
-simulating it. No processes are started.
+Prints a schedule's timeline (one row per rank) and its bubble, and checks the plan by simulating
+it. No processes are started.
 """
 import argparse
 import sys

@@ -1,7 +1,6 @@
 """The executor: one rank walks its plan (plan.py) of forwards, backwards and messages.
 
-Each schedule only chooses the order of steps (1F1B's timeline: plan.py); the executor runs
-them:
+Each schedule only chooses the order of steps (1F1B's timeline: plan.py); the executor runs them:
 
     F(c, m)  input = micro-batch m (first stage) or the activation received; run chunk c. The
              last part applies the criterion, weighed by the micro-batch's share of the batch
@@ -16,14 +15,11 @@ at most as many as its plan has in flight (P - r for 1F1B, M for GPipe). The las
 up the loss; summed over the stages it reaches every rank, which can log it. Outputs and labels
 come back on the rank that holds the last part (`output_rank`: the last, or 0 under zbv).
 
-This file is 1F1B for floating activations; an integer activation (token ids) only has no
-gradient to send back. What it leaves to others (executor_features.py, each a mixin of Run that
-the schedule adds only where the plan or an extension needs it): a split backward's W
-(SplitRun), a chunk's own loss (MoE's load balancing, OwnLosses), micro-batches weighed by
-counted targets (Weighed), the trace recorder (Timed), the activations counted
-(`max_in_flight`); misuse errors (executor_checks.py). A chunk's gradients are averaged during
-its last backward (extensions.py's `sync`, DDP). The loss is summed in float64 on every stage
-and reported in the last stage's dtype, which rides along with it as a code.
+This file is 1F1B for floating activations (an integer one, token ids, has no gradient to send
+back); the split backward, own losses, counted weights and tracing are mixins of Run
+(executor_features.py), the misuse errors are in executor_checks.py. A chunk's gradients are
+averaged during its last backward (extensions.py's `sync`, DDP). The loss is summed in float64 on
+every stage and reported in the last stage's dtype, which rides along with it as a code.
 """
 from __future__ import annotations
 
@@ -71,9 +67,7 @@ class Executor:
         assert not run.held and not run.outbox and not run.inbox, "plan left work undone"
         self.comm.flush(f"the end of a {self.name} batch")
         loss = run.reported_loss()
-        if not any(run.is_last):
-            return None, None, loss
-        return torch.cat(run.outputs), labels, loss
+        return (torch.cat(run.outputs), labels, loss) if any(run.is_last) else (None, None, loss)
 
     def run_type(self, extensions: Sequence[Extension]) -> type:
         """What runs a batch: the Run below (with mixins where the plan or a feature needs more)."""
@@ -152,7 +146,6 @@ class Run:
         else:  # from the gradient the next part sent (none for token ids)
             grad = self.inbox.pop(Transfer("grad", v + 1, v, m), None)
         roots = [output] if grad is not None and output.requires_grad else []  # frozen: none
-        # extensions: a chunk's gradients are averaged once, during its last backward (DDP)
         with synchronising(self.extensions, c, last=step == self.last_backward[c]):
             self.backprop(roots, [grad] * len(roots), x, c, m)
         if v > 0 and x.requires_grad:  # token ids have no gradient to send back
@@ -174,8 +167,7 @@ class Run:
 
     def deliver(self, t: Transfer, x: torch.Tensor) -> None:
         """To the outbox for the next message batch, or to the inbox: a hand-over (zbv's V)."""
-        box = self.inbox if t.dst in self.parts else self.outbox
-        box[t] = x
+        (self.inbox if t.dst in self.parts else self.outbox)[t] = x
 
     def loss(self, output: torch.Tensor, m: int) -> Optional[torch.Tensor]:
         """Micro-batch m's part of the batch's mean loss, added to the reported loss."""

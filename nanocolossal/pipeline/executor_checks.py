@@ -55,9 +55,8 @@ def check_output(output: Any, v: int) -> None:
 
 
 def check_input_used(x: torch.Tensor, v: int, m: int) -> None:
-    """A floating input no gradient reached is an error: zeros sent back would give the earlier
-    stage's parameters zero gradients where one process leaves them None, and momentum or weight
-    decay would still move them -- a silent difference."""
+    """A floating input no gradient reached: zeros sent back would give the earlier stage's
+    parameters zero gradients where one process leaves them None (momentum, decay move them)."""
     if x.grad is None:
         raise RuntimeError(
             f"[rank {gpc.rank}] pipeline part {v} did not use its input in micro-batch {m}: no "

@@ -76,10 +76,9 @@ class OwnLosses(Run):
 
     def backprop(self, roots: list, grads: list, x: torch.Tensor, c: int, m: int) -> None:
         own = self.own.pop((c, m), None)
-        if own is not None:
-            scaled = own * self.loss_scale  # scaled like the loss
-            roots = roots + [scaled]
-            grads = grads + [torch.ones_like(scaled)]
+        if own is not None:  # scaled like the loss
+            roots = roots + [own * self.loss_scale]
+            grads = grads + [torch.ones_like(own)]
         super().backprop(roots, grads, x, c, m)
 
 
@@ -100,10 +99,8 @@ class Timed(Run):
     def step(self, step: Any, where: str) -> None:
         started = time.time()
         super().step(step, where)
-        if isinstance(step, Comm):
-            label = "send/recv " + ", ".join(f"{t.what}{t.mb}" for t in step.sends + step.recvs)
-        else:
-            label = step_label(step, len(self.chunks))
+        label = (step_label(step, len(self.chunks)) if not isinstance(step, Comm) else
+                 "send/recv " + ", ".join(f"{t.what}{t.mb}" for t in step.sends + step.recvs))
         self.recorder(label, started, time.time())
 
 

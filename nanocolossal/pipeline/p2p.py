@@ -9,15 +9,14 @@ the batch, so a stage never idles while its output is in transit. (NCCL gives on
 whole batch: waiting for its receives waits for its sends too, on the GPU's stream, not the
 host; a batch of sends alone is not waited on until `flush`.)
 
-A receiver must allocate a buffer of the right shape and dtype before data arrives. The
-first transfer across each stage boundary *for each micro-batch size* is preceded by a
-small metadata message [dtype, ndim, *shape]; every stage knows the sizes (it splits the
-same batch), so a smaller last batch costs one more handshake, and later micro-batches of
-that size must match it (p2p_checks.py names both ranks where a stage's output changed).
-TENSOR_SHAPE (tensor_shape) skips the handshake for micro-batches of its leading size (their
-dtype is then float32: a half-precision activation needs the handshake).
-Gradients cross a boundary backwards with the shape and dtype of its activation, which both
-sides already know; an integer activation (token ids) has none.
+A receiver must allocate a buffer of the right shape and dtype before data arrives. The first
+transfer across each stage boundary *for each micro-batch size* is preceded by a small metadata
+message [dtype, ndim, *shape]; every stage knows the sizes (it splits the same batch), so a smaller
+last batch costs one more handshake, and later micro-batches of that size must match it
+(p2p_checks.py names both ranks where a stage's output changed). TENSOR_SHAPE (tensor_shape) skips
+the handshake for micro-batches of its leading size (their dtype is then float32: a half-precision
+activation needs the handshake). Gradients cross a boundary backwards with the shape and dtype of
+its activation, which both sides already know; an integer activation (token ids) has none.
 
 Within a batch, operations are ordered by (kind, source, destination, micro-batch) on both
 sides and tagged, so a message is matched with its own receive on gloo (tags) and on NCCL
@@ -60,8 +59,7 @@ class StageComm:
         self._sending: list[tuple] = []  # (work, op) of sends not yet known to be complete
 
     def exchange(self, sends: dict, recvs: Sequence[Transfer], where: str) -> dict:
-        """Post all sends ({Transfer: tensor}) and receives together; returns {Transfer: tensor}.
-        An integer activation (token ids) has no gradient: neither end posts one for it."""
+        """Post all sends ({Transfer: tensor}) and receives together; returns {Transfer: tensor}."""
         check_sendable(sends, _DTYPES, _META_LEN)
         self._handshake(sends, recvs, where)
         ops = []

@@ -13,8 +13,7 @@ from .steps import Transfer
 
 
 def check_sendable(sends: dict, dtypes: list, meta_len: int) -> None:
-    """Every activation fits the shape handshake's message: at most meta_len - 2 dimensions, a
-    dtype it has a code for."""
+    """Every activation fits the handshake: at most meta_len - 2 dimensions, a dtype with a code."""
     for t, x in sends.items():
         if t.what == "act" and x.dim() + 2 > meta_len:
             raise ValueError(f"[rank {gpc.rank}] stage output has {x.dim()} dimensions; at "
@@ -50,9 +49,8 @@ def transfer_errors(ops: list, where: str) -> Iterator[None]:
         yield
     except RuntimeError as e:
         peers = sorted({op.peer for op in ops})
-        raise RuntimeError(f"[rank {gpc.rank}] pipeline transfer with "
-                           f"rank(s) {peers} failed at {where} "
-                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                           "a peer may have stopped or timed out (timeout "
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RuntimeError(f"[rank {gpc.rank}] pipeline transfer with rank(s) {peers} failed at "
+                           f"{where} ({first}); a peer may have stopped or timed out (timeout "
                            f"{gpc.timeout.total_seconds():.0f} s)") from e
 

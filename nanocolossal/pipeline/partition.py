@@ -15,13 +15,14 @@ Balancing is the "linear partition" problem: split a sequence of costs into K co
 parts minimising the largest part, solved exactly by dynamic programming. Every rank must
 cut identically, so profiled costs are measured on rank 0 and broadcast.
 
-A stage keeps its layers under their *original* indices, so its state_dict keys are the
-Sequential's own ("4.conv1.weight") and the stages' state_dicts merge into the plain model's.
+A stage keeps its layers under their *original* indices, so its state_dict keys are the Sequential's
+own ("4.conv1.weight") and the stages' state_dicts merge into the plain model's.
 """
 from __future__ import annotations
 
 import copy
 import time
+from itertools import accumulate
 from typing import Optional, Sequence, Union
 
 import torch
@@ -36,8 +37,7 @@ from .tied import tie_across_stages
 
 
 class PipelinePart(nn.Module):
-    """One part (of the P x V cuts): consecutive layers of the original Sequential, registered
-    under their original indices. A stage is one part, or V of them (PipelineChunks)."""
+    """One of the P x V parts: consecutive layers under their original indices (a stage: 1 or V)."""
 
     def __init__(self, layers: nn.Sequential, start: int, stop: int) -> None:
         super().__init__()
@@ -77,9 +77,7 @@ class PipelineChunks(nn.ModuleList):
 def balanced_split(costs: Sequence[float], parts: int) -> list[int]:
     """Layer counts of `parts` contiguous non-empty parts minimising the largest sum (exact DP)."""
     n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0.0, *accumulate(costs)]
     best = [[float("inf")] * (n + 1) for _ in range(parts + 1)]  # best[k][i]: i layers, k parts
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0

@@ -30,21 +30,17 @@ bubble fraction = (P - 1) / (V * M + P - 1).
 Zero bubble (ZB-H1, ZB-V; zero_bubble.py) splits each backward in two, B the input's gradient
 and W the weights', and fills the bubble with the W's nobody waits for.
 
-`one_f_one_b` below is 1F1B on one rank as the textbooks draw it, in one screen, and is what the
-executor (executor.py) runs for 1F1B, training and evaluation (forwards only). Before each
-forward a rank receives its input activation (unless it is the first stage), before each
-backward the gradient of its output (unless it is the last); after each it sends the result on.
-One communication batch between two computations posts the sends of the one before with the
-receives of the one after, so neighbours never wait on each other in a ring.
-`round_plan` is the same loop generalised to GPipe and interleaved chunks (a test proves it gives
-`one_f_one_b`'s plan), and to ZB-H1's order (`zero_bubble_order`); ZB-V's order (`zbv_order`)
-runs with its messages on time (`on_time_plan`). `build_plan` picks among the three.
-`simulate.py` executes plans symbolically and draws the timelines above:
-`python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--schedule zero_bubble|zbv]`.
+`one_f_one_b` below is 1F1B on one rank as the textbooks draw it, in one screen: what the executor
+(executor.py) runs for 1F1B, training and evaluation (forwards only). Before each forward a rank
+receives its input activation (unless it is the first stage), before each backward the gradient of
+its output (unless it is the last); one communication batch between two computations posts the sends
+of the one before with the receives of the one after, so neighbours never wait on each other in a
+ring. `round_plan` generalises the loop to GPipe, interleaved chunks and ZB-H1's order; ZB-V's runs
+with its messages on time (`on_time_plan`). `simulate.py` executes plans symbolically and draws the
+timelines above: `python -m nanocolossal.pipeline --show --stages 4 --microbatches 8`.
 """
 from __future__ import annotations
 
-# SCHEDULES, check_sizes and PlanError are also named here, as before
 from .plan_checks import SCHEDULES as SCHEDULES
 from .plan_checks import check_sizes
 from .steps import Comm, Compute, Step, Transfer, received_by, sent_by, v_shaped, virtual_stage
@@ -118,8 +114,7 @@ def warmup_count(schedule: str, P: int, M: int, V: int, rank: int) -> int:
 
 def _rounds(schedule: str, P: int, M: int, V: int, rank: int,
             forward_only: bool) -> list[list[Compute]]:
-    """The compute steps of one rank, grouped into rounds that run with no communication between
-    them: warm-up forwards alone, then (forward, backward) pairs, then the remaining backwards."""
+    """One rank's compute steps in rounds, each run with no communication inside it."""
     check_sizes(schedule, P, M, V)
     if schedule in ("zero_bubble", "zbv"):
         order = (zero_bubble_order if schedule == "zero_bubble" else zbv_order)(P, M, rank)
@@ -132,17 +127,11 @@ def _rounds(schedule: str, P: int, M: int, V: int, rank: int,
         backwards = [Compute("B", 0, m) for m in range(M)]
     if forward_only:
         return [[f] for f in forwards]
-
     warmup = warmup_count(schedule, P, M, V, rank)
     steady = len(forwards) - warmup
-    # warm-up: forwards only, until the first micro-batch's gradient can come back
-    warmup_rounds = [[f] for f in forwards[:warmup]]
-    # steady state: one forward, one backward -- the number of activations held stays constant
-    steady_rounds = [[forwards[warmup + i], backwards[i]] for i in range(steady)]
-    # cool-down: the backwards of the micro-batches still in flight drain the pipeline
-    cooldown_rounds = [[b] for b in backwards[steady:]]
-    rounds = warmup_rounds + steady_rounds + cooldown_rounds
-    # plain 1F1B communicates after every step, so activations leave at once
+    rounds = ([[f] for f in forwards[:warmup]]  # warm-up: until a gradient can come back
+              + [[forwards[warmup + i], backwards[i]] for i in range(steady)]  # one F, one B
+              + [[b] for b in backwards[steady:]])  # cool-down: the backwards still in flight
     if schedule != "interleaved":
         rounds = [[step] for steps in rounds for step in steps]
     return rounds

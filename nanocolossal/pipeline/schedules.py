@@ -47,9 +47,8 @@ class InterleavedPipelineSchedule(Schedule):
         super().__init__(num_microbatches, tensor_shape, num_chunks)
 
 
-SCHEDULE_CLASSES = {"gpipe": GPipeSchedule, "1f1b": PipelineSchedule, "zero_bubble":
-                    ZeroBubbleSchedule, "zbv": ZBVSchedule, "interleaved":
-                    InterleavedPipelineSchedule}
+SCHEDULE_CLASSES = {s.name: s for s in (GPipeSchedule, PipelineSchedule, ZeroBubbleSchedule,
+                                         ZBVSchedule, InterleavedPipelineSchedule)}
 
 
 def make_schedule(name: str, num_microbatches: int, num_chunks: int = 1,

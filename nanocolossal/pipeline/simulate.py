@@ -135,8 +135,7 @@ def bubble_formula(schedule: str, P: int, M: int, V: int = 1, f: float = 1, b: f
 
 
 def render(schedule: str, P: int, M: int, V: int = 1) -> str:
-    """An ASCII timeline, one row per rank, one column per unit of time (F, B and W cost 1; an
-    unsplit backward 2)."""
+    """An ASCII timeline, one row per rank (F, B and W cost 1 column; an unsplit backward 2)."""
     t = timeline(schedule, P, M, V)
     width = len(str(M - 1)) + 1 + len(chunk_name(V - 1, V))
     lines = []

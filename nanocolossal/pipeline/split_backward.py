@@ -13,13 +13,14 @@ second walks the spine again to reach W1, so the activations' gradients are comp
 has an edge off the spine, and W starts at those nodes with `inputs=` the weights below them:
 each weight gradient is computed once and nothing twice, so B + W cost one ordinary backward.
 
-W's last call starts at the output itself (with the weights nearest to it, a short walk), so
-what hooks the output for the end of a backward (DDP's averaging) sees one, as usual. A weight
-reached from two places (used twice in the chunk) also takes that call from the output: summed
-by autograd, not by us. A root that does not reach x (a chunk's own loss) is W's alone.
+W's last call starts at the output itself (with the weights nearest to it, a short walk), so what
+hooks the output for the end of a backward (DDP's averaging) sees one, as usual. A weight reached
+from two places (used twice in the chunk) also takes that call from the output: summed by autograd,
+not by us. A root that does not reach x (a chunk's own loss) is W's alone.
 """
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import nullcontext
 from functools import partial
 from typing import Callable, ContextManager, Optional
@@ -33,12 +34,10 @@ Around = Callable[[bool], ContextManager]  # W's backward calls run inside aroun
 
 
 class TwoBackwards:
-    """The naive split: B and W as two ordinary backwards from the roots. Exact, but W walks the
-    spine again, so the activations' gradients are computed twice (three Linears: 4/3 of one
-    backward's FLOPs, counted in test_pipeline_plan.py)."""
+    """The naive split (above), exact: for three Linears 4/3 of one backward's FLOPs (counted in
+    test_pipeline_plan.py)."""
 
-    def __init__(self, roots: list, grads: list, x: Optional[torch.Tensor],
-                 weights: list) -> None:
+    def __init__(self, roots: list, grads: list, x: Optional[torch.Tensor], weights: list) -> None:
         self.roots = roots
         self.grads = grads
         self.x = x
@@ -53,20 +52,15 @@ class TwoBackwards:
             torch.autograd.backward(self.roots, self.grads, inputs=self.weights)
 
 
-class SplitBackward:
-    """The same split, each gradient computed once: the backward of `roots` (with `grads`) into
-    input `x` (None: none) and `weights`."""
+class SplitBackward(TwoBackwards):
+    """The same split, each gradient computed once (above); `x` None: no input gradient."""
 
-    def __init__(self, roots: list, grads: list, x: Optional[torch.Tensor],
-                 weights: list) -> None:
-        self.roots = roots
-        self.grads = grads
-        self.x = x
+    def __init__(self, roots: list, grads: list, x: Optional[torch.Tensor], weights: list) -> None:
+        super().__init__(roots, grads, x, weights)
         spine = _leads_to(roots, get_gradient_edge(x).node if x is not None else None)
         refuse_recomputation(spine)  # a checkpointed block's weights are not in the graph
         wanted = {id(w): w for w in weights}
-        # spine nodes with edges off it -> the weights below those edges
-        self.off: dict[Node, list] = {}
+        self.off: dict[Node, list] = {}  # spine nodes with edges off it -> the weights below
         for node, on in spine.items():
             below = [c for c, _ in node.next_functions if c is not None and not spine[c]]
             if on and below:
@@ -75,9 +69,7 @@ class SplitBackward:
         # node with weights (nearest the output): one call from the output
         from_output = [w for r in roots if not spine[r.grad_fn]
                        for w in _weights_below([r.grad_fn], wanted)]
-        seen: dict[int, int] = {}
-        for w in from_output + [w for ws in self.off.values() for w in ws]:
-            seen[id(w)] = seen.get(id(w), 0) + 1
+        seen = Counter(id(w) for w in from_output + [w for ws in self.off.values() for w in ws])
         nearest = _nearest(roots, [n for n, ws in self.off.items() if ws])
         for node in list(self.off):
             if node is nearest or any(seen[id(w)] > 1 for w in self.off[node]):
@@ -87,23 +79,17 @@ class SplitBackward:
 
     def input_grad(self) -> None:
         """B: x.grad, recording what arrives at the spine's nodes with weights below them."""
-        hooks = [node.register_prehook(lambda grad, node=node: self._arrive(node, grad))
+        hooks = [node.register_prehook(lambda grad, node=node: self.arrived.update({node: grad}))
                  for node in self.off]
         try:
-            if self.x is not None and self.roots:
-                torch.autograd.backward(self.roots, self.grads, inputs=[self.x],
-                                        retain_graph=True)
+            super().input_grad()
         finally:
             for hook in hooks:
                 hook.remove()
 
-    def _arrive(self, node: Node, grad: tuple) -> None:
-        self.arrived[node] = grad
-
     def weight_grads(self, around: Around = lambda last: nullcontext()) -> None:
-        """W: into the weights' .grad, from where B left each gradient, the output last. W is
-        several backwards; the last runs inside around(True), the others inside around(False)
-        (what averages gradients at the end of a backward, DDP, must run once: in the last)."""
+        """W: into the weights' .grad, from where B left each gradient, the output last; of these
+        backwards only the last runs inside around(True) (DDP's averaging must run once)."""
         calls = []
         for node, weights in self.off.items():
             grad = self.arrived.get(node)

@@ -1,10 +1,10 @@
 """What the split backward (split_backward.py) cannot see: a recomputation inside a stage.
 
-B and W find the weights by walking autograd's graph from the stage's output. A reentrant
-checkpoint (nc.utils.checkpoint, torch's `use_reentrant=True`) is one node in that graph whose
-weights appear only when its backward recomputes the block: W never reaches them (the block
-would not train) and B, a backward with `inputs=`, cannot run it. torch's non-reentrant
-checkpoint keeps the block's nodes in the graph, so the walk sees its weights.
+B and W find the weights by walking autograd's graph from the stage's output. A reentrant checkpoint
+(nc.utils.checkpoint, torch's `use_reentrant=True`) is one node in that graph whose weights appear
+only when its backward recomputes the block: W never reaches them (the block would not train) and B,
+a backward with `inputs=`, cannot run it. torch's non-reentrant checkpoint keeps the block's nodes
+in the graph, so the walk sees its weights.
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """What a pipeline plan is made of: the steps a rank runs, and which rank holds which part.
 
-The model is cut into P * V parts ("virtual stages"); rank r holds chunks c = 0..V-1, and
-chunk c is part v = c * P + r -- looping down the ranks -- or, in a V (zbv), the odd chunks
-come back up: chunk 1 of rank r is part 2P - 1 - r, so parts P - 1 and P share rank P - 1.
-(P = 4, V = 2:)
+The model is cut into P * V parts ("virtual stages"); rank r holds chunks c = 0..V-1, and chunk c is
+part v = c * P + r -- looping down the ranks -- or, in a V (zbv), the odd chunks come back up:
+chunk 1 of rank r is part 2P - 1 - r, so parts P - 1 and P share rank P - 1. (P = 4, V = 2:)
 
     looping (interleaved)       in a V (zbv)
     rank 0 | part 0, part 4     rank 0 | part 0, part 7
@@ -11,12 +10,12 @@ come back up: chunk 1 of rank r is part 2P - 1 - r, so parts P - 1 and P share r
     rank 2 | part 2, part 6     rank 2 | part 2, part 5
     rank 3 | part 3, part 7     rank 3 | part 3, part 4
 
-A batch is cut into M micro-batches. A plan is a list of steps: compute steps -- forward
-F(c, m), backward B(c, m), and where the backward is split (zero_bubble.py) the weights'
-gradient W(c, m) -- and communication batches (sends and receives posted together, so two
-neighbours sending to each other at once cannot deadlock). A forward receives its part's input
-activation and sends its output on; a backward receives its output's gradient and sends its
-input's back; a message between two parts on one rank is handed over in memory.
+A batch is cut into M micro-batches. A plan is a list of steps: compute steps -- forward F(c, m),
+backward B(c, m), and where the backward is split (zero_bubble.py) the weights' gradient W(c, m) --
+and communication batches (sends and receives posted together, so two neighbours sending to each
+other at once cannot deadlock). A forward receives its part's input activation and sends its output
+on; a backward receives its output's gradient and sends its input's back; a message between two
+parts on one rank is handed over in memory.
 """
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class Compute:
 
 @dataclass(frozen=True, order=True)
 class Transfer:
-    """One point-to-point message: `what` ("act" forward, "grad" backward) of micro-batch `mb`
-    from virtual stage `src` to virtual stage `dst`. Both ends post a batch's messages sorted."""
+    """One message: `what` ("act" forward, "grad" backward) of micro-batch `mb`, part src to dst."""
     what: str
     src: int
     dst: int

@@ -66,9 +66,8 @@ def tie_across_stages(layers: nn.Sequential, starts: Sequence[int], sizes: Seque
 
 
 def sum_tied_gradients(tied: Tied) -> None:
-    """Each copy's gradient becomes the sum over the stages that hold one. A weight no stage
-    used this step keeps none, as in one process (zeros would let momentum and weight decay
-    move it): a flag first."""
+    """Each copy's gradient becomes the sum over the stages holding one; a weight no stage used
+    keeps none, as in one process (a flag first: zeros would let momentum and decay move it)."""
     for param, group in tied:
         anyone = torch.tensor([param.grad is not None], dtype=torch.float32, device=param.device)
         dist.all_reduce(anyone, group=group)
@@ -80,8 +79,7 @@ def sum_tied_gradients(tied: Tied) -> None:
 
 
 class TiedGradients(Extension):
-    """The sum above, after a batch's last backward. ZeRO levels 2-3 hold segments of gradients,
-    not whole ones: zero/tied.py sums those (sum_sharded_tied_gradients), and `summing` is that."""
+    """The sum above, after a batch's last backward; `summing`: ZeRO 2-3's (zero/tied.py)."""
 
     def __init__(self, tied: Tied, summing: Optional[Callable[[Tied], None]] = None) -> None:
         self.tied = tied

@@ -29,19 +29,18 @@ ones, which it hands over in memory. A micro-batch's forward, P = 4:
     chunk 1    part 7 <-- part 6 <-- part 5 <-- part 4
                (the loss)
 
-Rank r runs 2(P - r) - 1 forwards of chunk 0, then forwards of both chunks in turn, then chunk
-1's F, B, W until it is steady at F, B, W of each chunk; the W's it holds back fill the
-cool-down. With F, B and W of a chunk (half a stage) equal, a rank idles only while micro-batch
-0 comes down the V to it and the last goes back: (P - 1) F, against 1F1B's (P - 1)(2F + 2B + 2W)
-in these units; each rank holds at most 2P chunks' activations (half a stage each): 1F1B's
-peak. It needs M >= 2P - 1.
+Rank r runs 2(P - r) - 1 forwards of chunk 0, then forwards of both chunks in turn, then chunk 1's
+F, B, W until it is steady at F, B, W of each chunk; the W's it holds back fill the cool-down. With
+F, B and W of a chunk (half a stage) equal, a rank idles only while micro-batch 0 comes down the V
+to it and the last goes back: (P - 1) F, against 1F1B's (P - 1)(2F + 2B + 2W) in these units; each
+rank holds at most 2P chunks' activations (half a stage each): 1F1B's peak. It needs M >= 2P - 1.
 
     rank 0 |F0aF1aF2aF3aF4aF5aF6aF0bB0bW0bF1bB1bW1bF2bB2bW2bF3bB3bW3bF7aB0aW0aF4bB4bW4bB1aW1a...
     rank 3 |.........F0aF0bF1aF1bF2aF2bF3aF3bB0bW0bF4aB0aW0aF4bB1bW1bF5aB1aW1aF5bB2bW2bF6aB2a...
 
-Its messages go both ways between neighbours, so plan.py's batches between rounds could wait on
-each other in a ring; `on_time_plan` posts each message at the time its receiver needs it, on
-the clock of `earliest_starts` (which simulate.py's timelines also use).
+Its messages go both ways between neighbours, so plan.py's batches between rounds could wait on each
+other in a ring; `on_time_plan` posts each message at the time its receiver needs it, on the clock
+of `earliest_starts` (which simulate.py's timelines also use).
 """
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ from .steps import Comm, Compute, PlanError, Step, handed_over, received_by, sen
 
 
 def zero_bubble_order(P: int, M: int, rank: int) -> list[Compute]:
-    """ZB-H1 on pipeline rank `rank`: 1F1B's forwards and input-gradient backwards B, each
-    weight gradient W run `rank` backwards after its B, and the W's left over at the end."""
+    """ZB-H1 on pipeline rank `rank` (above): each W `rank` backwards after its B."""
     warmup = min(P - rank - 1, M)
     order = [Compute("F", 0, m) for m in range(warmup)]
     done_b = done_w = 0
@@ -73,11 +71,8 @@ def zero_bubble_order(P: int, M: int, rank: int) -> list[Compute]:
 
 
 def zbv_order(P: int, M: int, rank: int) -> list[Compute]:
-    """ZB-V on pipeline rank `rank`: chunk 0 (part `rank`, on the way down the V) and chunk 1
-    (part 2P - 1 - rank, on the way back up), each backward split into B and W.
-
-    Counted as if there were at least 2P - 1 micro-batches (rank 0's forwards until micro-batch
-    0 comes back to it); the steps of micro-batches beyond M are then left out."""
+    """ZB-V on pipeline rank `rank` (above), counted as if there were at least 2P - 1 micro-batches
+    (rank 0's forwards until micro-batch 0 comes back to it), the steps beyond M left out."""
     n = max(M, 2 * P - 1)
     order: list[Compute] = []
     done = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}

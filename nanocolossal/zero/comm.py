@@ -1,12 +1,12 @@
 """The collectives ZeRO adds to data parallelism: every rank's shard into everyone's buffer
 (gather_shards), and my shard of everyone's sum (reduce_scatter_shard).
 
-gather_shards is an all-gather (NCCL's on GPUs); on gloo, N broadcasts, each owner sending its
-shard in place, were measured 5x faster than its all_gather (36 MiB on 2 ranks: 15 ms vs 76 ms).
-reduce_scatter_shard cuts `full` into N equal shards, shard r to rank r: Psi (N-1)/N sent per
-rank, half an all-reduce. Where an all-reduce stands in (ALL_REDUCE_INSTEAD: gloo, whose
-reduce_scatter is slower, 12-16 ms vs 8-9 ms for 2.4M floats on 2 ranks, and any backend found
-without one) it all-reduces and keeps my shard: 2x the traffic.
+gather_shards is an all-gather (NCCL's on GPUs); on gloo, N broadcasts, each owner sending its shard
+in place, were measured 5x faster than its all_gather (36 MiB on 2 ranks: 15 ms vs 76 ms).
+reduce_scatter_shard cuts `full` into N equal shards, shard r to rank r: Psi (N-1)/N sent per rank,
+half an all-reduce. Where an all-reduce stands in (ALL_REDUCE_INSTEAD: gloo, whose reduce_scatter is
+slower, 12-16 ms vs 8-9 ms for 2.4M floats on 2 ranks, and any backend found without one) it
+all-reduces and keeps my shard: 2x the traffic.
 """
 from __future__ import annotations
 
@@ -41,8 +41,7 @@ REDUCE_SCATTER = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_singl
 
 def reduce_scatter_shard(full: torch.Tensor, group: Optional[dist.ProcessGroup],
                          async_op: bool = False) -> tuple:
-    """(work, mine): my 1/N of `full` summed over the group, ready after work.wait() (work is
-    None when done)."""
+    """(work, mine): my 1/N of `full` summed over the group, ready after work.wait() if work."""
     group = group or dist.group.WORLD
     n, me = dist.get_world_size(group), dist.get_rank(group)
     backend = dist.get_backend(group)

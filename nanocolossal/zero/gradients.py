@@ -42,7 +42,6 @@ class _TransientBucket(_Bucket):
     def __init__(self, params: list[nn.Parameter]) -> None:
         super().__init__(params)
         self.buffer: Optional[torch.Tensor] = None  # (until the first gradient arrives)
-        self.wire = None
 
     def allocate(self) -> None:
         if self.buffer is None:  # gradients, then one "used" flag per parameter
@@ -52,15 +51,13 @@ class _TransientBucket(_Bucket):
 
 
 class ShardKeepingDDP(DistributedDataParallel):
-    """DDP whose backward leaves each rank only its shard of the averaged gradients, in
-    `optimizer`'s segments."""
+    """DDP whose backward leaves each rank only its segments of the averaged gradients."""
 
     bucket_class = _TransientBucket
     name, other_way = "zero", ""
 
-    def __init__(self, module: nn.Module, optimizer: ShardedOptimizer,
-                 bucket_cap_mb: float = 25, overlap_communication: bool = True,
-                 broadcast_buffers: bool = True,
+    def __init__(self, module: nn.Module, optimizer: ShardedOptimizer, bucket_cap_mb: float = 25,
+                 overlap_communication: bool = True, broadcast_buffers: bool = True,
                  reduced_elsewhere: Collection[nn.Parameter] = ()) -> None:
         self.sharded_optimizer = optimizer
         self.overlap = overlap_communication

@@ -17,10 +17,10 @@ and, for each of its segments and each saved segment of the same parameter, copi
     a saved segment       [slo ........ shi)                 of parameter i, from file q
     copied                [max(lo, slo), min(hi, shi))      to mine at max(lo, slo) - lo
 
-So no rank holds a tensor it does not own, even while loading. The plain route (every file
-merged into whole tensors, then cut: complete_zero_state) stays for merge_checkpoint, a load
-into plain data parallelism or without an optimizer, a level-3 save loaded at level 1-2, or a
-save older than the segments list.
+So no rank holds a tensor it does not own, even while loading. The plain route (every file merged
+into whole tensors, then cut: complete_zero_state) stays for merge_checkpoint, a load into plain
+data parallelism or without an optimizer, a level-3 save loaded at level 1-2, or a save older than
+the segments list.
 """
 from __future__ import annotations
 
@@ -38,16 +38,6 @@ from .state import per_element
 Key = tuple[int, int, int]  # (parameter index, lo, hi): one segment
 
 
-def files_to_read(saved: list[list], mine: list[Key]) -> list[int]:
-    """The saving ranks whose files hold any element of my segments `mine`."""
-    wanted: dict[int, list[tuple[int, int]]] = {}
-    for index, lo, hi in mine:
-        wanted.setdefault(index, []).append((lo, hi))
-    return [q for q, segments in enumerate(saved)
-            if any(lo < shi and slo < hi
-                   for index, slo, shi in segments for lo, hi in wanted.get(index, []))]
-
-
 class _Mine:
     """My segments' tensors, filled from the saved segments, counting the elements received."""
 
@@ -59,8 +49,7 @@ class _Mine:
 
     def place(self, into: dict, name: str, index: int, slo: int, shi: int,
               value: torch.Tensor) -> None:
-        """Copy what saved segment [slo, shi) of parameter `index` shares with each of my
-        segments into into[segment][name]."""
+        """Copy saved segment [slo, shi) of parameter `index` into my segments' into[key][name]."""
         for key in self.at.get(index, []):
             lo, hi = key[1], key[2]
             a, b = max(lo, slo), min(hi, shi)
@@ -82,11 +71,17 @@ class _Mine:
                     f"a file is incomplete: resume from an older checkpoint")
 
 
-def my_state(opt: ShardedOptimizer, saved: dict, parts: list[dict], files: list[Path]) -> dict:
+def files_to_read(saved: list[list], mine: _Mine) -> list[int]:
+    """The saving ranks whose files hold any element of my segments."""
+    return [q for q, segments in enumerate(saved)
+            if any(lo < shi and slo < hi
+                   for index, slo, shi in segments for _, lo, hi in mine.at.get(index, []))]
+
+
+def my_state(mine: _Mine, saved: dict, parts: list[dict], files: list[Path]) -> dict:
     """From the files read: the state of my segments, as the optimizer's load_state_dict takes
     it -- {"optimizer": {"mine": {key: {exp_avg: values, ..., step}}, ...}, "masters": {key:
     values}, "params": {key: values}}, each key one of my segments (index, lo, hi)."""
-    mine = _Mine([(s.index, s.lo, s.hi) for b in opt.buffers for s in b.segments])
     state: dict[Key, dict] = {}
     extra: dict[Key, dict] = {}  # {"master": values, "param": values}
     for part in parts:
@@ -110,23 +105,20 @@ def my_state(opt: ShardedOptimizer, saved: dict, parts: list[dict], files: list[
 
 
 def read_my_segments(state: dict, file: Path, opt: Any, trusted: bool = False) -> Optional[dict]:
-    """`state`, a stage file just read, with my segments from the files that hold them; None
-    where the plain route is needed (see the module's docstring)."""
+    """`state` (a stage file) with my segments, read from their files; None: the plain route."""
     saved = state.get("optimizer")
     if not (isinstance(opt, ShardedOptimizer) and isinstance(saved, dict)):
         return None
     listed = saved.get("segments", saved.get("pieces"))  # ("pieces": its name in older saves)
-    if listed is None:
-        return None
-    if saved["shapes"] != [list(s) for s in opt.shapes] or (saved["param_names"]
-                                                            and opt.level < 3):
-        return None  # another model (the plain route says what differs), or whole parameters
-    mine = [(s.index, s.lo, s.hi) for b in opt.buffers for s in b.segments]
+    if (listed is None or saved["shapes"] != [list(s) for s in opt.shapes]  # another model
+            or (saved["param_names"] and opt.level < 3)):  # or whole parameters
+        return None  # (the plain route says what differs)
+    mine = _Mine([(s.index, s.lo, s.hi) for b in opt.buffers for s in b.segments])
     files = [zero_path(file, q) for q in files_to_read(listed, mine)]
     parts = [read_file(f, "cpu", trusted) for f in files]
     check_one_save([describe_save(state, file)] + [describe_save(p, f)
                                                   for p, f in zip(parts, files)])
-    return {**state, "optimizer": my_state(opt, saved, parts, files)}
+    return {**state, "optimizer": my_state(mine, saved, parts, files)}
 
 
 def load_model_entries(model: nn.Module, entries: dict, strict: bool) -> None:

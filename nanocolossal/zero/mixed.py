@@ -65,8 +65,7 @@ class MixedShardedOptimizer(ShardedOptimizer):
 
     def make_buffer(self, params: list[nn.Parameter], indices: list[int]) -> FlatBuffer:
         """Half segments are stepped through fp32 masters: segment.param becomes the master the
-        inner optimizer updates, segment.view the model's segment it is copied into. With
-        offload every segment has one, on the CPU (offload.py)."""
+        inner optimizer updates, segment.view the model's segment it is copied into."""
         buffer = super().make_buffer(params, indices)
         half = buffer.data.dtype in (torch.float16, torch.bfloat16)
         for s in buffer.segments:
@@ -86,9 +85,8 @@ class MixedShardedOptimizer(ShardedOptimizer):
         self.offload.copy_out(self._master_pairs)
 
     def _unscale_and_check(self) -> torch.Tensor:
-        """Offload: unscale and check where the gradients are -- one fused pass on the device,
-        not a slow one on the CPU -- then copy them out. Half gradients with a loss scale keep
-        the CPU path (unscaled there in fp32, as without offload)."""
+        """Offload: unscale and check on the device in one fused pass, then copy out (offload.py);
+        half gradients with a loss scale are unscaled on the CPU, in fp32."""
         if self.offload is None or not self.check_finite:
             return super()._unscale_and_check()
         pairs = [(v, m) for v, m in self._master_pairs if v.grad is not None]
@@ -121,6 +119,4 @@ class MixedShardedOptimizer(ShardedOptimizer):
 
 
 class MixedParamShardedOptimizer(MixedShardedOptimizer, ParamShardedOptimizer):
-    """ZeRO level 3 around an O2 MixedPrecisionOptimizer: half parameters sharded by unit, fp32
-    masters for my shard only -- the paper's (2 + 2 + 12) Psi / N. (Its buffers keep only my
-    shard, sharded_params.py; the masters are of the segments of that shard.)"""
+    """ZeRO level 3 around an O2 MixedPrecisionOptimizer: fp32 masters for my shard only."""

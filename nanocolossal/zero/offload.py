@@ -35,8 +35,8 @@ One step, on CUDA (one stream; "H2D" / "D2H" the copies over PCIe):
                the all-gather (levels 1-2) and the next forward queue behind them on the stream
 
 The CPU step does not overlap device compute; a master is written again only after the next
-copy-out's wait, so no copy-in still reads it. Off CUDA (and in the tests) both devices are the
-CPU: the copies are plain copies, and training is bit for bit the run without offload.
+copy-out's wait, so no copy-in still reads it. Off CUDA (and in the tests) both devices are the CPU:
+the copies are plain copies, and training is bit for bit the run without offload.
 """
 from __future__ import annotations
 

@@ -41,9 +41,9 @@ stage and tensor slice (gpc.gradient_group): each shards what it holds (ZeRO cut
 further). Clipping adds every rank's shard squares over that group, then the stages' and tensor
 ranks' sums. A weight two stages share (pipeline/tied.py) sums both stages' gradients: tied.py.
 
-fp16: the scaler's overflow check is agreed job-wide (amp.py). AMP O1 keeps fp32 parameters;
-O2 (half parameters, fp32 masters) shards the masters too: mixed.py, the paper's formulas.
-Before a launch, `nanocolossal plan` computes these bytes (nanocolossal/plan/formulas.py).
+fp16: the scaler's overflow check is agreed job-wide (amp.py). AMP O1 keeps fp32 parameters; O2
+(half parameters, fp32 masters) shards the masters too: mixed.py, the paper's formulas. Before a
+launch, `nanocolossal plan` computes these bytes (nanocolossal/plan/formulas.py).
 """
 from __future__ import annotations
 
@@ -101,10 +101,6 @@ class FlatBuffer:
                 segments.append((index, lo - at, hi - at))
         return segments
 
-    def all_gather(self, group: Optional[dist.ProcessGroup], rank: int) -> None:
-        """Everyone's updated shard into everyone's flat buffer (so into the model)."""
-        gather_shards(self.data, self.data.chunk(dist.get_world_size(group))[rank], group)
-
 
 def _same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
     """A new optimizer of the same type and settings over `groups`."""
@@ -114,11 +110,9 @@ def _same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> tor
 
 
 class ShardedOptimizer(ShardedState, MixedPrecisionOptimizer):
-    """ZeRO level 1/2 around the optimizer `initialize` built: same calls, sharded state.
-
-    `mixed` is AMP's wrapper (loss scaler, overflow check); `model` the model whose parameters
-    the optimizer steps; `group` the ranks holding the same parameters (gpc.gradient_group:
-    data x sequence ranks, initialize passes it)."""
+    """ZeRO level 1/2 around the optimizer `initialize` built: same calls, sharded state. `mixed`:
+    AMP's wrapper (loss scaler, overflow check); `group`: the ranks holding the same parameters
+    (gpc.gradient_group: data x sequence ranks)."""
 
     buffer_class = FlatBuffer  # level 3 (sharded_params.py): one that keeps only my shard
 
@@ -166,7 +160,6 @@ class ShardedOptimizer(ShardedState, MixedPrecisionOptimizer):
         """Parameters of one param group with the same kind share a flat buffer."""
         return (p.dtype, p.device)
 
-    # -- gradients in ---------------------------------------------------------------------
     def grad_target(self, s: Segment) -> nn.Parameter:
         """Where the gradient of segment `s` arrives (under O2, mixed.py: its half view)."""
         return s.param
@@ -200,12 +193,10 @@ class ShardedOptimizer(ShardedState, MixedPrecisionOptimizer):
 
     def clip_grad_norm_(self, max_norm: float,
                         group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-        """The norm of all gradients: each rank's shard squares (each element in exactly one
-        shard) summed over the data group, then over `group` (pipeline stages, tensor ranks)."""
+        """All gradients' norm: my shard's squares summed over the data group, then over `group`."""
         mine = {id(p): 1.0 for p in self.params()}  # every segment is split over the data group
         return super().clip_grad_norm_(max_norm, group, split_over=(mine, self.group))
 
-    # -- the step ---------------------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict]:
         """The user's groups, over the model's parameters: an LR scheduler (built before
@@ -220,6 +211,6 @@ class ShardedOptimizer(ShardedState, MixedPrecisionOptimizer):
         self.user._opt_called = True  # torch's schedulers watch the user's step(), not ours
         # a skipped step changed nothing anywhere: no gather; level 3 gathers before each use
         if stepped and self.size > 1 and self.level < 3:
-            for buffer in self.buffers:
-                buffer.all_gather(self.group, self.rank)
+            for buffer in self.buffers:  # everyone's updated shard into everyone's buffer
+                gather_shards(buffer.data, buffer.data.chunk(self.size)[self.rank], self.group)
         return stepped

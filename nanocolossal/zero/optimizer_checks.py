@@ -1,6 +1,6 @@
 """What ZeRO refuses, each called by one line: check_optimizer at initialize, and at each step
-refuse_new_parameters and (level 3 without AMP) refuse_non_finite; gathers_in_forward: level
-3's forward talks, so uneven evaluation batches are refused (checks.py).
+refuse_new_parameters and (level 3 without AMP) refuse_non_finite; gathers_in_forward: level 3's
+forward talks, so uneven evaluation batches are refused (checks.py).
 """
 from __future__ import annotations
 
@@ -43,8 +43,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, mixed: Any, model: nn.Modu
 
 
 def refuse_new_parameters(model: nn.Module, sharded: dict) -> None:
-    """A parameter added after initialize is in no flat buffer (`sharded`): no rank would ever
-    step it, and at level 3 no rank would shard it. Say so rather than train it frozen."""
+    """A parameter added after initialize is in no flat buffer (`sharded`): none would step it."""
     new = [n for n, p in model.named_parameters() if p.requires_grad and p not in sharded]
     if new:
         raise ConfigError(f"[rank {gpc.rank}] zero: parameter(s) {', '.join(new[:4])} were "
@@ -54,9 +53,8 @@ def refuse_new_parameters(model: nn.Module, sharded: dict) -> None:
 
 
 def refuse_non_finite(opt: Any) -> None:
-    """Level 3 without AMP: between uses a parameter points at a NaN element, so one read outside
-    the model's forward (a penalty over model.parameters() in the loop) turns its gradients NaN.
-    One flag all-reduced over the job refuses such a step on every rank, before any shard moves."""
+    """Level 3 without AMP: a read of a freed (NaN) parameter outside the forward gives NaN
+    gradients; one flag all-reduced over the job refuses the step on every rank, before it runs."""
     segments = [s for b in opt.buffers for s in b.segments]
     grads = [g for g in (opt.grad_target(s).grad for s in segments) if g is not None and g.numel()]
     found = torch.zeros(1, device=gpc.device)

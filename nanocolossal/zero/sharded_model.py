@@ -44,9 +44,8 @@ the gather of the unit that followed it last forward (backward: this forward's o
 a changed order wastes one), and a unit's reduction runs while autograd computes the next
 unit's, at most one in flight. False: each collective is waited for at once.
 
-The rules (sharded_model_checks.py, called by one line at each gather, at the end of backward
-and before the step, where they say why): every data rank gathers the same units in the same
-order; a unit read outside its forward joins the root unit; a late gradient is refused.
+The rules (sharded_model_checks.py says why): the same units in the same order on every data
+rank; a unit read outside its forward joins the root unit; a late gradient is refused.
 
 Memory per rank (fp32 parameters, Adam, Psi = elements the optimizer steps, N ranks; each
 unit's buffers padded to a multiple of N):
@@ -57,8 +56,8 @@ unit's buffers padded to a multiple of N):
                     unit's full gradients until reduced
 
 Traffic per step, per rank: gathers in forward and backward, a reduce-scatter, Psi (N-1)/N each:
-3 Psi (N-1)/N, 1.5x DDP's (gloo: 4, zero/comm.py; tests/test_zero_traffic.py).
-Accumulation: each backward adds into my gradient shard. (`nanocolossal plan` computes these.)
+3 Psi (N-1)/N, 1.5x DDP's (gloo: 4, zero/comm.py; tests/test_zero_traffic.py). Accumulation: each
+backward adds into my gradient shard. (`nanocolossal plan` computes these.)
 """
 from __future__ import annotations
 
@@ -119,8 +118,7 @@ class _Unit:
 
 
 class ShardedModel:
-    """Installs level 3's hooks on `model` (the optimizer already cut it into shards, by the
-    `units` of plan_units)."""
+    """Installs level 3's hooks on `model`, cut into shards by the optimizer (units: plan_units)."""
 
     def __init__(self, model: nn.Module, optimizer: ParamShardedOptimizer,
                  units: list[nn.Module], overlap_communication: bool = True) -> None:
@@ -286,8 +284,7 @@ class ShardedModel:
 
     # -- the optimisation: prefetch (overlap_communication=True) ----------------------------
     def _prefetch(self, unit: _Unit, then: list[_Unit]) -> None:
-        """Start gathering the unit after `unit` in `then` (last forward's order; in backward
-        this forward's, reversed), so that its transfer runs while `unit` computes."""
+        """Start gathering the unit after `unit` in `then`, to arrive while `unit` computes."""
         if unit in then[:-1] and not then[then.index(unit) + 1].ready:
             self._gather(then[then.index(unit) + 1], async_op=True)
 
@@ -296,9 +293,7 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def plan_units(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[nn.Module], dict]:
-    """The units: the modules that run, containers opened; the root's own parameters and those
-    shared by two units are the root unit (index len(units)). Returns the units and
-    {id(param): unit index} for the parameters the optimizer steps."""
+    """The units (above) and {id(param): unit index} of stepped parameters (root: len(units))."""
     def running(module: nn.Module) -> Iterator[nn.Module]:
         for child in module.children():
             yield from running(child) if isinstance(child, _CONTAINERS) else (child,)

@@ -1,9 +1,8 @@
-"""ZeRO level 3's rules, installed beside the gather / free / reduce-scatter timeline, which
-calls `Rules` at three points, one line each: gathering(unit) before every gather (Rule 2's
-fingerprint), backward_ended() (no gradient may arrive late: refuse_late_gradients) and
-before_step() (Rule 2 checked across the data group). Without a call from the timeline:
-FirstForwardWatch (Rule 1) and refuse_unfreezing. Non-finite gradients are refused by the step
-(optimizer_checks.py).
+"""ZeRO level 3's rules, installed beside the gather / free / reduce-scatter timeline, which calls
+`Rules` at three points, one line each: gathering(unit) before every gather (Rule 2's fingerprint),
+backward_ended() (no gradient may arrive late: refuse_late_gradients) and before_step() (Rule 2
+checked across the data group). Without a call from the timeline: FirstForwardWatch (Rule 1) and
+refuse_unfreezing. Non-finite gradients are refused by the step (optimizer_checks.py).
 
 Rule 1, a unit's parameters are read inside its forward only -- else it joins the root unit.
 A freed parameter points at a NaN element (sharded_params.py), so a read elsewhere -- a tied
@@ -98,10 +97,9 @@ class OutsideUse(TorchFunctionMode):
 
 
 class FirstForwardWatch:
-    """Rule 1 on a ShardedModel: its first forward that completes runs under OutsideUse, and a
-    unit whose parameter an op reads while the unit is not running joins the root unit
-    (join_root). Entered after the root unit is gathered, left before the units are freed (a
-    free writes every parameter); a unit is running from before its gather to after its free."""
+    """Rule 1 over the first forward that completes. Entered after the root unit is gathered, left
+    before the units are freed (a free writes every parameter); a unit is running from before its
+    gather to after its free."""
 
     def __init__(self, sharded: Any) -> None:
         self.sharded, self.mode, self.running = sharded, None, []
@@ -136,8 +134,7 @@ class FirstForwardWatch:
 
 
 def join_root(sharded: Any, unit: Any, param: torch.Tensor) -> None:
-    """From now on `unit` is part of the root unit: gathered now (for the op that read `param`),
-    then for every whole forward and backward."""
+    """`unit` joins the root unit: gathered now, then for every whole forward and backward."""
     if unit not in sharded.children:  # (joined already)
         return
     sharded._use(unit, [])
@@ -160,7 +157,6 @@ class UnitOrder:
         self.fingerprint, self.names = 0, deque(maxlen=8)  # (names: the last few, for errors)
 
     def record_gather(self, index: int, name: str) -> None:
-        """Unit number `index` (named `name`) is about to be gathered."""
         if self.debug and not same_everywhere(index, self.group, gpc.device):
             raise RuntimeError(f"[rank {gpc.rank}] zero level 3: this rank gathers unit {name!r} "
                                f"while another data rank gathers another: every data rank must "
@@ -183,9 +179,8 @@ class UnitOrder:
 
 
 def refuse_late_gradients(model: nn.Module, unit_of: dict[int, int]) -> None:
-    """After backward every gradient of a sharded parameter has been reduced into my shard, so
-    a full .grad left over arrived after its unit's reduction (a parameter read outside the
-    forward, a reentrant checkpoint of a unit called twice): it would be lost, so refuse."""
+    """A full .grad left after backward arrived after its unit's reduction (a parameter read
+    outside the forward, a reentrant checkpoint of a unit called twice): it would be lost."""
     late = [n for n, p in model.named_parameters() if p.grad is not None and id(p) in unit_of]
     if late:
         raise RuntimeError(f"[rank {gpc.rank}] zero level 3: {', '.join(late[:4])} got a "

@@ -14,16 +14,16 @@ holds it:
                     parameters become views of it again (async_op: a prefetch; wait() before use)
     free()          storage to 0 bytes, parameters back to the NaN placeholder
 
-Resizing the storage (not dropping the tensor) matters: autograd may have saved views of a
-parameter in forward (Linear saves weight.t()), and the re-gather before backward refills what
-they read. The optimizer's segments are views of `local`: the step updates the shard in place,
-and the next forward gathers the new values.
+Resizing the storage (not dropping the tensor) matters: autograd may have saved views of a parameter
+in forward (Linear saves weight.t()), and the re-gather before backward refills what they read. The
+optimizer's segments are views of `local`: the step updates the shard in place, and the next forward
+gathers the new values.
 """
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -88,22 +88,17 @@ class ShardedFlatBuffer(FlatBuffer):
 
 class ParamShardedOptimizer(ShardedOptimizer):
     """Level 3: the level 1-2 optimizer with one flat buffer per (unit, param group, dtype, device),
-    each holding only this rank's shard between uses: ParamShardedOptimizer(mixed, model, 3,
-    group, unit_of), `unit_of[id(p)]` p's unit index."""
+    each keeping only my shard between uses; `unit_of[id(p)]`: p's unit index."""
 
     buffer_class = ShardedFlatBuffer
     before_step = None  # ShardedModel's: the unit order checked, the call counts forgotten
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # a stray read of a freed parameter gives NaN. AMP already checks (and skips such a
-        # step with a warning, as one process would); without AMP, the step refuses it
-        self.refuse_non_finite = not self.check_finite
-
     def step(self) -> bool:
         if self.before_step is not None:
             self.before_step()
-        if self.refuse_non_finite:
+        # a stray read of a freed parameter gives NaN. AMP already checks (and skips such a
+        # step with a warning, as one process would); without AMP, the step refuses it
+        if not self.check_finite:
             refuse_non_finite(self)  # (optimizer_checks.py)
         return super().step()
 

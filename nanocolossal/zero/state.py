@@ -16,11 +16,11 @@ rank ever holds the whole optimizer state to save it:
     load   the merged plain state (saved by any data size, or by one process's optimizer) ->
            each rank keeps state[index][k].flatten()[lo:hi] of its segments (`load_state_dict`)
 
-So a checkpoint loads into any data size (2 -> 1, 1 -> 4, 4 -> 2); load.py reads only the files
-that overlap my shard, the plain route merges them all. `state_dict()` (collective) gathers the
-segments in memory. Per-parameter scalars (`step`) are the same in every segment: kept once.
-Under O2 (mixed.py) it is one process's O2 layout, "masters" one whole fp32 tensor per half
-parameter in its order, so either resumes from the other's file.
+So a checkpoint loads into any data size (2 -> 1, 1 -> 4, 4 -> 2); load.py reads only the files that
+overlap my shard, the plain route merges them all. `state_dict()` (collective) gathers the segments
+in memory. Per-parameter scalars (`step`) are the same in every segment: kept once. Under O2
+(mixed.py) it is one process's O2 layout, "masters" one whole fp32 tensor per half parameter in its
+order, so either resumes from the other's file.
 """
 from __future__ import annotations
 
@@ -37,14 +37,12 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 class ShardedState:
-    """The checkpoint half of ShardedOptimizer (optimizer.py) and its subclasses: what they save
-    and load, as one process's optimizer would, and the bytes they hold."""
+    """The checkpoint half of ShardedOptimizer: what it saves and loads, and the bytes it holds."""
 
     masters_halves = False  # mixed.py: O2's half parameters are stepped through fp32 masters
 
     def state_dict(self) -> dict:
-        """The unsplit model's plain torch optimizer state, every rank's segments put together
-        in memory (collective over the data group)."""
+        """The plain optimizer state, every rank's segments put together (collective)."""
         mine = my_segments(self)
         everyone: list[Any] = [mine]
         if self.size > 1:
@@ -53,10 +51,8 @@ class ShardedState:
         return assemble(skeleton(self), everyone)
 
     def load_state_dict(self, state: dict) -> None:
-        """Keep this rank's segments of a plain optimizer state (unsplit, any data size: cut
-        here) or of one already cut to my segments (load.py: `mine`), which at level 3 also
-        brings my parameter segments (a plain one leaves them to the model's load_state_dict);
-        then O2's masters."""
+        """Keep my segments of a plain optimizer state (any data size: cut here) or of one cut to
+        them (load.py's `mine`, at level 3 with my parameter segments); then O2's masters."""
         plain = state["optimizer"] if "optimizer" in state else state
         if len(plain["param_groups"]) != len(self.user_groups):
             raise ValueError(f"[rank {gpc.rank}] the saved optimizer has "
@@ -105,8 +101,7 @@ class ShardedState:
 
     def param_names(self) -> list[list[str]]:
         """The model's state_dict keys of each parameter the optimizer steps (a tied one: all)."""
-        # keep_vars: the Parameters themselves (and no gather at level 3)
-        keys = strip_prefixes(unwrap(self.model).state_dict(keep_vars=True))
+        keys = strip_prefixes(unwrap(self.model).state_dict(keep_vars=True))  # (no gather)
         index = {id(p): i for i, p in enumerate(self.model_params)}
         names: list[list[str]] = [[] for _ in self.model_params]
         for name, p in keys.items():
@@ -199,17 +194,12 @@ def assemble(skeleton: dict, everyone: list[dict]) -> dict:
             for lo, hi, state in parts:
                 for k, v in state.items():
                     if per_element(k, v):
-                        whole = entry.setdefault(k, torch.zeros(shapes[index].numel(),
-                                                                dtype=v.dtype))
-                        whole[lo:hi] = v
+                        whole = entry.setdefault(k, torch.zeros(shapes[index], dtype=v.dtype))
+                        whole.view(-1)[lo:hi] = v  # (in the parameter's shape)
                     else:
                         entry[k] = v
         for index, lo, hi, master in held["masters"]:
             masters[index][lo:hi] = master
-    for index, entry in full.items():  # flat tensors back into the parameter's shape
-        for k, v in entry.items():
-            if per_element(k, v):
-                entry[k] = v.view(shapes[index])
     return {"optimizer": {"state": full, "param_groups": skeleton["param_groups"]},
             "scaler": skeleton["scaler"], "zero": skeleton["zero"],
             "masters": [masters[i].view(shapes[i]) for i in skeleton["masters_of"]]}

@@ -24,8 +24,7 @@ from .sharded_params import ShardedFlatBuffer
 
 
 class FullStateDict:
-    """Installs the hooks on the model of `sharded`, whose parameters live in its optimizer's
-    buffers (installed by initialize, beside the timeline)."""
+    """Installs the hooks above on the model of `sharded` (initialize does, beside the timeline)."""
 
     def __init__(self, sharded: ShardedModel) -> None:
         model, optimizer = sharded.model, sharded.optimizer
