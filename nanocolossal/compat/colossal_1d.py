@@ -31,7 +31,7 @@ from ..tensor import layers_1d, vocab_parallel
 from ..tensor.base import add_bias
 from ..tensor.comm import gather, split
 from .colossal_2d import ColossalClassifier, ColossalEmbedding, ColossalLinear, ColossalLoss
-from .colossal_args import Initializer, require_mode, set_parallel_input
+from .colossal_args import Initializer, require_mode
 
 
 class Linear1D_Col(ColossalLinear, layers_1d.ColumnLinear1D):
@@ -45,7 +45,7 @@ class Linear1D_Col(ColossalLinear, layers_1d.ColumnLinear1D):
         super().__init__(in_features, out_features, bias, dtype, skip_bias_add,
                          weight_initializer, bias_initializer)
         self.gather_output = gather_output
-        set_parallel_input(not gather_output)
+        layers.set_1d_input_is_split(not gather_output)
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         group = gpc.tensor_group
@@ -74,7 +74,7 @@ class Linear1D_Row(ColossalLinear, layers_1d.RowLinear1D):
                          weight_initializer, bias_initializer)
         self.parallel_input = parallel_input
         self.stream_chunk_num = stream_chunk_num
-        set_parallel_input(False)
+        layers.set_1d_input_is_split(False)
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if not self.parallel_input:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..context import gpc
+from ..nn.layers import set_1d_input_is_split
 from ..tensor import layers_2d, vocab_parallel_2d
 from .colossal_args import (
     Initializer,
@@ -29,7 +30,6 @@ from .colossal_args import (
     check_skip_bias_add,
     initialise,
     require_mode,
-    set_parallel_input,
     with_padding_zeroed,
 )
 
@@ -60,7 +60,6 @@ class ColossalLinear:
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if not self.skip_bias_add:
             return super().forward(x)
-        # the bias slice of my output, its gradient summed over the ranks that use it
         return self.product(x), self.bias_slice()
 
 
@@ -79,7 +78,7 @@ class ColossalEmbedding:
         initialise(self, [(self.weight, with_padding_zeroed(weight_initializer, padding_idx),
                            {"fan_in": num_embeddings, "fan_out": embedding_dim})], dtype)
         if self.MODE == "1d":
-            set_parallel_input(False)  # the output is whole: the next Linear is a column one
+            set_1d_input_is_split(False)  # the output is whole: the next Linear is a column one
 
 
 class ColossalClassifier:
@@ -98,7 +97,7 @@ class ColossalClassifier:
                            {"fan_in": in_features, "fan_out": num_classes}),
                           (self.bias, bias_initializer, {"fan_in": in_features})], dtype)
         if self.MODE == "1d":
-            set_parallel_input(False)
+            set_1d_input_is_split(False)
 
 
 class Linear2D(ColossalLinear, layers_2d.Linear2D):

@@ -18,7 +18,7 @@ every class, so they are honoured here:
 Colossal-AI also keeps one piece of global state, "is the next layer's input split?" (its
 `set_parallel_input`): a column-parallel Linear sets it, the layers that produce a whole
 activation clear it, and Dropout1D reads it. That is the same state nc.nn.Linear alternates on
-(nn/layers.py), so the two kinds of layer can be mixed in one model.
+(nn/layers.py set_1d_input_is_split), so the two kinds of layer can be mixed in one model.
 """
 from __future__ import annotations
 
@@ -60,8 +60,7 @@ def check_skip_bias_add(name: str, skip_bias_add: bool, bias: bool) -> None:
                          f"back; pass bias=True or skip_bias_add=False")
 
 
-def initialise(layer: nn.Module, inits: Iterable[tuple[Optional[nn.Parameter],
-                                                       Optional[Initializer], dict]],
+def initialise(layer: nn.Module, inits: Iterable[tuple],
                dtype: Optional[torch.dtype] = None) -> None:
     """Refill each (parameter, initializer, fans) whose both are given, then cast to dtype.
     Fans are Colossal-AI's: the plain layer's (in_features, out_features), never a shard's."""
@@ -104,7 +103,3 @@ def check_embedding_extras(name: str, args: tuple, kwargs: dict) -> None:
                              f"count is not one rank's to take; leave {key} at "
                              f"{_EMBEDDING_DEFAULTS[key]!r}")
 
-
-def set_parallel_input(split: bool) -> None:
-    """Colossal-AI's set_parallel_input: is the activation after this layer split (1d)?"""
-    layers.set_1d_input_is_split(split)

@@ -5,6 +5,3 @@ layers_1d.py (Megatron), summa.py and layers_2d.py (2d, 2.5d), cube.py and layer
 vocab_parallel*.py; zigzag.py, ring_attention.py, ulysses.py (sequence parallelism). Models use
 them through nanocolossal.nn, which picks the layer for gpc.tensor_mode.
 """
-from . import base, comm, cube, layers_1d, layers_2d, layers_3d, summa
-
-__all__ = ["base", "comm", "cube", "layers_1d", "layers_2d", "layers_3d", "summa"]

@@ -20,6 +20,7 @@ saved with every checkpoint.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -49,8 +50,6 @@ def grid_side() -> int:
 
 def axis_position(axis: str) -> tuple[int, int]:
     """(my position, number of parts) along an axis of the layout."""
-    if axis not in POSITION:
-        raise ValueError(f"unknown axis {axis!r}")
     q = grid_side()
     parts = {"tensor": gpc.tensor_size, "depth": gpc.tensor_depth}.get(axis, q)
     return POSITION[axis](gpc.tensor_rank, q), parts
@@ -89,9 +88,7 @@ def keep_slice(full: torch.Tensor, splits: Splits) -> nn.Parameter:
     """A Parameter holding this rank's slice of `full`, marked with how it was cut."""
     param = nn.Parameter(slice_of(full.detach(), splits).clone())
     param.tensor_splits = list(splits)
-    parts = 1
-    for _, axis in splits:
-        parts *= axis_position(axis)[1]
+    parts = math.prod(axis_position(axis)[1] for _, axis in splits)
     param.tensor_replicas = gpc.tensor_size // parts
     return param
 

@@ -27,21 +27,18 @@ def check_tensor_model(model: nn.Module, loaders: dict[str, Any]) -> None:
     check_batches_split(loaders)
 
 
-def _torch_norm(module: nn.Module) -> bool:
-    """A torch normalisation layer (LayerNorm, GroupNorm, BatchNorm, or a subclass): 1d gives it
-    whole activations outside a column/row pair, where such layers sit. Another torch layer with
-    a parameter (PReLU, ...) may sit between the two, on a slice: refused like any other."""
-    return isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm))
-
-
 def check_replicated_parameters(model: nn.Module) -> None:
     """nc.nn's layers mark their parameters (tensor_splits) and reduce their gradients; any other
-    trainable parameter would be a copy per tensor rank that nothing keeps equal."""
+    trainable parameter would be a copy per tensor rank that nothing keeps equal. Except a torch
+    normalisation layer (LayerNorm, GroupNorm, BatchNorm, or a subclass) under 1d, which gives it
+    whole activations outside a column/row pair, where such layers sit. Another torch layer with
+    a parameter (PReLU, ...) may sit between the two, on a slice: refused like any other."""
+    norms = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
     for owner_name, owner in model.named_modules():
         for name, p in owner.named_parameters(recurse=False):
             if not p.requires_grad or hasattr(p, "tensor_splits"):
                 continue
-            if gpc.tensor_mode == "1d" and _torch_norm(owner):
+            if gpc.tensor_mode == "1d" and isinstance(owner, norms):
                 continue
             raise ConfigError(
                 f"[rank {gpc.rank}] parallel.tensor={gpc.tensor_size} ({gpc.tensor_mode}) but "

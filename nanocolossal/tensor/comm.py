@@ -107,17 +107,6 @@ class _ReduceFrom(torch.autograd.Function):
         return grad, None
 
 
-class _GroupSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
 class _Conjugate(torch.autograd.Function):
     """`forward_op` along `dim` of the group forward, `backward_op` on the gradient: gather /
     split, all_gather / reduce_scatter (the table above)."""
@@ -159,8 +148,9 @@ def reduce_from(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def group_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """All-reduce forward and backward: a sum over slices that feeds split math again."""
-    return _GroupSum.apply(x, group) if _size(group) > 1 else x
+    """All-reduce forward and backward: a sum over slices that feeds split math again (g's
+    forward, f's backward)."""
+    return reduce_from(copy_to(x, group), group)
 
 
 def gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:

@@ -47,15 +47,10 @@ from ..context import gpc
 from .comm import Group, all_gather, reduce_scatter
 from .summa import autocast_operands
 
-
-def column_splits() -> list[tuple[int, str]]:
-    """How a column Linear's weight [N, K] is cut: N over y, K over z and then x."""
-    return [(0, "y"), (1, "z"), (1, "x")]
-
-
-def row_splits() -> list[tuple[int, str]]:
-    """How a row Linear's weight [N, K] is cut: N over z, K over y and then x."""
-    return [(0, "z"), (1, "y"), (1, "x")]
+# How a Linear's weight [N, K] is cut (tensor_splits): a column one's N over y, K over z and
+# then x; a row one's N over z, K over y and then x.
+COLUMN_SPLITS = [(0, "y"), (1, "z"), (1, "x")]
+ROW_SPLITS = [(0, "z"), (1, "y"), (1, "x")]
 
 
 def cube_matmul(x: torch.Tensor, w: torch.Tensor, gather: Group, scatter: Group) -> torch.Tensor:

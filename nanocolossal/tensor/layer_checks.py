@@ -54,16 +54,19 @@ def check_input_split(x: torch.Tensor, layer: str, in_features: int, parts: int,
                          f"over the {parts} {over} ({in_features // parts}), got {x.shape[-1]}")
 
 
-def tied(weight: nn.Parameter, own: nn.Parameter) -> nn.Parameter:
-    """Another layer's parameter, for a layer that shares it (a classifier tied to the token
-    embedding): it must be cut the way this layer cuts its own weight `own`, to its shape."""
-    splits = own.tensor_splits
-    if list(getattr(weight, "tensor_splits", [])) != list(splits):
-        raise ValueError(f"[rank {gpc.rank}] a tied weight must be split {splits} here "
-                         f"({gpc.tensor_mode}), got {getattr(weight, 'tensor_splits', [])}: tie a "
-                         f"classifier to an embedding of the same kind (both vocab-parallel, or "
-                         f"both split by features)")
-    check_tied_shape(weight, own.shape, own.shape[-1], own.shape[0])
+def tied(own: nn.Parameter, weight: Optional[nn.Parameter], split_by: str, in_features: int,
+         num_classes: int) -> nn.Parameter:
+    """A classifier's weight: its own slice `own`, or the tied `weight` (another layer's, the
+    token embedding's) if it is cut as `own` is (`split_by` says how, and by which embedding) and
+    to the same shape: a table cut another way would silently compute wrong logits."""
+    if weight is None:
+        return own
+    got = getattr(weight, "tensor_splits", [])
+    if list(got) != list(own.tensor_splits):
+        raise ValueError(f"[rank {gpc.rank}] this classifier ties only to a weight split "
+                         f"{split_by}: {own.tensor_splits} here ({gpc.tensor_mode}); got one "
+                         f"split {got}")
+    check_tied_shape(weight, own.shape, in_features, num_classes)
     return weight
 
 
@@ -73,20 +76,6 @@ def check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise IndexError(f"[rank {gpc.rank}] {what} must be in [0, {vocab_size}), got "
                          f"{int(ids.min())} .. {int(ids.max())}")
-
-
-def vocab_classifier_weight(own: nn.Parameter, weight: Optional[nn.Parameter], embedding: str,
-                            in_features: int, num_classes: int) -> nn.Parameter:
-    """The classifier's own slice, or the tied `weight` if it is cut as `own` is (by vocabulary
-    rows, to the same shape): another kind of table would silently compute wrong logits."""
-    if weight is None:
-        return own
-    if getattr(weight, "tensor_splits", None) != own.tensor_splits:
-        raise ValueError(f"[rank {gpc.rank}] a vocab-parallel classifier ties only to a weight "
-                         f"split by vocabulary rows ({embedding}); got one split "
-                         f"{getattr(weight, 'tensor_splits', [])}")
-    check_tied_shape(weight, own.shape, in_features, num_classes)
-    return weight
 
 
 def check_column_input(layer: nn.Module, x: torch.Tensor) -> None:

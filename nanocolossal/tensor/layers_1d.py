@@ -41,17 +41,14 @@ class ColumnLinear1D(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
-        T = gpc.tensor_size
-        check_divisible(out_features, T, "Linear out_features")
-        # same random draws as the plain layer
+        check_divisible(out_features, gpc.tensor_size, "Linear out_features")
         full = nn.Linear(in_features, out_features, bias=bias)
         self.in_features, self.out_features = in_features, out_features
         self.weight = keep_slice(full.weight, [(0, "tensor")])
         self.bias = keep_slice(full.bias, [(0, "tensor")]) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.product(x)
-        return add_bias(y, self.bias)
+        return add_bias(self.product(x), self.bias)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x W_j^T without the bias (Colossal-AI's skip_bias_add hands the two back apart)."""
@@ -64,16 +61,14 @@ class RowLinear1D(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
-        T = gpc.tensor_size
-        check_divisible(in_features, T, "Linear in_features")
+        check_divisible(in_features, gpc.tensor_size, "Linear in_features")
         full = nn.Linear(in_features, out_features, bias=bias)
         self.in_features, self.out_features = in_features, out_features
         self.weight = keep_slice(full.weight, [(1, "tensor")])
         self.bias = keep_slice(full.bias, []) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.product(x)
-        return add_bias(y, self.bias)  # bias once, after the sum
+        return add_bias(self.product(x), self.bias)  # bias once, after the sum
 
     def product(self, x: torch.Tensor, streams: int = 1) -> torch.Tensor:
         """sum_j x_j W_j^T without the bias. `streams` > 1 computes and reduces it in that many
@@ -91,8 +86,7 @@ class Embedding1D(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  padding_idx: Optional[int] = None) -> None:
         super().__init__()
-        T = gpc.tensor_size
-        check_divisible(embedding_dim, T, "Embedding dim")
+        check_divisible(embedding_dim, gpc.tensor_size, "Embedding dim")
         full = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
         self.weight = keep_slice(full.weight, [(1, "tensor")])
         self.padding_idx = padding_idx  # every rank holds every row: torch's meaning as is
@@ -108,8 +102,7 @@ class PatchEmbedding1D(nn.Module):
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int) -> None:
         super().__init__()
-        T = gpc.tensor_size
-        check_divisible(embed_size, T, "PatchEmbedding embed_size")
+        check_divisible(embed_size, gpc.tensor_size, "PatchEmbedding embed_size")
         full = PatchEmbedding(img_size, patch_size, in_chans, embed_size)
         self.patch_size = patch_size
         self.proj = nn.Module()  # so the state_dict keys are the plain layer's (proj.weight, ...)
@@ -119,8 +112,7 @@ class PatchEmbedding1D(nn.Module):
         self.pos_embed = keep_slice(full.pos_embed, [(2, "tensor")])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # every rank convolves the same images: sum their input gradients
-        x = copy_to(x, gpc.tensor_group)
+        x = copy_to(x, gpc.tensor_group)  # every rank convolves the same images
         mine = embed_patches(x, self.proj.weight, self.proj.bias, self.cls_token, self.pos_embed,
                              self.patch_size)
         return gather(mine, -1, gpc.tensor_group)
@@ -133,11 +125,10 @@ class Classifier1D(nn.Module):
     def __init__(self, in_features: int, num_classes: int, bias: bool = True,
                  weight: Optional[nn.Parameter] = None) -> None:
         super().__init__()
-        T = gpc.tensor_size
-        check_divisible(in_features, T, "Classifier in_features")
+        check_divisible(in_features, gpc.tensor_size, "Classifier in_features")
         full = nn.Linear(in_features, num_classes, bias=bias)
         own = keep_slice(full.weight, [(1, "tensor")])
-        self.weight = own if weight is None else tied(weight, own)
+        self.weight = tied(own, weight, "by features (Embedding1D)", in_features, num_classes)
         self.bias = keep_slice(full.bias, []) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -135,9 +135,11 @@ def along_row(full: torch.Tensor, dim: int) -> nn.Parameter:
     return keep_slice(full, [(dim, activation_split().hidden_axis)])
 
 
-def down_column(p: torch.Tensor) -> torch.Tensor:
+def down_column(p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Replicated down the column (in every grid; 3d: over the plane): sum its batch shares'
-    gradients."""
+    gradients. (None, an absent bias, stays None.)"""
+    if p is None:
+        return None
     return copy_to(p, activation_split().batch_group)
 
 
@@ -160,7 +162,7 @@ class Linear2D(nn.Module):
 
     def bias_slice(self) -> Optional[torch.Tensor]:
         """The bias slice of my output columns, its gradient summed over the batch group."""
-        return down_column(self.bias) if self.bias is not None else None
+        return down_column(self.bias)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The SUMMA product without the bias (Colossal-AI's skip_bias_add)."""
@@ -245,12 +247,12 @@ class Classifier2D(nn.Module):
         check_divisible(in_features, activation_split().parts, "Classifier in_features")
         full = nn.Linear(in_features, num_classes, bias=bias)
         own = along_row(full.weight, 1)
-        self.weight = own if weight is None else tied(weight, own)
+        self.weight = tied(own, weight, "by features (nc.nn.Embedding)", in_features, num_classes)
         self.bias = keep_slice(full.bias, []) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from(F.linear(x, down_column(self.weight)), activation_split().hidden_group)
-        return add_bias(y, down_column(self.bias) if self.bias is not None else None)
+        return add_bias(y, down_column(self.bias))
 
 
 class CrossEntropyLoss2D(nn.Module):
@@ -287,12 +289,8 @@ class CrossEntropyLoss2D(nn.Module):
                                  label_smoothing=self.label_smoothing)
         if self.reduction == "none":
             return losses
-        # the rows' sums: the batch's
-        total = reduce_from(losses.sum(), activation_split().batch_group)
+        total = reduce_from(losses.sum(), activation_split().batch_group)  # the rows' sums
         if self.reduction == "sum":
             return total
-        return mean_over(total, self._count(target).to(total))
-
-    def _count(self, target: torch.Tensor) -> torch.Tensor:
-        """The mean's denominator, as F.cross_entropy's, from the whole batch's labels."""
-        return counted_targets(target, self.ignore_index, self.weight)
+        # the mean's denominator, as F.cross_entropy's, from the whole batch's labels
+        return mean_over(total, counted_targets(target, self.ignore_index, self.weight).to(total))

@@ -38,14 +38,8 @@ from ..context import gpc
 from . import layers_2d
 from .base import add_bias, keep_slice
 from .comm import all_gather, copy_to, reduce_scatter, split
-from .cube import column_matmul, column_splits, row_matmul, row_splits
-from .layer_checks import (
-    check_batch,
-    check_divisible,
-    check_ids,
-    check_input_split,
-    vocab_classifier_weight,
-)
+from .cube import COLUMN_SPLITS, ROW_SPLITS, column_matmul, row_matmul
+from .layer_checks import check_batch, check_divisible, check_ids, check_input_split, tied
 from .vocab_parallel import VocabParallelCrossEntropyLoss1D, look_up_slice, vocab_parallel_argmax
 
 
@@ -62,7 +56,7 @@ class Linear3D(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.parallel = parallel
         column = parallel == "column"
-        self.weight = keep_slice(full.weight, column_splits() if column else row_splits())
+        self.weight = keep_slice(full.weight, COLUMN_SPLITS if column else ROW_SPLITS)
         self.bias = keep_slice(full.bias, [(0, "y" if column else "z")]) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +115,7 @@ class VocabParallelEmbedding3D(nn.Module):
         check_divisible(num_embeddings, q, "vocabulary size")
         check_divisible(embedding_dim, q * q, "Embedding dim")
         full = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
-        self.weight = keep_slice(full.weight, column_splits())
+        self.weight = keep_slice(full.weight, COLUMN_SPLITS)
         self.start = gpc.cube_y * num_embeddings // q  # my vocabulary slice: y
         self.end = (gpc.cube_y + 1) * num_embeddings // q
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -144,8 +138,8 @@ class VocabParallelClassifier3D(Linear3D):
     def __init__(self, in_features: int, num_classes: int, bias: bool = True,
                  weight: Optional[nn.Parameter] = None) -> None:
         super().__init__(in_features, num_classes, bias, parallel="column")
-        self.weight = vocab_classifier_weight(self.weight, weight, "VocabParallelEmbedding3D",
-                                              in_features, num_classes)
+        self.weight = tied(self.weight, weight, "by vocabulary rows (VocabParallelEmbedding3D)",
+                           in_features, num_classes)
         self.in_features, self.num_classes = in_features, num_classes
 
     def predictions(self, logits: torch.Tensor) -> torch.Tensor:

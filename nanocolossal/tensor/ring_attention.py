@@ -96,24 +96,15 @@ import torch
 import torch.distributed as dist
 
 from .layer_checks import check_ring_inputs
-from .zigzag import (
-    Group,
-    gather_sequence,
-    size_and_rank,
-    split_sequence,
-    zigzag_split,
-    zigzag_stripes,
-)
+from .zigzag import Group, gather_sequence, size_and_rank, split_sequence, zigzag_stripes
 
 __all__ = ["ring_attention", "allgather_attention", "split_sequence", "gather_sequence",
-           "zigzag_split", "causal_rows", "has_fused_kernel"]
+           "causal_rows", "has_fused_kernel"]
 ALL, FIRST, SECOND = "all", "first", "second"
 
 
 def causal_rows(r: int, s: int, n: int, causal: bool) -> tuple[str, str, bool]:
-    """Which of my query rows meet which rows of rank s's K/V share: (queries, keys, masked).
-
-    Only the diagonal tile needs a mask; off the diagonal a tile is all-or-nothing (above)."""
+    """Which of my query rows meet which rows of rank s's K/V share: (queries, keys, masked)."""
     if not causal:
         return ALL, ALL, False
     if s == r:
@@ -147,11 +138,10 @@ class _GatherSequence(torch.autograd.Function):
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group = None,
                         causal: bool = True) -> torch.Tensor:
-    """The naive baseline: every rank gathers the whole K and V and computes its (s/N) x s
-    scores at once. Exact and simple (autograd does backward), but memory grows with s."""
+    """The naive baseline (the module docstring): the whole K and V, (s/N) x s scores at once."""
     n, r = size_and_rank(group)
     if n == 1:
-        return _plain(q, k, v, causal)
+        return _scores(q, k, q.shape[-1] ** -0.5, causal).softmax(-1) @ v
     k_all, v_all = (_GatherSequence.apply(t, -2, group) for t in (k, v))
     s = q @ k_all.transpose(-2, -1) * q.shape[-1] ** -0.5
     if causal:  # my rows are stripes a and b of the whole sequence: mask by global position
@@ -160,10 +150,6 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
         ahead = torch.arange(k_all.shape[-2])[None, :] > q_pos[:, None]
         s = s.masked_fill(ahead.to(s.device), float("-inf"))
     return s.softmax(-1) @ v_all
-
-
-def _plain(q, k, v, causal: bool) -> torch.Tensor:
-    return _scores(q, k, q.shape[-1] ** -0.5, causal).softmax(-1) @ v
 
 
 # ---- the ring ----------------------------------------------------------------------------------
@@ -230,8 +216,7 @@ def _explicit_grads(q, k, v, bias, masked: bool, scale: float, out, dout, lse):
 
 
 def _merge(m, l, acc, mb, lb, accb) -> None:  # noqa: E741 -- the paper's names
-    """The online softmax: fold a tile's (mb, lb, accb) into the running (m, l, acc), in place.
-    The tile's sums are relative to its own max mb; both are rescaled to the new max."""
+    """The online softmax (above): fold a tile's (mb, lb, accb) into (m, l, acc), in place."""
     m_new = torch.maximum(m, mb)
     m_safe = m_new.nan_to_num(neginf=0.0)  # a row that saw only padding stays at 0
     alpha, beta = torch.exp(m - m_safe), torch.exp(mb - m_safe)
@@ -269,13 +254,12 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, bias, out, lse = ctx.saved_tensors
-        group = ctx.group
-        n, r = size_and_rank(group)
+        n, r = size_and_rank(ctx.group)
         grads = _fused_grads if ctx.fused else _explicit_grads
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
         dkv, dworks = None, []
-        for t, kv in _ring([k, v] + ([bias] if bias is not None else []), group):
+        for t, kv in _ring([k, v] + ([bias] if bias is not None else []), ctx.group):
             qp, kp, masked = causal_rows(r, (r - t) % n, n, causal=ctx.causal)
             dqb, dkb, dvb = grads(_rows(q, qp), _rows(kv[0], kp), _rows(kv[1], kp),
                                   _mask(kv, kp), masked, ctx.scale, _rows(out, qp),
@@ -289,7 +273,7 @@ class _RingAttention(torch.autograd.Function):
                 _wait(dworks)
                 dk, dv = dk + dkv[0], dv + dkv[1]
             if n > 1:  # pass it on; after step N-1 this hop delivers it to its owner
-                dkv, dworks = _ring_shift([dk, dv], group, tag=2)
+                dkv, dworks = _ring_shift([dk, dv], ctx.group, tag=2)
         if n > 1:
             _wait(dworks)
             dk, dv = dkv
@@ -308,8 +292,7 @@ def has_fused_kernel(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def _fused_tile(q, k, v, bias, masked: bool, scale: float):
-    """One tile by the fused kernel: out = softmax(s) @ v and lse = log rowsum exp(s), which
-    is (mb, lb, accb) = (lse, 1, out) for _merge. No score tensor leaves the kernel."""
+    """One tile by the fused kernel (Fused tiles above): (mb, lb, accb) = (lse, 1, out)."""
     mask = None if bias is None else bias.transpose(-2, -1)  # [B, 1, 1, keys]
     out, lse = _CPU_FLASH(q, k, v, 0.0, masked, attn_mask=mask, scale=scale)
     lse = lse.unsqueeze(-1)
@@ -321,8 +304,7 @@ def _fused_tile(q, k, v, bias, masked: bool, scale: float):
 
 
 def _fused_grads(q, k, v, bias, masked: bool, scale: float, out, dout, lse):
-    """dq, dk, dv of one tile by the kernel's backward. Given the whole row's out and lse (not
-    the tile's) it recomputes p = exp(s - lse) piecewise: exactly the tile's part."""
+    """dq, dk, dv of one tile by the kernel's backward, from the whole row's out and lse."""
     mask = None if bias is None else bias.transpose(-2, -1)
     return _CPU_FLASH_BACKWARD(dout, q, k, v, out, lse.squeeze(-1).contiguous(), 0.0, masked,
                                attn_mask=mask, scale=scale)

@@ -62,10 +62,9 @@ class _Summa(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, w)
-        q = gpc.summa_dim
         rows, cols = gpc.tensor_row_group, gpc.tensor_col_group
         y = x.new_zeros(x.shape[0], w.shape[0])
-        for k in range(q):
+        for k in range(gpc.summa_dim):
             x_ik = panel(x, k, rows, gpc.tensor_row_ranks)
             w_kj = panel(w, k, cols, gpc.tensor_col_ranks)
             y += x_ik @ w_kj.t()
@@ -74,11 +73,10 @@ class _Summa(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w = ctx.saved_tensors
-        q = gpc.summa_dim
         rows, cols = gpc.tensor_row_group, gpc.tensor_col_group
         dy = dy.contiguous()
         dx, dw = torch.empty_like(x), torch.empty_like(w)
-        for k in range(q):
+        for k in range(gpc.summa_dim):
             w_kj = panel(w, k, cols, gpc.tensor_col_ranks)
             total = reduce_to(dy @ w_kj, k, rows, gpc.tensor_row_ranks)      # -> dX_ik on (i, k)
             if gpc.grid_col == k:  # I am (i, k)

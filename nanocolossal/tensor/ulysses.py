@@ -83,8 +83,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     at = torch.cat([zigzag_positions(sum(lengths), n, j) for j in range(n)]).to(q.device)
     order = at.argsort()
     whole = _every_token(torch.cat([q, k, v]), lengths, group).index_select(2, order)
-    if keep is not None:
-        keep = _every_key(keep, lengths, group).index_select(1, order)
+    if keep is not None:  # the whole mask to every rank: N copies of it, one "head" per rank
+        copies = keep.to(torch.uint8)[:, None, :, None].expand(-1, n, -1, 1)
+        keep = _every_token(copies, lengths, group)[:, 0, :, 0].index_select(1, order).bool()
     out = (attend or partial(softmax_attention, causal=causal, keep=keep))(*whole.chunk(3))
     return _my_tokens(out.index_select(2, at), lengths, group)
 
@@ -111,15 +112,6 @@ def _my_tokens(y: torch.Tensor, lengths: list[int], group: Group) -> torch.Tenso
     return got.view(n, b, hn, mine, d).transpose(0, 1).reshape(b, n * hn, mine, d)
 
 
-def _every_key(keep: torch.Tensor, lengths: list[int], group: Group) -> torch.Tensor:
-    """[B, my keys] -> [B, s] in rank order: each rank sends its share of the mask to all."""
-    b = len(keep)
-    n = len(lengths)
-    sizes = [b * m for m in lengths]
-    got = exchange(keep.to(torch.uint8).repeat(n, 1), group, [keep.numel()] * n, sizes)
-    return torch.cat([p.view(b, m) for p, m in zip(got.split(sizes), lengths)], dim=1).bool()
-
-
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                       keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v by torch's fused kernel; keep [B, keys]: False for padding.
@@ -135,9 +127,8 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     return out.masked_fill(~some, 0.0)
 
 
-# -- checks: what a caller can get wrong ---------------------------------------------------------
-
 def _check(q, k, v, n: int, key_padding_mask, attend) -> None:
+    """What a caller can get wrong."""
     if not (q.shape == k.shape == v.shape):
         raise ValueError(f"[rank {dist.get_rank()}] q, k, v must have one shape; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")

@@ -35,7 +35,7 @@ from ..context import gpc
 from ..loss_weights import mean_over
 from .base import keep_slice
 from .comm import copy_to, reduce_from
-from .layer_checks import check_divisible, check_ids, check_vocab_loss, vocab_classifier_weight
+from .layer_checks import check_divisible, check_ids, check_vocab_loss, tied
 
 
 def look_up_slice(ids: torch.Tensor, table: torch.Tensor, start: int, end: int,
@@ -98,8 +98,8 @@ class VocabParallelClassifier1D(nn.Module):
         super().__init__()
         check_divisible(num_classes, gpc.tensor_size, "vocabulary size")
         full = nn.Linear(in_features, num_classes, bias=bias)  # the plain layer's draws
-        self.weight = vocab_classifier_weight(keep_slice(full.weight, [(0, "tensor")]), weight,
-                                              "VocabParallelEmbedding", in_features, num_classes)
+        self.weight = tied(keep_slice(full.weight, [(0, "tensor")]), weight,
+                           "by vocabulary rows (VocabParallelEmbedding)", in_features, num_classes)
         self.bias = keep_slice(full.bias, [(0, "tensor")]) if bias else None
         self.in_features, self.num_classes = in_features, num_classes
 
@@ -138,10 +138,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return ((softmax - onehot) * grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
 
 
-Reduction = Union[str, bool]
-
-
-def reduce_losses(losses: torch.Tensor, valid: torch.Tensor, reduction: Reduction,
+def reduce_losses(losses: torch.Tensor, valid: torch.Tensor, reduction: Union[str, bool],
                   weights: Optional[torch.Tensor] = None, batch_group=None) -> torch.Tensor:
     """F.cross_entropy's reductions of per-token losses (ignored tokens excluded; `weights` are
     the targets' class weights, which weight the mean as torch does). With `batch_group` (2d:
@@ -161,8 +158,7 @@ class VocabParallelCrossEntropyLoss1D(nn.Module):
     """F.cross_entropy(logits, target) for logits split by vocabulary over the tensor group:
     reduction 'mean' (or True), 'sum', 'none' (or False), ignore_index and class `weight`."""
 
-
-    def __init__(self, reduction: Reduction = "mean", ignore_index: int = -100,
+    def __init__(self, reduction: Union[str, bool] = "mean", ignore_index: int = -100,
                  weight: Optional[torch.Tensor] = None, label_smoothing: float = 0.0) -> None:
         super().__init__()
         check_vocab_loss(reduction, label_smoothing)

@@ -29,7 +29,7 @@ from torch import nn
 from ..context import gpc
 from .base import add_bias, keep_slice
 from .comm import reduce_from, split
-from .layer_checks import check_divisible, check_ids, vocab_classifier_weight
+from .layer_checks import check_divisible, check_ids, tied
 from .layers_2d import across_grids, along_row, batch_share, down_column, grid_batch
 from .summa import autocast_operands, panel, reduce_to
 from .vocab_parallel import VocabParallelCrossEntropyLoss1D, look_up_slice, vocab_parallel_argmax
@@ -105,8 +105,8 @@ class VocabParallelClassifier2D(nn.Module):
         check_divisible(num_classes, q, "vocabulary size")
         check_divisible(in_features, q, "Classifier in_features")
         full = nn.Linear(in_features, num_classes, bias=bias)
-        self.weight = vocab_classifier_weight(keep_slice(full.weight, VOCAB_TILES), weight,
-                                              "VocabParallelEmbedding2D", in_features, num_classes)
+        self.weight = tied(keep_slice(full.weight, VOCAB_TILES), weight, "by vocabulary rows "
+                           "(VocabParallelEmbedding2D)", in_features, num_classes)
         self.bias = along_row(full.bias, 0) if bias else None  # vocabulary slice m, rank (., m)
         self.in_features, self.num_classes = in_features, num_classes
 
@@ -115,7 +115,7 @@ class VocabParallelClassifier2D(nn.Module):
         x, weight = autocast_operands(x, across_grids(self.weight))
         logits = _SummaABT.apply(x.reshape(-1, x.shape[-1]), weight)
         logits = logits.reshape(*lead, logits.shape[-1])
-        return add_bias(logits, down_column(self.bias) if self.bias is not None else None)
+        return add_bias(logits, down_column(self.bias))
 
     def predictions(self, logits: torch.Tensor) -> torch.Tensor:
         """The predicted class of each row of this rank's batch share (the row's vocabulary)."""

@@ -132,8 +132,8 @@ MUTATIONS: list[dict] = [
              "row's block of the batch is all that is counted",
          tests=["tests/test_composition.py", "-k", "tensor_x_data_parallel"]),
     dict(id="sampler-ignores-epoch", idea="sampler", file="nanocolossal/data.py",
-         old="g.manual_seed(self.seed + self.epoch)",
-         new="g.manual_seed(self.seed)",
+         old="torch.Generator().manual_seed(self.seed + self.epoch)",
+         new="torch.Generator().manual_seed(self.seed)",
          bug="the sampler's shuffle ignores set_epoch: every epoch repeats the same order",
          tests=["tests/test_data.py"]),
     dict(id="sampler-uneven-length", idea="sampler", file="nanocolossal/data.py",
@@ -409,9 +409,8 @@ MUTATIONS: list[dict] = [
          tests=["tests/test_expert_parallel.py", "-k",
                 "on_two_ranks_equals or training_equals_one_process"]),
     dict(id="moe-expert-grad-divisor", idea="MoE gradients", file="nanocolossal/moe/grads.py",
-         old="            sum_gradients(params, self._holders(peers)[0], self.data_size)",
-         new="            sum_gradients(params, self._holders(peers)[0], "
-             "len(self._holders(peers)[1]))",
+         old="            sum_gradients(params, holders, self.data_size)",
+         new="            sum_gradients(params, holders, group_size(holders))",
          bug="an expert's gradient is divided by the ranks holding it, not by the data-parallel "
              "size: `peers` times too large (what DDP on the expert-data group would do)",
          tests=["tests/test_moe_train.py", "-k", "engine_training_equals_one_process"]),
