@@ -86,8 +86,8 @@ def make_masters(optimizer: torch.optim.Optimizer) -> list[tuple[nn.Parameter, n
 class MixedPrecisionOptimizer(AmpState, PlainOptimizer):
     """A torch optimizer with loss scaling, overflow skipping and (O2) fp32 master weights.
 
-        backward   (loss * S).backward()                       half gradients, times S
-        step       masters' gradients = the model's / S        unscale
+        backward   (loss * S/G).backward()                     half gradients, times S/G
+        step       masters' gradients = the model's / (S/G)    unscale (G: the module's)
                    any inf/nan? all-reduced (MAX) over the job  check, agree: all skip together
                    step the masters, round them into the model  step -- or skip
                    S backs off after an overflow, grows after   update

@@ -46,7 +46,7 @@ CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)
 
 
 class DistributedSampler(Sampler[int]):
-    """Shard a dataset over the data-parallel ranks (defaults from gpc)."""
+    """Share a dataset out over the data-parallel ranks (defaults from gpc)."""
 
     def __init__(self, dataset: Sized, num_replicas: Optional[int] = None,
                  rank: Optional[int] = None, shuffle: bool = True, seed: int = 0,

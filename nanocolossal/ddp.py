@@ -1,5 +1,5 @@
-"""Data parallelism: every rank holds the whole model, sees a different slice of the batch,
-and averages gradients with its peers before the optimizer step, so all replicas take the
+"""Data parallelism: every rank holds the whole model, sees a different share of the batch,
+and averages gradients with the other ranks before the optimizer step, so all replicas take the
 same step -- the step one process would take on the concatenated batch.
 
 Averaging after backward would leave the network idle during backward and the CPU/GPU idle during
@@ -126,7 +126,7 @@ class DistributedDataParallel(nn.Module):
 
     # -- forward / backward ---------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        # only training syncs buffers: in eval (uneven shards) a broadcast has no partner
+        # only training syncs buffers: in eval (uneven shares) a broadcast has no partner
         training = self.training and torch.is_grad_enabled()
         if self.broadcast_buffers and training and self.require_sync:
             self.sync_buffers()

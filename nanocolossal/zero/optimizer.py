@@ -193,8 +193,9 @@ class ShardedOptimizer(ShardedState, MixedPrecisionOptimizer):
 
     def clip_grad_norm_(self, max_norm: float,
                         group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-        """All gradients' norm: my shard's squares summed over the data group, then over `group`."""
-        mine = {id(p): 1.0 for p in self.params()}  # every segment is split over the data group
+        """All gradients' norm: my shard's squares summed over the gradient group (data x
+        sequence ranks, `self.group`), then over `group`."""
+        mine = {id(p): 1.0 for p in self.params()}  # every segment is split over self.group
         return super().clip_grad_norm_(max_norm, group, split_over=(mine, self.group))
 
     @property
