@@ -208,7 +208,7 @@ def check_ddp_config(cfg: Mapping) -> None:
                           + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
     if ddp.get("compress") not in (None, "bf16", "fp16"):
         raise ConfigError(f"ddp.compress must be None, 'bf16' or 'fp16', got {ddp['compress']!r}")
-    level = (cfg.get("zero") or {}).get("level", 0)
+    level = zero_settings(cfg)[0].get("level", 0) if cfg.get("zero") else 0  # either spelling
     instead = ("gradient_handler" if cfg.get("gradient_handler")
                else f"zero level {level}" if level >= 2 else None)
     if ddp and instead:  # their gradients never pass through DDP

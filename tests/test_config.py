@@ -189,7 +189,8 @@ def test_bad_ddp_options_are_named(ddp, message):
 @pytest.mark.parametrize("instead, named", [
     ({"gradient_handler": [{"type": "DataParallelGradientHandler"}]}, "gradient_handler"),
     ({"zero": {"level": 2}}, "zero level 2"),
-    ({"zero": {"level": 3}}, "zero level 3")])
+    ({"zero": {"level": 3}}, "zero level 3"),
+    ({"zero": {"model_config": {}, "optimizer_config": {}}}, "zero level 3")])  # v0.1's
 def test_ddp_options_where_no_ddp_runs_are_refused_not_ignored(instead, named):
     with pytest.raises(ConfigError, match=f"but {named} reduces the gradients without DDP"):
         load_config({"ddp": {"compress": "bf16"}, **instead})
