@@ -157,9 +157,12 @@ def test_scheduler_state_round_trip_and_bad_arguments():
                          warmup_steps=3)
     b.load_state_dict(a.state_dict())
     assert b.get_last_lr() == a.get_last_lr()
-    with pytest.raises(ValueError, match="warmup_steps >= 0, got total_steps=5, warmup_steps=-1"):
+    with pytest.raises(ValueError, match=r"\[rank 0\] CosineAnnealingLR needs total_steps >= 0 "
+                                         r"and warmup_steps >= 0, got total_steps=5, "
+                                         r"warmup_steps=-1"):
         S.CosineAnnealingLR(opt, 5, warmup_steps=-1)
-    with pytest.raises(ValueError, match="need total_steps >= 0"):
+    with pytest.raises(ValueError, match=r"\[rank 0\] StepLR needs total_steps >= 0, got "
+                                         r"total_steps=-1$"):
         S.StepLR(opt, -1)
 
 

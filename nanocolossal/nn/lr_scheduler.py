@@ -33,6 +33,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from ..context import gpc
+
 __all__ = ["CosineAnnealingLR", "CosineAnnealingWarmupLR", "ExponentialLR", "LinearWarmupLR",
            "MultiStepLR", "PolynomialLR", "StepLR"]
 
@@ -40,11 +42,14 @@ __all__ = ["CosineAnnealingLR", "CosineAnnealingWarmupLR", "ExponentialLR", "Lin
 class _Schedule(LambdaLR):
     """LambdaLR of the rule lr(t, base), whose factor for a group is lr(t, base) / base."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int,
-                 lr: Callable[[int, float], float], last_epoch: int) -> None:
-        if total_steps < 0 or warmup_steps < 0:
-            raise ValueError(f"need total_steps >= 0 and warmup_steps >= 0, got total_steps="
-                             f"{total_steps}, warmup_steps={warmup_steps}")
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int,
+                 warmup_steps: Optional[int], lr: Callable[[int, float], float],
+                 last_epoch: int) -> None:
+        if total_steps < 0 or (warmup_steps or 0) < 0:  # (None: a schedule without warm-up)
+            needs, got = "total_steps >= 0", f"total_steps={total_steps}"
+            if warmup_steps is not None:
+                needs, got = f"{needs} and warmup_steps >= 0", f"{got}, warmup_steps={warmup_steps}"
+            raise ValueError(f"[rank {gpc.rank}] {type(self).__name__} needs {needs}, got {got}")
         bases = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
         factors = [lambda t, b=base: lr(t, b) / b if b else 0.0 for base in bases]
         super().__init__(optimizer, factors, last_epoch)
@@ -94,7 +99,7 @@ class MultiStepLR(_Schedule):
 
         def lr(t: int, base: float) -> float:
             return base * gamma ** bisect_right(marks, min(t, total_steps))
-        super().__init__(optimizer, total_steps, 0, lr, last_epoch)
+        super().__init__(optimizer, total_steps, None, lr, last_epoch)
 
 
 class StepLR(_Schedule):
@@ -102,7 +107,7 @@ class StepLR(_Schedule):
                  gamma: float = 0.1, last_epoch: int = -1) -> None:
         def lr(t: int, base: float) -> float:
             return base * gamma ** (min(t, total_steps) // step_size)
-        super().__init__(optimizer, total_steps, 0, lr, last_epoch)
+        super().__init__(optimizer, total_steps, None, lr, last_epoch)
 
 
 class ExponentialLR(_Schedule):
@@ -110,7 +115,7 @@ class ExponentialLR(_Schedule):
                  last_epoch: int = -1) -> None:
         def lr(t: int, base: float) -> float:
             return base * gamma ** min(t, total_steps)
-        super().__init__(optimizer, total_steps, 0, lr, last_epoch)
+        super().__init__(optimizer, total_steps, None, lr, last_epoch)
 
 
 class PolynomialLR(_Schedule):
