@@ -116,7 +116,7 @@ def _config_worker(rank, world_size, port, batch_sizes):
     try:
         engine = _engine(config, rank, world_size, port)
     except RuntimeError as e:  # initialize compares the ranks' configs, for any loop
-        return str(e)
+        return f"initialize: {e}"
     return _fit_error(engine, DataLoader(_data(8), batch_size=4))
 
 
@@ -125,6 +125,7 @@ def test_gloo_config_that_differs_between_ranks_is_named():
     for rank, message in enumerate(run_ranks(_config_worker, 2, (32, 64), timeout=60)):
         differs = f"the config differs between rank {rank} and rank {1 - rank} in ['BATCH_SIZE']"
         assert f"[rank {rank}] {differs}" in message
+        assert message.startswith("initialize: "), message  # before any step, not at fit
 
 
 def test_gloo_config_with_functions_and_objects_is_not_a_false_difference():
