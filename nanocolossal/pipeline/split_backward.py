@@ -14,9 +14,10 @@ has an edge off the spine, and W starts at those nodes with `inputs=` the weight
 each weight gradient is computed once and nothing twice, so B + W cost one ordinary backward.
 
 W's last call starts at the output itself (with the weights nearest to it, a short walk), so what
-hooks the output for the end of a backward (DDP's averaging) sees one, as usual. A weight reached
-from two places (used twice in the chunk) also takes that call from the output: summed by autograd,
-not by us. A root that does not reach x (a chunk's own loss) is W's alone.
+hooks the output for the end of a backward (DDP's averaging) sees one, as usual -- never with weights
+a chunk's own loss reaches (MoE's aux loss, a later root): that walk, and its all-reduce, would run
+twice. A weight reached from two places (used twice in the chunk) also takes that call from the
+output: summed by autograd, not by us. A root that does not reach x (a chunk's own loss) is W's alone.
 """
 from __future__ import annotations
 
@@ -70,7 +71,10 @@ class SplitBackward(TwoBackwards):
         from_output = [w for r in roots if not spine[r.grad_fn]
                        for w in _weights_below([r.grad_fn], wanted)]
         seen = Counter(id(w) for w in from_output + [w for ws in self.off.values() for w in ws])
-        nearest = _nearest(roots, [n for n, ws in self.off.items() if ws])
+        others = _leads_to(roots[1:], None)
+        candidates = [n for n, ws in self.off.items() if ws]
+        nearest = (_nearest(roots, [n for n in candidates if n not in others])
+                   or _nearest(roots, candidates))
         for node in list(self.off):
             if node is nearest or any(seen[id(w)] > 1 for w in self.off[node]):
                 from_output += self.off.pop(node)

@@ -24,7 +24,8 @@ def sum_sharded_tied_gradients(optimizer: ShardedOptimizer, tied: Tied) -> None:
             if optimizer.grad_target(s).grad is not None:
                 whole[s.lo:s.hi] = optimizer.grad_target(s).grad
                 whole[-1] = 1
-        dist.all_reduce(whole, group=optimizer.group)  # the data ranks' segments: the whole
+        if dist.get_world_size(optimizer.group) > 1:  # the data ranks' segments: the whole
+            dist.all_reduce(whole, group=optimizer.group)
         dist.all_reduce(whole, group=group)            # the stages' wholes: the sum
         for s in segments:
             optimizer.grad_target(s).grad = whole[s.lo:s.hi].clone() if whole[-1] else None
