@@ -14,10 +14,11 @@ has an edge off the spine, and W starts at those nodes with `inputs=` the weight
 each weight gradient is computed once and nothing twice, so B + W cost one ordinary backward.
 
 W's last call starts at the output itself (with the weights nearest to it, a short walk), so what
-hooks the output for the end of a backward (DDP's averaging) sees one, as usual -- never with weights
-a chunk's own loss reaches (MoE's aux loss, a later root): that walk, and its all-reduce, would run
-twice. A weight reached from two places (used twice in the chunk) also takes that call from the
-output: summed by autograd, not by us. A root that does not reach x (a chunk's own loss) is W's alone.
+hooks the output for the end of a backward (DDP's averaging) sees one, as usual -- never with
+weights a chunk's own loss reaches (MoE's aux loss, a later root): that walk, and its all-reduce,
+would run twice. A weight reached from two places (used twice in the chunk) also takes that call
+from the output: summed by autograd, not by us. A root that does not reach x (a chunk's own loss)
+is W's alone.
 """
 from __future__ import annotations
 
