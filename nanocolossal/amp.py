@@ -28,7 +28,7 @@ fp32? `keep_batchnorm_fp32` (O2/O3; default: O2 only): normalisation layers stay
 
 MixedPrecisionOptimizer is an fp32 run's optimizer (plain_optimizer.py) plus the steps of its
 docstring, in that order; the optimised variant last (torch's fused optimizers skip on the
-device). Checkpoint state: amp_state.py; clipping: clip.py. The check runs with or without a
+device). Checkpoint state: checkpoint/amp.py; clipping: clip.py. The check runs with or without a
 scaler (apex's loss_scale="dynamic": bf16 never scales, but a non-finite gradient must never
 reach the weights); nothing waits for the device but step's one read of the flag. Under
 counted-target weighting (loss_weights.py) a rank's piece of the loss may carry up to G x its
@@ -53,7 +53,7 @@ from .amp_scaler import (
     unscale_and_check_fused,
     unscale_grads,
 )
-from .amp_state import AmpState
+from .checkpoint.amp import AmpState
 from .clip import SplitOver, clip_grad_norm_
 from .config import AMP_TYPE  # owned by the config (it names the modes)
 from .context import gpc
@@ -95,7 +95,7 @@ class MixedPrecisionOptimizer(AmpState, PlainOptimizer):
     """
 
     _flag: Optional[torch.Tensor] = None  # this step's overflow flag, once unscaled
-    _loaded = False  # the model was loaded since the last step (amp_state.py)
+    _loaded = False  # the model was loaded since the last step (checkpoint/amp.py)
     # step's counters (amp_checks.py): tensors on the device where the optimizer skips on its own
     _last_skipped: Union[bool, torch.Tensor] = False
     _skipped: Union[int, torch.Tensor] = 0
@@ -265,7 +265,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, opt_level: st
     # apex's loss_scale="dynamic" also means "skip non-finite steps": keep that in bf16 too
     check_finite = mixed and loss_scale == "dynamic"
     mixed_optimizer = MixedPrecisionOptimizer(optimizer, scaler, opt_level == "O2", check_finite)
-    if opt_level == "O2":  # (amp_state.py: only masters must follow a loaded model)
+    if opt_level == "O2":  # (checkpoint/amp.py: only masters must follow a loaded model)
         mixed_optimizer.follow_loads(model)
     return model, mixed_optimizer
 

@@ -75,7 +75,7 @@ class PlainOptimizer:
         return self.clip_grad_norm_(max_norm, group, **kwargs).item()
 
     def state_dict(self) -> dict:
-        """AMP's layout (amp_state.py), so that either run resumes from the other's file."""
+        """AMP's layout (checkpoint/amp.py), so that either run resumes from the other's file."""
         return {"optimizer": self.optimizer.state_dict(), "scaler": None, "masters": []}
 
     def load_state_dict(self, state: dict) -> None:

@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
-from nanocolossal.checkpoint_files import strip_prefixes
+from nanocolossal.checkpoint import strip_prefixes
 from nanocolossal.config import AMP_TYPE, ConfigError, load_config
 from nanocolossal.context import gpc
 from nanocolossal.memory import SavedBytes

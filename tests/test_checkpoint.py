@@ -129,7 +129,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeyp
 
     def crash(src, dst):
         raise KeyboardInterrupt("killed between write and rename")
-    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(path, 2, model)
     monkeypatch.undo()
@@ -146,7 +146,7 @@ def _killed_saver(rank, world_size, port, path):
     with torch.no_grad():
         model.weight.add_(1.0)
     # dies after writing, before renaming
-    checkpoint.os.replace = lambda src, dst: os.kill(os.getpid(), 9)
+    os.replace = lambda src, dst: os.kill(os.getpid(), 9)
     save_checkpoint(path, 2, model)
 
 

@@ -26,8 +26,7 @@ from torch.utils.data import TensorDataset
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
-from nanocolossal.checkpoint import merge_checkpoint
-from nanocolossal.checkpoint_merge import load_plain_state_dict
+from nanocolossal.checkpoint import load_plain_state_dict, merge_checkpoint
 from nanocolossal.config import ConfigError
 from nanocolossal.layout import layout
 from nanocolossal.trainer import Trainer, hooks

@@ -1,5 +1,5 @@
 """Loading a ZeRO checkpoint, each rank reads only the shard files that hold its own shard
-(zero/load.py) -- and what it loads is exactly what the plain route (every file merged into
+(checkpoint/zero.py) -- and what it loads is exactly what the plain route (every file merged into
 whole tensors) gives, and training goes on as one process would.
 
 Every rank computes on the same whole batch, so a job of any data size takes the same steps as
@@ -16,10 +16,10 @@ from torch.nn import functional as F
 from torch.testing import assert_close
 
 import nanocolossal as nc
-import nanocolossal.checkpoint as ckpt
-import nanocolossal.checkpoint_files as checkpoint_files
-import nanocolossal.checkpoint_merge as checkpoint_merge
-import nanocolossal.zero.load as zero_load
+import nanocolossal.checkpoint.files as checkpoint_files
+import nanocolossal.checkpoint.merge as checkpoint_merge
+import nanocolossal.checkpoint.save_load as ckpt
+import nanocolossal.checkpoint.zero as checkpoint_zero
 from nanocolossal.amp import AMP_TYPE
 from nanocolossal.checkpoint import (
     load_checkpoint,
@@ -68,7 +68,7 @@ def _job(rank, world_size, port, level, path, load, first, last, save):
         def recording(file, *args, **kwargs):  # every ZeRO shard file this rank opens
             read.append(int(str(file).rsplit("-zero", 1)[1].split(".")[0]))
             return plain_read(file, *args, **kwargs)
-        readers = (zero_load, checkpoint_merge)  # my segments / the plain route
+        readers = (checkpoint_zero, checkpoint_merge)  # my segments / the plain route
         for module in readers:
             module.read_file = recording
         try:
@@ -187,7 +187,7 @@ def test_deep_zero_shard_file_missing_a_segment_is_an_error_naming_what_lacks(tm
 
 
 # -- partial load x layouts, schedulers under ZeRO, level 3's unit-order check ------------------
-# ZeRO checkpoints loaded segment by segment (zero/load.py), LR schedulers built on the user's
+# ZeRO checkpoints loaded segment by segment (checkpoint/zero.py), LR schedulers built on the user's
 # optimizer before nc.initialize under ZeRO, and level 3's unit-order check
 # (zero/sharded_model_checks.py).
 #

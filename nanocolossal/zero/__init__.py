@@ -4,7 +4,7 @@ by zero=dict(level=1|2|3, ...) and applied by `nc.initialize` (engine/initialize
 Level 1 shards the optimizer state (optimizer.py), level 2 also the gradients (gradients.py),
 level 3 also the parameters (sharded_model.py, sharded_params.py; its rules:
 sharded_model_checks.py). mixed.py: O2's fp32 masters of my shard; offload.py: them in CPU memory;
-comm.py: the collectives; settings.py: the config. Checkpoints: state.py, load.py, state_dict.py.
+comm.py: the collectives; settings.py: the config. Checkpoints: checkpoint/zero.py.
 """
 from .gradients import ShardKeepingDDP
 from .mixed import MixedShardedOptimizer

@@ -48,7 +48,8 @@ class MixedShardedOptimizer(ShardedOptimizer):
     """ZeRO level 1/2 around an O2 MixedPrecisionOptimizer: masters for my shard only. With
     `offload` (any precision) every segment has a master, on the CPU (offload.py)."""
 
-    masters_halves = True  # one process's O2 layout: a master per half parameter (state.py)
+    # one process's O2 layout: a master per half parameter (checkpoint/zero.py)
+    masters_halves = True
 
     def __init__(self, mixed: MixedPrecisionOptimizer, model: nn.Module, level: int,
                  group: Optional[dist.ProcessGroup] = None,

@@ -56,10 +56,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..amp import MixedPrecisionOptimizer
+from ..checkpoint.zero import ShardedState
 from ..context import gpc
 from .comm import gather_shards
 from .optimizer_checks import check_optimizer, refuse_new_parameters
-from .state import ShardedState
 
 
 class Segment:

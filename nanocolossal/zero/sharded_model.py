@@ -139,7 +139,8 @@ class ShardedModel:
         self._next, self._pending, self._queued = 0, [], False  # (_queued: in a backward)
         self.seen: list[_Unit] = []  # prefetch: this forward's units in order, the last one's
         self.previous: list[_Unit] = []
-        # what level 3 installs on the model (the rules', state_dict.py's too): release removes it
+        # what level 3 installs on the model (the rules', checkpoint/zero3_state_dict.py's):
+        # release removes it
         self.handles = [model.register_forward_pre_hook(self._root_pre_forward),
                         model.register_forward_hook(self._root_post_forward, always_call=True)]
         optimizer.before_step = self._before_step  # (called first in its step: sharded_params)
@@ -311,7 +312,7 @@ def plan_units(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[nn.Mo
 
 def release(model: nn.Module) -> None:
     """A second nc.initialize of a model level 3 holds: its parameters whole again, the hooks
-    level 3 installed (the timeline's, its rules', state_dict.py's) taken off."""
+    level 3 installed (the timeline's, its rules', checkpoint/zero3_state_dict.py's) taken off."""
     sharded = HELD.pop(model)()
     for b in sharded.optimizer.buffers:
         b.gather(sharded.group)

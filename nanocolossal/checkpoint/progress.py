@@ -36,12 +36,10 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch.nn as nn
 
-from .checkpoint import load_checkpoint, save_checkpoint, set_rng_state
-from .checkpoint_files import PathLike, rank_files
-from .checks import loader_length
-from .context import gpc
-
-__all__ = ["Progress", "skip_batches"]
+from ..checks import loader_length
+from ..context import gpc
+from .files import PathLike, rank_files
+from .save_load import load_checkpoint, save_checkpoint, set_rng_state
 
 
 def skip_batches(loader: Iterable, skip: int, rng_state: Optional[dict] = None) -> Iterator:

@@ -1,4 +1,4 @@
-"""What MixedPrecisionOptimizer (amp.py) saves and loads, and a model loaded after initialize.
+"""What amp.py's MixedPrecisionOptimizer saves and loads, and a model loaded after initialize.
 
     state_dict()   {"optimizer": the torch optimizer's, "scaler": the loss scaler's (or None),
                     "masters": O2's fp32 masters, one per half parameter, in order}
@@ -9,8 +9,8 @@
                     (read then: ZeRO 3 keeps its slice after the load's hooks); an optimizer
                     state loaded after the model brings its own masters (load_state_dict)
 
-An fp32 run saves the same layout (plain_optimizer.py), so either resumes from the other's file.
-ZeRO saves one process's layout too, gathered from the shards (zero/state.py).
+An fp32 run saves the same layout (plain_optimizer.py), so either resumes from the other's
+file. ZeRO saves one process's layout too, gathered from the shards (zero.py).
 """
 from __future__ import annotations
 

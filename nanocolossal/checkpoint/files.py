@@ -1,6 +1,6 @@
 """A checkpoint's files: their names, reading one safely, and which files make one save.
 
-checkpoint.py writes one file per (pipeline stage, tensor rank, expert rank), ZeRO's data ranks
+save_load.py writes one file per (pipeline stage, tensor rank, expert rank), ZeRO's data ranks
 one more each (`zero_path`); `save_files` finds the files of the newest save to a path and
 `check_one_save` refuses a set mixed from two saves. Keys: the plain model's, whatever wrapped it
 (`strip_prefixes`, `unwrap`).
@@ -26,7 +26,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from .context import gpc
+from ..context import gpc
 
 PREFIXES = ("module.", "model.", "_orig_mod.")
 PathLike = Union[str, os.PathLike]

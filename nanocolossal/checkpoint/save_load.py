@@ -1,39 +1,6 @@
-"""Checkpoints that survive crashes and load anywhere.
-
-What is saved: model (keys exactly the plain model's), optimizer (with the AMP loss scaler and
-fp32 master weights), LR scheduler, epoch, anything passed as **extra (e.g. step), and the RNG
-states of every rank of the gradient group (tensor-parallel dropout's own generators too), so a
-resumed run draws the same random numbers (dropout, shuffling, augmentation) as one that never
-stopped.
-
-Who writes: data-parallel rank 0 of each (pipeline stage, tensor rank), one file each
-(`ckpt.pt` -> `ckpt-stage0.pt`, `ckpt-stage1.pt` when pipeline > 1; `ckpt-stage0-tensor1.pt`
-with tensor parallelism; `-expert{e}` from each rank e of the first expert-parallel group with
-parallel.moe: each holds other experts). Replicas are identical, so one copy suffices;
-everyone waits at a barrier until the files exist. Under ZeRO the replicas' optimizer states are
-not identical but shards: every data rank r writes its segments beside its stage's file
-(`ckpt-zero{r}.pt`, zero/state.py; at level 3 its segments of the parameters too, None in the
-stage file); a ZeRO job's rank reads only the files holding its own segments (zero/load.py),
-anything else puts them all back together (`complete_zero_state`).
-
-How: write to `ckpt.pt.tmp-PID`, fsync, then `os.replace` it over `ckpt.pt`. A rename is
-atomic, so a crash at any moment leaves either the old checkpoint or the new one, whole.
-Several stage files are not renamed at once, though: a crash between two stages' renames
-leaves stage 0 from step 12 beside stage 1 from step 9. So every save has one id (made by
-rank 0, recorded in each stage's file), and loading or merging checks that all stages carry
-the same one, refusing a mixed set with an error that lists each stage's step.
-
-Loading strips `module.` (DDP), `model.` (wrappers) and `_orig_mod.` (torch.compile)
-prefixes and maps tensors to this rank's device. A file loads only into the layout that wrote
-it (pipeline size and cut -- the layers each stage holds, which PIPELINE_SCHEDULE, NUM_CHUNKS
-and the partition decide --, tensor mode and size); another layout is an error that names both
-and the way across: `merge_checkpoint` it into the plain model, `load_plain_state_dict` that.
-
-Files are read without running code from them (checkpoint_files.py; `trusted=True` for a file
-you trust that holds other objects). Tensor-parallel files record how each parameter was cut, so
-`merge_checkpoint(path)` rebuilds the plain model's state_dict offline, and `load_plain_state_dict`
-cuts it into any layout (each rank keeps its slice): checkpoint_merge.py, re-exported here.
-"""
+"""Each rank's own file: saved atomically (`save_checkpoint`), loaded back into the layout that
+wrote it (`load_checkpoint`), and the refusals of another layout's files, each naming both
+layouts and the way across (through the plain model: merge.py)."""
 from __future__ import annotations
 
 import os
@@ -46,38 +13,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import cpu_half
-from .checkpoint_files import PREFIXES, UnsafeCheckpointError, name_kind, rank_files  # noqa: F401
-from .checkpoint_merge import (  # noqa: F401 -- re-exported: the offline half of checkpoints
+from .. import cpu_half
+from ..config import ConfigError
+from ..context import gpc
+from ..logging import get_dist_logger
+from ..pipeline.partition import PipelinePart
+from ..tensor.base import axis_position, grid_side
+from .files import (
     PathLike,
     check_one_save,
-    complete_zero_state,
     describe_save,
-    load_optimizer_state,
-    load_plain_state_dict,
-    merge_checkpoint,
-    merge_pipeline_checkpoint,
-    merge_tensor_parallel,
+    name_kind,
+    rank_files,
     read_file,
     save_files,
     strip_prefixes,
-    tensor_splits_of,
     unwrap,
     zero_path,
 )
-from .config import ConfigError
-from .context import gpc
-from .logging import get_dist_logger
-from .pipeline.partition import PipelinePart
-from .tensor.base import axis_position, grid_side
-from .zero import ShardedOptimizer
-from .zero.load import load_model_entries, read_my_segments
-from .zero.state import my_segments, skeleton
+from .merge import complete_zero_state, tensor_splits_of
+from .zero import ShardedState, load_model_entries, my_segments, read_my_segments, skeleton
 
 
 def stage_path(path: PathLike, stage: Optional[int] = None,
                tensor_rank: Optional[int] = None) -> Path:
-    """This rank's file: ckpt.pt alone, else ckpt-stage{p}-tensor{t}-expert{e}.pt (see above)."""
+    """This rank's file: ckpt.pt alone, else ckpt-stage{p}-tensor{t}-expert{e}.pt (see __init__)."""
     path = Path(path)
     parts = []
     if gpc.pipeline_size > 1 or stage is not None:
@@ -160,13 +120,13 @@ def save_checkpoint(path: PathLike, epoch: int, model: nn.Module, optimizer: Any
     save_id = [f"{os.getpid()}-{time.time_ns()}"]
     if gpc.is_initialized and gpc.world_size > 1:
         dist.broadcast_object_list(save_id, src=0)  # one id for the whole set of stage files
-    if isinstance(optimizer, ShardedOptimizer):  # ZeRO: every data rank writes its own segments
+    if isinstance(optimizer, ShardedState):  # ZeRO: every data rank writes its own segments
         atomic_save({"save_id": save_id[0], **my_segments(optimizer)},
                     zero_path(stage_path(path), optimizer.rank))
         optimizer_state = {"zero_files": optimizer.size, **skeleton(optimizer)}
     else:
         optimizer_state = optimizer.state_dict() if optimizer is not None else None
-    if isinstance(optimizer, ShardedOptimizer) and optimizer.level == 3:  # no gather: my segments
+    if isinstance(optimizer, ShardedState) and optimizer.level == 3:  # no gather: my segments
         sharded = {k for names in optimizer.param_names() for k in names}  # are in ckpt-zero{r}
         model_state = {k: None if k in sharded else v.detach() for k, v in
                        strip_prefixes(unwrap(model).state_dict(keep_vars=True)).items()}
@@ -202,7 +162,7 @@ def load_checkpoint(path: PathLike, model: nn.Module, optimizer: Any = None,
         raise FileNotFoundError(f"[rank {gpc.rank}] checkpoint {str(file)!r} not found")
     _refuse_an_older_save(path, file)
     state = read_file(file, map_location or gpc.device, trusted)
-    # ZeRO: my segments from the files that hold them (zero/load.py), else merged whole and cut
+    # ZeRO: my segments from the files that hold them (zero.py), else merged whole and cut
     state = read_my_segments(state, file, optimizer, trusted) or complete_zero_state(state, file,
                                                                                   trusted)
     _check_layout(state, file, path)

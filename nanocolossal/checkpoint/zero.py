@@ -1,13 +1,13 @@
 """A ZeRO optimizer's checkpoint: each data rank writes its own segments; put together they are
 the unsplit model's plain torch optimizer state.
 
-Each rank holds the state of its segments only (optimizer.py): the parts [lo, hi) of parameters
-in its shard (and, under O2, their fp32 masters: mixed.py). A checkpoint keeps it that way -- no
-rank ever holds the whole optimizer state to save it:
+Each rank holds the state of its segments only (zero/optimizer.py): the parts [lo, hi) of
+parameters in its shard (and, under O2, their fp32 masters: zero/mixed.py). A checkpoint keeps
+it that way -- no rank ever holds the whole optimizer state to save it:
 
     save   rank r writes its segments, {param index: [(lo, hi, {exp_avg: values, ..., step})]},
            [(index, lo, hi, master values)] and, at level 3, [(index, lo, hi, parameter values)]
-           to its own shard file (checkpoint.py: ckpt-zero{r}.pt); the stage's main file gets the
+           to its own shard file (save_load.py: ckpt-zero{r}.pt); the stage's main file gets the
            skeleton (param groups, shapes, scaler, N, every shard's segments) and the model's
            unsharded entries
     merge  for each parameter its segments side by side into one whole tensor:
@@ -16,21 +16,46 @@ rank ever holds the whole optimizer state to save it:
     load   the merged plain state (saved by any data size, or by one process's optimizer) ->
            each rank keeps state[index][k].flatten()[lo:hi] of its segments (`load_state_dict`)
 
-So a checkpoint loads into any data size (2 -> 1, 1 -> 4, 4 -> 2); load.py reads only the files that
-overlap my shard, the plain route merges them all. `state_dict()` (collective) gathers the segments
-in memory. Per-parameter scalars (`step`) are the same in every segment: kept once. Under O2
-(mixed.py) it is one process's O2 layout, "masters" one whole fp32 tensor per half parameter in its
-order, so either resumes from the other's file.
+So a checkpoint loads into any data size (2 -> 1, 1 -> 4, 4 -> 2); a rank reads only the files
+that overlap its shard (below), the plain route merges them all. `state_dict()` (collective)
+gathers the segments in memory. Per-parameter scalars (`step`) are the same in every segment:
+kept once. Under O2 (zero/mixed.py) it is one process's O2 layout, "masters" one whole fp32
+tensor per half parameter in its order, so either resumes from the other's file.
+
+Loading (`read_my_segments`): each rank reads only the shard files that overlap its shard. A
+save by N data ranks leaves N shard files beside the stage's file: file q holds the segments of
+shard q of every flat buffer, and the stage file lists them -- for each q, its (index, lo, hi): a
+parameter's index and a range of its flattened elements. A rank of a job of M data ranks needs
+the elements of its own segments, so it reads just the files that meet them:
+
+    saved by   loaded by   rank r reads
+    N          M = N       file r                      (a resume: one file, its own)
+    N = 4      M = 2       files 2r and 2r+1, and a neighbour where padding moves a cut
+    N = 2      M = 4       file r // 2, or two where a cut falls inside my shard
+    N          M = 1       every file
+
+and, for each of its segments and each saved segment of the same parameter, copies the overlap:
+
+    my segment       [lo ........................ hi)       of parameter i
+    a saved segment       [slo ........ shi)                 of parameter i, from file q
+    copied                [max(lo, slo), min(hi, shi))      to mine at max(lo, slo) - lo
+
+So no rank holds a tensor it does not own, even while loading. The plain route (every file merged
+into whole tensors, then cut: merge.py's complete_zero_state) stays for merge_checkpoint, a load
+into plain data parallelism or without an optimizer, a level-3 save loaded at level 1-2, or a
+save older than the segments list.
 """
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from ..checkpoint_files import strip_prefixes, unwrap
 from ..context import gpc
+from .files import check_one_save, describe_save, read_file, strip_prefixes, unwrap, zero_path
 
 SCALAR_STATE = ("step",)  # per-parameter scalars; every other state tensor is per element
 HALF = (torch.float16, torch.bfloat16)
@@ -39,7 +64,7 @@ HALF = (torch.float16, torch.bfloat16)
 class ShardedState:
     """The checkpoint half of ShardedOptimizer: what it saves and loads, and the bytes it holds."""
 
-    masters_halves = False  # mixed.py: O2's half parameters are stepped through fp32 masters
+    masters_halves = False  # zero/mixed.py: O2's half parameters are stepped through fp32 masters
 
     def state_dict(self) -> dict:
         """The plain optimizer state, every rank's segments put together (collective)."""
@@ -52,7 +77,7 @@ class ShardedState:
 
     def load_state_dict(self, state: dict) -> None:
         """Keep my segments of a plain optimizer state (any data size: cut here) or of one cut to
-        them (load.py's `mine`, at level 3 with my parameter segments); then O2's masters."""
+        them (`mine` of read_my_segments; level 3: my parameter segments too); then O2's masters."""
         plain = state["optimizer"] if "optimizer" in state else state
         if len(plain["param_groups"]) != len(self.user_groups):
             raise ValueError(f"[rank {gpc.rank}] the saved optimizer has "
@@ -213,3 +238,105 @@ def saved_master(state: dict, opt: Any, s: Any) -> Any:
         return state["masters"].get((s.index, s.lo, s.hi)) if state["masters"] else None
     master = dict(zip(opt.half_indices(), state.get("masters") or [])).get(s.index)
     return None if master is None else master.reshape(-1)[s.lo:s.hi]
+
+
+# -- loading: my segments from the files that hold them -----------------------------------------
+Key = tuple[int, int, int]  # (parameter index, lo, hi): one segment
+
+
+class _Mine:
+    """My segments' tensors, filled from the saved segments, counting the elements received."""
+
+    def __init__(self, mine: list[Key]) -> None:
+        self.at: dict[int, list[Key]] = {}  # parameter index -> my segments of it
+        for key in mine:
+            self.at.setdefault(key[0], []).append(key)
+        self.filled: dict[tuple, int] = {}
+
+    def place(self, into: dict, name: str, index: int, slo: int, shi: int,
+              value: torch.Tensor) -> None:
+        """Copy saved segment [slo, shi) of parameter `index` into my segments' into[key][name]."""
+        for key in self.at.get(index, []):
+            lo, hi = key[1], key[2]
+            a, b = max(lo, slo), min(hi, shi)
+            if a < b:
+                slot = into.setdefault(key, {})
+                if name not in slot:
+                    slot[name] = torch.zeros(hi - lo, dtype=value.dtype)
+                slot[name][a - lo: b - lo] = value[a - slo: b - slo]
+                count = (id(into), key, name)
+                self.filled[count] = self.filled.get(count, 0) + b - a
+
+    def check(self, files: list[Path]) -> None:
+        """Every tensor begun got all its elements: else a file lacks segments."""
+        for (_, (index, lo, hi), name), n in self.filled.items():
+            if n != hi - lo:
+                raise RuntimeError(
+                    f"[rank {gpc.rank}] the ZeRO shard files {[f.name for f in files]} hold "
+                    f"{n} of the {hi - lo} elements [{lo}, {hi}) of parameter {index}'s {name}; "
+                    f"a file is incomplete: resume from an older checkpoint")
+
+
+def files_to_read(saved: list[list], mine: _Mine) -> list[int]:
+    """The saving ranks whose files hold any element of my segments."""
+    return [q for q, segments in enumerate(saved)
+            if any(lo < shi and slo < hi
+                   for index, slo, shi in segments for _, lo, hi in mine.at.get(index, []))]
+
+
+def my_state(mine: _Mine, saved: dict, parts: list[dict], files: list[Path]) -> dict:
+    """From the files read: the state of my segments, as the optimizer's load_state_dict takes
+    it -- {"optimizer": {"mine": {key: {exp_avg: values, ..., step}}, ...}, "masters": {key:
+    values}, "params": {key: values}}, each key one of my segments (index, lo, hi)."""
+    state: dict[Key, dict] = {}
+    extra: dict[Key, dict] = {}  # {"master": values, "param": values}
+    for part in parts:
+        for index, segments in part["state"].items():
+            for slo, shi, values in segments:
+                for k, v in values.items():
+                    if per_element(k, v):
+                        mine.place(state, k, index, slo, shi, v)
+                for key in mine.at.get(index, []):  # per-parameter scalars (step): as they are
+                    if key in state:
+                        state[key].update({k: v for k, v in values.items()
+                                           if not per_element(k, v)})
+        for name in ("master", "param"):
+            for index, slo, shi, value in part[name + "s"]:
+                mine.place(extra, name, index, slo, shi, value)
+    mine.check(files)
+    return {"optimizer": {"mine": state, "param_groups": saved["param_groups"]},
+            "scaler": saved["scaler"], "zero": saved["zero"],
+            "masters": {k: v["master"] for k, v in extra.items() if "master" in v},
+            "params": {k: v["param"] for k, v in extra.items() if "param" in v}}
+
+
+def read_my_segments(state: dict, file: Path, opt: Any, trusted: bool = False) -> Optional[dict]:
+    """`state` (a stage file) with my segments, read from their files; None: the plain route."""
+    saved = state.get("optimizer")
+    if not (isinstance(opt, ShardedState) and isinstance(saved, dict)):
+        return None
+    listed = saved.get("segments", saved.get("pieces"))  # ("pieces": its name in older saves)
+    if (listed is None or saved["shapes"] != [list(s) for s in opt.shapes]  # another model
+            or (saved["param_names"] and opt.level < 3)):  # or whole parameters
+        return None  # (the plain route says what differs)
+    mine = _Mine([(s.index, s.lo, s.hi) for b in opt.buffers for s in b.segments])
+    files = [zero_path(file, q) for q in files_to_read(listed, mine)]
+    parts = [read_file(f, "cpu", trusted) for f in files]
+    check_one_save([describe_save(state, file)] + [describe_save(p, f)
+                                                  for p, f in zip(parts, files)])
+    return {**state, "optimizer": my_state(mine, saved, parts, files)}
+
+
+def load_model_entries(model: nn.Module, entries: dict, strict: bool) -> None:
+    """model.load_state_dict(entries), where a level-3 save's parameters are None: those come
+    as segments with the optimizer's state; strict still refuses any other missing key."""
+    sharded = {k for k, v in entries.items() if v is None}
+    if not sharded:  # (any model: an interleaved pipeline's chunk list returns nothing)
+        model.load_state_dict(entries, strict=strict)
+        return
+    result = model.load_state_dict({k: v for k, v in entries.items() if v is not None},
+                                   strict=False)
+    missing = set(result.missing_keys) - sharded
+    if strict and (missing or result.unexpected_keys):
+        raise RuntimeError(f"[rank {gpc.rank}] loading the model: missing keys {sorted(missing)},"
+                           f" unexpected keys {sorted(result.unexpected_keys)}")

@@ -1,6 +1,6 @@
 """ZeRO level 3's model.state_dict() and load_state_dict(): the plain model's keys, full tensors.
 
-Between uses each rank holds only its shard of every unit (sharded_params.py), so the model's
+Between uses each rank holds only its shard of every unit (zero/sharded_params.py), so the model's
 own state_dict calls are made whole around torch's:
 
     state_dict()        gather every unit (collective: every rank calls it), copy the full
@@ -9,7 +9,8 @@ own state_dict calls are made whole around torch's:
                         keep my shard of each, free
     keep_vars=True      asks for the Parameters themselves (shapes, marks): nothing is gathered
 
-Checkpoints do not come this way: they save and load each rank's segments (state.py, load.py).
+Checkpoints do not come this way: they save and load each rank's segments (zero.py);
+load_plain_state_dict (merge.py) does, each rank keeping its shard.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .sharded_model import ShardedModel
-from .sharded_params import ShardedFlatBuffer
+from ..zero.sharded_model import ShardedModel
+from ..zero.sharded_params import ShardedFlatBuffer
 
 
 class FullStateDict:
@@ -56,7 +57,7 @@ class FullStateDict:
             b.free()
 
     def _before_load(self, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
-        # whole values if it loads parameters (load.py's segments come through the optimizer)
+        # whole values if it loads parameters (zero.py's segments come through the optimizer)
         if any(k.removeprefix(prefix) in self.param_keys for k in state):
             self.gather_all()
 

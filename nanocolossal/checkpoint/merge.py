@@ -1,7 +1,7 @@
 """A checkpoint's files offline, with no running job: one save's files of any layout merged into
 the plain model's state_dict (`merge_checkpoint`), which `load_plain_state_dict` cuts into any
 other layout; a ZeRO save's segments are put back first (`complete_zero_state`, with
-zero/state.py's `assemble`).
+zero.py's `assemble`).
 
 Tensor-parallel files record how each parameter was cut (`tensor_splits`, keyed by the plain
 model's keys) and the plain shape, so the blocks are put back together; expert-parallel files
@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint_files import (
+from ..context import gpc
+from ..tensor.base import POSITION, slice_of
+from .files import (
     PathLike,
     check_one_save,
     describe_save,
@@ -25,9 +27,7 @@ from .checkpoint_files import (
     unwrap,
     zero_path,
 )
-from .context import gpc
-from .tensor.base import POSITION, slice_of
-from .zero.state import assemble, assemble_params
+from .zero import assemble, assemble_params
 
 
 def tensor_splits_of(model: nn.Module) -> dict[str, list]:
@@ -38,8 +38,8 @@ def tensor_splits_of(model: nn.Module) -> dict[str, list]:
 
 
 def complete_zero_state(state: dict, file: PathLike, trusted: bool = False) -> dict:
-    """A ZeRO save's stage file holds a skeleton; its data ranks' segments lie beside it (zero/
-    state.py). Put them back: the plain optimizer state, and at level 3 the model's sharded
+    """A ZeRO save's stage file holds a skeleton; its data ranks' segments lie beside it
+    (zero.py). Put them back: the plain optimizer state, and at level 3 the model's sharded
     parameters (None in the file). Any other file's state is returned as it is."""
     saved = state.get("optimizer")
     if not isinstance(saved, dict) or "zero_files" not in saved:
