@@ -111,12 +111,22 @@ def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024,
                       pin_memory=pin_memory, **kwargs)
 
 
-class AgreedStream:
-    """A stream whose batches every rank agrees on (agreed_stream); everything else (sampler,
-    dataset, set_epoch) is the loader's own."""
+class WrappedLoader:
+    """A loader that changes what its batches are (AgreedStream, sequence.py's split,
+    loss_weights.py's groups read ahead); everything else (sampler, dataset, set_epoch) is the
+    loader's own."""
 
-    def __init__(self, loader: Iterable) -> None:
+    def __init__(self, loader: Any) -> None:
         self.loader = loader
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+class AgreedStream(WrappedLoader):
+    """A stream whose batches every rank agrees on (agreed_stream)."""
 
     def __iter__(self) -> Iterator[Any]:
         batches = iter(self.loader)
@@ -135,11 +145,6 @@ class AgreedStream:
                 check_streams_end_together(has.tolist(), read)
                 return
             yield batch
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "loader":  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.loader, name)
 
 
 def agreed_stream(loader: Iterable) -> Iterable:

@@ -7,10 +7,11 @@ feature. A feature that must act inside them is an `Extension` written in its ow
 and the loops call every extension, in list order, at these marked places:
 
     point               called (when)                       plugged in by
+    train_loader        initialize, Trainer.fit: the loader CountedTargets (reads each accumulation
+                        of training batches                 group ahead: loss_weights.GroupsAhead)
     loss                engine.criterion                    loss_weights.CountedTargets (weighs the
                                                             mean by counted targets), then
                                                             pipeline/moe_aux.MoeAuxLoss (+ w x aux)
-    group_labels        engine.count_targets                CountedTargets (counts the group)
     sync                every backward: may it average      ddp.DdpSync (no_sync but on the last
                         gradients now?                      backward of a group / of a chunk)
     end_group           step: after the group's last        the gradient handlers' average
@@ -45,11 +46,12 @@ MicroBatchLoss = Callable[[Any, int], torch.Tensor]  # (output of micro-batch m,
 class Extension:
     """A feature's part in the Engine and the pipeline executor (see the module docstring)."""
 
+    def train_loader(self, loader: Any) -> Any:
+        """The loader of training batches as the loop reads it (a wrapper, or itself)."""
+        return loader
+
     def loss(self, compute: Loss, output: Any, label: Any) -> torch.Tensor:
         return compute(output, label)
-
-    def group_labels(self, labels: Sequence[Any]) -> None:
-        """engine.count_targets: the labels of the accumulation group about to run."""
 
     def sync(self, chunk: int, last: bool) -> ContextManager:
         """Around a backward of chunk `chunk` (the Engine: 0); `last`: the chunk's last one."""
@@ -76,6 +78,13 @@ class Extension:
     def extra_loss(self, module: nn.Module, share: float) -> Optional[torch.Tensor]:
         """A loss of the chunk's own, for a micro-batch whose share of the batch is `share`."""
         return None
+
+
+def training_loader(extensions: Sequence[Extension], loader: Any) -> Any:
+    """`loader` as every extension's `train_loader` wraps it, in list order."""
+    for extension in extensions:
+        loader = extension.train_loader(loader)
+    return loader
 
 
 def with_extensions(extensions: Sequence[Extension], criterion: Loss) -> Loss:

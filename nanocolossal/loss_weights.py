@@ -40,26 +40,31 @@ by samples, as before. Under sequence parallelism the token loss already divides
 sequences' count (nn/layers.py), so there a piece is a sequence group, not a rank.
 
 Gradient accumulation makes the N micro-steps of a group pieces too, but the engine meets them
-one at a time and cannot count the targets of those it has not seen. So the Trainer reads each
-group's batches ahead and hands their labels to `engine.count_targets` (one all-reduce per
-group); then micro-step i's gradient weighs W_i * G * k / W for a group of k (backward's 1 / N
-undone, but for k / N: an epoch's short last group weighs k / N of its mean, as without counts).
-A loop of your own does the same by calling it before each group; without it each micro-step
-weighs 1 / N, as Accelerate does unless told the group's count.
+one at a time and cannot count the targets of those it has not seen. So the loader that
+initialize returns (and any that Trainer.fit is given) reads each group ahead and hands its
+labels over (GroupsAhead), counted at the group's first loss: one all-reduce per group. Then
+micro-step i's gradient weighs W_i * G * k / W for a group of k (backward's 1 / N undone, but
+for k / N: an epoch's short last group weighs k / N of its mean, as without counts). A loop of
+your own over that loader needs only to close an epoch's short last group (engine.close_group()
+before its last batch); over another loader each micro-step weighs 1 / N, as Accelerate does
+unless told the group's count.
 
 Evaluation communicates nothing (ranks may run different numbers of batches): each rank's loss
 is its batch's own mean -- a pipeline's micro-batches weigh W_m / W within the batch.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import itertools
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .checks import peer_failed, same_everywhere
 from .context import gpc
+from .data import WrappedLoader
 from .extensions import Extension, MicroBatchLoss
+from .loss_weights_checks import check_group_ended
 from .nest import map_tensors
 
 
@@ -180,16 +185,17 @@ class CountedTargets(Extension):
     for logging (x + (y - y.detach()) is x, with y's gradient). engine.criterion weighs nothing in
     evaluation (an all-reduce would wait for a partner)."""
 
-    def __init__(self, criterion: Any, modules: Sequence[Any], accumulation: int) -> None:
+    group: Optional[list] = None  # the labels of the accumulation group read last (GroupsAhead)
+    total: Optional[torch.Tensor] = None  # its W, counted at its first weighed loss
+
+    def __init__(self, criterion: Any, modules: Sequence[Any]) -> None:
         self.criterion = criterion
         self.spans = getattr(criterion, "spans_sequence", False)
         self.modules = modules  # whose training flags say training (either may say eval)
-        self.accumulation = accumulation
-        # (W, k): the accumulation group's counted targets and micro-steps, once counted
-        self.counted_group: Optional[tuple[torch.Tensor, int]] = None
+        self.accumulation = gpc.config.get("gradient_accumulation", 1)  # N, as initialize read it
 
     def _weighs(self) -> bool:
-        return ((gpc.gradient_size > 1 or self.counted_group is not None)
+        return ((gpc.gradient_size > 1 or self.group is not None)
                 and all(m.training for m in self.modules) and torch.is_grad_enabled())
 
     def loss(self, compute: Callable, output: Any, label: Any) -> torch.Tensor:
@@ -198,21 +204,32 @@ class CountedTargets(Extension):
         count = target_counts(self.criterion, [label])
         loss = compute(gradient_if_counted(output, count[0]), label)
         step = weigh(loss, piece_weights(count, self.spans)[0], count[0])
-        if self.counted_group is None:
+        if self.group is None:
             return step
-        total, k = self.counted_group
-        group = weigh(loss, piece_weights(count, self.spans, total)[0] * k, count[0])
+        k = len(self.group)
+        group = weigh(loss, piece_weights(count, self.spans, self._counted())[0] * k, count[0])
         return step.detach() + (group - group.detach())
 
-    def group_labels(self, labels: Sequence[Any]) -> None:
-        """The group's targets counted over its micro-steps and the data ranks: one all-reduce."""
-        if self.accumulation > 1:
-            counts = target_counts(self.criterion, [y.to(gpc.device, non_blocking=True)
-                                                    for y in labels])
-            self.counted_group = (total_count(counts), len(labels))
+    def _counted(self) -> torch.Tensor:
+        """W of the group, over its micro-steps and data ranks, counted when it is trained."""
+        if self.total is None:
+            labels = [y.to(gpc.device, non_blocking=True) for y in self.group]
+            self.total = total_count(target_counts(self.criterion, labels))
+        return self.total
+
+    def train_loader(self, loader: Any) -> Any:
+        if self.accumulation == 1 or loader is None or getattr(loader, "counting", None) is self:
+            return loader  # (initialize's loader, given to Trainer.fit, is read ahead already)
+        return GroupsAhead(loader, self)
+
+    def read_group(self, labels: Optional[list]) -> None:
+        """GroupsAhead: the labels of the group whose first batch comes next (or None)."""
+        check_group_ended(self.group is not None and self.total is not None)
+        self.group = labels
+        self.total = None
 
     def end_group(self) -> None:
-        self.counted_group = None  # the next group is counted anew, or weighs 1 / N
+        self.group = None  # the next group is counted when read; another loader weighs 1 / N
 
     def weigh_micro_batches(self, criterion: Any, labels: list,
                             training: bool) -> Optional[MicroBatchLoss]:
@@ -226,3 +243,24 @@ class CountedTargets(Extension):
             counted = gradient_if_counted(output, counts[m])
             return weigh(criterion(counted, labels[m]), weights[m], counts[m])
         return loss
+
+
+class GroupsAhead(WrappedLoader):
+    """A training loader read a group ahead (CountedTargets.train_loader); its length is the
+    loader's (a stream's raises TypeError: checks.loader_length)."""
+
+    def __init__(self, loader: Any, counting: CountedTargets) -> None:
+        super().__init__(loader)
+        self.counting = counting
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = iter(self.loader)
+        for batch in batches:
+            group = [batch, *itertools.islice(batches, self.counting.accumulation - 1)]
+            labelled = all(isinstance(b, (list, tuple)) and len(b) == 2 and b[1] is not None
+                           for b in group)
+            self.counting.read_group([b[1] for b in group] if labelled else None)
+            yield from group
+
+    def __len__(self) -> int:
+        return len(self.loader)

@@ -45,12 +45,11 @@ import torch.distributed as dist
 
 from .checks import loader_length
 from .context import gpc
+from .data import WrappedLoader
 from .loss_weights import counted_targets, mean_over
 from .nest import map_tensors
 from .sequence_checks import check_positions, check_sample_lengths
 from .tensor.zigzag import share_lengths, zigzag_split
-
-ATTENTION = ("ring", "all_to_all")  # parallel.tensor's attention=: how a rank meets the others
 
 
 def sequence_attention(cfg: Optional[Mapping] = None) -> str:
@@ -99,22 +98,16 @@ def split_batch(batch: Any, n: int, r: int, even: bool = True) -> Any:
     return map_tensors(lambda t: zigzag_split(t, 1, n, r, even) if t.dim() >= 2 else t, batch)
 
 
-class SequenceSplitLoader:
-    """Iterates `loader` and yields this rank's share of each batch's sequences; everything else
-    (sampler, dataset, batch_size) is the loader's own."""
+class SequenceSplitLoader(WrappedLoader):
+    """Iterates `loader` and yields this rank's share of each batch's sequences."""
 
     def __init__(self, loader: Any) -> None:
-        self.loader = loader
+        super().__init__(loader)
         self.n, self.r = gpc.sequence_size, gpc.sequence_rank
         self.even = even_shares()
 
     def __iter__(self) -> Iterator[Any]:
         return (split_batch(batch, self.n, self.r, self.even) for batch in self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "loader":  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.loader, name)
 
 
 class SizedSequenceSplitLoader(SequenceSplitLoader):

@@ -13,7 +13,7 @@ differs between epochs and agrees between ranks. `max_steps` counts optimizer st
 each under gradient_accumulation=N; every epoch ends with one) and ends training after that
 step, still running the after_train_epoch / after_train hooks. `resume(path)` loads a
 SaveCheckpointHook checkpoint and continues where it was taken, mid-epoch if need be: the
-loop's position is a Progress (progress.py), the same one the scripts' own loops use.
+loop's position is a Progress (checkpoint/progress.py), the same one the scripts' own loops use.
 """
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ import torch
 from tqdm import tqdm
 
 from . import hooks
-from .checkpoint import PathLike
+from .checkpoint import PathLike, Progress
 from .checks import check_consistency, check_evaluation, debug_barrier, loader_length
 from .context import gpc
 from .data import agreed_stream
 from .engine import Engine
+from .extensions import training_loader
 from .logging import get_dist_logger
-from .progress import Progress
 from .timer import MultiTimer
 
 __all__ = ["Trainer", "hooks"]
@@ -85,7 +85,8 @@ class Trainer:
 
     def resume(self, path: PathLike, lr_scheduler: Any = None) -> bool:
         """Load a checkpoint into the engine (and scheduler) and continue where it was taken, in
-        the middle of an epoch if need be (see progress.py). False if there is no file yet."""
+        the middle of an epoch if need be (checkpoint/progress.py). False if there is no file
+        yet."""
         return self.progress.resume(path, self.engine.model, self.engine.optimizer, lr_scheduler)
 
     # -- loops -----------------------------------------------------------------------------
@@ -120,9 +121,8 @@ class Trainer:
                 hook.load_state_dict(saved[type(hook).__name__])
         self.progress.hook_states = {}
         self.timer.start("train-epoch")
-        batches = self.progress.batches(loader)
-        if self.engine.gradient_accumulation > 1:
-            batches = self._read_groups_ahead(batches)
+        batches = (self._read_groups_ahead(loader) if self.engine.gradient_accumulation > 1
+                   else self.progress.batches(loader))
         bar = self._bar(batches, f"epoch {self.cur_epoch + 1}/{epochs}", show,
                         self.progress.remaining(loader))
         stopped = False
@@ -146,20 +146,14 @@ class Trainer:
         self._call("after_train_epoch")
         return stopped
 
-    def _read_groups_ahead(self, batches: Iterable) -> Iterator:
+    def _read_groups_ahead(self, loader: Iterable) -> Iterator:
         """Gradient accumulation: each group's batches read before its first backward, so the
-        engine counts their targets first (loss_weights.py), and the epoch's last group, short
-        of N with or without a loader length, is closed: every epoch ends with a step."""
+        epoch's last group, short of N with or without a loader length, is closed: every epoch
+        ends with a step. A loader not from initialize gets its extensions' wrapper here too."""
         n = self.engine.gradient_accumulation
-        batches = iter(batches)
+        batches = self.progress.batches(training_loader(self.engine.extensions, loader))
         for batch in batches:
-            if self.engine.accumulating:
-                yield batch
-                continue
             group = [batch, *itertools.islice(batches, n - 1)]
-            if all(isinstance(b, (list, tuple)) and len(b) == 2 and b[1] is not None
-                   for b in group):  # labelled (else the engine refuses the batch)
-                self.engine.count_targets([b[1] for b in group])
             yield from group[:-1]
             if len(group) < n:
                 self.engine.close_group()

@@ -10,7 +10,7 @@ from torch import nn
 
 from nanocolossal.amp import MixedPrecisionOptimizer
 from nanocolossal.engine import Engine
-from nanocolossal.extensions import Extension
+from nanocolossal.extensions import Extension, training_loader
 from nanocolossal.pipeline import make_schedule
 
 ROOT = Path(__file__).resolve().parent.parent / "nanocolossal"
@@ -51,8 +51,9 @@ class Recorder(Extension):
         self.log.append((self.name, "loss"))
         return self.change(compute(output, label))
 
-    def group_labels(self, labels):
-        self.log.append((self.name, "group_labels", len(labels)))
+    def train_loader(self, loader):
+        self.log.append((self.name, "train_loader"))
+        return [*loader]
 
     @contextmanager
     def sync(self, chunk, last):
@@ -85,16 +86,15 @@ def test_an_engine_calls_its_extensions_at_the_marked_places():
                     nn.CrossEntropyLoss(), gradient_accumulation=2, clip_grad_norm=1.0,
                     extensions=[first, second])
     before = nn.functional.cross_entropy(model(x), y).item()
-    engine.count_targets([y, y])
     losses = []
-    for _ in range(2):
+    for batch in training_loader(engine.extensions, ((x, y) for _ in range(2))):
         engine.zero_grad()
-        losses.append(engine.execute_schedule((x, y))[2].item())
+        losses.append(engine.execute_schedule(batch)[2].item())
         engine.step()
     assert losses[0] == pytest.approx(before * 2 + 1)  # the first extension's loss is innermost
     engine.eval()
     micro_step = [("b", "loss"), ("a", "loss")]  # (b's wraps a's)
-    assert log == [("a", "group_labels", 2), ("b", "group_labels", 2),
+    assert log == [("a", "train_loader"), ("b", "train_loader"),
                    *micro_step, ("a", "sync", 0, False), ("b", "sync", 0, False),
                    ("a", "output_labels"), ("b", "output_labels"),
                    *micro_step, ("a", "sync", 0, True), ("b", "sync", 0, True),

@@ -18,7 +18,7 @@ from torch.testing import assert_close
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
-from nanocolossal.checkpoint_merge import strip_prefixes, tensor_splits_of
+from nanocolossal.checkpoint import strip_prefixes, tensor_splits_of
 from nanocolossal.config import AMP_TYPE
 from nanocolossal.context import gpc
 from nanocolossal.moe import moe_aux_loss
@@ -222,39 +222,43 @@ GROUPS = [ACCUM[:2], ACCUM[2:]]  # of two, then the epoch's last group, of one (
 
 
 def _accum_worker(rank, world_size, port, config, how, expected):
-    """`how`: 'trainer' (Trainer.fit reads each group ahead), 'count' (a loop of one's own that
-    calls engine.count_targets before each group), 'mid-group' (calls it inside a group) or
-    'too-many' (with 3 labels for a group of 2)."""
+    """`how`: 'trainer' (Trainer.fit over this rank's batches, a loader initialize never saw: the
+    Trainer has the extension read it a group ahead), 'loop' (a loop of one's own over the loader
+    nc.initialize returned, closing the epoch's short last group), 'ahead' (such a loop reading
+    the loader one batch ahead, as a prefetcher would) or 'open' (one that leaves the short last
+    group open and begins a second epoch)."""
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=60)
     model = _gpt()
-    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                               col_nn.VocabParallelCrossEntropyLoss(), verbose=False)
     n = GLOBAL // gpc.data_size
-    loader = []
+    batches = []
     for b in ACCUM:
         x, y = _tokens(*b)
-        batch = (x[gpc.data_rank * n:][:n], y[gpc.data_rank * n:][:n])
-        loader.append(split_batch(batch, gpc.sequence_size, gpc.sequence_rank)
-                      if gpc.sequence_size > 1 else batch)
+        batches.append((x[gpc.data_rank * n:][:n], y[gpc.data_rank * n:][:n]))
+    engine, loader, *_ = nc.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        col_nn.VocabParallelCrossEntropyLoss(), batches, verbose=False)  # (split: mode='sequence')
     if how == "trainer":
         trainer = nc.trainer.Trainer(engine)
-        trainer.fit(loader, epochs=1, hooks=[hooks.LossHook()])
-        losses = [trainer.states["metrics"]["train"]["loss"]]
-    else:
-        losses = []
-        for i, batch in enumerate(loader):
-            if i in (0, 2) or how != "count":
-                try:
-                    engine.count_targets([b[1] for b in (loader if how == "too-many" else
-                                                         loader[i:i + 2 - i // 2])])
-                except RuntimeError as e:
-                    return str(e)
-            if i == 2:
-                engine.close_group()
-            engine.zero_grad()
-            _, _, loss = engine.execute_schedule(batch)
-            losses.append(nc.metrics.all_reduce_mean(loss.item()))  # each micro-step's mean
-            engine.step()
+        trainer.fit([split_batch(b, gpc.sequence_size, gpc.sequence_rank) for b in batches]
+                    if gpc.sequence_size > 1 else batches, epochs=1, hooks=[hooks.LossHook()])
+        return _diffs(engine, expected), [trainer.states["metrics"]["train"]["loss"]]
+    losses = []
+    try:
+        for epoch in range(2 if how == "open" else 1):
+            read = iter(loader)
+            ahead = next(read) if how == "ahead" else None
+            for i in range(len(loader)):
+                batch = ahead if how == "ahead" else next(read)
+                if how == "ahead" and i + 1 < len(loader):
+                    ahead = next(read)  # the next batch read before this one is trained
+                if i == len(loader) - 1 and how != "open":
+                    engine.close_group()  # every epoch ends with a step
+                engine.zero_grad()
+                _, _, loss = engine.execute_schedule(batch)
+                losses.append(nc.metrics.all_reduce_mean(loss.item()))  # each micro-step's mean
+                engine.step()
+    except RuntimeError as e:
+        return str(e)
     return _diffs(engine, expected), losses
 
 
@@ -263,12 +267,15 @@ ACCUM_LAYOUTS = {"one-process": ({}, 1), "data2": ({}, 2),
                  "seq2-data2": ({"parallel": {"tensor": {"size": 2, "mode": "sequence"}}}, 4)}
 
 
-@pytest.mark.parametrize("how", ["trainer", "count"])
+@pytest.mark.parametrize("how", ["trainer", "loop"])
 @pytest.mark.parametrize("case", ACCUM_LAYOUTS, ids=ACCUM_LAYOUTS)
 def test_deep_accumulation_with_padding_spread_unevenly_over_micro_steps_as_one_process(case, how):
-    """The Trainer (or engine.count_targets) counts a group's targets before its first backward:
-    a micro-step of 1 real token per row weighs as little as it is. The loss reported for each
-    micro-step (LossHook: their mean) stays that micro-step's mean."""
+    """The loader nc.initialize returns reads each group ahead (loss_weights.GroupsAhead), so
+    its targets are counted before the group's first backward: a micro-step of 1 real token per
+    row weighs as little as it is, in a loop of one's own over that loader as under the Trainer
+    (which has any other loader read the same way). Under sequence parallelism the group is read
+    from the split loader (this rank's tokens). The loss reported for each micro-step (LossHook:
+    their mean) stays that micro-step's mean."""
     expected, _, micro_losses = _one_process(None, False, groups=GROUPS)
     config, world = ACCUM_LAYOUTS[case]
     config = dict(config, gradient_accumulation=ACCUMULATION)
@@ -280,12 +287,15 @@ def test_deep_accumulation_with_padding_spread_unevenly_over_micro_steps_as_one_
         assert losses == pytest.approx(want, rel=REL), (case, how, rank, losses, want)
 
 
-@pytest.mark.parametrize("how", ["mid-group", "too-many"])
-def test_deep_count_targets_inside_a_group_or_for_more_than_one_is_a_clear_error(how):
+@pytest.mark.parametrize("how", ["ahead", "open"])
+def test_deep_a_loader_read_into_the_next_group_while_one_is_open_is_a_clear_error(how):
+    """The loader hands a group's labels over when it reads the group: read while the engine's
+    group is open -- one batch ahead, or after an epoch whose short last group was not closed --
+    they would replace the open group's, and its last batches would weigh by another count."""
     for message in run_ranks(_accum_worker, 2, {"gradient_accumulation": 2}, how, None,
                              timeout=60):
-        assert "[rank " in message and "one whole group" in message and \
-            "before the group's first backward" in message, message
+        assert "[rank " in message and "engine's group was still open" in message and \
+            "engine.close_group() before its last batch" in message, message
 
 
 # -- evaluating a pipeline: each batch's loss is its mean over counted targets -------------------
@@ -340,7 +350,7 @@ def test_deep_pipeline_evaluation_reports_each_batchs_mean_over_counted_targets(
 #     mean, also after the user's own `model.eval()` (engine.model, not engine.eval()), which
 #     engine.criterion must see past the DDP wrapper's training flag; the Trainer's LossHook /
 #     LastLossHook with max_steps; the Trainer's accumulation, which counts each group's targets
-#     ahead (engine.count_targets): exact.
+#     ahead (loss_weights.GroupsAhead): exact.
 
 CLASSES = 5
 CW = torch.linspace(0.5, 2.0, CLASSES, dtype=torch.float64)  # class weights
@@ -738,6 +748,35 @@ def test_deep_evaluation_on_uneven_batch_counts_all_reduces_nothing(how):
         assert got == pytest.approx(want, rel=1e-12)
 
 
+def _eval_train_loader_worker(rank, world, port):
+    """gradient_accumulation=2: rank 0 evaluates on the training loader initialize returned (it
+    reads each group ahead), rank 1 does not, under a 5 s collective timeout."""
+    nc.launch({"gradient_accumulation": 2}, rank=rank, world_size=world, host="127.0.0.1",
+              port=port, timeout=5)
+    model = _mlp()
+    crit = nn.CrossEntropyLoss(ignore_index=-1)
+    (x, y), = _cls_batches("uneven", 1)[0]
+    shares = [(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])] * 3
+    engine, loader, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), crit,
+                                       shares, verbose=False)
+    engine.eval()
+    got, want = [], []
+    with torch.no_grad():
+        for xs, ys in loader if rank == 0 else []:
+            got.append(engine.criterion(engine(xs), ys).item())
+            want.append(crit(engine.model(xs), ys).item())
+    return got, want
+
+
+@pytest.mark.timeout(60)
+def test_gloo_evaluation_on_the_loader_that_reads_groups_ahead_all_reduces_nothing():
+    """A group's targets are counted at its first weighed loss, not when the loader reads it:
+    reading initialize's training loader to evaluate (on one rank only) waits for no partner,
+    and each loss is its batch's plain mean."""
+    got, want = run_ranks(_eval_train_loader_worker, 2, timeout=30)[0]
+    assert len(got) == 3 and got == pytest.approx(want, rel=1e-12)
+
+
 @pytest.mark.timeout(60)
 def test_gloo_evaluation_after_the_users_model_eval_all_reduces_nothing():
     """As above, the user switching their own model to eval (engine.model.eval(), the object
@@ -812,7 +851,7 @@ def test_deep_trainer_loss_hooks_with_padding_report_one_process_numbers(world, 
 ], ids=["data 2", "data 2 x zero 2"])
 def test_deep_trainer_accumulation_counts_each_group_ahead(world, config):
     """gradient_accumulation=2 under the Trainer, which reads each group's batches ahead and
-    counts their targets (engine.count_targets): padding spread unevenly over micro-steps AND
+    counts their targets (loss_weights.GroupsAhead): padding spread unevenly over micro-steps AND
     ranks trains as one process taking each group's 8 rows as one batch (16 padded rows, 5
     optimizer steps over 3 epochs). The reported loss stays each micro-step's mean (engine.py,
     _weigh), so LossHook's train loss is one process's under the same accumulation -- not the

@@ -11,7 +11,8 @@ from torch.utils.data import TensorDataset
 
 import nanocolossal as nc
 import nanocolossal.nn as col_nn
-from nanocolossal.checkpoint_merge import strip_prefixes, tensor_splits_of
+from nanocolossal.checkpoint import strip_prefixes, tensor_splits_of
+from nanocolossal.checks import loader_length
 from nanocolossal.config import AMP_TYPE
 from nanocolossal.context import gpc
 from nanocolossal.data import DistributedSampler
@@ -233,8 +234,9 @@ def test_log_memory_hook_reports_peak_rss_on_cpu(capsys):
 
 
 # -- the read-ahead of accumulation groups x counted targets x the Trainer's features -----------
-# The Trainer's read-ahead of accumulation groups (Trainer._read_groups_ahead ->
-# engine.count_targets) and the counted-target weights (loss_weights.py) where they meet
+# The read-ahead of accumulation groups (loss_weights.GroupsAhead, which the counted targets
+# install on initialize's loader and the Trainer on any other; Trainer._read_groups_ahead closes
+# each epoch's short last group) and the counted-target weights (loss_weights.py) where they meet
 # max_steps, SaveCheckpointHook, Trainer.resume, epochs whose batch count the group size does not
 # divide (with and without __len__: each epoch ends with a step), DataLoader workers, the LR hook by
 # iteration, sequence parallelism's SequenceSplitLoader, 2d tensor parallelism x data with class
@@ -577,9 +579,11 @@ def _gpt_worker(rank, world, port, config, how, expected):
         train = TokenStream(gpc.data_rank, gpc.data_size)
     crit = col_nn.VocabParallelCrossEntropyLoss(weight=TW if how["weighted"] else None)
     engine, train, *_ = nc.initialize(model, opt, crit, train, verbose=False)
-    assert hasattr(train, "__len__") == how["sized"]
+    assert (loader_length(train) is not None) == how["sized"]
+    # the group read-ahead of counted targets outside the split: it counts this rank's tokens
+    assert type(train).__name__ == "GroupsAhead", type(train)
     if gpc.sequence_size > 1:
-        assert type(train).__name__ == "SequenceSplitLoader", type(train)
+        assert type(train.loader).__name__ == "SequenceSplitLoader", type(train.loader)
     trainer = Trainer(engine)
     if how.get("resume"):
         assert trainer.resume(how["path"], sched)

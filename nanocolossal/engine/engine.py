@@ -42,7 +42,7 @@ from torch import nn
 from ..context import gpc
 from ..extensions import Extension, synchronising, with_extensions
 from ..nest import map_tensors
-from .engine_checks import check_batch, check_criterion, check_outside_backward, check_whole_group
+from .engine_checks import check_batch, check_criterion, check_outside_backward
 
 if TYPE_CHECKING:  # only named: fp32's plain_optimizer.py, or what AMP and ZeRO make of it
     from ..plain_optimizer import PlainOptimizer
@@ -83,12 +83,6 @@ class Engine:
         check_criterion(self._criterion)
         # extensions: the loss, weighed (counted targets) and added to (MoE's aux loss)
         return with_extensions(self.extensions, self._criterion)(output, _to_device(label))
-
-    def count_targets(self, labels: Sequence[Any]) -> None:
-        """The next group's labels, one per micro-step, counted before it runs (loss_weights.py)."""
-        check_whole_group(self, labels)
-        for extension in self.extensions:  # extensions: counted targets (loss_weights.py)
-            extension.group_labels(labels)
 
     def train(self) -> None:
         self.forward_module.train()

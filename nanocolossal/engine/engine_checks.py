@@ -1,8 +1,8 @@
 """What the Engine refuses: no criterion, a batch that is not (inputs, labels), a step after a
-backward that went past it, a group's labels counted mid-group."""
+backward that went past it."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -41,11 +41,3 @@ def check_batch(batch: Any, return_loss: bool = True) -> None:
         got = f"a {type(batch).__name__}"
     raise TypeError(f"[rank {gpc.rank}] a batch is a pair (inputs, labels), got {got}: have the "
                     f"loader yield (inputs, labels), as a DataLoader over TensorDataset(x, y) does")
-
-
-def check_whole_group(engine: Any, labels: Sequence[Any]) -> None:
-    if engine.accumulating or len(labels) > engine.gradient_accumulation:
-        raise RuntimeError(f"[rank {gpc.rank}] engine.count_targets takes the labels of one "
-                           f"whole group (at most gradient_accumulation="
-                           f"{engine.gradient_accumulation}, got {len(labels)}): call it "
-                           f"before the group's first backward")

@@ -28,6 +28,7 @@ places:
     SplitLabels         extensions: under 2d a grid row's output holds a block of the labels
     Engine              or PipelineEngine with the schedule the config asks for
     split_loader        mode='sequence': the loaders yield this rank's share of each sequence
+    training_loader     gradient_accumulation: counted targets read each group ahead (of the split)
 
 The order matters: AMP O2 casts parameters, and DDP's buckets hold the final ones; SyncBN
 replaces modules, so it comes before AMP picks which layers stay in fp32.
@@ -44,10 +45,11 @@ from torch.utils.data import DataLoader
 from .. import amp
 from .. import cpu_half as probe
 from ..amp_settings import amp_settings
+from ..checkpoint.zero3_state_dict import FullStateDict
 from ..config import AMP_TYPE, ConfigError
 from ..context import gpc
 from ..ddp import BroadcastBuffers, DdpSync, DistributedDataParallel
-from ..extensions import Extension
+from ..extensions import Extension, training_loader
 from ..gradient_handler import DataParallelGradientHandler
 from ..logging import get_dist_logger
 from ..loss_weights import CountedTargets, weighed_ranks, weighs_by_targets
@@ -67,7 +69,6 @@ from ..zero.mixed import MixedParamShardedOptimizer
 from ..zero.settings import zero_settings
 from ..zero.sharded_model import HELD, ShardedModel, plan_units, release
 from ..zero.sharded_params import ParamShardedOptimizer
-from ..zero.state_dict import FullStateDict
 from ..zero.tied import sum_sharded_tied_gradients
 from .checks import check_inputs, check_pipeline_model
 from .engine import Engine, PipelineEngine
@@ -142,7 +143,7 @@ def apply_zero(model: nn.Module, optimizer: PlainOptimizer) -> tuple[ShardedOpti
         kind = MixedParamShardedOptimizer if mastered else ParamShardedOptimizer
         sharded = kind(optimizer, model, 3, gpc.gradient_group, unit_of, **options)
         timeline = ShardedModel(model, sharded, children, zero.get("overlap_communication", True))
-        FullStateDict(timeline)  # model.state_dict() whole (zero/state_dict.py)
+        FullStateDict(timeline)  # model.state_dict() whole (checkpoint/zero3_state_dict.py)
     else:  # O2: the fp32 masters are sharded too (zero/mixed.py)
         kind = MixedShardedOptimizer if mastered else ShardedOptimizer
         sharded = kind(optimizer, model, zero["level"], gpc.gradient_group, **options)
@@ -231,8 +232,7 @@ def extend_loss(model: nn.Module, forward_module: nn.Module, criterion: Any,
     if weighs_by_targets(criterion):
         # fp16: the G of the weights (amp.py)
         optimizer.weighed_ranks = weighed_ranks(getattr(criterion, "spans_sequence", False))
-        accumulation = gpc.config.get("gradient_accumulation", 1)
-        extensions.append(CountedTargets(criterion, (forward_module, model), accumulation))
+        extensions.append(CountedTargets(criterion, (forward_module, model)))
     if aux_weight:
         extensions.append(MoeAuxLoss(model, aux_weight, forward_module))
     return extensions
@@ -316,7 +316,10 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
         did = ", ".join(n for n in notes if n) or "plain fp32, single process"
         get_dist_logger().info(f"initialize: {did}")
     if gpc.sequence_size > 1:  # each rank its share of every sequence
-        return engine, split_loader(train_dataloader), split_loader(test_dataloader), lr_scheduler
+        train_dataloader = split_loader(train_dataloader)
+        test_dataloader = split_loader(test_dataloader)
+    if accumulation > 1:  # extensions: each group read ahead (counted targets, loss_weights.py)
+        train_dataloader = training_loader(extensions, train_dataloader)
     return engine, train_dataloader, test_dataloader, lr_scheduler
 
 
