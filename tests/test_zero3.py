@@ -30,13 +30,13 @@ from zero_models import (
 import nanocolossal as nc
 from nanocolossal.amp import AMP_TYPE
 from nanocolossal.checkpoint import (
-    complete_zero_state,
     load_checkpoint,
     load_optimizer_state,
     merge_checkpoint,
     read_file,
     save_checkpoint,
 )
+from nanocolossal.checkpoint.merge import complete_zero_state
 from nanocolossal.config import ConfigError, load_config
 from nanocolossal.zero import ParamShardedOptimizer, plan_units, zero_settings
 
