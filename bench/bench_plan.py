@@ -3,10 +3,10 @@ on 64 ranks of 80 GiB, its own layout and every other one searched.
 
     python bench/bench_plan.py [--repeat 3] [--json bench/results/plan.json]
 
-Two figures: the whole command in a fresh process (`python -m nanocolossal.plan`, Python and
-torch's import included: what a user waits for), and the planning alone in this process (the
-formulas, the schedule simulations and the search), best of --repeat. The 7B config is the
-one tests/test_plan.py checks for its answer.
+Two figures: the whole command in a fresh process (`python -m nanocolossal.plan`, Python's
+start and the imports included: what a user waits for; torch is not imported, only --model
+needs it), and the planning alone in this process (the formulas, the schedule simulations and
+the search), best of --repeat. The 7B config is the one tests/test_plan.py checks for its answer.
 """
 import argparse
 import contextlib

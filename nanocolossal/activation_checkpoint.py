@@ -71,8 +71,9 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from .activation_checkpoint_checks import check_activation_checkpoint, check_backward
+from .activation_checkpoint_checks import check_backward
 from .config import is_positive_int
+from .config_checks import check_activation_checkpoint
 from .context import gpc
 
 _ANCHOR = torch.empty(0, requires_grad=True)  # puts the function in the graph (docstring)

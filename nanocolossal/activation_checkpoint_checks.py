@@ -1,12 +1,10 @@
 """What activation checkpointing (activation_checkpoint.py) refuses or says: a backward that would
-miss the recomputation's gradients, a config key with nothing to recompute, and the key's values."""
+miss the recomputation's gradients, a config key with nothing to recompute (the key's values:
+config_checks.py)."""
 from __future__ import annotations
-
-from typing import Mapping
 
 import torch
 
-from .config import ConfigError, is_positive_int
 from .context import gpc
 from .logging import get_dist_logger
 
@@ -32,15 +30,3 @@ def warn_if_nothing_recomputes(model: torch.nn.Module) -> None:
             f"transformer Blocks, and {where} none: nothing is checkpointed here; where the "
             f"blocks are your own, build them as nc.nn.transformer.Block, or call "
             f"nc.utils.checkpoint(block, x) in the model's forward")
-
-
-MODES = ("full", "selective")
-
-
-def check_activation_checkpoint(cfg: Mapping) -> None:
-    """ACTIVATION_CHECKPOINT: 'full', 'selective', a positive integer N, or None (off)."""
-    mode = cfg.get("ACTIVATION_CHECKPOINT")
-    if not (mode is None or mode in MODES or is_positive_int(mode)):
-        raise ConfigError(f"ACTIVATION_CHECKPOINT={mode!r}: use 'full' (recompute each block), "
-                          f"'selective' (recompute attention's softmax(q k^T) v), an integer N "
-                          f"(every N-th block in full) or leave it out")

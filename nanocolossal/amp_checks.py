@@ -1,37 +1,13 @@
-"""amp.py's, amp_scaler.py's and amp_settings.py's refusals, and step's skip counters; each
-called by one line from the core."""
+"""amp.py's and amp_scaler.py's refusals, and step's skip counters; each called by one line from
+the core (the config's fp16=dict(...): config_checks.py)."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Union
+from typing import Any, Union
 
 import torch
 
-from .compat.apex import NO_EFFECT, RENAMED
-from .config import AMP_TYPE, ConfigError
 from .context import gpc
 from .logging import get_dist_logger
-
-# the scaler's own arguments (amp_scaler.DynamicLossScaler), accepted in every mode
-SCALER = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
-          "min_scale", "max_scale", "max_consecutive_overflows")
-MODE_KEYS = {AMP_TYPE.TORCH: (), AMP_TYPE.NAIVE: (),  # beyond SCALER, RENAMED, mode, dtype, enabled
-             AMP_TYPE.APEX: ("opt_level", "loss_scale", "keep_batchnorm_fp32", "master_weights")}
-
-
-def check_fp16(fp16: Mapping[str, Any]) -> None:
-    """fp16=dict(...): refuse keys its mode does not take, naming them and what to do."""
-    mode = AMP_TYPE.parse(fp16["mode"])
-    allowed = {"mode", "dtype", "enabled", *SCALER, *RENAMED, *MODE_KEYS[mode]}
-    for key in [k for k in fp16 if k not in allowed]:  # the first such key
-        hint = NO_EFFECT.get(key, f"{mode.name} takes {', '.join(sorted(allowed - {'mode'}))}")
-        raise ConfigError(f"fp16.{key} has no effect with mode=AMP_TYPE.{mode.name}: {hint}")
-    if fp16.get("dtype") not in (None, "float16", "bfloat16", torch.float16, torch.bfloat16):
-        raise ConfigError(f"fp16.dtype must be 'float16' or 'bfloat16', got {fp16['dtype']!r}")
-    level = fp16.get("opt_level", "O1")
-    if "master_weights" in fp16 and fp16["master_weights"] != (level == "O2"):
-        raise ConfigError(f"fp16.master_weights={fp16['master_weights']} with opt_level {level}: "
-                          f"here only O2 keeps fp32 master weights; use opt_level 'O2' for "
-                          f"masters, 'O1' or 'O3' without, and leave master_weights out")
 
 
 def check_initialize(opt_level: str, dtype: torch.dtype, opt_levels: tuple[str, ...]) -> None:

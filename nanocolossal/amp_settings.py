@@ -16,9 +16,9 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .amp_checks import check_fp16
 from .compat.apex import RENAMED
 from .config import AMP_TYPE
+from .config_checks import check_fp16
 
 
 def amp_settings(fp16: Mapping[str, Any], cpu_half: Optional[torch.dtype],

@@ -154,8 +154,8 @@ def load_config(config: ConfigLike, **overrides: Any) -> Config:
 
 
 # What load_config runs before it loads (ON_LOAD) and on what it loaded (CHECKS), appended by the
-# modules that hold them: config_checks.validate_config by the package's __init__ (the checks
-# import the features, which import this module), the user-error hook by launch_checks.
+# package's __init__ at the first load: config_checks.validate_config (the checks import the
+# features, which import this module) and launch_checks' user-error hook.
 ON_LOAD: list[Callable[[], None]] = []
 CHECKS: list[Callable[[Config], None]] = []
 

@@ -16,22 +16,21 @@ every script reads. Each raises ConfigError naming the key, what is wrong and wh
     parallel.moe, NUM_EXPERTS, MOE_*         check_moe                      moe/settings.py
 
 Checks needing the model or the data run later, in `initialize` (engine/checks.py's check_inputs).
+Nothing here imports torch, so that `nanocolossal plan` runs the same checks (plan/layouts.py's
+read): a feature's config words (fp16's keys, ZERO_KEYS, DDP_OPTIONS) live here, read by it.
 """
 from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import Any, Mapping
 
-from .activation_checkpoint_checks import check_activation_checkpoint
-from .amp_settings import check_fp16
+from .compat.apex import NO_EFFECT, RENAMED
+from .compat.zero_v01 import v01_settings
 from .config import AMP_TYPE, ConfigError, ep_size, is_positive_int, parallel_settings, size_of
-from .ddp import DDP_OPTIONS
-from .moe.settings import moe_model_settings
-from .pipeline.schedules import check_pipeline_config
-from .sequence import ATTENTION, sequence_attention
-from .tensor.zigzag import check_length
-from .zero.settings import OFFLOAD, ZERO_KEYS, zero_settings
+from .moe.checks import check_moe_settings
+from .pipeline.plan_checks import check_pipeline_config
 
 MOE_KEYS = ("NUM_EXPERTS", "MOE_TOP_K", "MOE_CAPACITY_FACTOR", "MOE_EVAL_CAPACITY_FACTOR",
             "MOE_AUX_WEIGHT")
@@ -152,6 +151,19 @@ def check_world(cfg: Mapping, world_size: int) -> None:
                           f"(e.g. {step * (D // ep + 1)}), or use a moe size dividing {D}")
 
 
+ZERO_KEYS = ("level", "reduce_bucket_size_mb", "overlap_communication", "offload")
+OFFLOAD = ("cpu",)  # where zero.offload may put the masters and the optimizer state (offload.py)
+
+
+def zero_settings(cfg: Mapping) -> tuple[dict, dict, list[str]]:
+    """(zero=dict(level, ...) settings, loss-scaler arguments, notes for the log) of either
+    spelling; the v0.1 one is checked here."""
+    zero = cfg["zero"]
+    if "model_config" not in zero and "optimizer_config" not in zero:
+        return dict(zero), {}, []
+    return v01_settings(zero, bool(cfg.get("fp16")))
+
+
 def check_zero(cfg: Mapping) -> None:
     """zero=dict(level=1|2|3, reduce_bucket_size_mb=25, overlap_communication=True), or v0.1's
     dict(model_config=..., optimizer_config=...)."""
@@ -200,6 +212,9 @@ def check_zero(cfg: Mapping) -> None:
                               f"or fp16=dict(mode=AMP_TYPE.TORCH) (O1)")
 
 
+DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "compress")  # config's ddp=dict(...)
+
+
 def check_ddp_config(cfg: Mapping) -> None:
     ddp = cfg.get("ddp", {})
     unknown = sorted(set(ddp) - set(DDP_OPTIONS)) if isinstance(ddp, Mapping) else None
@@ -235,6 +250,9 @@ def check_gradient_handler_config(cfg: Mapping) -> None:
                           f"overlapped DDP)")
 
 
+ATTENTION = ("ring", "all_to_all")  # parallel.tensor's attention=: how a rank meets the others
+
+
 def check_sequence_config(cfg: Mapping) -> None:
     """parallel.tensor's attention= names a kind we have; all-to-all gives every sequence rank
     whole heads, so the config's HEADS (train_gpt.py's) must divide by N; ring attention's
@@ -242,7 +260,7 @@ def check_sequence_config(cfg: Mapping) -> None:
     tensor = (cfg.get("parallel") or {}).get("tensor")
     if not isinstance(tensor, Mapping):
         return
-    kind, n, heads = sequence_attention(cfg), tensor.get("size", 1), cfg.get("HEADS")
+    kind, n, heads = tensor.get("attention", "ring"), tensor.get("size", 1), cfg.get("HEADS")
     if kind not in ATTENTION:
         raise ConfigError(f"parallel.tensor attention={kind!r} is not a kind of sequence-parallel "
                           f"attention; use 'ring' (the default) or 'all_to_all' (Ulysses)")
@@ -254,6 +272,19 @@ def check_sequence_config(cfg: Mapping) -> None:
     seq_len = cfg.get("SEQ_LEN")
     if tensor.get("mode") == "sequence" and kind == "ring" and isinstance(seq_len, int):
         check_length(seq_len, n, "SEQ_LEN = ")
+
+
+def check_length(length: int, n: int, what: str = "") -> None:
+    """Ring attention's length: 2n equal stripes (`what`: how the message names the length;
+    before launch, as a config is checked, the error hook names the rank)."""
+    if length % (2 * n):
+        lo, hi = length // (2 * n) * 2 * n, (length // (2 * n) + 1) * 2 * n
+        dist = sys.modules.get("torch.distributed")  # never imported: no process group either
+        rank = f"[rank {dist.get_rank()}] " if dist and dist.is_initialized() else ""
+        raise ConfigError(f"{rank}sequence length {what}{length} does not split into 2 x {n} "
+                          f"zig-zag stripes for {n} sequence-parallel ranks; use a multiple of "
+                          f"{2 * n} (nearest: "
+                          f"{', '.join(str(x) for x in (lo, hi) if x > 0)})")
 
 
 def check_moe(cfg: Mapping) -> None:
@@ -268,7 +299,7 @@ def check_moe(cfg: Mapping) -> None:
                           f"got {ep!r}")
     if ep == 1 and not any(key in cfg for key in MOE_KEYS):
         return
-    settings = moe_model_settings(cfg)
+    check_moe_settings(cfg)
     if ep == 1:
         return
     _, T, mode, _, _ = parallel_settings(cfg)
@@ -283,8 +314,8 @@ def check_moe(cfg: Mapping) -> None:
     if why:
         raise ConfigError(f"parallel.moe (expert parallelism x{ep}) does not combine with {why}; "
                           f"remove one of them")
-    if settings is not None:
-        E = settings["num_experts"]
+    if "NUM_EXPERTS" in cfg:
+        E = cfg["NUM_EXPERTS"]
         if E % ep and ep % E:
             raise ConfigError(f"NUM_EXPERTS={E} does not fit parallel.moe size {ep}: one must "
                               f"divide the other (E/EP experts per rank, or each expert on EP/E "
@@ -304,6 +335,43 @@ def check_fp16_config(cfg: Mapping[str, Any]) -> None:
     except ValueError as e:
         raise ConfigError(f"fp16.mode: {e}") from None
     check_fp16(fp16)
+
+
+# the scaler's own arguments (amp_scaler.DynamicLossScaler), accepted in every mode
+SCALER = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
+          "min_scale", "max_scale", "max_consecutive_overflows")
+MODE_KEYS = {AMP_TYPE.TORCH: (), AMP_TYPE.NAIVE: (),  # beyond SCALER, RENAMED, mode, dtype, enabled
+             AMP_TYPE.APEX: ("opt_level", "loss_scale", "keep_batchnorm_fp32", "master_weights")}
+
+
+def check_fp16(fp16: Mapping[str, Any]) -> None:
+    """fp16=dict(...): refuse keys its mode does not take, naming them and what to do."""
+    mode = AMP_TYPE.parse(fp16["mode"])
+    allowed = {"mode", "dtype", "enabled", *SCALER, *RENAMED, *MODE_KEYS[mode]}
+    for key in [k for k in fp16 if k not in allowed]:  # the first such key
+        hint = NO_EFFECT.get(key, f"{mode.name} takes {', '.join(sorted(allowed - {'mode'}))}")
+        raise ConfigError(f"fp16.{key} has no effect with mode=AMP_TYPE.{mode.name}: {hint}")
+    dtype = fp16.get("dtype")  # a name, or a torch.dtype: known by its repr, without torch
+    if dtype not in (None, "float16", "bfloat16") and repr(dtype) not in ("torch.float16",
+                                                                          "torch.bfloat16"):
+        raise ConfigError(f"fp16.dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    level = fp16.get("opt_level", "O1")
+    if "master_weights" in fp16 and fp16["master_weights"] != (level == "O2"):
+        raise ConfigError(f"fp16.master_weights={fp16['master_weights']} with opt_level {level}: "
+                          f"here only O2 keeps fp32 master weights; use opt_level 'O2' for "
+                          f"masters, 'O1' or 'O3' without, and leave master_weights out")
+
+
+MODES = ("full", "selective")
+
+
+def check_activation_checkpoint(cfg: Mapping) -> None:
+    """ACTIVATION_CHECKPOINT: 'full', 'selective', a positive integer N, or None (off)."""
+    mode = cfg.get("ACTIVATION_CHECKPOINT")
+    if not (mode is None or mode in MODES or is_positive_int(mode)):
+        raise ConfigError(f"ACTIVATION_CHECKPOINT={mode!r}: use 'full' (recompute each block), "
+                          f"'selective' (recompute attention's softmax(q k^T) v), an integer N "
+                          f"(every N-th block in full) or leave it out")
 
 
 SECTIONS = (check_fp16_config, check_zero, check_ddp_config, check_gradient_handler_config,

@@ -285,6 +285,3 @@ class BroadcastBuffers(Extension):
     def sync_buffers(self) -> None:
         for module in self.modules:
             broadcast_buffers(module)
-
-
-DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "compress")  # config's ddp=dict(...)

@@ -7,11 +7,11 @@ torchrun must be started once on *every* node, each told its --node_rank. This w
     nanocolossal run --nproc_per_node 4 --hostfile hosts --master_addr h1 --exclude h2 train.py
 
 One node: torchrun's own entry point (what `python -m torch.distributed.run` calls) runs in
-this process, which has imported torch already, and its outcome is our exit code. Several
+this process, and its outcome is our exit code. Several
 nodes: one `ssh host 'cd $PWD && python -m torch.distributed.run --nnodes K --node_rank i ...'`
 per node, all started at once; if one fails the rest are stopped.
 `--dry-run` prints the commands instead. The scripts call `launch_from_torch`. `nanocolossal plan
-...` (before a launch: will it fit?) is plan/cli.py's.
+...` (before a launch: will it fit?) is plan/cli.py's, which imports no torch.
 
 A hostfile lists one host name per line (blank lines and `# comments` are ignored).
 """

@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from .config import ConfigError
+from .config_checks import check_length
 from .context import gpc
 from .nest import map_tensors
-from .tensor.layer_checks import check_length
 
 
 def check_positions(lengths: list[int], max_positions: Optional[int], even: bool) -> None:

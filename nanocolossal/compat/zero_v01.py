@@ -3,7 +3,7 @@
     zero = dict(model_config=dict(tensor_placement_policy='cuda', shard_strategy=...),
                 optimizer_config=dict(initial_scale=2**5, ...))
 
-is level 3 here (zero/settings.py); tensor_placement_policy='cpu' is offload='cpu'
+is level 3 here (config_checks.py's zero_settings); tensor_placement_policy='cpu' is offload='cpu'
 (zero/offload.py). Of its other keys, the loss-scaler ones map onto our scaler (they
 apply with fp16=dict(mode=AMP_TYPE.TORCH, dtype='float16')); the others name machinery we do not
 have and are logged as such; an unknown key is an error naming the known ones.

@@ -8,19 +8,15 @@ load-balancing loss in the training loss, with or without a pipeline), settings.
 parallel=dict(moe=dict(size=EP)), NUM_EXPERTS, MOE_TOP_K, MOE_CAPACITY_FACTOR, MOE_AUX_WEIGHT).
 A transformer Block takes an MoE layer in its MLP's place with `Block(..., moe=dict(...))`.
 """
-from .balance import load_balancing_loss
-from .experts import ExpertMLP, LocalExperts, expert_parameters
-from .grads import (
-    MoeGradientHandler,
-    MoeGroups,
-    allreduce_expert_gradients,
-    allreduce_moe_gradients,
-    build_moe_groups,
-    split_parameters,
-)
-from .layer import MoeLayer, moe_aux_loss, moe_layers
-from .placement import Placement
-from .router import Router, Routing, assign_slots, expert_capacity
+from ..lazy import lazy
+
+__getattr__, __dir__ = lazy(__name__, {  # imported when first used: capacity.py needs no torch
+    "balance": ["load_balancing_loss"], "capacity": ["expert_capacity"],
+    "experts": ["ExpertMLP", "LocalExperts", "expert_parameters"], "placement": ["Placement"],
+    "grads": ["MoeGradientHandler", "MoeGroups", "allreduce_expert_gradients",
+              "allreduce_moe_gradients", "build_moe_groups", "split_parameters"],
+    "layer": ["MoeLayer", "moe_aux_loss", "moe_layers"],
+    "router": ["Router", "Routing", "assign_slots"]})
 
 __all__ = ["ExpertMLP", "LocalExperts", "MoeGradientHandler", "MoeGroups", "MoeLayer", "Placement",
            "Router", "Routing", "allreduce_expert_gradients", "allreduce_moe_gradients",

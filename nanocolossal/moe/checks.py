@@ -7,13 +7,12 @@ import math
 import numbers
 from typing import Mapping
 
-import torch.distributed as dist
-
 from ..config import ConfigError, is_positive_int
 
 
 def rank_prefix() -> str:
     """'[rank r]' for messages (rank 0 without torch.distributed)."""
+    import torch.distributed as dist  # (at run time only: the config's checks need no torch)
     return f"[rank {dist.get_rank() if dist.is_initialized() else 0}]"
 
 

@@ -5,8 +5,8 @@ probabilities. Top-1 (Switch Transformer) sends a token to its most probable exp
 combine weight prob(e). Top-2 (GShard) also sends it to its second choice, the two weights
 renormalised to sum to 1: g1 / (g1 + g2), g2 / (g1 + g2).
 
-Capacity. Each expert takes at most C tokens from each rank, so buffers have a fixed size
-and the all-to-all (dispatch.py) knows what to send before looking at the data:
+Capacity (capacity.py). Each expert takes at most C tokens from each rank, so buffers have a
+fixed size and the all-to-all (dispatch.py) knows what to send before looking at the data:
 
     C = max(ceil(capacity_factor * n / E), min_capacity)      n = this rank's tokens
 
@@ -33,7 +33,6 @@ noise in [1 - eps, 1 + eps]; the experts see the input unchanged.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -41,19 +40,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .balance import load_balancing_loss
+from .capacity import MIN_CAPACITY, expert_capacity
 from .checks import check_router_args
 from .placement import Group
 
 CAPACITY_FACTOR_TRAIN = 1.25  # Colossal-AI's defaults
 CAPACITY_FACTOR_EVAL = 2.0
-MIN_CAPACITY = 4
-
-
-def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float,
-                    min_capacity: int = MIN_CAPACITY) -> int:
-    """max(ceil(capacity_factor * n / E), min_capacity)."""
-    # rounded first: 1.1 * 100 / 10 is 11.000000000000002 in floating point, and C is 11
-    return max(math.ceil(round(capacity_factor * num_tokens / num_experts, 9)), min_capacity)
 
 
 @dataclass

@@ -12,19 +12,17 @@
 
     python -m nanocolossal.pipeline --show --stages 4 --microbatches 8 [--chunks 2] [--schedule S]
 """
-from .executor import Executor
-from .partition import PipelineChunks, PipelinePart, balanced_split, build_pipeline_model
+from ..lazy import lazy
 from .plan import all_plans, build_plan, compute_order, one_f_one_b, warmup_count
-from .schedules import (
-    GPipeSchedule,
-    InterleavedPipelineSchedule,
-    PipelineSchedule,
-    ZBVSchedule,
-    ZeroBubbleSchedule,
-    make_schedule,
-)
 from .simulate import render, simulate
 from .steps import PlanError
+
+__getattr__, __dir__ = lazy(__name__, {  # torch's parts, imported when first used
+    "executor": ["Executor"],
+    "partition": ["PipelineChunks", "PipelinePart", "balanced_split", "build_pipeline_model"],
+    "schedules": ["GPipeSchedule", "InterleavedPipelineSchedule", "PipelineSchedule",
+                  "ZBVSchedule", "ZeroBubbleSchedule", "make_schedule"],
+})
 
 __all__ = ["Executor", "GPipeSchedule", "InterleavedPipelineSchedule", "PipelineChunks",
            "PipelineSchedule", "PipelinePart", "PlanError", "ZBVSchedule", "ZeroBubbleSchedule",

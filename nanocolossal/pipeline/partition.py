@@ -32,7 +32,7 @@ from torch import nn
 from ..context import gpc
 from ..logging import get_dist_logger
 from .partition_checks import check_partition
-from .steps import stage_rank, v_shaped, virtual_stage
+from .steps import stage_rank, uniform_sizes, v_shaped, virtual_stage
 from .tied import tie_across_stages
 
 
@@ -123,11 +123,6 @@ def profile_costs(layers: nn.Sequential, sample_input: torch.Tensor) -> list[flo
 
 def parameter_costs(layers: nn.Sequential) -> list[float]:
     return [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
-
-
-def uniform_sizes(n: int, parts: int) -> list[int]:
-    """partition='uniform': n layers into parts, the first n % parts one layer longer."""
-    return [n // parts + (1 if k < n % parts else 0) for k in range(parts)]
 
 
 def build_pipeline_model(layers: nn.Sequential, num_chunks: int = 1,

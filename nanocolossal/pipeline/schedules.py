@@ -16,7 +16,6 @@ from typing import Optional, Sequence
 
 from .executor_checks import check_schedule
 from .executor_features import Schedule
-from .plan_checks import check_pipeline_config as check_pipeline_config  # config_checks.py's
 
 
 class GPipeSchedule(Schedule):

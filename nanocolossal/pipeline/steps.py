@@ -66,6 +66,11 @@ def stage_rank(v: int, P: int, v_shape: bool = False) -> int:
     return P - 1 - r if v_shape and chunk % 2 else r
 
 
+def uniform_sizes(n: int, parts: int) -> list[int]:
+    """partition='uniform': n layers into parts, the first n % parts one layer longer."""
+    return [n // parts + (1 if k < n % parts else 0) for k in range(parts)]
+
+
 def handed_over(t: Transfer, P: int, v_shape: bool) -> bool:
     """Whether transfer t stays on one rank (zbv's parts P - 1 and P): handed over in memory."""
     return stage_rank(t.src, P, v_shape) == stage_rank(t.dst, P, v_shape)

@@ -22,8 +22,7 @@ from typing import Any, Optional, Sequence
 
 from ..config import ConfigError
 from .formulas import COLLECTIVES, TEACHES, Layout
-from .layouts import load, search
-from .measure import Measured, load_measured, plan_measured, search_measured
+from .layouts import load, read, search
 from .model import GPT
 from .ranks import Rank, plan_layout
 
@@ -80,10 +79,10 @@ def to_json(m: Any, layouts: list[tuple[Layout, list[Rank]]]) -> dict:
 
 def show_layout(m: Any, lay: Layout, ranks: list[Rank], memory: Optional[int]) -> str:
     d = lay.describe()
-    head = ", ".join(f"{k} {v}" for k, v in d.items() if v not in (None, False, 1, 0) or
-                     k in ("world", "data"))
+    shown = [k for k, v in d.items() if v is True or v not in (None, False, 1, 0)]
+    head = ", ".join(f"{k} {d[k]}" for k in d if k in shown or k in ("world", "data"))
     experts = getattr(m, "experts", 0)
-    model = m.describe() if isinstance(m, Measured) else (
+    model = m.describe() if not isinstance(m, GPT) else (
         f"model: GPT dim {m.dim}, {m.depth} blocks, {m.heads} heads, seq {m.seq}, vocab "
         f"{m.vocab}" + (f", {experts} experts" if experts else ""))
     lines = [f"{model}; batch {lay.batch} per data rank; {lay.optimizer}",
@@ -161,12 +160,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         memory = parse_bytes(args.memory) if args.memory else None
         world = args.world
         if world is None:
-            from ..config import load_config, parallel_settings
-            P, T, *_ = parallel_settings(load_config(args.config))
+            from ..config import parallel_settings
+            P, T, *_ = parallel_settings(read(args.config))
             world = P * T
         if world < 1:
             raise ConfigError(f"--world must be a positive number of ranks, got {world}")
-        if args.model:  # a custom nn.Module: measured on the meta device (measure.py)
+        if args.model:  # a custom nn.Module, measured on the meta device: the only torch here
+            from .measure import load_measured, plan_measured, search_measured
             m, lay = load_measured(args.model, args.input or "", args.config, world,
                                    **overrides)
             planned, others = partial(plan_measured, m), search_measured(lay)

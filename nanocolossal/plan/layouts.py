@@ -5,10 +5,12 @@ checks say it: a world size no layout divides, heads a tensor mode cannot split,
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import replace
 from typing import Any, Iterator, Mapping, Optional
 
-from ..config import ConfigError, load_config, parallel_settings
+from ..config import Config, ConfigError, parallel_settings
+from ..config_checks import validate_config, zero_settings
 from ..pipeline.plan import check_sizes
 from ..pipeline.steps import PlanError
 from .formulas import Layout
@@ -41,16 +43,24 @@ def model_of(cfg: Mapping) -> GPT:
                attention=cfg.get("ATTENTION", "fused"))
 
 
+def read(config: Any, **overrides: Any) -> Config:
+    """The config as load_config reads it, with the scripts' checks (validate_config, no torch);
+    check() below refuses what the planner cannot count."""
+    cfg = Config.from_file(config) if isinstance(config, (str, os.PathLike)) else Config(config)
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    validate_config(cfg)
+    return cfg
+
+
 def load(config: Any, world: int, **overrides: Any) -> tuple[GPT, Layout]:
     """(model, layout) of a config file / dict on `world` ranks; ConfigError saying what to
     change where it cannot run."""
-    cfg = load_config(config, **{k: v for k, v in overrides.items() if v is not None})
+    cfg = read(config, **overrides)
     _check_keys(cfg)
     P, T, mode, _, depth = parallel_settings(cfg)
-    zero = dict(cfg.get("zero") or {})
-    level = zero.get("level", 3 if ("model_config" in zero or "optimizer_config" in zero)
-                     else 0)
-    offload = zero.get("offload") == "cpu" or zero.get("tensor_placement_policy") == "cpu"
+    zero = zero_settings(cfg)[0] if cfg.get("zero") else {}  # either spelling, as the scripts
+    level = zero.get("level", 0)
+    offload = zero.get("offload") == "cpu"
     fp16 = cfg.get("fp16") or {}
     amp = None
     if fp16 and fp16.get("enabled", True):

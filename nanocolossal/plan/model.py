@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-from ..pipeline.partition import uniform_sizes
-from ..pipeline.steps import virtual_stage
+from ..pipeline.steps import uniform_sizes, virtual_stage
 
 
 @dataclass(frozen=True)

@@ -112,18 +112,6 @@ def check_slice(size: int, parts: int) -> None:
                          f"of {parts}")
 
 
-def check_length(length: int, n: int, what: str = "") -> None:
-    """Ring attention's length: 2n equal stripes (`what`: how the message names the length;
-    before launch, as a config is checked, the error hook names the rank)."""
-    if length % (2 * n):
-        lo, hi = length // (2 * n) * 2 * n, (length // (2 * n) + 1) * 2 * n
-        rank = f"[rank {dist.get_rank()}] " if dist.is_initialized() else ""
-        raise ConfigError(f"{rank}sequence length {what}{length} does not split into 2 x {n} "
-                          f"zig-zag stripes for {n} sequence-parallel ranks; use a multiple of "
-                          f"{2 * n} (nearest: "
-                          f"{', '.join(str(x) for x in (lo, hi) if x > 0)})")
-
-
 def check_share_lengths(lengths: list[int], sizes: list[int]) -> None:
     """Every rank's token count is its two stripes of the whole sequence (`sizes`: the 2N)."""
     n = len(lengths)

@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .layer_checks import check_length, check_share_lengths
+from ..config_checks import check_length
+from .layer_checks import check_share_lengths
 
 Group = Optional[dist.ProcessGroup]
 
