@@ -9,7 +9,9 @@
 # 2. bench/bench_gpt_gpu.py (GPT-2 small, bf16): without torch.compile, then with it, then
 #    --host-bound (its 12 layers at a tiny width: the host's cost per step)
 #    (bench/results/gpt_gpu.json, gpt_gpu_compile.json, gpt_gpu_host_bound.json);
-#    bench/bench_offload_gpu.py (ZeRO offload's step, reported: bench/results/offload_gpu.json)
+#    bench/bench_offload_gpu.py (ZeRO offload's step, reported: bench/results/offload_gpu.json);
+#    bench/bench_plan_gpu.py (`nanocolossal plan` for GPT-2 small, bf16 O1, batch 8 and 32, with and
+#    without checkpointing, against max_memory_allocated: bench/results/plan_gpu.json)
 # 3. each goal with its measured figure and PASS or MISS; the exit status is 1 if one missed.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -35,6 +37,9 @@ compiled=$?
 host=$?
 echo "== 2b. bench_offload_gpu.py (reported, no goal)"
 "$PY" bench/bench_offload_gpu.py || echo "bench_offload_gpu.py failed (exit $?)"
+echo "== 2c. bench_plan_gpu.py: nanocolossal plan vs max_memory_allocated (reported, no goal)"
+"$PY" bench/bench_plan_gpu.py --out bench/results/plan_gpu.json \
+    || echo "bench_plan_gpu.py failed (exit $?)"
 
 echo "== 3. goals ($((SECONDS - start)) s in all)"
 "$PY" - "$tests" "$plain" "$compiled" "$host" <<'EOF'

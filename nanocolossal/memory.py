@@ -27,18 +27,20 @@ from torch.utils._pytree import tree_leaves
 
 class SavedBytes:
     """While entered: the bytes of the tensors autograd keeps for backward (activations), live
-    (`now`) and at most (`peak`). Parameters are not counted; a tensor saved twice counts once
-    (by its storage and offset: the micro-batches of one batch are views of one storage, each its
-    own; meta tensors, which `nanocolossal plan` measures, have no addresses)."""
+    (`now`) and at most (`peak`). Parameters are not counted: nothing in a parameter's storage
+    when it is saved (ZeRO 3's gathered unit, which it frees after the forward and gathers again
+    for the backward); a tensor saved twice counts once (by its storage and offset: the
+    micro-batches of one batch are views of one storage, each its own; meta tensors, which
+    `nanocolossal plan` measures, have no addresses)."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self.skip = {_where(p) for p in params}
+        self.params = list(params)
         self.live: dict[tuple, list[int]] = {}  # place -> [bytes, times saved]
         self.now = self.peak = 0
 
     def _pack(self, t: torch.Tensor) -> Any:
         ptr = _where(t)
-        if ptr in self.skip:
+        if ptr[0] in {p.untyped_storage()._cdata for p in self.params}:  # (ZeRO 3 moves them)
             return t
         if ptr not in self.live:
             self.live[ptr] = [t.numel() * t.element_size(), 0]

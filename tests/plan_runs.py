@@ -1,6 +1,8 @@
-"""Live numbers for tests/test_plan.py: one GPT of tests/test_composition.py's TABLE trained on
-gloo ranks, and what each rank then holds (bytes of distinct storages the Engine reaches) and
-handed to collectives in a steady step (nanocolossal/traffic.py's count_collectives)."""
+"""Live numbers against `nanocolossal plan`: what a rank holds after a steady step (bytes of
+distinct storages the Engine reaches), what it handed to collectives in it
+(nanocolossal/traffic.py's count_collectives) and its saved activations' peak (memory.py's
+SavedBytes); and what the plan of a tests/test_composition.py TABLE row got wrong on them.
+Every TABLE row checks its plan (test_composition.py); tests/test_plan.py has the lesson."""
 from __future__ import annotations
 
 from collections import Counter
@@ -41,8 +43,8 @@ def storages(root) -> dict:
 
 
 def gpt_worker(rank, world_size, port, config):
-    """Two steps of the table's GPT under `config`; this rank's storages after the second step
-    (before zero_grad), the second step's collectives, and its saved activations' peak."""
+    """Two steps of the table's GPT under `config`: what this rank holds after the second
+    (live())."""
     import test_composition as tc
 
     import nanocolossal as nc
@@ -72,18 +74,68 @@ def gpt_worker(rank, world_size, port, config):
                 engine.zero_grad()
                 engine.execute_schedule(batch)
                 engine.step()
+    return live(engine, counted, saved)
+
+
+def live(engine, counted, saved) -> dict:
+    """This rank after a step (before zero_grad): bytes of the distinct storages the Engine
+    reaches and of its parameters (ZeRO 3: its shard of each unit), elements per collective
+    in the step (`counted`, count_collectives'), its saved activations' peak (`saved`)."""
+    from nanocolossal.context import gpc
     elements = Counter()
     for name, count in counted.items():
         elements[KIND[name]] += count
-    params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-              for p in engine.model.parameters() if p.untyped_storage().nbytes()}
-    for buffer in getattr(engine.optimizer, "buffers", []):
-        if getattr(buffer, "local", None) is not None:  # ZeRO 3: my shard of the unit
-            params[buffer.local.untyped_storage().data_ptr()] = buffer.local.untyped_storage(
-            ).nbytes()
-    return {"rank": rank, "pipeline_rank": gpc.pipeline_rank, "data_rank": gpc.data_rank,
+    held = list(engine.model.parameters())
+    held += [b.local for b in getattr(engine.optimizer, "buffers", [])
+             if getattr(b, "local", None) is not None]  # ZeRO 3: my shard of each unit
+    params = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    return {"rank": gpc.rank, "pipeline_rank": gpc.pipeline_rank, "data_rank": gpc.data_rank,
             "total": sum(storages(engine).values()), "parameters": sum(params.values()),
             "elements": dict(elements), "saved": saved.peak}
+
+
+NOT_PLANNED = ("UNUSED", "CAUSAL", "OVERFLOW", "ROUTER_ZERO")  # (activations alike)
+
+
+def planned(world, config):
+    """(model, layout) of a TABLE row as the planner reads it: the table GPT's sizes, SGD,
+    float64 (fp32 under AMP), gloo's stand-ins."""
+    from dataclasses import replace
+
+    import test_composition as tc
+
+    from nanocolossal.plan.layouts import load
+    parallel = config.get("parallel", {})
+    tensor = parallel.get("tensor")
+    data = world // (parallel.get("pipeline", 1) * (tensor["size"] if tensor else 1))
+    cfg = {k: v for k, v in config.items() if k not in NOT_PLANNED}
+    cfg.update(VOCAB=tc.VOCAB, SEQ_LEN=tc.SEQ, DIM=tc.DIM, DEPTH=2, HEADS=2, MLP_RATIO=2,
+               BATCH_SIZE=tc.GLOBAL // data, OPTIMIZER="sgd",
+               PARAM_BYTES=4 if "fp16" in config else 8)
+    m, lay = load(cfg, world)
+    return m, replace(lay, backend="gloo")
+
+
+def plan_problems(world, config, lives, exact=True, activations=True) -> list:
+    """What the plan of a TABLE row got wrong on its ranks (`lives`: live() of each): (with
+    `exact`) model-state bytes or elements per collective not equal, (with `activations`) the
+    activation peak more than 5% off SavedBytes'."""
+    from nanocolossal.plan.ranks import plan_rank
+    m, lay = planned(world, config)
+    problems = []
+    for r in lives:
+        plan = plan_rank(m, lay, r["pipeline_rank"], data_rank=r["data_rank"])
+        states = sum(plan.bytes[k] for k in ("parameters", "gradients", "optimizer", "masters",
+                                             "routing", "cpu"))
+        got = {"parameters": r["parameters"], "states": r["total"], **r["elements"]}
+        want = {"parameters": plan.bytes["parameters"], "states": states}
+        want.update({k: v for k, v in plan.elements.items() if v})
+        if exact and got != want:
+            problems.append(f"rank {r['rank']}: live {got} != plan {want}")
+        act = plan.bytes["activations"] + plan.bytes["logits"]
+        if activations and abs(act - r["saved"]) > 0.05 * r["saved"]:
+            problems.append(f"rank {r['rank']}: activations plan {act}, live {r['saved']}")
+    return problems
 
 
 def convnet():
@@ -112,13 +164,7 @@ def convnet_worker(rank, world_size, port, config, micro):
             for _ in range(config.get("gradient_accumulation", 1)):
                 engine.execute_schedule((x, y))
             engine.step()
-    elements = Counter()
-    for name, count in counted.items():
-        elements[KIND[name]] += count
-    held = [*engine.model.parameters(), *engine.model.buffers()]
-    held += [b.local for b in getattr(engine.optimizer, "buffers", [])
-             if getattr(b, "local", None) is not None]  # ZeRO 3: my shard of each unit
-    params = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
-    return {"rank": rank, "total": sum(storages(engine).values()),
-            "parameters": sum(n for n in params.values() if n), "elements": dict(elements),
-            "saved": saved.peak}
+    numbers = live(engine, counted, saved)
+    buffers = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes()
+               for b in engine.model.buffers()}
+    return {**numbers, "parameters": numbers["parameters"] + sum(buffers.values())}

@@ -25,12 +25,14 @@ buffers, gradient norms, metrics) are compared with ONE process on the whole bat
 torch.testing.assert_close. Mixed precision (bf16 on CPU) is compared with one process under the
 same AMP settings (nc.amp.initialize), to bf16 tolerance.
 """
+import contextlib
 import sys
 
 import pytest
 import torch
 from dist_helpers import ROOT, launch_rank, run_ranks
 from models import clip_one_process, epoch_shards, tensor_model, tensor_pipeline_model
+from plan_runs import live, plan_problems
 from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close
@@ -40,16 +42,24 @@ import nanocolossal as nc
 import nanocolossal.nn as col_nn
 from nanocolossal import amp
 from nanocolossal.amp import AMP_TYPE
-from nanocolossal.checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
-from nanocolossal.checkpoint_merge import load_plain_state_dict, strip_prefixes, tensor_splits_of
+from nanocolossal.checkpoint import (
+    load_checkpoint,
+    load_plain_state_dict,
+    merge_checkpoint,
+    save_checkpoint,
+    strip_prefixes,
+    tensor_splits_of,
+)
 from nanocolossal.config import ConfigError
 from nanocolossal.context import gpc
+from nanocolossal.memory import SavedBytes
 from nanocolossal.metrics import Accuracy
 from nanocolossal.moe import moe_layers
 from nanocolossal.moe.settings import moe_model_settings
 from nanocolossal.pipeline import build_pipeline_model
 from nanocolossal.sequence import split_batch
 from nanocolossal.tensor.base import slice_of
+from nanocolossal.traffic import count_collectives
 from nanocolossal.trainer import Trainer, hooks
 
 sys.path.insert(0, str(ROOT))
@@ -278,9 +288,10 @@ def test_gloo_composition_table_row_trains_as_one_process(row, tmp_path):
     """The GPT (tied embedding, float64 -- or fp32 under AMP --, SGD with momentum, clipped)
     under the row's features takes one process's steps on the whole batch: parameters (under
     AMP their updates too), clipped norms and losses after each of 3 steps, steps taken and
-    loss scales; the tied table's copies stay equal. A row that cannot be configured is refused
-    on every rank, saying why; a row with resumes saves after step 2 and resumes as its
-    resumes say."""
+    loss scales; the tied table's copies stay equal; `nanocolossal plan` predicted every
+    rank's bytes and elements per collective in the last step (plan_runs.py). A row that
+    cannot be configured is refused on every rank, saying why; a row with resumes saves after
+    step 2 and resumes as its resumes say."""
     world, config, refused, *resumes = TABLE[row]
     config = {**config, "clip_grad_norm": HALF_CLIP if "fp16" in config else CLIP}
     if refused:
@@ -301,6 +312,9 @@ def test_gloo_composition_table_row_trains_as_one_process(row, tmp_path):
     if "OVERFLOW" in config:  # the planted inf really skipped that step and halved the scale
         at = config["OVERFLOW"][0]
         assert not record["took"][at] and record["scales"][at] == record["scales"][at - 1] / 2
+    problems = plan_problems(world, config, [r["live"] for r in results],
+                             exact="UNUSED" not in config)  # (a parameter the plan's GPT lacks)
+    assert not problems, f"{row}: `nanocolossal plan` is wrong:\n" + "\n".join(problems)
     if resumes:
         _check_resumes(row, world, config, path, resumes[0])
 
@@ -1123,18 +1137,20 @@ def _gpt_worker(rank, world_size, port, config, first, last, save, load, merged,
             x, y = x[perm], y[perm]
         accum = config.get("gradient_accumulation", 1)
         n = GLOBAL // gpc.data_size // accum
-        for m in range(accum):
-            lo = (gpc.data_rank * accum + m) * n
-            batch = (x[lo:lo + n], y[lo:lo + n])
-            if gpc.sequence_size > 1:  # my zig-zag share of every sequence (as the loader's)
-                batch = split_batch(batch, gpc.sequence_size, gpc.sequence_rank)
-            engine.zero_grad()
-            planted = _plant_overflow(engine, config, step, m)
-            _, _, loss = engine.execute_schedule(batch)
-            if planted:
-                planted.remove()
-            stepped = engine.step()
-            assert not stepped or m == accum - 1, "one optimizer step per accumulation group"
+        measure = step == last - 1 and first == 0 and expected is not None
+        with _measured(engine, measure) as measured:  # a first run's last step: for the planner
+            for m in range(accum):
+                lo = (gpc.data_rank * accum + m) * n
+                batch = (x[lo:lo + n], y[lo:lo + n])
+                if gpc.sequence_size > 1:  # my zig-zag share of every sequence (the loader's)
+                    batch = split_batch(batch, gpc.sequence_size, gpc.sequence_rank)
+                engine.zero_grad()
+                planted = _plant_overflow(engine, config, step, m)
+                _, _, loss = engine.execute_schedule(batch)
+                if planted:
+                    planted.remove()
+                stepped = engine.step()
+                assert not stepped or m == accum - 1, "one optimizer step per accumulation group"
         took.append(stepped)
         scales.append(engine.optimizer.loss_scale)
         norms.append(engine.last_grad_norm)
@@ -1142,7 +1158,19 @@ def _gpt_worker(rank, world_size, port, config, first, last, save, load, merged,
         if save and step + 1 == SAVE_AT:
             save_checkpoint(save, 1, engine.model, engine.optimizer)
     report = _report(engine.model, expected, norms, rank, losses if accum == 1 else None, start)
-    return {**report, "took": took, "scales": scales}
+    return {**report, "took": took, "scales": scales, "live": measured}
+
+
+@contextlib.contextmanager
+def _measured(engine, measure):
+    """Yields {} and, if `measure`, fills it with plan_runs.live() for the block."""
+    measured = {}
+    if not measure:
+        yield measured
+        return
+    with count_collectives() as counted, SavedBytes(engine.model.parameters()) as saved:
+        yield measured
+    measured.update(live(engine, counted, saved))
 
 
 def _report(model, expected, norms, rank, losses=None, start=None):

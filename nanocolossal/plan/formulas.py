@@ -170,7 +170,7 @@ def model_states(ts: list[Tensor], lay: Layout, data_rank: int = 0) -> dict:
             if master_e != e:  # O2: my shard's fp32 masters, and in the step their fp32
                 out["masters"] += mine * master_e  # gradients (the half shard freed: mixed.py)
                 out["gradients"] += mine * master_e
-    if lay.zero == 3 and N > 1:  # the one-element storage freed parameters share, per dtype
+    if lay.zero == 3:  # the one-element storage freed parameters share, per dtype
         out["parameters"] += sum({e for _, e, _ in _buffers(ts, lay)})
     if lay.clip:
         out["optimizer"] += 4 if lay.amp else lay.param_bytes  # the last gradient norm

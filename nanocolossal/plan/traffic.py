@@ -9,7 +9,7 @@ this rank's tokens x the model's width over the whole step (all micro-batches, a
     ZeRO 3          all-gather   2 k sum_u pad(u)   (each unit for its forward and its backward,
                                                  in each of k micro-steps: sharded_params.py)
                     reduce-scatter k sum_u pad(u)   (an all-reduce on gloo: zero/comm.py)
-                    all-reduce   k n + 2 + 1        (flags, the units' order, the overflow check)
+                    all-reduce   k n + 2            (flags, the units' order)
     tensor 1d       all-reduce   B S D per row-parallel Linear forward and column-parallel one
                                  backward, the embedding's sum (tensor/comm.py's f and g),
                                  3 B S for the vocab-parallel loss (tensor/vocab_parallel.py)
@@ -21,11 +21,13 @@ this rank's tokens x the model's width over the whole step (all micro-batches, a
                     all-reduce   2 (2 E + 2) per MoE layer and forward (moe/balance.py); the
                                  handler's dense Psi + n over the data ranks and the experts'
                                  over an expert's data ranks, no DDP (moe/grads.py)
-    pipeline        p2p          B S D per part boundary and direction (pipeline/p2p.py)
+    pipeline        p2p          B S D per part boundary and direction (pipeline/p2p.py); a
+                                 grid rank's block of it: / q^2 (2d, 3d), / q^2 depth (2.5d)
                     all-reduce   V D/T + 1 for the tied table on the first and last stage
                                  (pipeline/tied.py); 2 for the reported loss
     the loss        all-reduce   1 (targets counted over the data ranks: loss_weights.py)
     clipping        all-reduce   1 (the squares' sum: clip.py)
+    AMP, ZeRO 3     all-reduce   1 (any inf / nan, agreed over the job: amp.py, ZeRO 3's refusal)
 
 On a ring (nanocolossal/traffic.py: ring_elements) an all-reduce of n sends 2 n (N-1)/N per rank,
 an all-gather or reduce-scatter n (N-1)/N.
@@ -73,27 +75,30 @@ def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tenso
             c["p2p"] += (2 * (T - 1) * 2 + 2 * T) * bsd * blocks
         else:                        # q, k, v in and the output back, each way (ulysses.py)
             c["all_to_all"] += 8 * bsd * blocks
-            c["all_gather"] += micro * T * (blocks + (0 in layers))  # the shares' lengths
+            forwards = lay.micro_batches if P > 1 else micro
+            c["all_gather"] += forwards * T * (blocks + (0 in layers))  # the shares' lengths
         pieces = lay.micro_batches if P > 1 else micro  # per micro-batch: loss_weights.py
         c["all_reduce"] += 2 * pieces * (head in layers)  # the sequence share, the pieces
     if lay.mode in ("2d", "2.5d", "3d") and T > 1:
         passes = lay.accumulation if P == 1 else lay.micro_batches  # forwards per step
         c.update(grid_traffic(m, lay, layers, passes))
     if m.experts:  # dispatch and combine, forward and backward (moe/dispatch.py), per forward
-        from ..moe.router import expert_capacity
+        from ..moe.capacity import expert_capacity
         passes = lay.accumulation if P == 1 else lay.micro_batches
-        cap = expert_capacity(tokens // passes, m.experts, m.capacity)  # moe/router.py
+        cap = expert_capacity(tokens // passes, m.experts, m.capacity)  # moe/capacity.py
         moe_layers = sum(1 for layer in layers if 0 < layer < head and m.is_moe(layer - 1))
         c["all_to_all"] += 4 * m.experts * cap * m.dim * moe_layers * (lay.ep > 1) * passes
         # the balance loss's 2 E + 2 sums, forward and backward (moe/balance.py)
         c["all_reduce"] += 2 * (2 * m.experts + 2) * passes * moe_layers * (N > 1)
     # pipeline: activations down, gradients up; the tied table; the reported loss
     if P > 1:
+        q = grid(lay.mode, T, lay.depth)  # 2d, 2.5d, 3d: a rank sends its block of the activation
+        block = {"2d": q * q, "2.5d": q * q * lay.depth, "3d": q * q}.get(lay.mode, 1)
         for v, chunk in enumerate(chunks):
             part = _part(lay, p, v)
             down = part < P * lay.chunks - 1 and not _same_rank(lay, part, part + 1)
             up = part > 0 and not _same_rank(lay, part, part - 1)
-            c["p2p"] += bsd * (down + up)
+            c["p2p"] += bsd // block * (down + up)
         if _tied_apart(m, lay) and (0 in layers or head in layers):
             tok = next(t.numel for t in ts if t.name == "tok")
             c["all_reduce"] += (tok + 1) * (2 if lay.zero == 2 and N > 1 else 1)
@@ -126,10 +131,10 @@ def data_parallel_traffic(ts: list[Tensor], lay: Layout, model_ranks: int = 1,
         k = lay.accumulation  # every micro-step gathers, reduces and flags again
         c["all_gather"] += 2 * units * k
         c["all_reduce" if lay.backend == "gloo" else "reduce_scatter"] += units * k
-        c["all_reduce"] += n * k + 2 + 1
+        c["all_reduce"] += n * k + 2
     if lay.clip:
         c["all_reduce"] += (N > 1 and (lay.zero > 0 or handled)) + (model_ranks > 1)
-    if N > 1 and lay.zero != 3 and (lay.zero and lay.amp or lay.amp in ("O2", "O3")):
+    if lay.world > 1 and (lay.amp or lay.zero == 3):  # ZeRO 3 without AMP refuses a bad step
         c["all_reduce"] += 1                             # any inf / nan, agreed job-wide
     return c
 
