@@ -164,6 +164,43 @@ MUTATIONS: list[dict] = [
          bug="a pipeline's evaluation loss weighs each micro-batch 1/M, not by its share of the "
              "batch's counted targets: wrong where padding is spread unevenly",
          tests=["tests/test_loss_weights.py", "-k", "pipeline_evaluation"]),
+    dict(id="loss-weights-short-group-as-whole", idea="loss weights x accumulation",
+         file="nanocolossal/loss_weights.py",
+         old="        k = len(self.group)\n",
+         new="        k = gpc.config.gradient_accumulation\n",
+         bug="an epoch's short last group of k micro-steps weighs as a whole group of N: its "
+             "gradient is N / k times one process's",
+         tests=["tests/test_loss_weights.py", "-k", "over_micro_steps_as_one_process"]),
+    dict(id="loss-weights-group-read-while-open", idea="loss weights x accumulation",
+         file="nanocolossal/loss_weights.py",
+         old="        check_group_ended(self.group is not None and self.total is not None)\n",
+         new="        check_group_ended(False)\n",
+         bug="a loader read one batch ahead (or past an unclosed short group) replaces the open "
+             "group's labels without a word: its last batches weigh by the next group's count",
+         tests=["tests/test_loss_weights.py", "-k", "next_group_while_one_is_open"]),
+    dict(id="loss-weights-counted-when-read", idea="loss weights x evaluation",
+         file="nanocolossal/loss_weights.py",
+         old="        self.group = labels\n        self.total = None\n",
+         new="        self.group = labels\n        self.total = None\n"
+             "        if labels is not None:\n            self._counted()\n"
+             "            self.total = None\n",
+         bug="a group's targets are all-reduced when the loader reads it, not at its first "
+             "weighed loss: evaluating on the training loader waits for a partner",
+         tests=["tests/test_loss_weights.py", "-k", "reads_groups_ahead_all_reduces_nothing"]),
+    dict(id="initialize-loader-not-read-ahead", idea="loss weights x accumulation",
+         file="nanocolossal/engine/initialize.py",
+         old="        train_dataloader = training_loader(extensions, train_dataloader)\n",
+         new="        pass\n",
+         bug="initialize returns the training loader unwrapped: a loop of one's own weighs each "
+             "micro-step 1 / N, not by its group's counted targets",
+         tests=["tests/test_loss_weights.py", "-k", "over_micro_steps_as_one_process and loop"]),
+    dict(id="trainer-loader-not-read-ahead", idea="loss weights x trainer",
+         file="nanocolossal/trainer.py",
+         old="batches = self.progress.batches(training_loader(self.engine.extensions, loader))",
+         new="batches = self.progress.batches(loader)",
+         bug="the Trainer reads a loader initialize never saw unwrapped: its micro-steps weigh "
+             "1 / N, not by their group's counted targets",
+         tests=["tests/test_loss_weights.py", "-k", "over_micro_steps_as_one_process and trainer"]),
     # -- pipeline ----------------------------------------------------------------------------
     dict(id="pipe-1f1b-warmup-off-by-one", idea="pipeline schedule",
          file="nanocolossal/pipeline/plan.py",
@@ -415,20 +452,20 @@ MUTATIONS: list[dict] = [
              "size: `peers` times too large (what DDP on the expert-data group would do)",
          tests=["tests/test_moe_train.py", "-k", "engine_training_equals_one_process"]),
     # -- checkpoints, trainer -------------------------------------------------------------------
-    dict(id="ckpt-merge-2d-swapped", idea="checkpoint", file="nanocolossal/checkpoint_merge.py",
+    dict(id="ckpt-merge-2d-swapped", idea="checkpoint", file="nanocolossal/checkpoint/merge.py",
          old="for i in range(parts)], dim=dim)",
          new="for i in reversed(range(parts))], dim=dim)",
          bug="merging puts a split parameter's blocks back in reverse order along each split "
              "(the last rank's block first)",
          tests=["tests/test_checkpoint.py", "-k", "2d_tensor_parallel_checkpoint"]),
-    dict(id="ckpt-rng-of-rank0", idea="checkpoint", file="nanocolossal/checkpoint.py",
+    dict(id="ckpt-rng-of-rank0", idea="checkpoint", file="nanocolossal/checkpoint/save_load.py",
          old="mine = rng[gpc.gradient_rank] if gpc.gradient_rank < len(rng) else None",
          new="mine = rng[0] if gpc.gradient_rank < len(rng) else None",
          bug="every data rank resumes with rank 0's RNG state: dropout and augmentation masks "
              "repeat across ranks after a resume",
          tests=["tests/test_checkpoint.py", "-k", "rng_state"]),
     dict(id="ckpt-optimizer-state-not-loaded", idea="checkpoint x every layout",
-         file="nanocolossal/checkpoint.py",
+         file="nanocolossal/checkpoint/save_load.py",
          old="    if optimizer is not None and state.get(\"optimizer\") is not None:",
          new="    if False and optimizer is not None and state.get(\"optimizer\") is not None:",
          bug="load_checkpoint restores the model but not the optimizer: a resumed run starts its "
@@ -466,19 +503,22 @@ MUTATIONS: list[dict] = [
          bug="a loss.backward() past the engine goes unnoticed: engine.step() never steps, and "
              "says nothing",
          tests=["tests/test_engine.py", "-k", "past_the_engine"]),
-    dict(id="ckpt-older-save-loaded", idea="checkpoint files", file="nanocolossal/checkpoint.py",
+    dict(id="ckpt-older-save-loaded", idea="checkpoint files",
+         file="nanocolossal/checkpoint/save_load.py",
          old="and name_kind(path, f) != name_kind(path, file) and f.stat().st_mtime_ns > written]",
          new="and name_kind(path, f) != name_kind(path, file) and f.stat().st_mtime_ns < written]",
          bug="load_checkpoint compares file times the wrong way round: this layout's older files "
              "load beside another layout's newer save, and a newer one of its own is refused",
          tests=["tests/test_checkpoint.py", "-k", "older_than_another"]),
-    dict(id="resume-skip-off-by-one", idea="trainer resume", file="nanocolossal/progress.py",
+    dict(id="resume-skip-off-by-one", idea="trainer resume",
+         file="nanocolossal/checkpoint/progress.py",
          old="    for _ in range(skip):",
          new="    for _ in range(skip - 1):",
          bug="resuming mid-epoch skips one batch too few: the last batch before the save is "
              "trained on twice",
          tests=["tests/test_trainer.py", "-k", "resumes_bit_identically"]),
-    dict(id="stream-epoch-not-set", idea="trainer x streams", file="nanocolossal/progress.py",
+    dict(id="stream-epoch-not-set", idea="trainer x streams",
+         file="nanocolossal/checkpoint/progress.py",
          old='for owner in (getattr(loader, "sampler", None), getattr(loader, "dataset", None)):',
          new='for owner in (getattr(loader, "sampler", None),):',
          bug="a DataLoader over an IterableDataset is never told the epoch: every epoch repeats "
@@ -498,4 +538,20 @@ MUTATIONS: list[dict] = [
              "carries over into the next epoch",
          tests=["tests/test_trainer.py", "tests/test_composition.py", "-k",
                 "trainer_x_accumulation_x_syncbn or resumes_bit_identically or readahead"]),
+    dict(id="plan-o1-weight-casts-dropped", idea="nanocolossal plan x AMP",
+         file="nanocolossal/plan/activations.py",
+         old="        total += _linear_weights(m, lay, layer) * w.a\n    return total",
+         new="        total += 0\n    return total",
+         bug="the planner forgets the half copies of the weights autocast (O1) makes at each "
+             "forward and the Linears keep for backward: activations planned too low",
+         tests=["tests/test_composition.py::test_gloo_composition_table_row_trains_as_one_"
+                "process[O1 x 1f1b x data2 x zero1]"]),
+    dict(id="plan-recompute-not-counted", idea="nanocolossal plan x activation checkpointing",
+         file="nanocolossal/plan/activations.py",
+         old="        peak = max(peak, before + more)",
+         new="        peak = max(peak, before)",
+         bug="the planner counts a checkpointed block's kept input but not its tensors "
+             "recomputed in backward: the peak planned far too low",
+         tests=["tests/test_composition.py::test_gloo_composition_table_row_trains_as_one_"
+                "process[checkpointing x 1f1b x data2]"]),
 ]
