@@ -207,6 +207,8 @@ TABLE = {  # row: (ranks, config, what a refused row's error says[, resumes]); e
                                    None),
     "O2 fp16 x moe ep2": (2, {**FP16_O2, **MOE_HALF, "parallel": EP2}, None),
     "apex O2 x moe ep2 x data2": (4, {**APEX_O2, **MOE_HALF, "parallel": EP2}, None),
+    "apex O0 x data2": (2, {"fp16": {"mode": AMP_TYPE.APEX, "opt_level": "O0",  # fp32: its
+                                     "dtype": "bfloat16"}}, None),  # dtype names the tolerance
     "O2 fp16 x moe ep4 (experts replicated)": (4, {**FP16_O2, **MOE_HALF,
                                                    "parallel": {"moe": 4}}, None),
     # dynamic loss scaling: an inf on one rank only skips the step on every rank and halves the
@@ -238,6 +240,10 @@ TABLE = {  # row: (ranks, config, what a refused row's error says[, resumes]); e
     "selective x all-to-all": (2, {"parallel": SEQ_A2A, "ACTIVATION_CHECKPOINT": "selective"},
                                None),
     "every block x 2d": (4, {"parallel": T2D, "ACTIVATION_CHECKPOINT": 1}, None),
+    "every 2nd block x 1d": (2, {"parallel": T1D, "ACTIVATION_CHECKPOINT": 2}, None),
+    "checkpointing x ring": (2, {"parallel": SEQ_RING, "ACTIVATION_CHECKPOINT": "full"}, None),
+    "checkpointing x all-to-all x data2 x zero2": (4, {"parallel": SEQ_A2A, **_zero(2),
+                                                      "ACTIVATION_CHECKPOINT": "full"}, None),
     "1f1b x accum2": (2, {"parallel": PIPE2, **PIPE, **ACCUM2},
                       "micro-batches already accumulate"),
     "zero3 x 1f1b": (4, {"parallel": PIPE2, **PIPE, **_zero(3)}, "use zero level 1 or 2"),

@@ -86,6 +86,45 @@ def test_plan_refuses_what_the_scripts_refuse_in_the_same_line(text, tmp_path, c
     assert SCRIPTS_REFUSE[text] in err, err
 
 
+PLANNER_REFUSES = {  # what the scripts run, or refuse later, that the planner cannot count
+    "DROPOUT = 0.1": "the planner does not count the dropout masks",
+    "OPTIMIZER = 'lion'": "the planner counts 'adamw' (two states) or 'sgd'",
+    "DEPTH = 0": "DEPTH must be a positive integer, got 0",
+    "HEADS = 0": "HEADS must be a positive integer, got 0",
+    "NUM_EXPERTS = 2\nparallel = dict(tensor=dict(size=2, mode='1d'))":
+        "an MoE layer holds whole expert MLPs and does not split over tensor mode '1d'",
+    "NUM_EXPERTS = 2\nACTIVATION_CHECKPOINT = 'full'": "would recompute an MoE block whole",
+    "parallel = dict(pipeline=2)\nNUM_MICRO_BATCHES = 2\ngradient_accumulation = 2":
+        "its micro-batches already accumulate",
+}
+
+
+@pytest.mark.parametrize("text", PLANNER_REFUSES)
+def test_plan_refuses_what_it_cannot_count_in_one_line(text, tmp_path, capsys):
+    path = tmp_path / "bad.py"
+    path.write_text(text + "\n")
+    code, _, err = _run(["--config", str(path), "--world", "8"], capsys)
+    assert code == 2 and PLANNER_REFUSES[text] in err and err.count("\n") == 1, err
+
+
+def test_plan_of_a_missing_config_file_is_one_line(tmp_path, capsys):
+    code, _, err = _run(["--config", str(tmp_path / "none.py"), "--world", "2"], capsys)
+    assert code == 2 and "none.py" in err and err.count("\n") == 1, err
+
+
+def test_plan_search_proposes_only_layouts_that_launch(capsys):
+    """An MoE config's search keeps what the scripts accept: no tensor mode, no ZeRO with
+    expert parallelism, no full checkpointing of its blocks, no accumulation in a pipeline."""
+    import json
+    code, out, err = _run(["--config", str(ROOT / "configs/gpt_moe.py"), "--world", "8",
+                           "--search", "--json"], capsys)
+    assert code == 0, err
+    for entry in json.loads(out)["layouts"]:
+        lay = entry["layout"]
+        assert lay["mode"] is None and lay["checkpoint"] != "full", lay
+        assert not (lay["ep"] > 1 and lay["zero"]), lay
+
+
 def test_plan_refuses_a_bad_config_without_torch(tmp_path):
     """The scripts' checks, every section of them, run in the planner without importing torch."""
     import subprocess

@@ -63,7 +63,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
-from .formulas import Layout
+from .formulas import Layout, block_checkpoint
 from .model import GPT, grid, tensors
 
 INT = 8  # int64 ids, targets, slots
@@ -195,13 +195,13 @@ def layer_bytes(m: GPT, lay: Layout, b: int, layer: int) -> tuple[int, int, int]
         if lay.mode == "1d":  # vocab_parallel.py: the targets in my rows, and which are mine
             targets += lb * s * (INT + 1)
         return round(stats + out + targets), 0, round(logits)
-    if lay.checkpoint == "full":
+    if block_checkpoint(lay, layer) == "full":
         kept = lb * s * D * w.res
         full = block_bytes(m, lay, b, layer)
         torch_norm = lay.mode not in ("2d", "2.5d", "3d")  # keeps the very input
         return round(kept), round(full - (kept if torch_norm and w.res == w.n else 0)), 0
     sequence = lay.mode == "sequence"
-    keep = "selective" if lay.checkpoint == "selective" and not sequence else "all"
+    keep = "selective" if block_checkpoint(lay, layer) == "selective" and not sequence else "all"
     return round(block_bytes(m, lay, b, layer, keep)), 0, 0
 
 

@@ -167,8 +167,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError(f"--world must be a positive number of ranks, got {world}")
         if args.model:  # a custom nn.Module, measured on the meta device: the only torch here
             from .measure import load_measured, plan_measured, search_measured
-            m, lay = load_measured(args.model, args.input or "", args.config, world,
-                                   **overrides)
+            try:
+                m, lay = load_measured(args.model, args.input or "", args.config, world,
+                                       **overrides)
+            except (ConfigError, ValueError):
+                raise
+            except Exception as e:  # the user's code, run on the meta device
+                raise ConfigError(f"--model {args.model} --input {args.input}: one forward and "
+                                  f"backward on the meta device failed ({type(e).__name__}: "
+                                  f"{e}); it must build with no arguments and take that "
+                                  f"input") from None
             planned, others = partial(plan_measured, m), search_measured(lay)
         else:
             m, lay = load(args.config, world, **overrides)
@@ -176,7 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results = [(lay, planned(lay))]
         if args.search:
             results += [(other, planned(other)) for other in others if other != lay]
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, OSError) as e:
         print(f"nanocolossal plan: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Union
 
 from .model import Tensor
 
@@ -65,7 +65,7 @@ class Layout:
     zero: int = 0
     offload: bool = False
     amp: Optional[str] = None          # 'O1', 'O2', 'O3'
-    checkpoint: Optional[str] = None   # 'full', 'selective'
+    checkpoint: Union[str, int, None] = None  # 'full', 'selective', N: every N-th block
     schedule: str = "1f1b"
     micro_batches: int = 1
     chunks: int = 1
@@ -104,6 +104,15 @@ class Layout:
         if self.mode == "2.5d":
             d["depth"] = self.depth
         return d
+
+
+def block_checkpoint(lay: Layout, layer: int) -> Optional[str]:
+    """What block `layer` (1..DEPTH) recomputes: 'full' or 'selective' every block, N 'full' every
+    N-th block and nothing in the others (activation_checkpoint.py's block_mode)."""
+    N = lay.checkpoint
+    if isinstance(N, int) and not isinstance(N, bool):
+        return "full" if (layer - 1) % N == N - 1 else None
+    return N
 
 
 # -- model states ------------------------------------------------------------------------------

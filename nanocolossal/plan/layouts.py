@@ -13,7 +13,7 @@ from ..config import Config, ConfigError, parallel_settings
 from ..config_checks import validate_config, zero_settings
 from ..pipeline.plan import check_sizes
 from ..pipeline.steps import PlanError
-from .formulas import Layout
+from .formulas import Layout, block_checkpoint
 from .model import GPT, grid
 
 KNOWN = {  # the config keys the planner reads, or that change nothing it counts
@@ -67,6 +67,7 @@ def load(config: Any, world: int, **overrides: Any) -> tuple[GPT, Layout]:
         mode_name = str(getattr(fp16.get("mode"), "name", fp16.get("mode"))).upper()
         amp = {"TORCH": "O1", "NAIVE": "O2"}.get(mode_name.split(".")[-1],
                                                  fp16.get("opt_level", "O1"))
+        amp = None if amp == "O0" else amp  # apex's O0: the fp32 reference
     dtype = str(fp16.get("dtype", "float16"))
     checkpoint = cfg.get("ACTIVATION_CHECKPOINT")
     tensor = (cfg.get("parallel") or {}).get("tensor") or {}
@@ -75,7 +76,7 @@ def load(config: Any, world: int, **overrides: Any) -> tuple[GPT, Layout]:
                  attention=tensor.get("attention", "ring") if isinstance(tensor, Mapping)
                  else "ring",
                  zero=level, offload=offload, amp=amp,
-                 checkpoint="full" if isinstance(checkpoint, int) else checkpoint,
+                 checkpoint=checkpoint,
                  schedule=cfg.get("PIPELINE_SCHEDULE") or (
                      "interleaved" if cfg.get("NUM_CHUNKS", 1) > 1 else "1f1b"),
                  micro_batches=cfg.get("NUM_MICRO_BATCHES", 1) if P > 1 else 1,
@@ -86,8 +87,24 @@ def load(config: Any, world: int, **overrides: Any) -> tuple[GPT, Layout]:
                  param_bytes=cfg.get("PARAM_BYTES", 4), optimizer=cfg.get("OPTIMIZER", "adamw"),
                  clip="clip_grad_norm" in cfg, handler=bool(cfg.get("gradient_handler")))
     m = model_of(cfg)
+    _check_unplanned(cfg, lay)
     check(m, lay)
     return m, lay
+
+
+def _check_unplanned(cfg: Mapping, lay: Layout) -> None:
+    """What the planner does not count: one line saying so, never a silent wrong answer."""
+    for key in ("BATCH_SIZE", "SEQ_LEN", "DIM", "DEPTH", "HEADS", "MLP_RATIO", "VOCAB"):
+        value = cfg.get(key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    if cfg.get("DROPOUT", 0):
+        raise ConfigError(f"DROPOUT={cfg['DROPOUT']}: the planner does not count the dropout "
+                          f"masks autograd keeps (a byte per element dropped from); plan with "
+                          f"DROPOUT=0 and add them")
+    if lay.optimizer not in ("adamw", "sgd"):
+        raise ConfigError(f"OPTIMIZER={lay.optimizer!r}: the planner counts 'adamw' (two "
+                          f"states) or 'sgd' (momentum)")
 
 
 def check(m: GPT, lay: Layout) -> None:
@@ -134,6 +151,19 @@ def check(m: GPT, lay: Layout) -> None:
                           f"W; use PIPELINE_SCHEDULE='1f1b'")
     if lay.offload and not lay.zero:
         raise ConfigError("offload needs zero level 1, 2 or 3")
+    if P > 1 and lay.accumulation > 1:
+        raise ConfigError("gradient_accumulation with a pipeline: its micro-batches already "
+                          "accumulate; use NUM_MICRO_BATCHES")
+    if m.experts and lay.mode:
+        raise ConfigError(f"an MoE layer holds whole expert MLPs and does not split over tensor "
+                          f"mode {lay.mode!r}; use parallel.moe instead of parallel.tensor")
+    if m.experts and any(block_checkpoint(lay, b + 1) == "full"
+                         for b in range(m.depth) if m.is_moe(b)):
+        raise ConfigError("ACTIVATION_CHECKPOINT would recompute an MoE block whole, but its "
+                          "load-balancing loss is kept from the forward; use 'selective'")
+    if lay.ep > 1 and lay.zero:
+        raise ConfigError("zero shards every parameter over the data ranks, experts are not; "
+                          "use expert parallelism (parallel.moe) without zero, or zero alone")
 
 
 def _divisors(n: int) -> list[int]:

@@ -22,7 +22,8 @@ this rank's tokens x the model's width over the whole step (all micro-batches, a
                                  handler's dense Psi + n over the data ranks and the experts'
                                  over an expert's data ranks, no DDP (moe/grads.py)
     pipeline        p2p          B S D per part boundary and direction (pipeline/p2p.py); a
-                                 grid rank's block of it: / q^2 (2d, 3d), / q^2 depth (2.5d)
+                                 grid rank's block of it: / q^2 (2d), / q^2 depth (2.5d), / q^3
+                                 (3d); a checkpointed block's forward collectives run twice
                     all-reduce   V D/T + 1 for the tied table on the first and last stage
                                  (pipeline/tied.py); 2 for the reported loss
     the loss        all-reduce   1 (targets counted over the data ranks: loss_weights.py)
@@ -37,7 +38,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..pipeline.steps import stage_rank, virtual_stage
-from .formulas import COLLECTIVES, Layout, _buffers, pad
+from .formulas import COLLECTIVES, Layout, _buffers, block_checkpoint, pad
 from .model import GPT, Tensor, grid, stage_layers
 
 
@@ -49,6 +50,8 @@ def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tenso
     head, tokens = m.layers - 1, lay.batch * m.seq // (T if lay.mode == "sequence" else 1)
     bsd = tokens * m.dim
     blocks = sum(1 for layer in layers if 0 < layer < head)
+    recomputed = sum(1 for layer in layers if 0 < layer < head  # forwards that run twice
+                     and block_checkpoint(lay, layer) == "full")
     # data parallel and ZeRO; clipping's sum and AMP's overflow flag
     model_ranks = P * (1 if lay.mode == "sequence" else T)
     handled = bool(m.experts) and not lay.handler
@@ -63,8 +66,8 @@ def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tenso
     micro = lay.accumulation if P == 1 else 1
     # tensor 1d: Megatron's f and g
     if lay.mode == "1d" and T > 1:
-        again = 2 if lay.checkpoint == "full" else 1     # a checkpointed forward runs twice
-        c["all_reduce"] += 2 * bsd * blocks * (1 + again)  # forward: proj, fc2; back: qkv, fc1
+        # forward: proj, fc2 (again where recomputed); backward: qkv, fc1
+        c["all_reduce"] += 2 * bsd * (2 * blocks + recomputed)
         if 0 in layers:
             c["all_reduce"] += bsd                       # the vocab-parallel embedding's sum
             c["all_gather"] += bsd                       # the position table's columns
@@ -73,10 +76,12 @@ def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tenso
     if lay.mode == "sequence" and T > 1:
         if lay.attention == "ring":  # K, V around the ring; back: K, V again, then dK, dV
             c["p2p"] += (2 * (T - 1) * 2 + 2 * T) * bsd * blocks
+            c["p2p"] += 2 * (T - 1) * bsd * recomputed
         else:                        # q, k, v in and the output back, each way (ulysses.py)
-            c["all_to_all"] += 8 * bsd * blocks
+            c["all_to_all"] += 8 * bsd * blocks + 4 * bsd * recomputed
             forwards = lay.micro_batches if P > 1 else micro
-            c["all_gather"] += forwards * T * (blocks + (0 in layers))  # the shares' lengths
+            # the shares' lengths
+            c["all_gather"] += forwards * T * (blocks + recomputed + (0 in layers))
         pieces = lay.micro_batches if P > 1 else micro  # per micro-batch: loss_weights.py
         c["all_reduce"] += 2 * pieces * (head in layers)  # the sequence share, the pieces
     if lay.mode in ("2d", "2.5d", "3d") and T > 1:
@@ -93,7 +98,7 @@ def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tenso
     # pipeline: activations down, gradients up; the tied table; the reported loss
     if P > 1:
         q = grid(lay.mode, T, lay.depth)  # 2d, 2.5d, 3d: a rank sends its block of the activation
-        block = {"2d": q * q, "2.5d": q * q * lay.depth, "3d": q * q}.get(lay.mode, 1)
+        block = {"2d": q * q, "2.5d": q * q * lay.depth, "3d": q ** 3}.get(lay.mode, 1)
         for v, chunk in enumerate(chunks):
             part = _part(lay, p, v)
             down = part < P * lay.chunks - 1 and not _same_rank(lay, part, part + 1)
@@ -166,7 +171,6 @@ def grid_traffic(m: GPT, lay: Layout, layers: set, k: int) -> Counter:
     d = lay.depth if lay.mode == "2.5d" else 1
     B, S, D, V, r, head = lay.batch, m.seq, m.dim, m.vocab, m.mlp_ratio, m.layers - 1
     t = B * S // (q * q if cube else q * d)
-    again = 2 if lay.checkpoint == "full" else 1
 
     def linear(i: int, o: int, passes: int = 1) -> None:
         w = k * o * i // (q * q)
@@ -185,6 +189,7 @@ def grid_traffic(m: GPT, lay: Layout, layers: set, k: int) -> Counter:
 
     for layer in layers:
         if 0 < layer < head:
+            again = 2 if block_checkpoint(lay, layer) == "full" else 1
             layer_norm(again)
             layer_norm(again)
             for i, o in ((D, 3 * D), (D, D), (D, r * D), (r * D, D)):
