@@ -43,8 +43,8 @@ def storages(root) -> dict:
 
 
 def gpt_worker(rank, world_size, port, config):
-    """Two steps of the table's GPT under `config`: what this rank holds after the second
-    (live())."""
+    """Two steps of the table's GPT under `config` (SGD, or OPTIMIZER='adamw'): what this rank
+    holds after the second (live())."""
     import test_composition as tc
 
     import nanocolossal as nc
@@ -59,8 +59,10 @@ def gpt_worker(rank, world_size, port, config):
     if gpc.pipeline_size > 1:
         model = build_pipeline_model(model, num_chunks=config.get("NUM_CHUNKS", 1),
                                      partition="uniform")
-    engine, *_ = nc.initialize(model, tc._layout_sgd(model.parameters()),
-                               col_nn.VocabParallelCrossEntropyLoss(), verbose=False)
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+                 if config.get("OPTIMIZER") == "adamw" else tc._layout_sgd(model.parameters()))
+    engine, *_ = nc.initialize(model, optimizer, col_nn.VocabParallelCrossEntropyLoss(),
+                               verbose=False)
     accum = config.get("gradient_accumulation", 1)
     n = tc.GLOBAL // gpc.data_size // accum
     for step in range(2):
@@ -110,7 +112,7 @@ def planned(world, config):
     data = world // (parallel.get("pipeline", 1) * (tensor["size"] if tensor else 1))
     cfg = {k: v for k, v in config.items() if k not in NOT_PLANNED}
     cfg.update(VOCAB=tc.VOCAB, SEQ_LEN=tc.SEQ, DIM=tc.DIM, DEPTH=2, HEADS=2, MLP_RATIO=2,
-               BATCH_SIZE=tc.GLOBAL // data, OPTIMIZER="sgd",
+               BATCH_SIZE=tc.GLOBAL // data, OPTIMIZER=config.get("OPTIMIZER", "sgd"),
                PARAM_BYTES=4 if "fp16" in config else 8)
     m, lay = load(cfg, world)
     return m, replace(lay, backend="gloo")
@@ -145,16 +147,39 @@ def convnet():
                          nn.Flatten(), nn.Linear(8 * 8 * 8, 10)).double()
 
 
-def convnet_worker(rank, world_size, port, config, micro):
-    """Two steps of convnet() under `config`, `micro` images per micro-step: the same live
-    numbers as gpt_worker's."""
+def frozen_convnet():
+    """convnet() with its convolution frozen (requires_grad=False), as in fine-tuning."""
+    model = convnet()
+    model[0].requires_grad_(False)
+    return model
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = convnet()
+        self.never = torch.nn.Linear(10, 10).double()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def unused_convnet():
+    """convnet() beside a Linear no forward uses."""
+    return _WithUnused()
+
+
+def convnet_worker(rank, world_size, port, config, micro, build="convnet"):
+    """Two steps of convnet() (or another of this file's models, `build`) under `config`,
+    `micro` images per micro-step: the same live numbers as gpt_worker's."""
     import nanocolossal as nc
     from nanocolossal.memory import SavedBytes
     from nanocolossal.traffic import count_collectives
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=60)
     torch.manual_seed(0)
-    model = convnet()
-    engine, *_ = nc.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+    model = globals()[build]()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = nc.initialize(model, torch.optim.SGD(trainable, lr=0.1, momentum=0.9),
                                torch.nn.CrossEntropyLoss(reduction="sum"), verbose=False)
     x = torch.randn(micro, 3, 8, 8, dtype=torch.float64)
     y = torch.randint(0, 10, (micro,))

@@ -31,6 +31,37 @@ def test_gloo_plan_equals_live_tensors_and_collectives(row):
     assert not problems, f"{row}:\n" + "\n".join(problems)
 
 
+ZERO = {"level": 2}
+O3 = {"mode": "apex", "opt_level": "O3", "dtype": "bfloat16"}
+BEYOND_THE_TABLE = {  # world, config: what the table's rows (SGD, even shards) do not reach
+    "adamw x data2 x zero1": (2, {"OPTIMIZER": "adamw", "zero": {"level": 1}}),
+    "adamw x data2 x zero2 x offload": (2, {"OPTIMIZER": "adamw",
+                                            "zero": {"level": 2, "offload": "cpu"}}),
+    "adamw x data2 x zero3": (2, {"OPTIMIZER": "adamw", "zero": {"level": 3}}),
+    "adamw x O3 x data2": (2, {"OPTIMIZER": "adamw", "fp16": O3}),
+    "adamw x O2 x data2 x zero2": (2, {"OPTIMIZER": "adamw", "zero": ZERO,
+                                       "fp16": {"mode": "naive", "dtype": "bfloat16"}}),
+    "data3 x zero2 (uneven shards)": (3, {"zero": ZERO}),
+    "data3 x zero3 (uneven shards)": (3, {"zero": {"level": 3}}),
+    "moe x data2 (experts replicated)": (2, {**tc.MOE}),
+    "moe x 1f1b x data2": (4, {**tc.MOE, "parallel": tc.PIPE2, **tc.PIPE}),
+    "moe ep2 x 1f1b (a stage without experts)": (4, {**tc.MOE, **tc.PIPE,
+                                                     "parallel": {**tc.PIPE2, **tc.EP2}}),
+    "moe ep2 x data4 x handler": (4, {**tc.MOE, "parallel": tc.EP2, **tc.HANDLER_CFG}),
+}
+
+
+@pytest.mark.parametrize("row", BEYOND_THE_TABLE)
+def test_gloo_plan_beyond_the_table_equals_live_tensors(row):
+    """AdamW (its states in the stepped tensor's dtype, a step counter per segment a ZeRO rank
+    steps), a data size that does not divide the flat buffers (the last shard short), MoE's
+    clipping (a sum over the expert group only where a stage holds split experts)."""
+    world, config = BEYOND_THE_TABLE[row]
+    config = {**config, "clip_grad_norm": tc.CLIP}
+    problems = plan_problems(world, config, run_ranks(gpt_worker, world, config, timeout=120))
+    assert not problems, f"{row}:\n" + "\n".join(problems)
+
+
 # -- the command line: bad input in one line, the big plan searched ----------------------------
 
 def _run(argv, capsys):
@@ -184,12 +215,15 @@ def test_plan_imports_no_torch():
 
 # -- a custom model: measured on the meta device, then the data-parallel formulas -------------
 
-CUSTOM = {  # world, config, images per micro-step
-    "one rank": (1, {}, 4),
-    "data2": (2, {}, 4),
-    "data2 x zero1 x clip": (2, {"zero": {"level": 1}, "clip_grad_norm": 1.0}, 4),
-    "data2 x zero2 x accum2": (2, {"zero": {"level": 2}, "gradient_accumulation": 2}, 2),
-    "data2 x zero3": (2, {"zero": {"level": 3}}, 4),
+CUSTOM = {  # world, config, images per micro-step, the model (plan_runs.py)
+    "one rank": (1, {}, 4, "convnet"),
+    "data2": (2, {}, 4, "convnet"),
+    "data2 x zero1 x clip": (2, {"zero": {"level": 1}, "clip_grad_norm": 1.0}, 4, "convnet"),
+    "data2 x zero2 x accum2": (2, {"zero": {"level": 2}, "gradient_accumulation": 2}, 2,
+                               "convnet"),
+    "data2 x zero3": (2, {"zero": {"level": 3}}, 4, "convnet"),
+    "frozen conv x data2": (2, {}, 4, "frozen_convnet"),
+    "frozen conv x data2 x zero3": (2, {"zero": {"level": 3}}, 4, "frozen_convnet"),
 }
 
 
@@ -197,23 +231,30 @@ CUSTOM = {  # world, config, images per micro-step
 def test_gloo_plan_of_a_measured_model_equals_live_tensors(row):
     """`--model plan_runs:convnet`: built on the meta device, its plan's model states and
     elements per step equal a live run's exactly; its activations and output what SavedBytes
-    counts, the loss's own saved tensors apart (within 5%)."""
+    counts, the loss's own saved tensors apart (within 5%). A frozen layer is held whole on
+    every rank, with no gradient, state or traffic."""
     from dataclasses import replace
 
     from plan_runs import convnet_worker
 
     from nanocolossal.plan.measure import load_measured, plan_measured
-    world, config, micro = CUSTOM[row]
+    world, config, micro, build = CUSTOM[row]
     cfg = {**config, "BATCH_SIZE": micro, "OPTIMIZER": "sgd"}
-    m, lay = load_measured("plan_runs:convnet", f"{micro}x3x8x8:float64", cfg, world)
+    m, lay = load_measured(f"plan_runs:{build}", f"{micro}x3x8x8:float64", cfg, world)
     (plan,) = plan_measured(m, replace(lay, backend="gloo"))
     states = sum(plan.bytes[k] for k in ("parameters", "gradients", "optimizer", "masters"))
-    for r in run_ranks(convnet_worker, world, config, micro, timeout=120):
+    for r in run_ranks(convnet_worker, world, config, micro, build, timeout=120):
         assert r["parameters"] == plan.bytes["parameters"], (row, r["rank"])
         assert r["total"] == states, (row, r["rank"], r["total"], states)
         assert r["elements"] == {k: v for k, v in plan.elements.items() if v}, (row, r)
         act = plan.bytes["activations"] + plan.bytes["logits"]
         assert abs(act - r["saved"]) <= 0.05 * r["saved"], (row, act, r["saved"])
+
+
+def test_plan_of_a_model_with_an_unused_parameter_is_one_line(capsys):
+    code, _, err = _run(["--model", "plan_runs:unused_convnet", "--input", "4x3x8x8:float64",
+                         "--world", "2"], capsys)
+    assert code == 2 and "never.weight" in err and err.count("\n") == 1, err
 
 
 # -- on one GPU: bench/bench_plan_gpu.py (bench/gpu_check.sh); on the CPU, the plan's code path --

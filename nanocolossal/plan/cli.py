@@ -106,8 +106,10 @@ def show_layout(m: Any, lay: Layout, ranks: list[Rank], memory: Optional[int]) -
 
 
 def ring_sends(lay: Layout, r: Rank) -> float:
-    """Elements a rank sends if every collective runs as a ring over its group (traffic.py's
-    ring_elements, the group taken as the data ranks for ZeRO's and the tensor ranks' own)."""
+    """About the elements a rank sends if every collective runs as a ring (traffic.py's
+    ring_elements) -- an estimate, for sorting: every group taken as the larger of the data and
+    the tensor ranks (each collective's own group would be exact; the elements per collective
+    above are)."""
     N = max(lay.data, lay.tensor, 2)
     share = (N - 1) / N
     e = r.elements

@@ -127,58 +127,67 @@ def shard_of(n: int, N: int, r: int) -> int:
     return max(0, min(s, n - r * s))
 
 
-def _buffers(ts: tuple[Tensor, ...], lay: Layout) -> list[tuple[int, int, int]]:
-    """(elements, bytes per element, tensors) of each flat buffer: one per dtype (and, at level
-    3, per unit; the tied table in the root unit): zero/optimizer.py, sharded_model.py."""
+def _buffers(ts: tuple[Tensor, ...], lay: Layout) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(elements, bytes per element, each tensor's elements) of each flat buffer: one per dtype
+    (and, at level 3, per unit; the tied table in the root unit): zero/optimizer.py,
+    sharded_model.py."""
     return _grouped(ts, lay.zero == 3, lay.amp, lay.half_bytes, lay.param_bytes)
 
 
 @lru_cache(maxsize=4096)
 def _grouped(ts: tuple[Tensor, ...], by_unit: bool, amp: Optional[str], half: int,
-             full: int) -> list[tuple[int, int, int]]:
+             full: int) -> list[tuple[int, int, tuple[int, ...]]]:
     groups: dict = {}
     for t in ts:
         e = half if amp in ("O2", "O3") and not (amp == "O2" and t.fp32_under_o2) else full
-        key = (t.unit if by_unit else "", e)
-        n, k = groups.get(key, (0, 0))
-        groups[key] = (n + t.numel, k + 1)
-    return [(n, e, k) for (_, e), (n, k) in groups.items()]
+        groups.setdefault((t.unit if by_unit else "", e), []).append(t.numel)
+    return [(sum(sizes), e, tuple(sizes)) for (_, e), sizes in groups.items()]
+
+
+def _in_shard(sizes: tuple[int, ...], N: int, r: int) -> int:
+    """How many of a flat buffer's tensors overlap its shard r: ZeRO steps a segment of each."""
+    s = math.ceil(sum(sizes) / N)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return sum(1 for at, n in zip(starts, sizes) if n and at < (r + 1) * s and at + n > r * s)
 
 
 def model_states(ts: list[Tensor], lay: Layout, data_rank: int = 0) -> dict:
     """Bytes of parameters, gradients, optimizer state, masters and CPU (offload) on one rank."""
     N, r = lay.replicas, data_rank
-    state = 4 * 2 if lay.optimizer == "adamw" else None  # AdamW: exp_avg, exp_avg_sq in fp32
+    adamw = lay.optimizer == "adamw"
     out = dict.fromkeys(("parameters", "gradients", "optimizer", "masters", "cpu"), 0)
     ddp = N > 1 and lay.zero in (0, 1) and not lay.handler and not m_experts(ts, lay)
-    for n, e, k in _buffers(ts, lay):
+    for n, e, sizes in _buffers(ts, lay):
+        k = len(sizes)
         if ddp:
             out["gradients"] += (n + k) * e  # DDP's bucket: gradients + a "used" flag each
         master_e = 4 if e < 4 and lay.amp == "O2" else e  # fp32 masters of half parameters
-        per = state or master_e                            # SGD: momentum in the master's dtype
-        steps = 4 * k if state else 0                      # AdamW's step counter per tensor
+        # AdamW: exp_avg and exp_avg_sq, SGD: momentum, in the stepped tensor's dtype
+        per = 2 * master_e if adamw else master_e
         if lay.zero == 0:
             out["parameters"] += n * e
             out["gradients"] += n * e
-            out["optimizer"] += n * per + steps
+            out["optimizer"] += n * per + 4 * k * adamw  # AdamW's step counter per tensor
             if master_e != e:  # O2: fp32 masters and their fp32 gradients (amp.py)
                 out["masters"] += n * master_e
                 out["gradients"] += n * master_e
-        else:
-            mine = shard_of(n, N, r)
-            out["parameters"] += (pad(n, N) // N if lay.zero == 3 else pad(n, N)) * e
-            if lay.zero == 1:
-                out["gradients"] += n * e
-            elif not lay.offload and master_e == e:  # offload: freed by the copy-out
-                out["gradients"] += pad(n, N) // N * e
-            if lay.offload:  # masters, state and a copy of my gradient shard: offload.py
-                master_e = max(4, e)
-                out["cpu"] += mine * (master_e + (state or master_e) + master_e) + steps
-                continue
-            out["optimizer"] += mine * per + steps
-            if master_e != e:  # O2: my shard's fp32 masters, and in the step their fp32
-                out["masters"] += mine * master_e  # gradients (the half shard freed: mixed.py)
-                out["gradients"] += mine * master_e
+            continue
+        mine = shard_of(n, N, r)
+        steps = 4 * _in_shard(sizes, N, r) * adamw  # a step counter per segment stepped
+        out["parameters"] += (pad(n, N) // N if lay.zero == 3 else pad(n, N)) * e
+        if lay.zero == 1:
+            out["gradients"] += n * e
+        elif not lay.offload and master_e == e:  # offload: freed by the copy-out
+            out["gradients"] += mine * e
+        if lay.offload:  # masters, state and a copy of my gradient shard: offload.py
+            master_e = max(4, e)
+            per = 2 * master_e if adamw else master_e
+            out["cpu"] += mine * (master_e + per + master_e) + steps
+            continue
+        out["optimizer"] += mine * per + steps
+        if master_e != e:  # O2: my shard's fp32 masters, and in the step their fp32
+            out["masters"] += mine * master_e  # gradients (the half shard freed: mixed.py)
+            out["gradients"] += mine * master_e
     if lay.zero == 3:  # the one-element storage freed parameters share, per dtype
         out["parameters"] += sum({e for _, e, _ in _buffers(ts, lay)})
     if lay.clip:

@@ -9,7 +9,8 @@ no compute -- and one forward and backward of that micro-batch run there:
 
     parameters   each with its elements, its ZeRO-3 unit (zero/sharded_model.py's plan_units on
                  the same model) and whether O2 keeps it fp32 (amp_casts.py's is_norm); the
-                 buffers (BatchNorm's statistics), counted with the parameters
+                 buffers (BatchNorm's statistics) and frozen parameters, whole on every rank,
+                 counted with the parameters; one the loss does not reach is refused
     activations  the bytes autograd keeps for backward at the forward's peak (memory.py's
                  SavedBytes, the instrument the tests measure live runs with)
     output       the bytes of what the model returns (the logits, for a classifier)
@@ -47,7 +48,7 @@ class Measured:
     name: str
     tensors: tuple[Tensor, ...]
     param_bytes: int
-    buffers: int  # BatchNorm's running statistics and the like: bytes, on every rank
+    buffers: int  # BatchNorm's statistics, frozen parameters: bytes, whole on every rank
     buffer_elements: int
     activations: int
     output: int
@@ -93,17 +94,30 @@ def measure(build: Callable[[], nn.Module], shape: tuple[int, ...], dtype: torch
     units, unit_of = plan_units(model, params)
     kept_fp32 = {id(p) for m in model.modules() if is_norm(m) for p in m.parameters(False)}
     tensors = tuple(Tensor(n, p.numel(), 0, str(unit_of[id(p)]), False, id(p) in kept_fp32)
-                    for n, p in model.named_parameters())
+                    for n, p in model.named_parameters() if p.requires_grad)
     x = torch.zeros(shape, dtype=dtype, device="meta")
     with SavedBytes(params) as saved:
         out = model(x)
     out = out[0] if isinstance(out, (tuple, list)) else out
     out.float().sum().backward()
+    check_all_used(model)
     param_bytes = params[0].element_size() if params else 4
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    frozen = [p for p in params if not p.requires_grad]  # whole on every rank, nothing more
+    held = [*model.buffers(), *frozen]
+    buffers = sum(b.numel() * b.element_size() for b in held)
     buffer_elements = sum(b.numel() for b in model.buffers())
     return Measured(name, tensors, param_bytes, buffers, buffer_elements, saved.peak,
                     out.numel() * out.element_size(), shape)
+
+
+def check_all_used(model: nn.Module) -> None:
+    """A trainable parameter the backward did not reach: its plan would depend on what DDP and
+    ZeRO do with it (a bucket's flag, a unit never gathered), which the planner does not count."""
+    unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    if unused:
+        raise ConfigError(f"--model: {', '.join(unused[:3])} get no gradient in a forward and "
+                          f"backward; the planner counts parameters the loss reaches, and frozen "
+                          f"ones (requires_grad=False): freeze or remove the unused ones")
 
 
 def load_measured(spec: str, shape_text: str, config: Any, world: int,

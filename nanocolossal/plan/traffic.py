@@ -61,8 +61,9 @@ def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tenso
         c["all_reduce"] += (sum(dense) + len(dense)) * (N > 1)
         holders = N // lay.ep * max(1, lay.ep // m.experts)  # an expert's data ranks
         c["all_reduce"] += (sum(experts) + len(experts)) * (holders > 1)
+    split = lay.ep > 1 and any(t.expert for t in ts)  # experts here, split over ranks
     c.update(data_parallel_traffic([] if handled and lay.zero == 0 else ts, lay, model_ranks,
-                                   handled))
+                                   split))
     micro = lay.accumulation if P == 1 else 1
     # tensor 1d: Megatron's f and g
     if lay.mode == "1d" and T > 1:
@@ -116,10 +117,10 @@ def traffic(m: GPT, lay: Layout, p: int, chunks: list[list[int]], ts: list[Tenso
 
 
 def data_parallel_traffic(ts: list[Tensor], lay: Layout, model_ranks: int = 1,
-                          handled: bool = False, buffers: int = 0) -> Counter:
+                          experts_split: bool = False, buffers: int = 0) -> Counter:
     """DDP's or ZeRO's elements per step for the parameters `ts` (the table's first rows), and
-    the step's: clipping's sum (over the data ranks where the gradients are split -- ZeRO's
-    shards, or `handled` by MoE's handler -- then over `model_ranks`), AMP's overflow flag.
+    the step's: clipping's sum (over the data ranks where ZeRO splits the gradients, over the
+    expert group where `experts_split`, then over `model_ranks`), AMP's overflow flag.
     DDP (levels 0-2) also broadcasts the model's `buffers` elements (BatchNorm's statistics) at
     every forward (ddp.py), counted with the all-gathers as gloo's broadcasts are."""
     c: Counter = Counter()
@@ -138,7 +139,7 @@ def data_parallel_traffic(ts: list[Tensor], lay: Layout, model_ranks: int = 1,
         c["all_reduce" if lay.backend == "gloo" else "reduce_scatter"] += units * k
         c["all_reduce"] += n * k + 2
     if lay.clip:
-        c["all_reduce"] += (N > 1 and (lay.zero > 0 or handled)) + (model_ranks > 1)
+        c["all_reduce"] += (N > 1 and lay.zero > 0) + experts_split + (model_ranks > 1)
     if lay.world > 1 and (lay.amp or lay.zero == 3):  # ZeRO 3 without AMP refuses a bad step
         c["all_reduce"] += 1                             # any inf / nan, agreed job-wide
     return c
