@@ -46,13 +46,7 @@ from torch import nn
 
 from .amp_casts import autocast_loss, cast_to_half, hook_autocast
 from .amp_checks import check_initialize, count_skipped
-from .amp_scaler import (
-    DynamicLossScaler,
-    make_scaler,
-    unscale_and_check,
-    unscale_and_check_fused,
-    unscale_grads,
-)
+from .amp_scaler import DynamicLossScaler, make_scaler, unscale_and_check, unscale_grads
 from .checkpoint.amp import AmpState
 from .clip import SplitOver, clip_grad_norm_
 from .config import AMP_TYPE  # owned by the config (it names the modes)
@@ -62,7 +56,7 @@ from .plain_optimizer import PlainOptimizer
 # nc.amp.X: this file's names, and the loss scaler's and the config's that users reach from here
 __all__ = ["AMP_TYPE", "OPT_LEVELS", "DynamicLossScaler", "MixedPrecisionOptimizer",
            "autocast_loss", "initialize", "make_scaler", "scale_loss", "unscale_and_check",
-           "unscale_and_check_fused", "unscale_grads"]
+           "unscale_grads"]
 
 
 def make_masters(optimizer: torch.optim.Optimizer) -> list[tuple[nn.Parameter, nn.Parameter]]:

@@ -32,9 +32,6 @@ def describe_parameters(model: nn.Module) -> list[tuple]:
     return [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
 
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes)
-
-
 def check_same_model(model: nn.Module, group: Optional[dist.ProcessGroup], who: str) -> None:
     """Different models on different ranks would reduce garbage or hang: refuse early, naming
     the first parameter that differs."""
@@ -56,7 +53,7 @@ def comparable(value: Any) -> Any:
     """A form of a config value that means the same on every rank: plain data by value; a
     function, class or other object by what it *is*, its qualified name (its repr carries a
     memory address, different in every process)."""
-    if isinstance(value, _PLAIN):
+    if isinstance(value, (type(None), bool, int, float, complex, str, bytes)):
         return repr(value)
     if isinstance(value, Enum):
         return f"{type(value).__qualname__}.{value.name}"
@@ -140,7 +137,7 @@ _FORWARD_TALKS: list[Callable[[nn.Module], Optional[str]]] = []
 
 def forward_talks(why: Callable[[nn.Module], Optional[str]]) -> None:
     """Register `why(model)`: how this feature's forward communicates between data ranks, or
-    None where the model does not use it (moe/settings.py, zero/settings.py)."""
+    None where the model does not use it (moe/settings.py, zero/optimizer_checks.py)."""
     _FORWARD_TALKS.append(why)
 
 

@@ -143,8 +143,7 @@ def load_config(config: ConfigLike, **overrides: Any) -> Config:
         raise ConfigError(f"config must be a path to a .py file, a dict or a Config, not "
                           f"{type(config).__name__}")
     for key, value in overrides.items():
-        # a flag for one entry of a nested dict, e.g. parallel.pipeline
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping):  # a flag for one nested entry, e.g. parallel.pipeline
             value = {**cfg.get(key, {}), **{k: v for k, v in value.items() if v is not None}}
         if value is not None:
             cfg[key] = value

@@ -152,7 +152,6 @@ def check_world(cfg: Mapping, world_size: int) -> None:
 
 
 ZERO_KEYS = ("level", "reduce_bucket_size_mb", "overlap_communication", "offload")
-OFFLOAD = ("cpu",)  # where zero.offload may put the masters and the optimizer state (offload.py)
 
 
 def zero_settings(cfg: Mapping) -> tuple[dict, dict, list[str]]:
@@ -186,8 +185,8 @@ def check_zero(cfg: Mapping) -> None:
         raise ConfigError(f"zero.reduce_bucket_size_mb must be a positive number, got {size!r}")
     if not isinstance(zero.get("overlap_communication", True), bool):
         raise ConfigError("zero.overlap_communication must be True or False")
-    offload = zero.get("offload")
-    if offload is not None and offload not in OFFLOAD:
+    offload = zero.get("offload")  # where the masters and optimizer state live (offload.py)
+    if offload not in (None, "cpu"):
         raise ConfigError(f"zero.offload={offload!r}: only 'cpu' is built here (fp32 masters and "
                           f"optimizer state in CPU memory, the step on the CPU); use "
                           f"offload='cpu', or remove offload to keep them on the model's device")
@@ -250,7 +249,7 @@ def check_gradient_handler_config(cfg: Mapping) -> None:
                           f"overlapped DDP)")
 
 
-ATTENTION = ("ring", "all_to_all")  # parallel.tensor's attention=: how a rank meets the others
+SEQUENCE_ATTENTION = ("ring", "all_to_all")  # parallel.tensor attention=: how ranks meet
 
 
 def check_sequence_config(cfg: Mapping) -> None:
@@ -261,7 +260,7 @@ def check_sequence_config(cfg: Mapping) -> None:
     if not isinstance(tensor, Mapping):
         return
     kind, n, heads = tensor.get("attention", "ring"), tensor.get("size", 1), cfg.get("HEADS")
-    if kind not in ATTENTION:
+    if kind not in SEQUENCE_ATTENTION:
         raise ConfigError(f"parallel.tensor attention={kind!r} is not a kind of sequence-parallel "
                           f"attention; use 'ring' (the default) or 'all_to_all' (Ulysses)")
     if kind == "all_to_all" and isinstance(heads, int) and heads % n:
@@ -314,12 +313,10 @@ def check_moe(cfg: Mapping) -> None:
     if why:
         raise ConfigError(f"parallel.moe (expert parallelism x{ep}) does not combine with {why}; "
                           f"remove one of them")
-    if "NUM_EXPERTS" in cfg:
-        E = cfg["NUM_EXPERTS"]
-        if E % ep and ep % E:
-            raise ConfigError(f"NUM_EXPERTS={E} does not fit parallel.moe size {ep}: one must "
-                              f"divide the other (E/EP experts per rank, or each expert on EP/E "
-                              f"ranks)")
+    E = cfg.get("NUM_EXPERTS")
+    if E is not None and E % ep and ep % E:
+        raise ConfigError(f"NUM_EXPERTS={E} does not fit parallel.moe size {ep}: one must divide "
+                          f"the other (E/EP experts per rank, or each expert on EP/E ranks)")
 
 
 def check_fp16_config(cfg: Mapping[str, Any]) -> None:
@@ -362,13 +359,10 @@ def check_fp16(fp16: Mapping[str, Any]) -> None:
                           f"masters, 'O1' or 'O3' without, and leave master_weights out")
 
 
-MODES = ("full", "selective")
-
-
 def check_activation_checkpoint(cfg: Mapping) -> None:
     """ACTIVATION_CHECKPOINT: 'full', 'selective', a positive integer N, or None (off)."""
     mode = cfg.get("ACTIVATION_CHECKPOINT")
-    if not (mode is None or mode in MODES or is_positive_int(mode)):
+    if not (mode in (None, "full", "selective") or is_positive_int(mode)):
         raise ConfigError(f"ACTIVATION_CHECKPOINT={mode!r}: use 'full' (recompute each block), "
                           f"'selective' (recompute attention's softmax(q k^T) v), an integer N "
                           f"(every N-th block in full) or leave it out")

@@ -30,4 +30,5 @@ def lazy(package: str, where: dict[str, list[str]]) -> tuple:
         return value
 
     module.__class__ = Package
+    vars(module).setdefault("__all__", sorted(home))  # (a package that lists none of its own)
     return __getattr__, lambda: sorted({*vars(module), *home, *vars(module).get("__all__", ())})

@@ -85,8 +85,7 @@ class Trainer:
 
     def resume(self, path: PathLike, lr_scheduler: Any = None) -> bool:
         """Load a checkpoint into the engine (and scheduler) and continue where it was taken, in
-        the middle of an epoch if need be (checkpoint/progress.py). False if there is no file
-        yet."""
+        the middle of an epoch if need be (checkpoint/progress.py). False if no file is there."""
         return self.progress.resume(path, self.engine.model, self.engine.optimizer, lr_scheduler)
 
     # -- loops -----------------------------------------------------------------------------

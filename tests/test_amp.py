@@ -1078,9 +1078,9 @@ def test_deep_fp16_trainer_skips_lr_hook_and_resume_match_one_process(accumulati
 
 @pytest.mark.timeout(240)
 def test_deep_fp16_zero_v01_optimizer_config_scaler_keys_match_one_process_fp16_keys():
-    """Colossal-AI v0.1's spelling puts the scaler in zero.optimizer_config (zero/settings.py):
-    it must act exactly as the same keys in fp16=dict(...) act on one process (here with
-    hysteresis=2 and an overflow at step 1, then a second one at step 3)."""
+    """Colossal-AI v0.1's spelling puts the scaler in zero.optimizer_config (config_checks.py's
+    zero_settings): it must act exactly as the same keys in fp16=dict(...) act on one process
+    (here with hysteresis=2 and an overflow at step 1, then a second one at step 3)."""
     fp16 = SCALER_MODES["O1 hyst2"]
     ref = _scaler_reference("mlp", "O1 hyst2", {}, 5, 1)
     plain = {k: v for k, v in fp16.items() if k in ("mode", "dtype")}

@@ -43,14 +43,12 @@ class AmpState:
             self._masters_from_model()
 
     def follow_loads(self, model: nn.Module) -> None:
-        """model.load_state_dict after this: the masters take its weights at the next step."""
         model.register_load_state_dict_post_hook(self._model_loaded)
 
     def _model_loaded(self, module: nn.Module, incompatible: Any) -> None:
         self._loaded = True
 
     def _masters_from_model(self) -> None:
-        """The loaded weights become the masters."""
         with torch.no_grad():
             for model_param, master in self._master_pairs:
                 master.copy_(model_param.detach())

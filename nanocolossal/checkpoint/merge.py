@@ -46,8 +46,7 @@ def complete_zero_state(state: dict, file: PathLike, trusted: bool = False) -> d
         return state
     files = [zero_path(file, r) for r in range(saved["zero_files"])]
     parts = [read_file(f, "cpu", trusted) for f in files]
-    check_one_save([describe_save(state, file)] +
-                   [describe_save(part, f) for part, f in zip(parts, files)])
+    check_one_save([describe_save(s, f) for s, f in zip([state, *parts], [file, *files])])
     state = {**state, "optimizer": assemble(saved, parts)}
     if saved.get("param_names"):  # level 3: in the model's key order
         params = assemble_params(saved, parts)

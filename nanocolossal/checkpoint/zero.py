@@ -16,8 +16,7 @@ it that way -- no rank ever holds the whole optimizer state to save it:
     load   the merged plain state (saved by any data size, or by one process's optimizer) ->
            each rank keeps state[index][k].flatten()[lo:hi] of its segments (`load_state_dict`)
 
-So a checkpoint loads into any data size (2 -> 1, 1 -> 4, 4 -> 2); a rank reads only the files
-that overlap its shard (below), the plain route merges them all. `state_dict()` (collective)
+So a checkpoint loads into any data size (2 -> 1, 1 -> 4, 4 -> 2). `state_dict()` (collective)
 gathers the segments in memory. Per-parameter scalars (`step`) are the same in every segment:
 kept once. Under O2 (zero/mixed.py) it is one process's O2 layout, "masters" one whole fp32
 tensor per half parameter in its order, so either resumes from the other's file.
@@ -322,8 +321,7 @@ def read_my_segments(state: dict, file: Path, opt: Any, trusted: bool = False) -
     mine = _Mine([(s.index, s.lo, s.hi) for b in opt.buffers for s in b.segments])
     files = [zero_path(file, q) for q in files_to_read(listed, mine)]
     parts = [read_file(f, "cpu", trusted) for f in files]
-    check_one_save([describe_save(state, file)] + [describe_save(p, f)
-                                                  for p, f in zip(parts, files)])
+    check_one_save([describe_save(s, f) for s, f in zip([state, *parts], [file, *files])])
     return {**state, "optimizer": my_state(mine, saved, parts, files)}
 
 

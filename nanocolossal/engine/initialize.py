@@ -47,6 +47,7 @@ from .. import cpu_half as probe
 from ..amp_settings import amp_settings
 from ..checkpoint.zero3_state_dict import FullStateDict
 from ..config import AMP_TYPE, ConfigError
+from ..config_checks import zero_settings
 from ..context import gpc
 from ..ddp import BroadcastBuffers, DdpSync, DistributedDataParallel
 from ..extensions import Extension, training_loader
@@ -66,7 +67,6 @@ from ..syncbn import convert_sync_batchnorm
 from ..tensor.layers_2d import SplitLabels, tensor_batch_shares
 from ..zero import MixedShardedOptimizer, Offload, ShardedOptimizer, ShardKeepingDDP
 from ..zero.mixed import MixedParamShardedOptimizer
-from ..zero.settings import zero_settings
 from ..zero.sharded_model import HELD, ShardedModel, plan_units, release
 from ..zero.sharded_params import ParamShardedOptimizer
 from ..zero.tied import sum_sharded_tied_gradients
@@ -282,12 +282,9 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
     if cfg.get("zero") is not None:
         optimizer, zero = apply_zero(model, optimizer)
         notes.append(zero)
-    moe = None  # the experts' gradient handler, in DDP's place
-    aux_weight = 0.0
-    layers = moe_layers(model)
-    if layers:
-        moe, aux_weight, moe_did = apply_moe(model, optimizer, layers)
-        notes.append(moe_did)
+    layers = moe_layers(model)  # moe: the experts' gradient handler, in DDP's place
+    moe, aux_weight, moe_did = apply_moe(model, optimizer, layers) if layers else (None, 0.0, None)
+    notes.append(moe_did)
     chunks = list(model) if pipelined and isinstance(model, nn.ModuleList) else [model]
     synchronising: list[Extension] = []
     if isinstance(optimizer, ShardedOptimizer) and optimizer.level >= 2:
@@ -326,7 +323,5 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
 def sum_tied_weights(tied: list, optimizer: PlainOptimizer) -> Extension:
     """The tied weights' sums (a GPT's embedding and classifier); under ZeRO level 2-3 from the
     ranks' segments (zero/tied.py)."""
-    summing = None
-    if isinstance(optimizer, ShardedOptimizer) and optimizer.level >= 2:
-        summing = partial(sum_sharded_tied_gradients, optimizer)
-    return TiedGradients(tied, summing)
+    sharded = isinstance(optimizer, ShardedOptimizer) and optimizer.level >= 2
+    return TiedGradients(tied, partial(sum_sharded_tied_gradients, optimizer) if sharded else None)

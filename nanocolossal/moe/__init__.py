@@ -17,8 +17,3 @@ __getattr__, __dir__ = lazy(__name__, {  # imported when first used: capacity.py
               "allreduce_moe_gradients", "build_moe_groups", "split_parameters"],
     "layer": ["MoeLayer", "moe_aux_loss", "moe_layers"],
     "router": ["Router", "Routing", "assign_slots"]})
-
-__all__ = ["ExpertMLP", "LocalExperts", "MoeGradientHandler", "MoeGroups", "MoeLayer", "Placement",
-           "Router", "Routing", "allreduce_expert_gradients", "allreduce_moe_gradients",
-           "assign_slots", "build_moe_groups", "expert_capacity", "expert_parameters",
-           "load_balancing_loss", "moe_aux_loss", "moe_layers", "split_parameters"]

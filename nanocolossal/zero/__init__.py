@@ -4,13 +4,14 @@ by zero=dict(level=1|2|3, ...) and applied by `nc.initialize` (engine/initialize
 Level 1 shards the optimizer state (optimizer.py), level 2 also the gradients (gradients.py),
 level 3 also the parameters (sharded_model.py, sharded_params.py; its rules:
 sharded_model_checks.py). mixed.py: O2's fp32 masters of my shard; offload.py: them in CPU memory;
-comm.py: the collectives; settings.py: the config. Checkpoints: checkpoint/zero.py.
+comm.py: the collectives. The config: config_checks.py. Checkpoints: checkpoint/zero.py.
 """
+from ..config_checks import ZERO_KEYS, zero_settings
 from .gradients import ShardKeepingDDP
 from .mixed import MixedShardedOptimizer
 from .offload import Offload
 from .optimizer import FlatBuffer, Segment, ShardedOptimizer
-from .settings import ELEMENTWISE, ZERO_KEYS, zero_settings
+from .optimizer_checks import ELEMENTWISE
 from .sharded_model import ShardedModel, plan_units
 from .sharded_params import ParamShardedOptimizer, ShardedFlatBuffer
 

@@ -13,8 +13,12 @@ from torch import nn
 
 from ..checks import forward_talks
 from ..config import ConfigError
+from ..config_checks import zero_settings
 from ..context import gpc
-from .settings import ELEMENTWISE, zero_settings
+
+# optimizers whose update of an element depends only on that element's gradient and state
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
+               torch.optim.Adagrad)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, mixed: Any, model: nn.Module) -> None:
