@@ -46,8 +46,10 @@ labels over (GroupsAhead), counted at the group's first loss: one all-reduce per
 micro-step i's gradient weighs W_i * G * k / W for a group of k (backward's 1 / N undone, but
 for k / N: an epoch's short last group weighs k / N of its mean, as without counts). A loop of
 your own over that loader needs only to close an epoch's short last group (engine.close_group()
-before its last batch); over another loader each micro-step weighs 1 / N, as Accelerate does
-unless told the group's count.
+before its last batch; a stream without a length: the Trainer, which reads one batch ahead); over
+another loader each micro-step weighs 1 / N, as Accelerate does unless told the group's count.
+The group's losses must count the targets read for it (one iterator, labels not changed after
+the loader): compared on the device, refused when the next group is read.
 
 Evaluation communicates nothing (ranks may run different numbers of batches): each rank's loss
 is its batch's own mean -- a pipeline's micro-batches weigh W_m / W within the batch.
@@ -183,10 +185,14 @@ class CountedTargets(Extension):
     counts targets; it weighs engine.criterion's loss and the pipeline's micro-batches. In a
     counted group the gradient weighs by the group's count, and the value stays the micro-step's,
     for logging (x + (y - y.detach()) is x, with y's gradient). engine.criterion weighs nothing in
-    evaluation (an all-reduce would wait for a partner)."""
+    evaluation, the model in eval mode or gradients off (an all-reduce would wait for a partner):
+    to train with BatchNorm's statistics frozen, put those modules in eval mode, not the model."""
 
     group: Optional[list] = None  # the labels of the accumulation group read last (GroupsAhead)
     total: Optional[torch.Tensor] = None  # its W, counted at its first weighed loss
+    read: Any = 0  # this rank's part of W, as read, and as its losses then counted it
+    seen: Any = 0
+    differs: Optional[torch.Tensor] = None  # the two differed (on the device, read when due)
 
     def __init__(self, criterion: Any, modules: Sequence[Any]) -> None:
         self.criterion = criterion
@@ -208,13 +214,17 @@ class CountedTargets(Extension):
             return step
         k = len(self.group)
         group = weigh(loss, piece_weights(count, self.spans, self._counted())[0] * k, count[0])
+        self.seen = self.seen + count[0]
         return step.detach() + (group - group.detach())
 
     def _counted(self) -> torch.Tensor:
         """W of the group, over its micro-steps and data ranks, counted when it is trained."""
         if self.total is None:
-            labels = [y.to(gpc.device, non_blocking=True) for y in self.group]
-            self.total = total_count(target_counts(self.criterion, labels))
+            counts = target_counts(self.criterion, [y.to(gpc.device, non_blocking=True)
+                                                    for y in self.group])
+            self.read = counts.sum()
+            self.seen = 0
+            self.total = total_count(counts)
         return self.total
 
     def train_loader(self, loader: Any) -> Any:
@@ -224,11 +234,13 @@ class CountedTargets(Extension):
 
     def read_group(self, labels: Optional[list]) -> None:
         """GroupsAhead: the labels of the group whose first batch comes next (or None)."""
-        check_group_ended(self.group is not None and self.total is not None)
+        check_group_ended(self.group is not None and self.total is not None, self.differs)
         self.group = labels
-        self.total = None
+        self.total = self.differs = None
 
     def end_group(self) -> None:
+        if self.total is not None:  # its losses counted what was read (no host read here)
+            self.differs = (self.seen - self.read).abs() > 1e-9 * self.read.abs()
         self.group = None  # the next group is counted when read; another loader weighs 1 / N
 
     def weigh_micro_batches(self, criterion: Any, labels: list,

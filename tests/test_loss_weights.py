@@ -225,7 +225,8 @@ def _accum_worker(rank, world_size, port, config, how, expected):
     """`how`: 'trainer' (Trainer.fit over this rank's batches, a loader initialize never saw: the
     Trainer has the extension read it a group ahead), 'loop' (a loop of one's own over the loader
     nc.initialize returned, closing the epoch's short last group), 'ahead' (such a loop reading
-    the loader one batch ahead, as a prefetcher would) or 'open' (one that leaves the short last
+    the loader one batch ahead, as a prefetcher would), 'group-ahead' (a whole group ahead, two
+    epochs), 'relabel' (labels ignored after the loader) or 'open' (one that leaves the short last
     group open and begins a second epoch)."""
     nc.launch(config, rank=rank, world_size=world_size, host="127.0.0.1", port=port, timeout=60)
     model = _gpt()
@@ -244,13 +245,17 @@ def _accum_worker(rank, world_size, port, config, how, expected):
         return _diffs(engine, expected), [trainer.states["metrics"]["train"]["loss"]]
     losses = []
     try:
-        for epoch in range(2 if how == "open" else 1):
+        for epoch in range(2 if how in ("open", "group-ahead") else 1):
             read = iter(loader)
             ahead = next(read) if how == "ahead" else None
+            if how == "group-ahead":  # the epoch read first: the next group before this one trains
+                read = iter([*read])
             for i in range(len(loader)):
                 batch = ahead if how == "ahead" else next(read)
                 if how == "ahead" and i + 1 < len(loader):
                     ahead = next(read)  # the next batch read before this one is trained
+                if how == "relabel":
+                    batch = (batch[0], batch[1].clone().index_fill_(-1, torch.tensor([0]), -100))
                 if i == len(loader) - 1 and how != "open":
                     engine.close_group()  # every epoch ends with a step
                 engine.zero_grad()
@@ -296,6 +301,16 @@ def test_deep_a_loader_read_into_the_next_group_while_one_is_open_is_a_clear_err
                              timeout=60):
         assert "[rank " in message and "engine's group was still open" in message and \
             "engine.close_group() before its last batch" in message, message
+
+
+@pytest.mark.parametrize("how", ["group-ahead", "relabel"])
+def test_deep_a_group_trained_on_other_targets_than_were_read_is_a_clear_error(how):
+    """Read a whole group ahead (before the open one's first loss), or labels changed after the
+    loader: the group's losses count other targets than were read for it, and it weighed by the
+    wrong count -- refused when the next group is read (the counts compared on the device)."""
+    for message in run_ranks(_accum_worker, 2, {"gradient_accumulation": 2}, how, None,
+                             timeout=60):
+        assert "[rank " in message and "weighed by the targets read ahead" in message, message
 
 
 # -- evaluating a pipeline: each batch's loss is its mean over counted targets -------------------

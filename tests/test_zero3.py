@@ -114,6 +114,9 @@ def _worker(rank, world_size, port, accum=1, clip=0.0, bf16=False, overlap=True)
     assert_close(gathered, single.state_dict(), **tol)
     assert_close(gathered["never.weight"], Net().never.weight, rtol=0, atol=0)  # never used
     assert _freed(engine.model)  # state_dict freed what it gathered
+    with pytest.raises(RuntimeError, match=r"\[rank \d\] zero level 3: a part of the model's"):
+        engine.model.a.state_dict()  # alone: the freed shards' placeholders, not the values
+    assert engine.model.a.state_dict(keep_vars=True).keys() == {"weight", "bias"}  # shapes
     return norms, single_norms
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..zero.sharded_model import ShardedModel
+from ..zero.sharded_model_checks import refuse_part_state_dict
 from ..zero.sharded_params import ShardedFlatBuffer
 
 
@@ -33,18 +34,23 @@ class FullStateDict:
         self.group = optimizer.group
         named = model.named_parameters(remove_duplicate=False)  # (a tied weight: each name)
         self.param_keys = {n for n, p in named if p in optimizer.segments_of}
+        self.whole = False  # inside the model's state_dict (a part's alone is refused)
         # (a partial: torch marks the hook with an attribute, which a bound method refuses)
         sharded.handles += [
             model.register_state_dict_pre_hook(self._before_state_dict),
             model.register_state_dict_post_hook(partial(FullStateDict._after_state_dict, self)),
             model.register_load_state_dict_pre_hook(self._before_load),
             model.register_load_state_dict_post_hook(self._after_load)]
+        sharded.handles += [part.register_state_dict_pre_hook(
+            lambda part, prefix, keep_vars: refuse_part_state_dict(self.whole, keep_vars))
+            for part in model.modules() if part is not model]
 
     def gather_all(self) -> None:
         for b in self.buffers:
             b.gather(self.group)
 
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self.whole = True
         if not keep_vars:
             self.gather_all()
 
@@ -55,6 +61,7 @@ class FullStateDict:
                 state[key] = value.clone()
         for b in self.buffers:
             b.free()
+        self.whole = False
 
     def _before_load(self, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
         # whole values if it loads parameters (zero.py's segments come through the optimizer)

@@ -188,3 +188,14 @@ def refuse_late_gradients(model: nn.Module, unit_of: dict[int, int]) -> None:
                            f"anything that reads parameters (a penalty over model.parameters()) "
                            f"inside the model's forward, and checkpoint a unit that runs more "
                            f"than once per forward with use_reentrant=False")
+
+
+def refuse_part_state_dict(whole: bool, keep_vars: bool) -> None:
+    """A submodule's state_dict alone (not inside the model's): its freed parameters are NaN
+    placeholders; only the model's state_dict gathers the units (checkpoint/zero3_state_dict.py)."""
+    if not whole and not keep_vars:
+        raise RuntimeError(
+            f"[rank {gpc.rank}] zero level 3: a part of the model's state_dict() holds its freed "
+            f"shards' placeholders, not the values; call engine.model.state_dict() (whole, on "
+            f"every rank) and take the part's keys from it")
+
