@@ -48,6 +48,7 @@ BEYOND_THE_TABLE = {  # world, config: what the table's rows (SGD, even shards) 
     "moe ep2 x 1f1b (a stage without experts)": (4, {**tc.MOE, **tc.PIPE,
                                                      "parallel": {**tc.PIPE2, **tc.EP2}}),
     "moe ep2 x data4 x handler": (4, {**tc.MOE, "parallel": tc.EP2, **tc.HANDLER_CFG}),
+    "3d x 1f1b (16 ranks)": (16, {"parallel": {**tc.PIPE2, **tc.T3D}, **tc.PIPE}),
 }
 
 
@@ -55,7 +56,8 @@ BEYOND_THE_TABLE = {  # world, config: what the table's rows (SGD, even shards) 
 def test_gloo_plan_beyond_the_table_equals_live_tensors(row):
     """AdamW (its states in the stepped tensor's dtype, a step counter per segment a ZeRO rank
     steps), a data size that does not divide the flat buffers (the last shard short), MoE's
-    clipping (a sum over the expert group only where a stage holds split experts)."""
+    clipping (a sum over the expert group only where a stage holds split experts), the cube's
+    pipeline boundary (a rank sends its B S D / q^3 block)."""
     world, config = BEYOND_THE_TABLE[row]
     config = {**config, "clip_grad_norm": tc.CLIP}
     problems = plan_problems(world, config, run_ranks(gpt_worker, world, config, timeout=120))
