@@ -207,9 +207,8 @@ class MixedPrecisionOptimizer(AmpState, PlainOptimizer):
                         split_over: Optional[SplitOver] = None) -> torch.Tensor:
         """PlainOptimizer's, after unscaling; the norm is inf where a gradient overflowed, and
         then nothing is clipped (the step is skipped with its gradients as they are)."""
-        skip = self.overflow_flag()[0] > 0
         return clip_grad_norm_(list(self.params()), max_norm, self.holders, group, split_over,
-                               skip)
+                               self.overflow_flag()[0] > 0)
 
     # -- what ZeRO, MoE and the logs read -------------------------------------------------------
     @property

@@ -78,8 +78,7 @@ def group_norm(model_squares: torch.Tensor, split_squares: torch.Tensor,
                split_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """The global norm from this rank's two sums of weighted squares: the split parameters' over
     `split_group` first (a stage's experts count once, in its sum), then all over `model_group`."""
-    total = model_squares + summed(split_squares, split_group)
-    return summed(total, model_group).sqrt()
+    return summed(model_squares + summed(split_squares, split_group), model_group).sqrt()
 
 
 def global_norm(params: list[nn.Parameter], holders: Callable[[nn.Parameter], int],

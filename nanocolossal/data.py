@@ -83,7 +83,6 @@ class DistributedSampler(Sampler[int]):
         # pad by repeating from the start (as often as needed for tiny sets)
         if self.total_size > n:
             indices += (indices * math.ceil((self.total_size - n) / n))[: self.total_size - n]
-        indices = indices[: self.total_size]
         return iter(indices[self.rank: self.total_size: self.num_replicas])
 
     def __len__(self) -> int:

@@ -47,8 +47,7 @@ def pick(logits: torch.Tensor, generator: torch.Generator, top_k: int = 10,
 
 
 @torch.no_grad()
-def next_token(engine: Engine, window: torch.Tensor, batch: int,
-               generator: torch.Generator) -> int:
+def next_token(engine: Engine, window: torch.Tensor, batch: int, generator: torch.Generator) -> int:
     ids = window.unsqueeze(0).repeat(batch * tensor_batch_shares(), 1)  # a copy per batch share
     if gpc.sequence_size > 1:  # my tokens
         ids = split_batch(ids, gpc.sequence_size, gpc.sequence_rank, even_shares())

@@ -180,9 +180,8 @@ class ThroughputHook(BaseHook):
 
     def after_train_epoch(self, trainer) -> None:
         elapsed = time.perf_counter() - self._start
-        per_rank = all_reduce_mean(float(self._samples))
-        throughput = per_rank * gpc.data_size / max(elapsed, 1e-9)
-        trainer.states["metrics"]["train"]["throughput"] = throughput
+        samples = all_reduce_mean(float(self._samples)) * gpc.data_size  # over all data ranks
+        trainer.states["metrics"]["train"]["throughput"] = samples / max(elapsed, 1e-9)
 
 
 def _format(metrics: dict) -> str:

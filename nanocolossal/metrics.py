@@ -34,8 +34,7 @@ def _reduce_group(group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
     if not gpc.is_initialized:
         return None
     if group is None:
-        split_model = gpc.pipeline_size > 1 or gpc.tensor_size > 1
-        group = dist.group.WORLD if split_model else gpc.data_group
+        group = dist.group.WORLD if gpc.pipeline_size > 1 or gpc.tensor_size > 1 else gpc.data_group
     return group if dist.get_world_size(group) > 1 else None
 
 

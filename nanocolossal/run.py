@@ -187,8 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for cmd in commands:
             print(shlex.join(cmd))
         return 0
-    local = [sys.executable, "-m", "torch.distributed.run"]
-    if len(commands) == 1 and commands[0][:3] == local:
+    if len(commands) == 1 and commands[0][:3] == [sys.executable, "-m", "torch.distributed.run"]:
         return run_here(commands[0][3:])
     return run_commands(commands)
 

@@ -37,8 +37,7 @@ def check_sample_lengths(loader: Any) -> None:
             and len(dataset) > 0):
         return
     # a sample's tensors of 1 or more dims are the batch's of 2 or more: split along dim 1
-    map_tensors(lambda t: check_length(len(t), gpc.sequence_size) if t.dim() else None,
-                dataset[0])
+    map_tensors(lambda t: check_length(len(t), gpc.sequence_size) if t.dim() else None, dataset[0])
 
 
 def check_sequence_model(model: nn.Module) -> None:

@@ -51,8 +51,7 @@ def naive_statistics(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> tup
     docstring's all-reduce and formula, exact in real numbers (cancelling in fp32)."""
     C = x.shape[1]
     dims = [0, *range(2, x.dim())]  # every dimension but the channels'
-    n = x.new_full((1,), x.numel() // C)
-    stats = torch.cat([x.sum(dims), x.square().sum(dims), n])
+    stats = torch.cat([x.sum(dims), x.square().sum(dims), x.new_full((1,), x.numel() // C)])
     dist.all_reduce(stats, group=group)
     total = stats[-1]
     mean = stats[:C] / total

@@ -63,8 +63,7 @@ def load_optimizer_state(file: PathLike, trusted: bool = False) -> Any:
 
 def _load_all(paths: list[PathLike], trusted: bool) -> list[dict]:
     """Read a save's files (CPU) and check they all come from that one save."""
-    states = [complete_zero_state(read_file(path, "cpu", trusted), path, trusted)
-              for path in paths]
+    states = [complete_zero_state(read_file(path, "cpu", trusted), path, trusted) for path in paths]
     check_one_save([describe_save(state, path) for state, path in zip(states, paths)])
     return states
 

@@ -16,8 +16,7 @@ def check_criterion(criterion: Any) -> None:
 
 def check_outside_backward(engine: Any) -> None:
     """engine.step() with gradients but no engine.backward since the last step does nothing."""
-    params = [*engine.model.parameters(), *engine.optimizer.params()]
-    if any(p.grad is not None for p in params):
+    if any(p.grad is not None for p in [*engine.model.parameters(), *engine.optimizer.params()]):
         raise RuntimeError(f"[rank {gpc.rank}] engine.step() found gradients but no "
                            f"engine.backward(loss) since the last step: a second step() for one "
                            f"backward, or a loss.backward() past the engine (call "

@@ -90,9 +90,7 @@ def _new_group(ranks: list[int], world: int) -> Group:
     """A group of one is None (nothing to exchange); all ranks is the default group."""
     if len(ranks) == 1:
         return None
-    if len(ranks) == world:
-        return dist.group.WORLD
-    return dist.new_group(ranks)
+    return dist.group.WORLD if len(ranks) == world else dist.new_group(ranks)
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -102,8 +100,7 @@ def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
     return ([p for p in params if id(p) not in experts], [p for p in params if id(p) in experts])
 
 
-def allreduce_expert_gradients(model: nn.Module, expert_data_group: Group,
-                               data_size: int) -> None:
+def allreduce_expert_gradients(model: nn.Module, expert_data_group: Group, data_size: int) -> None:
     """Expert gradients: sum over the ranks holding the same expert, divided by D."""
     sum_gradients(split_parameters(model)[1], expert_data_group, data_size)
 

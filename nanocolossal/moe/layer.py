@@ -101,6 +101,4 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor:
     a model, or a pipeline stage, without MoE layers)."""
     layers = moe_layers(model)
     check_forward_ran(layers)
-    if not layers:
-        return torch.zeros(())
-    return torch.stack([m.aux_loss for m in layers]).sum()
+    return torch.stack([m.aux_loss for m in layers]).sum() if layers else torch.zeros(())

@@ -11,8 +11,7 @@ from ..context import gpc
 ATTENTION = ("fused", "explicit")  # how the core softmax(q k^T / sqrt(d)) v is computed
 
 
-def check_attention(dim: int, heads: int, dropout: float, attention: str,
-                    all_to_all: bool) -> None:
+def check_attention(dim: int, heads: int, dropout: float, attention: str, all_to_all: bool) -> None:
     if attention not in ATTENTION:
         raise ValueError(f"[rank {gpc.rank}] attention={attention!r}: use one of "
                          f"{', '.join(map(repr, ATTENTION))}")

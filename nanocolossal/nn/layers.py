@@ -129,8 +129,7 @@ def Linear(in_features: int, out_features: int, bias: bool = True,
     if gpc.tensor_mode == "3d":
         check_3d_side(parallel, _state["next_is_row"])
         return layers_3d.Linear3D(in_features, out_features, bias, alternate(parallel))
-    side = alternate(parallel)
-    layer = layers_1d.RowLinear1D if side == "row" else layers_1d.ColumnLinear1D
+    layer = layers_1d.RowLinear1D if alternate(parallel) == "row" else layers_1d.ColumnLinear1D
     return layer(in_features, out_features, bias)
 
 

@@ -74,8 +74,7 @@ class Attention(nn.Module):
         if self.all_to_all:  # every rank's tokens, for my heads, by this module's attention
             out = ulysses_attention(q, k, v, gpc.sequence_group, attend=self.attend)
         elif gpc.sequence_size > 1:  # my queries meet every rank's keys around the ring
-            out = ring_attention(q, k, v, gpc.sequence_group, self.causal,
-                                 attention=self.attention)
+            out = ring_attention(q, k, v, gpc.sequence_group, self.causal, attention=self.attention)
         elif self.recompute:  # keep q, k, v; the s x s part is recomputed in backward
             out = checkpoint(self.attend, q, k, v)
         else:
@@ -134,9 +133,8 @@ class Block(nn.Module):
         self.attn.recompute = self.recompute == "selective"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute == "full":  # keep x; the rest is recomputed in backward
-            return checkpoint(self.compute, x)
-        return self.compute(x)
+        # recompute "full": keep x; the rest is recomputed in backward
+        return checkpoint(self.compute, x) if self.recompute == "full" else self.compute(x)
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))

@@ -107,9 +107,7 @@ def warmup_count(schedule: str, P: int, M: int, V: int, rank: int) -> int:
     if schedule in ("1f1b", "zero_bubble"):
         return min(P - rank - 1, M)
     # Megatron: with one group of micro-batches interleaving degenerates to all-forward-first
-    if M == P:
-        return M * V
-    return min((P - rank - 1) * 2 + (V - 1) * P, M * V)
+    return M * V if M == P else min((P - rank - 1) * 2 + (V - 1) * P, M * V)
 
 
 def _rounds(schedule: str, P: int, M: int, V: int, rank: int,

@@ -55,9 +55,7 @@ class PlanError(ValueError):
 
 def virtual_stage(chunk: int, rank: int, P: int, v_shape: bool = False) -> int:
     """Which of the P * V model parts chunk `chunk` of pipeline rank `rank` is (see above)."""
-    if v_shape and chunk % 2:
-        return (chunk + 1) * P - 1 - rank
-    return chunk * P + rank
+    return (chunk + 1) * P - 1 - rank if v_shape and chunk % 2 else chunk * P + rank
 
 
 def stage_rank(v: int, P: int, v_shape: bool = False) -> int:

@@ -153,7 +153,6 @@ def earliest_starts(orders: list[list[Compute]], P: int, V: int, v_shape: bool,
     rows: list[list] = [[] for _ in range(P)]
     free = [0] * P  # when each rank is next idle
     idx = [0] * P  # each rank's next step
-    last = P * V - 1
     while any(idx[r] < len(orders[r]) for r in range(P)):
         moved = False
         for r in range(P):
@@ -163,7 +162,7 @@ def earliest_starts(orders: list[list[Compute]], P: int, V: int, v_shape: bool,
                 if s.kind == "F":  # a forward needs the previous virtual stage's forward
                     dep = ("F", v - 1, s.mb) if v > 0 else None
                 elif s.kind == "B":  # the next stage's B, or its own forward on the last
-                    dep = ("B", v + 1, s.mb) if v < last else ("F", v, s.mb)
+                    dep = ("B", v + 1, s.mb) if v < P * V - 1 else ("F", v, s.mb)
                 else:  # W needs the output's gradient, which its B received
                     dep = ("B", v, s.mb)
                 if dep is not None and dep not in end:

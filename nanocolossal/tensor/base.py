@@ -135,8 +135,7 @@ class PatchEmbedding(nn.Module):
 def embed_patches(x, weight, bias, cls_token, pos_embed, patch: int) -> torch.Tensor:
     """The patch embedding's math on whatever slice of the embedding dimension the weights hold."""
     x = nn.functional.conv2d(x, weight, bias, stride=patch).flatten(2).transpose(1, 2)  # [B, N, d]
-    cls = cls_token.expand(x.shape[0], -1, -1)
-    return torch.cat([cls, x], dim=1) + pos_embed
+    return torch.cat([cls_token.expand(x.shape[0], -1, -1), x], dim=1) + pos_embed
 
 
 def sharded_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -149,6 +148,5 @@ def sharded_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
         place = gpc.pipeline_rank * gpc.tensor_size + gpc.tensor_rank  # unique per stage x rank
         gen.manual_seed(torch.initial_seed() + 1 + place)
         gpc.dropout_generators[x.device] = gen
-    keep = torch.empty_like(x).bernoulli_(1 - p, generator=gen)
-    return x * keep / (1 - p)
+    return x * torch.empty_like(x).bernoulli_(1 - p, generator=gen) / (1 - p)
 

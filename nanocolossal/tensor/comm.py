@@ -65,8 +65,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    n = _size(group)
-    parts = [part.contiguous() for part in x.chunk(n, dim=dim)]
+    parts = [part.contiguous() for part in x.chunk(_size(group), dim=dim)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
     return out

@@ -46,8 +46,7 @@ def check_divisible(size: int, parts: int, what: str) -> None:
                           f"{gpc.tensor_size}); choose a multiple of {parts}")
 
 
-def check_input_split(x: torch.Tensor, layer: str, in_features: int, parts: int,
-                      over: str) -> None:
+def check_input_split(x: torch.Tensor, layer: str, in_features: int, parts: int, over: str) -> None:
     """A split Linear's input holds in_features / parts of the hidden dimension."""
     if x.shape[-1] * parts != in_features:
         raise ValueError(f"[rank {gpc.rank}] {layer} expects its input's last dimension split "

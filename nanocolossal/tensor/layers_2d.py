@@ -138,9 +138,7 @@ def along_row(full: torch.Tensor, dim: int) -> nn.Parameter:
 def down_column(p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Replicated down the column (in every grid; 3d: over the plane): sum its batch shares'
     gradients. (None, an absent bias, stays None.)"""
-    if p is None:
-        return None
-    return copy_to(p, activation_split().batch_group)
+    return None if p is None else copy_to(p, activation_split().batch_group)
 
 
 class Linear2D(nn.Module):
@@ -234,8 +232,7 @@ class Embedding2D(nn.Module):
         self.padding_idx = padding_idx  # every rank holds every row: torch's meaning as is
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(batch_share(ids), down_column(self.weight),
-                           padding_idx=self.padding_idx)
+        return F.embedding(batch_share(ids), down_column(self.weight), padding_idx=self.padding_idx)
 
 
 class Classifier2D(nn.Module):

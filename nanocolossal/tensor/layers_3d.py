@@ -67,8 +67,7 @@ class Linear3D(nn.Module):
         axis = "z" if self.parallel == "column" else "y"
         check_input_split(x, f"3d Linear({self.in_features}, {self.out_features})",
                           self.in_features, gpc.cube_dim, f"ranks of the cube's {axis} axis")
-        matmul = column_matmul if self.parallel == "column" else row_matmul
-        return matmul(x, self.weight)
+        return (column_matmul if self.parallel == "column" else row_matmul)(x, self.weight)
 
     def bias_slice(self) -> Optional[torch.Tensor]:
         """The bias slice of my output's hidden slice; its gradient summed over the output's

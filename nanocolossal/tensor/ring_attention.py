@@ -322,7 +322,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
         bias = torch.zeros(q.shape[0], 1, q.shape[-2], 1, dtype=dtype, device=q.device)
         bias.masked_fill_(key_padding_mask[:, None, :, None].to(q.device), float("-inf"))
     with torch.autocast(q.device.type, enabled=False):
-        fused = attention == "fused" and has_fused_kernel(q.device.type, dtype)
         out = _RingAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), bias, group, causal,
-                                   fused)
+                                   attention == "fused" and has_fused_kernel(q.device.type, dtype))
     return out.to(q.dtype)

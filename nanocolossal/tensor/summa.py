@@ -102,5 +102,4 @@ def summa_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., in/q] @ w[out/q, in/q]^T on the 2d grid -> [..., out/q]."""
     lead = x.shape[:-1]
     x, w = autocast_operands(x, w)
-    y = _Summa.apply(x.reshape(-1, x.shape[-1]), w)
-    return y.reshape(*lead, w.shape[0])
+    return _Summa.apply(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.shape[0])

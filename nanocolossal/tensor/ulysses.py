@@ -120,11 +120,9 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     sees = keep[:, None, None, :]
     if causal:
-        sees = sees & torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool,
-                                 device=q.device).tril()
+        sees = sees & torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     some = sees.any(-1, keepdim=True)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=sees | ~some)
-    return out.masked_fill(~some, 0.0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=sees | ~some).masked_fill(~some, 0.0)
 
 
 def _check(q, k, v, n: int, key_padding_mask, attend) -> None:

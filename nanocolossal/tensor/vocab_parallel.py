@@ -47,8 +47,7 @@ def look_up_slice(ids: torch.Tensor, table: torch.Tensor, start: int, end: int,
     local_pad = None  # the padding row's index here, if this slice holds it
     if padding_idx is not None and start <= padding_idx % vocab_size < end:
         local_pad = padding_idx % vocab_size - start  # negative counts from the end, as torch's
-    found = F.embedding(local, table, padding_idx=local_pad)
-    return found.masked_fill(outside.unsqueeze(-1), 0.0)
+    return F.embedding(local, table, padding_idx=local_pad).masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 def vocab_range(vocab_size: int) -> tuple[int, int]:

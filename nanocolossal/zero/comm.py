@@ -53,6 +53,5 @@ def reduce_scatter_shard(full: torch.Tensor, group: Optional[dist.ProcessGroup],
             if "support" not in str(e).lower():  # a peer failed: not a missing collective
                 raise
             ALL_REDUCE_INSTEAD.add(backend)
-    work = dist.all_reduce(full, group=group, async_op=async_op)
-    return work, full.chunk(n)[me]
+    return dist.all_reduce(full, group=group, async_op=async_op), full.chunk(n)[me]
 

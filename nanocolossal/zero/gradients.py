@@ -46,8 +46,7 @@ class _TransientBucket(_Bucket):
     def allocate(self) -> None:
         if self.buffer is None:  # gradients, then one "used" flag per parameter
             p = self.params[0]
-            self.buffer = torch.zeros(self.numel + len(self.params), dtype=p.dtype,
-                                      device=p.device)
+            self.buffer = torch.zeros(self.numel + len(self.params), dtype=p.dtype, device=p.device)
 
 
 class ShardKeepingDDP(DistributedDataParallel):

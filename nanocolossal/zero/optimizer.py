@@ -105,8 +105,7 @@ class FlatBuffer:
 def _same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
     """A new optimizer of the same type and settings over `groups`."""
     accepted = inspect.signature(type(optimizer)).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return type(optimizer)(groups, **defaults)
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
 
 class ShardedOptimizer(ShardedState, MixedPrecisionOptimizer):

@@ -139,8 +139,7 @@ class ShardedModel:
         self._next, self._pending, self._queued = 0, [], False  # (_queued: in a backward)
         self.seen: list[_Unit] = []  # prefetch: this forward's units in order, the last one's
         self.previous: list[_Unit] = []
-        # what level 3 installs on the model (the rules', checkpoint/zero3_state_dict.py's):
-        # release removes it
+        # level 3's hooks on the model, with the rules' and zero3_state_dict.py's: release drops all
         self.handles = [model.register_forward_pre_hook(self._root_pre_forward),
                         model.register_forward_hook(self._root_post_forward, always_call=True)]
         optimizer.before_step = self._before_step  # (called first in its step: sharded_params)

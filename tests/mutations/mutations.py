@@ -91,8 +91,8 @@ MUTATIONS: list[dict] = [
              "scaled up to it",
          tests=["tests/test_amp.py", "-k", "clip and not gloo"]),
     dict(id="clip-split-part-not-summed", idea="clip", file="nanocolossal/clip.py",
-         old="total = model_squares + summed(split_squares, split_group)",
-         new="total = model_squares + split_squares",
+         old="summed(model_squares + summed(split_squares, split_group), model_group)",
+         new="summed(model_squares + split_squares, model_group)",
          bug="the squares of parameters split over another group (ZeRO's segments, MoE's "
              "experts) are not summed over it: each rank clips by a different, smaller norm",
          tests=["tests/test_clip.py"]),
@@ -126,8 +126,8 @@ MUTATIONS: list[dict] = [
          tests=["tests/test_metrics.py", "-k", "all_reduce_mean or accuracy_is_exact or "
                 "metrics_work or shape_mismatch"]),
     dict(id="metrics-2d-reduces-over-data", idea="metrics x 2d", file="nanocolossal/metrics.py",
-         old="split_model = gpc.pipeline_size > 1 or gpc.tensor_size > 1",
-         new="split_model = gpc.pipeline_size > 1",
+         old="WORLD if gpc.pipeline_size > 1 or gpc.tensor_size > 1 else",
+         new="WORLD if gpc.pipeline_size > 1 else",
          bug="with tensor parallelism Accuracy reduces over the data group only: under 2d a grid "
              "row's block of the batch is all that is counted",
          tests=["tests/test_composition.py", "-k", "tensor_x_data_parallel"]),
@@ -173,20 +173,28 @@ MUTATIONS: list[dict] = [
          tests=["tests/test_loss_weights.py", "-k", "over_micro_steps_as_one_process"]),
     dict(id="loss-weights-group-read-while-open", idea="loss weights x accumulation",
          file="nanocolossal/loss_weights.py",
-         old="        check_group_ended(self.group is not None and self.total is not None)\n",
-         new="        check_group_ended(False)\n",
+         old="        check_group_ended(self.group is not None and self.total is not None, "
+             "self.differs)\n",
+         new="        check_group_ended(False, self.differs)\n",
          bug="a loader read one batch ahead (or past an unclosed short group) replaces the open "
              "group's labels without a word: its last batches weigh by the next group's count",
          tests=["tests/test_loss_weights.py", "-k", "next_group_while_one_is_open"]),
     dict(id="loss-weights-counted-when-read", idea="loss weights x evaluation",
          file="nanocolossal/loss_weights.py",
-         old="        self.group = labels\n        self.total = None\n",
-         new="        self.group = labels\n        self.total = None\n"
+         old="        self.group = labels\n        self.total = self.differs = None\n",
+         new="        self.group = labels\n        self.total = self.differs = None\n"
              "        if labels is not None:\n            self._counted()\n"
              "            self.total = None\n",
          bug="a group's targets are all-reduced when the loader reads it, not at its first "
              "weighed loss: evaluating on the training loader waits for a partner",
          tests=["tests/test_loss_weights.py", "-k", "reads_groups_ahead_all_reduces_nothing"]),
+    dict(id="loss-weights-read-targets-unchecked", idea="loss weights x accumulation",
+         file="nanocolossal/loss_weights.py",
+         old="        self.seen = self.seen + count[0]\n",
+         new="        self.seen = self.seen + self.read / k\n",
+         bug="a group's losses are never compared with the targets read for it: a prefetcher a "
+             "whole group ahead weighs every group by the next one's count, silently",
+         tests=["tests/test_loss_weights.py", "-k", "other_targets_than_were_read"]),
     dict(id="initialize-loader-not-read-ahead", idea="loss weights x accumulation",
          file="nanocolossal/engine/initialize.py",
          old="        train_dataloader = training_loader(extensions, train_dataloader)\n",
@@ -265,8 +273,8 @@ MUTATIONS: list[dict] = [
          tests=["tests/test_tensor_model.py", "tests/test_tensor_layers.py", "-k",
                 "2d_grid or summa or layers_equal_the_plain"]),
     dict(id="layernorm-2d-wrong-group", idea="tensor 2d", file="nanocolossal/tensor/layers_2d.py",
-         old="    return copy_to(p, activation_split().batch_group)",
-         new="    return copy_to(p, activation_split().hidden_group)",
+         old="copy_to(p, activation_split().batch_group)",
+         new="copy_to(p, activation_split().hidden_group)",
          bug="a hidden-dimension vector (bias, LayerNorm) replicated down the column sums its "
              "gradient over the row group instead",
          tests=["tests/test_tensor_model.py", "tests/test_tensor_layers.py", "-k",
