@@ -298,7 +298,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
     extensions = [*extend_loss(model, front, criterion, optimizer, aux_weight), *synchronising]
     if tied:  # a weight stages share steps with the sum of its gradients
         extensions.append(sum_tied_weights(tied, optimizer))
-    if tensor_batch_shares() > 1:  # 2d, 2.5d, 3d: the engine returns this rank's share's labels
+    if gpc.tensor_mode in ("2d", "2.5d", "3d") and tensor_batch_shares() > 1:
+        # the engine returns this rank's share's labels
         extensions.append(SplitLabels(criterion))
     clip = cfg.get("clip_grad_norm", 0.0)
     accumulation = cfg.get("gradient_accumulation", 1)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import accumulate
 from typing import Optional, Union
 
 from .model import Tensor
@@ -147,8 +148,8 @@ def _grouped(ts: tuple[Tensor, ...], by_unit: bool, amp: Optional[str], half: in
 def _in_shard(sizes: tuple[int, ...], N: int, r: int) -> int:
     """How many of a flat buffer's tensors overlap its shard r: ZeRO steps a segment of each."""
     s = math.ceil(sum(sizes) / N)
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return sum(1 for at, n in zip(starts, sizes) if n and at < (r + 1) * s and at + n > r * s)
+    ends = accumulate(sizes)
+    return sum(1 for end, n in zip(ends, sizes) if n and end - n < (r + 1) * s and end > r * s)
 
 
 def model_states(ts: list[Tensor], lay: Layout, data_rank: int = 0) -> dict:
